@@ -1,0 +1,9 @@
+"""jaxpar: data, tensor and pipeline parallelism for JAX as pure functions."""
+
+from jaxpar import pipeline as pipeline
+from jaxpar.mesh import make_mesh as make_mesh
+from jaxpar.mesh import simulate_cpu_devices as simulate_cpu_devices
+from jaxpar.train_state import StepStats as StepStats
+from jaxpar.train_state import TrainState as TrainState
+
+__version__ = '0.1.0'

@@ -1,0 +1,98 @@
+"""Device meshes with jaxpar's three named axes: ``('data', 'stage', 'tensor')``.
+
+Every jaxpar function takes its axis name as a keyword with these defaults, so
+one mesh serves data, pipeline and tensor parallelism at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+AXES = ('data', 'stage', 'tensor')
+
+
+def simulate_cpu_devices(n: int) -> None:
+  """Makes the CPU backend expose ``n`` devices (call before any JAX operation).
+
+  Args:
+    n: number of simulated CPU devices, ``n >= 1``.
+
+  Raises:
+    ValueError: if ``n < 1``.
+    RuntimeError: if the backend already started with a different count.
+
+  Example:
+    >>> import jaxpar
+    >>> jaxpar.simulate_cpu_devices(8)   # first cell of a notebook
+  """
+  if not isinstance(n, int) or n < 1:
+    raise ValueError(f'simulate_cpu_devices(n={n!r}): n must be an int >= 1.')
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  if xla_bridge.backends_are_initialized():
+    have = jax.device_count()
+    if have == n and jax.default_backend() == 'cpu':
+      return
+    raise RuntimeError(
+        f'simulate_cpu_devices({n}) was called after JAX started with {have} '
+        f'{jax.default_backend()} device(s). Call it before any JAX operation '
+        '(first line of the script, first cell of the notebook, or '
+        'tests/conftest.py), then restart the process or kernel.')
+  jax.config.update('jax_num_cpu_devices', n)
+
+
+def make_mesh(*, data: int = 1, stage: int = 1, tensor: int = 1,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A mesh of shape ``(data, stage, tensor)`` with all axes ``Explicit``.
+
+  Args:
+    data: size of the data-parallel axis ``'data'``.
+    stage: size of the pipeline axis ``'stage'``.
+    tensor: size of the tensor-parallel axis ``'tensor'``.
+    devices: devices to use, ``len(devices) == data * stage * tensor``;
+      defaults to all of ``jax.devices()``.
+
+  Returns:
+    ``jax.sharding.Mesh`` with axis names ``('data', 'stage', 'tensor')``.
+
+  Example:
+    >>> mesh = jaxpar.make_mesh(data=2, stage=2, tensor=2)   # 8 devices
+    >>> mesh.shape['stage']
+    2
+  """
+  sizes = {'data': data, 'stage': stage, 'tensor': tensor}
+  for name, size in sizes.items():
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+      raise ValueError(f'make_mesh: {name}={size!r} must be an int >= 1.')
+  n = data * stage * tensor
+  if devices is None:
+    have = jax.device_count()
+    if n != have:
+      raise ValueError(
+          f'make_mesh(data={data}, stage={stage}, tensor={tensor}) needs '
+          f'{n} devices but jax.device_count() is {have}. Choose sizes that '
+          f'multiply to {have}, or pass devices=jax.devices()[:{n}].')
+    devices = jax.devices()
+  devices = list(devices)
+  if len(devices) != n:
+    raise ValueError(
+        f'make_mesh(data={data}, stage={stage}, tensor={tensor}) needs {n} '
+        f'devices but got len(devices)={len(devices)}; pass '
+        f'devices=jax.devices()[:{n}].')
+  return Mesh(np.array(devices).reshape(data, stage, tensor), AXES,
+              axis_types=(AxisType.Explicit,) * 3)
+
+
+def axis_size(mesh: Mesh, axis: str) -> int:
+  """Size of ``axis`` in ``mesh``; a ``ValueError`` naming the axes if absent."""
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f'mesh must be a jax.sharding.Mesh (see jaxpar.make_mesh), '
+                    f'got {type(mesh).__name__}.')
+  if axis not in mesh.shape:
+    raise ValueError(
+        f'mesh has no axis {axis!r}; its axes are {tuple(mesh.axis_names)}. '
+        "Build it with jaxpar.make_mesh or pass axis=<one of those names>.")
+  return mesh.shape[axis]
