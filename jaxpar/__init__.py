@@ -1,6 +1,10 @@
 """jaxpar: data, tensor and pipeline parallelism for JAX as pure functions."""
 
+from jaxpar import async_ps as async_ps
 from jaxpar import pipeline as pipeline
+from jaxpar.async_ps import AsyncParameterServer as AsyncParameterServer
+from jaxpar.async_ps import AsyncResult as AsyncResult
+from jaxpar.data_parallel import data_parallel_step as data_parallel_step
 from jaxpar.mesh import make_mesh as make_mesh
 from jaxpar.mesh import simulate_cpu_devices as simulate_cpu_devices
 from jaxpar.train_state import StepStats as StepStats

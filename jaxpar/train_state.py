@@ -61,3 +61,41 @@ class StepStats(NamedTuple):
   grad_norm: jax.Array
   skipped: jax.Array
   aux: PyTree = None
+
+
+def apply_gradients(state: TrainState, grads: PyTree, *, loss: jax.Array,
+                    grad_norm: jax.Array,
+                    optimizer: optax.GradientTransformation,
+                    max_grad_norm: float | None = None
+                    ) -> tuple[TrainState, jax.Array]:
+  """One optimizer update with global-norm clipping and non-finite skipping.
+
+  The one update rule every jaxpar train step shares. ``grad_norm`` is the
+  global L2 norm of ``grads`` over *all* shards, computed by the caller
+  (inside ``shard_map`` each device sees only its shard, so the caller
+  ``psum``s the squared norms over sharded axes first). Clipping then follows
+  ``optax.clip_by_global_norm`` exactly::
+
+    g <- g                          if ||g|| < max_grad_norm
+    g <- g / ||g|| * max_grad_norm  otherwise
+
+  If ``loss`` or ``grad_norm`` is not finite the update is skipped: params,
+  optimizer state and step are returned unchanged.
+
+  Returns:
+    ``(new_state, skipped)`` with ``skipped`` a bool scalar.
+  """
+  if max_grad_norm is not None:
+    grads = jax.tree.map(
+        lambda g: jnp.where(grad_norm < max_grad_norm, g,
+                            g / grad_norm * max_grad_norm).astype(g.dtype),
+        grads)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  keep = lambda new, old: jax.tree.map(
+      lambda n, o: jnp.where(ok, n, o), new, old)
+  new_state = TrainState(state.step + ok.astype(state.step.dtype),
+                         keep(params, state.params),
+                         keep(opt_state, state.opt_state))
+  return new_state, ~ok

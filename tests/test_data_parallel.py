@@ -1,0 +1,282 @@
+"""Data parallelism equals single-device optax training on the global batch."""
+
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxpar
+
+D_IN, D_HID, D_OUT = 5, 7, 3
+
+
+def init_params(seed=0, dtype=jnp.float32):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  return {
+      'hidden': {'w': jax.random.normal(k1, (D_IN, D_HID), dtype),
+                 'b': jnp.zeros(D_HID, dtype)},
+      'out': {'w': jax.random.normal(k2, (D_HID, D_OUT), dtype) / 3,
+              'b': jnp.full(D_OUT, 0.1, dtype)},
+  }
+
+
+def loss_fn(params, batch):
+  h = jnp.tanh(batch['x'] @ params['hidden']['w'] + params['hidden']['b'])
+  y = h @ params['out']['w'] + params['out']['b']
+  return optax.losses.squared_error(y, batch['y']).mean()
+
+
+def loss_with_aux(params, batch):
+  loss = loss_fn(params, batch)
+  return loss, {'loss_x2': 2.0 * loss}
+
+
+def make_batches(num_steps, batch_size, seed=1, dtype=np.float32):
+  rng = np.random.default_rng(seed)
+  return [{'x': rng.normal(size=(batch_size, D_IN)).astype(dtype),
+           'y': rng.normal(size=(batch_size, D_OUT)).astype(dtype)}
+          for _ in range(num_steps)]
+
+
+def reference_run(params, batches, optimizer, max_grad_norm=None):
+  """Plain single-device optax training: the ground truth."""
+  if max_grad_norm is not None:
+    optimizer = optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)
+  opt_state = optimizer.init(params)
+  history = []
+  for batch in batches:
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    history.append((loss, optax.tree.norm(grads), params))
+  return history
+
+
+def parallel_run(step, params, batches, optimizer):
+  state = jaxpar.TrainState.create(params, optimizer)
+  history = []
+  for batch in batches:
+    state, stats = step(state, batch)
+    assert not bool(stats.skipped)
+    history.append((stats.loss, stats.grad_norm, state.params))
+  return state, history
+
+
+def assert_same_history(got, want, rtol):
+  for (loss, norm, params), (ref_loss, ref_norm, ref_params) in zip(got, want):
+    np.testing.assert_allclose(loss, ref_loss, rtol=rtol)
+    np.testing.assert_allclose(norm, ref_norm, rtol=rtol)
+    chex.assert_trees_all_close(params, ref_params, rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize(
+    'backend,num_microbatches,max_grad_norm',
+    list(itertools.product(['shard_map', 'pmap'], [1, 2], [None, 0.5])))
+def test_matches_single_device_float64(x64, backend, num_microbatches,
+                                       max_grad_norm):
+  params = init_params(dtype=jnp.float64)
+  batches = make_batches(4, 32, dtype=np.float64)
+  optimizer = optax.adam(0.05)
+  step = jaxpar.data_parallel_step(
+      loss_fn, optimizer, mesh=jaxpar.make_mesh(data=8), backend=backend,
+      num_microbatches=num_microbatches, max_grad_norm=max_grad_norm)
+  state, got = parallel_run(step, params, batches, optimizer)
+  want = reference_run(params, batches, optimizer, max_grad_norm)
+  assert_same_history(got, want, rtol=1e-10)
+  assert int(state.step) == len(batches)
+  if max_grad_norm is not None:  # the clipping really was exercised
+    assert max(float(n) for _, n, _ in got) > max_grad_norm
+
+
+@pytest.mark.parametrize('sizes', [dict(data=4), dict(data=2, stage=2, tensor=2),
+                                   dict(data=1)])
+def test_any_mesh_shape_float64(x64, sizes):
+  n = sizes.get('data', 1) * sizes.get('stage', 1) * sizes.get('tensor', 1)
+  mesh = jaxpar.make_mesh(**sizes, devices=jax.devices()[:n])
+  params = init_params(dtype=jnp.float64)
+  batches = make_batches(3, 16, dtype=np.float64)
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  step = jaxpar.data_parallel_step(loss_fn, optimizer, mesh=mesh,
+                                   num_microbatches=2, max_grad_norm=0.5)
+  _, got = parallel_run(step, params, batches, optimizer)
+  assert_same_history(got, reference_run(params, batches, optimizer, 0.5),
+                      rtol=1e-10)
+
+
+def test_matches_single_device_float32():
+  params = init_params()
+  batches = make_batches(3, 64)
+  optimizer = optax.adamw(0.01)
+  step = jaxpar.data_parallel_step(loss_fn, optimizer,
+                                   mesh=jaxpar.make_mesh(data=8),
+                                   num_microbatches=4, max_grad_norm=1.0)
+  _, got = parallel_run(step, params, batches, optimizer)
+  assert_same_history(got, reference_run(params, batches, optimizer, 1.0),
+                      rtol=1e-5)
+
+
+@pytest.mark.parametrize('backend', ['shard_map', 'pmap'])
+def test_gradient_is_the_mean_not_n_times_it(x64, backend):
+  """The shard_map pitfall: an implicit psum would make the step N x larger."""
+  params = init_params(dtype=jnp.float64)
+  batch = make_batches(1, 16, dtype=np.float64)[0]
+  step = jaxpar.data_parallel_step(loss_fn, optax.sgd(1.0),
+                                   mesh=jaxpar.make_mesh(data=8),
+                                   backend=backend)
+  state, _ = step(jaxpar.TrainState.create(params, optax.sgd(1.0)), batch)
+  grads = jax.grad(loss_fn)(params, batch)
+  applied = jax.tree.map(jnp.subtract, params, state.params)
+  chex.assert_trees_all_close(applied, grads, rtol=1e-12)
+
+
+def test_aux_is_averaged(x64):
+  params = init_params(dtype=jnp.float64)
+  batch = make_batches(1, 16, dtype=np.float64)[0]
+  step = jaxpar.data_parallel_step(loss_with_aux, optax.sgd(0.1),
+                                   mesh=jaxpar.make_mesh(data=8),
+                                   has_aux=True, num_microbatches=2)
+  _, stats = step(jaxpar.TrainState.create(params, optax.sgd(0.1)), batch)
+  np.testing.assert_allclose(stats.aux['loss_x2'], 2 * loss_fn(params, batch),
+                             rtol=1e-12)
+
+
+def test_accepts_numpy_and_unplaced_arrays_and_compiles_once():
+  traces = []
+
+  def counted_loss(params, batch):
+    traces.append(1)
+    return loss_fn(params, batch)
+
+  optimizer = optax.sgd(0.1)
+  step = jaxpar.data_parallel_step(counted_loss, optimizer,
+                                   mesh=jaxpar.make_mesh(data=8))
+  state = jaxpar.TrainState.create(init_params(), optimizer)
+  for i, batch in enumerate(make_batches(4, 16)):
+    if i % 2:
+      batch = jax.tree.map(jnp.asarray, batch)  # unplaced jax arrays
+    state, _ = step(state, batch)
+  after_first = len(traces)
+  state, _ = step(state, make_batches(1, 16, seed=9)[0])
+  assert len(traces) == after_first  # no retrace on later steps
+  assert int(state.step) == 5
+
+
+def test_microbatching_bounds_activation_memory():
+  """Accumulating over k microbatches keeps one microbatch's activations."""
+  wide, per_device = 256, 2048
+
+  def big_loss(params, batch):
+    h = jnp.tanh(batch['x'] @ params['w1'])   # [b, wide] activations
+    h = jnp.tanh(h @ params['w2'])
+    return (h.sum(-1) ** 2).mean()
+
+  params = {'w1': jnp.ones((D_IN, wide)) / wide,
+            'w2': jnp.ones((wide, wide)) / wide}
+  batch = {'x': np.ones((8 * per_device, D_IN), np.float32)}
+  state = jaxpar.TrainState.create(params, optax.sgd(0.1))
+  temp = {}
+  for k in (1, 8):
+    step = jaxpar.data_parallel_step(big_loss, optax.sgd(0.1),
+                                     mesh=jaxpar.make_mesh(data=8),
+                                     num_microbatches=k)
+    temp[k] = step.lower(state, batch).compile().memory_analysis(
+    ).temp_size_in_bytes
+  activations = per_device * wide * 4  # one device's [b, wide] float32 activation
+  assert temp[1] >= 2 * activations
+  assert temp[8] < temp[1] / 3, temp
+
+
+def test_non_finite_step_is_skipped():
+  optimizer = optax.adam(0.1)
+  step = jaxpar.data_parallel_step(loss_fn, optimizer,
+                                   mesh=jaxpar.make_mesh(data=8))
+  state = jaxpar.TrainState.create(init_params(), optimizer)
+  good, bad = make_batches(2, 16)
+  bad['x'][3, 1] = np.nan
+  new, stats = step(state, bad)
+  assert bool(stats.skipped) and not np.isfinite(stats.loss)
+  chex.assert_trees_all_equal(new, state)
+  new, stats = step(new, good)
+  assert not bool(stats.skipped) and int(new.step) == 1
+  want = reference_run(init_params(), [good], optimizer)[0][2]
+  chex.assert_trees_all_close(new.params, want, rtol=1e-5, atol=1e-6)
+
+
+def test_infinite_gradient_is_skipped():
+  def loss_inf_grad(params, batch):
+    return jnp.sqrt(jnp.abs(params['out']['b'][0] - 0.1)) + loss_fn(params, batch)
+
+  step = jaxpar.data_parallel_step(loss_inf_grad, optax.sgd(0.1),
+                                   mesh=jaxpar.make_mesh(data=8))
+  state = jaxpar.TrainState.create(init_params(), optax.sgd(0.1))
+  new, stats = step(state, make_batches(1, 16)[0])
+  assert np.isfinite(stats.loss) and bool(stats.skipped)
+  chex.assert_trees_all_equal(new.params, state.params)
+
+
+class TestErrors:
+  mesh = None
+
+  def step(self, fn=loss_fn, **kw):
+    kw.setdefault('mesh', jaxpar.make_mesh(data=8))
+    return jaxpar.data_parallel_step(fn, optax.sgd(0.1), **kw)
+
+  def state(self):
+    return jaxpar.TrainState.create(init_params(), optax.sgd(0.1))
+
+  def test_batch_not_divisible(self):
+    step = self.step(num_microbatches=2)
+    with pytest.raises(ValueError, match=r'batch size 24 .* data size 8 x '
+                       r'num_microbatches 2 = 16'):
+      step(self.state(), make_batches(1, 24)[0])
+
+  def test_mesh_without_axis(self):
+    with pytest.raises(ValueError, match="no axis 'batch'.*'data', 'stage', "
+                       "'tensor'"):
+      self.step(axis='batch')
+
+  def test_non_scalar_loss(self):
+    step = self.step(fn=lambda p, b: (b['x'] @ p['hidden']['w']).sum(-1))
+    with pytest.raises(TypeError, match='must return a scalar'):
+      step(self.state(), make_batches(1, 16)[0])
+
+  def test_ragged_batch(self):
+    batch = make_batches(1, 16)[0]
+    batch['y'] = batch['y'][:8]
+    with pytest.raises(ValueError, match=r"different leading.*\['x'\]: 16.*"
+                       r"\['y'\]: 8"):
+      self.step()(self.state(), batch)
+
+  def test_not_an_optax_optimizer(self):
+    with pytest.raises(TypeError, match='optax.GradientTransformation'):
+      jaxpar.data_parallel_step(loss_fn, lambda g: g,
+                                mesh=jaxpar.make_mesh(data=8))
+
+  def test_bad_options(self):
+    with pytest.raises(ValueError, match='num_microbatches=0'):
+      self.step(num_microbatches=0)
+    with pytest.raises(ValueError, match='max_grad_norm=-1'):
+      self.step(max_grad_norm=-1)
+    with pytest.raises(ValueError, match="backend='vmap'"):
+      self.step(backend='vmap')
+    with pytest.raises(ValueError, match='zero_stage=2'):
+      self.step(zero_stage=2)
+
+
+def test_make_mesh_errors_name_both_counts():
+  with pytest.raises(ValueError, match=r'needs 4 devices but jax.device_count\(\) '
+                     r'is 8.*devices=jax.devices\(\)\[:4\]'):
+    jaxpar.make_mesh(data=2, tensor=2)
+  mesh = jaxpar.make_mesh(data=2, stage=2, tensor=2)
+  assert mesh.axis_names == ('data', 'stage', 'tensor')
+  assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+def test_simulate_cpu_devices_after_start():
+  jaxpar.simulate_cpu_devices(8)  # same count: fine
+  with pytest.raises(RuntimeError, match='before any JAX operation'):
+    jaxpar.simulate_cpu_devices(4)
