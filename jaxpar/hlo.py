@@ -1,0 +1,215 @@
+"""Inspect compiled XLA programs: which collectives they run and how many bytes.
+
+Parallel layouts are judged by their communication, so jaxpar's tests and
+benchmarks read it from the optimized HLO that XLA actually runs
+(``jax.jit(f).lower(*args).compile().as_text()``), not from the jaxpr.
+
+What is counted, per device, statically (an op inside a ``while``/``scan`` body
+counts once however often the loop runs):
+
+* the five collective kinds in ``KINDS``: ``all-reduce``, ``all-gather``,
+  ``reduce-scatter``, ``collective-permute`` and ``all-to-all``;
+* one collective is one HLO instruction: a synchronous op (``all-reduce(...)``)
+  or an asynchronous pair (``all-gather-start`` ... ``all-gather-done``) counts
+  once (the ``-start``); a collective wrapped in an ``async-start`` or a fusion
+  counts once, where its body holds it; a combined (variadic) all-reduce of
+  several arrays is one op.
+
+Bytes are those of the whole buffer the collective works on, per device:
+``max(operand bytes, result bytes)``, i.e. the gathered result of an
+all-gather, the un-scattered input of a reduce-scatter, and the (equal) input
+and output of an all-reduce, collective-permute or all-to-all. A ring
+implementation moves about ``(n - 1) / n`` of it per device for all-gather and
+reduce-scatter and twice that for all-reduce, over a group of ``n`` devices.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+import numpy as np
+
+KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'collective-permute',
+         'all-to-all')
+
+# `%name = <shape> opcode(operands), attributes` -- one instruction per line in
+# XLA's printer. The shape may be a tuple `(f32[2]{0}, u32[])`; the opcode is
+# the first lower-case token directly followed by `(`.
+_INSTRUCTION = re.compile(
+    r'^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s*'
+    r'(?<![\w.\-])(?P<op>[a-z][a-z0-9\-]*)\((?P<rest>.*)$')
+_ARRAY_SHAPE = re.compile(r'\b(?P<dtype>[a-z]+\d*(?:e\d+m\d+\w*)?)\[(?P<dims>[\d,]*)\]')
+_DTYPE_BITS = {
+    'pred': 8, 's2': 2, 'u2': 2, 's4': 4, 'u4': 4, 's8': 8, 'u8': 8,
+    's16': 16, 'u16': 16, 'f16': 16, 'bf16': 16, 's32': 32, 'u32': 32,
+    'f32': 32, 's64': 64, 'u64': 64, 'f64': 64, 'c64': 64, 'c128': 128,
+    'token': 0,
+}
+
+
+class Collective(NamedTuple):
+  """One collective op of a compiled program.
+
+  Attributes:
+    kind: one of ``KINDS``, e.g. ``'all-reduce'``.
+    name: the HLO instruction name (of the ``-start`` for asynchronous ops).
+    operand_bytes: bytes of its operands on one device.
+    result_bytes: bytes of its result on one device (of the ``-done`` for
+      asynchronous ops).
+  """
+  kind: str
+  name: str
+  operand_bytes: int
+  result_bytes: int
+
+  @property
+  def bytes(self) -> int:
+    """``max(operand_bytes, result_bytes)``: the whole buffer."""
+    return max(self.operand_bytes, self.result_bytes)
+
+
+def _hlo_text(program: Any) -> str:
+  if isinstance(program, str):
+    return program
+  if hasattr(program, 'compile') and hasattr(program, 'as_text'):
+    raise TypeError(
+        f'got a {type(program).__name__} (lowered, not yet optimized by XLA); '
+        'pass lowered.compile() or its .as_text(), so the collectives counted '
+        'are those XLA actually runs.')
+  if hasattr(program, 'as_text'):
+    text = program.as_text()
+    if isinstance(text, str):
+      return text
+  raise TypeError(
+      'expected a compiled program (jax.jit(f).lower(*args).compile()) or its '
+      f'HLO text (.as_text()), got {type(program).__name__}.')
+
+
+def _shape_bytes(shape: str) -> int:
+  """Bytes of an HLO shape string; tuples are summed."""
+  total_bits = 0
+  for m in _ARRAY_SHAPE.finditer(shape):
+    dtype = m.group('dtype')
+    if dtype.startswith('f8') or dtype.startswith('f4'):
+      bits = int(dtype[1])
+    elif dtype in _DTYPE_BITS:
+      bits = _DTYPE_BITS[dtype]
+    else:
+      continue
+    dims = [int(d) for d in m.group('dims').split(',') if d]
+    total_bits += bits * int(np.prod(dims, dtype=np.int64))
+  return (total_bits + 7) // 8
+
+
+def _operands(rest: str) -> list[str]:
+  """The top-level operand strings of `rest` = text after the opcode's `(`."""
+  depth, start, out = 0, 0, []
+  for i, ch in enumerate(rest):
+    if ch in '([{':
+      depth += 1
+    elif ch in ')]}':
+      if depth == 0:
+        out.append(rest[start:i])
+        return [o.strip() for o in out if o.strip()]
+      depth -= 1
+    elif ch == ',' and depth == 0:
+      out.append(rest[start:i])
+      start = i + 1
+  return [o.strip() for o in out if o.strip()]
+
+
+def collectives(program: Any) -> list[Collective]:
+  """Every collective op of a compiled program, in program-text order.
+
+  Args:
+    program: a ``jax.stages.Compiled`` (``jax.jit(f).lower(*a).compile()``) or
+      its HLO text.
+
+  Returns:
+    list of ``Collective(kind, name, operand_bytes, result_bytes)``, one per
+    op as defined in the module docstring.
+
+  Raises:
+    TypeError: for a ``Lowered`` (not yet compiled) program or other objects.
+
+  Example:
+    >>> compiled = jax.jit(shard_map(f, ...)).lower(x).compile()
+    >>> [c.kind for c in jaxpar.hlo.collectives(compiled)]
+    ['all-reduce']
+  """
+  text = _hlo_text(program)
+  shapes: dict[str, str] = {}
+  instructions = []
+  for line in text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if m is None:
+      continue
+    shapes[m.group('name')] = m.group('shape')
+    instructions.append(m)
+  done_result = {}   # start name -> shape of its -done
+  for m in instructions:
+    if m.group('op').endswith('-done'):
+      operands = _operands(m.group('rest'))
+      if operands:
+        done_result[operands[0].split()[-1].lstrip('%')] = m.group('shape')
+  found = []
+  for m in instructions:
+    op, name = m.group('op'), m.group('name')
+    kind = op[:-len('-start')] if op.endswith('-start') else op
+    if kind not in KINDS:
+      continue
+    operand_bytes = 0
+    for operand in _operands(m.group('rest')):
+      parts = operand.rsplit(None, 1)
+      if len(parts) == 2:   # printed with its shape: `f32[4]{0} %p`
+        operand_bytes += _shape_bytes(parts[0])
+      else:
+        operand_bytes += _shape_bytes(shapes.get(parts[0].lstrip('%'), ''))
+    result = m.group('shape')
+    if op.endswith('-start'):   # the -start's tuple holds operands too
+      result = done_result.get(name, result)
+    found.append(Collective(kind, name, operand_bytes, _shape_bytes(result)))
+  return found
+
+
+def collective_counts(program: Any) -> dict[str, int]:
+  """Number of collective ops of each kind (all of ``KINDS``, zeros included).
+
+  Args:
+    program: a compiled program or its HLO text (see ``collectives``).
+
+  Returns:
+    ``{'all-reduce': n, 'all-gather': n, 'reduce-scatter': n,
+    'collective-permute': n, 'all-to-all': n}``; an async pair or a fused
+    collective counts once, a loop body's ops once.
+
+  Example:
+    >>> jaxpar.hlo.collective_counts(compiled)['all-reduce']
+    1
+  """
+  counts = dict.fromkeys(KINDS, 0)
+  for c in collectives(program):
+    counts[c.kind] += 1
+  return counts
+
+
+def collective_bytes(program: Any) -> dict[str, int]:
+  """Bytes per device of each collective kind, summed over its ops.
+
+  Args:
+    program: a compiled program or its HLO text (see ``collectives``).
+
+  Returns:
+    ``{kind: sum of max(operand_bytes, result_bytes)}`` over ``KINDS`` (zeros
+    included): the whole buffer each op works on, e.g. an all-gather of a
+    ``f32[4]`` shard over 4 devices counts its ``f32[16]`` result, 64 bytes.
+
+  Example:
+    >>> jaxpar.hlo.collective_bytes(compiled)['all-gather']
+    64
+  """
+  total = dict.fromkeys(KINDS, 0)
+  for c in collectives(program):
+    total[c.kind] += c.bytes
+  return total
