@@ -1,0 +1,155 @@
+"""Pictures of a pipeline schedule: a text grid and a matplotlib Gantt chart."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from jaxpar.pipeline import simulate as _simulate
+
+if TYPE_CHECKING:
+  from matplotlib.axes import Axes
+  from matplotlib.figure import Figure
+
+  from jaxpar.pipeline.schedule import Schedule
+
+COLORS = {'F': '#4c72b0', 'B': '#55a868', 'I': '#dd8452', 'W': '#8172b3'}
+UNIT_COSTS = {'F': 1, 'B': 1, 'I': 1, 'W': 1}
+
+
+def format_grid(rows: Sequence[Sequence[str]],
+                marks: Iterable[tuple[int, int]] = (),
+                column: str = 'step') -> str:
+  """Rank x column text grid; cells ``(rank, col)`` in ``marks`` get ``[ ]``.
+
+  Example:
+    >>> print(format_grid([['0F0', '0B0'], ['', '1F0']], marks=[(1, 1)]))
+    step      0     1
+    rank 0   0F0   0B0
+    rank 1       [1F0]
+  """
+  marks = set(marks)
+  ncol = max((len(row) for row in rows), default=0)
+  cells = [[(f'[{c}]' if (r, t) in marks else c) for t, c in enumerate(row)]
+           + [''] * (ncol - len(row)) for r, row in enumerate(rows)]
+  width = max([len(str(ncol - 1))] + [len(c) for row in cells for c in row])
+  label = max(len(column), len(f'rank {len(rows) - 1}'))
+  lines = [f'{column:<{label}} ' + ' '.join(
+      f'{t:>{width}}' for t in range(ncol))]
+  for r, row in enumerate(cells):
+    lines.append(f'{f"rank {r}":<{label}} ' + ' '.join(
+        f'{c:>{width}}' for c in row))
+  return '\n'.join(line.rstrip() for line in lines)
+
+
+def render(schedule: Schedule, costs: Mapping[str, int] | None = None, *,
+           timed: bool = True) -> str:
+  """The schedule as a text grid, one row per rank.
+
+  Args:
+    schedule: the schedule.
+    costs: integer time per kind for the timed grid; default one time step
+      per action. An action lasting ``k`` steps shows its label then ``k-1``
+      ``~`` cells.
+    timed: ``True``: columns are time steps of ``simulate(costs)``, so the
+      bubbles show as blank cells. ``False``: columns are positions in each
+      rank's action list (as written; ``None`` slots blank), which also works
+      for invalid schedules.
+
+  Returns:
+    The grid as a string, e.g. for ``one_f_one_b(2, 2)``::
+
+      t        0   1   2   3   4   5
+      rank 0 0F0 0F1       0B0     0B1
+      rank 1     1F0 1B0 1F1 1B1
+  """
+  if not timed:
+    header = (f'{schedule.name}: p={schedule.num_ranks}, stages='
+              f'{schedule.num_stages}, m={schedule.num_microbatches}, '
+              'actions in rank order')
+    return header + '\n' + format_grid(
+        [['' if a is None else str(a) for a in row]
+         for row in schedule.actions])
+  duration = _simulate.check_costs(costs, UNIT_COSTS)
+  for kind, cost in duration.items():
+    if cost != int(cost) or cost < 1:
+      raise ValueError(f'render(costs={dict(costs)!r}): costs[{kind!r}]='
+                       f'{cost} must be a whole number of steps >= 1 for the '
+                       'text grid; use plot() for other costs.')
+  result = _simulate.simulate(schedule, duration)
+  rows = [[''] * int(result.makespan) for _ in range(schedule.num_ranks)]
+  for rank, row in enumerate(schedule.actions):
+    for a in row:
+      if a is not None:
+        t0, t1 = int(result.start[a]), int(result.end[a])
+        rows[rank][t0:t1] = [str(a)] + ['~'] * (t1 - t0 - 1)
+  return (f'{schedule.name}: p={schedule.num_ranks}, m='
+          f'{schedule.num_microbatches}, bubble '
+          f'{result.bubble_fraction:.1%}\n' + format_grid(rows, column='t'))
+
+
+def plot(schedule: Schedule, ax: Axes | None = None,
+         costs: Mapping[str, float] | None = None,
+         comm: float = 0.0) -> Figure:
+  """Gantt chart of ``simulate(costs, comm)``: ranks as rows, time on x.
+
+  Boxes are coloured by kind (F blue, B green, I orange, W purple), labelled
+  with the microbatch; when a rank holds several stages, later stages are
+  drawn lighter. The title gives the name, ``p``, ``m`` and bubble fraction.
+
+  Args:
+    schedule: the schedule.
+    ax: matplotlib axes to draw into; default a new ``Figure`` (not
+      registered with pyplot, so it does not leak or show twice).
+    costs: time per kind, as in ``simulate``.
+    comm: communication latency, as in ``simulate``.
+
+  Returns:
+    The ``Figure`` holding the chart.
+
+  Example:
+    >>> fig = one_f_one_b(4, 8).plot(costs={'F': 1, 'B': 2})
+    >>> fig.savefig('1f1b.png')
+  """
+  try:
+    from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+    from matplotlib.patches import Patch  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError('Schedule.plot needs matplotlib: pip install '
+                      "matplotlib (or jaxpar's [dev] extra).") from e
+  result = _simulate.simulate(schedule, costs, comm)
+  if ax is None:
+    fig = Figure(figsize=(min(4 + 0.25 * result.makespan, 18),
+                          1 + 0.45 * schedule.num_ranks))
+    ax = fig.add_subplot()
+  else:
+    fig = ax.figure
+  local = {}  # stage -> index among the stages of its rank
+  for rank in range(schedule.num_ranks):
+    mine = [s for s, r in enumerate(schedule.placement) if r == rank]
+    local.update({s: j for j, s in enumerate(mine)})
+  for rank, row in enumerate(schedule.actions):
+    for a in row:
+      if a is None:
+        continue
+      t0, t1 = result.start[a], result.end[a]
+      if t1 <= t0:
+        continue
+      ax.broken_barh([(t0, t1 - t0)], (rank - 0.4, 0.8),
+                     facecolors=COLORS[a.kind], edgecolor='white',
+                     alpha=1.0 / (1 + 0.6 * local[a.stage]))
+      ax.text((t0 + t1) / 2, rank, str(a.microbatch), ha='center',
+              va='center', fontsize=7, color='white')
+  kinds = sorted({a.kind for row in schedule.actions for a in row if a},
+                 key='FBIW'.index)
+  ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in kinds],
+            loc='upper left', bbox_to_anchor=(1.0, 1.0), fontsize=8)
+  ax.set_yticks(range(schedule.num_ranks),
+                [f'rank {r}' for r in range(schedule.num_ranks)])
+  ax.set_ylim(schedule.num_ranks - 0.5, -0.5)
+  ax.set_xlim(0, result.makespan)
+  ax.set_xlabel('time')
+  ax.set_title(f'{schedule.name}: p={schedule.num_ranks}, '
+               f'm={schedule.num_microbatches}, bubble '
+               f'{result.bubble_fraction:.1%}')
+  return fig
