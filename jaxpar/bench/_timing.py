@@ -1,0 +1,33 @@
+"""Timing and compiled-program helpers shared by the benchmark modules."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+
+
+def median_seconds(fn: Callable, *args, repeats: int = 5, warmup: int = 1) -> float:
+  """Median wall time of ``jax.block_until_ready(fn(*args))`` after warm-up."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def compile_stats(jitted, *args) -> dict:
+  """Compile ``jitted`` for ``args``: seconds and ``memory_analysis`` bytes."""
+  start = time.perf_counter()
+  compiled = jitted.lower(*args).compile()
+  seconds = time.perf_counter() - start
+  mem = compiled.memory_analysis()
+  return {'compile_s': seconds,
+          'temp_bytes': int(mem.temp_size_in_bytes),
+          'argument_bytes': int(mem.argument_size_in_bytes),
+          'output_bytes': int(mem.output_size_in_bytes)}
