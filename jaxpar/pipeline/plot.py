@@ -57,11 +57,14 @@ def render(schedule: Schedule, costs: Mapping[str, int] | None = None, *,
       for invalid schedules.
 
   Returns:
-    The grid as a string, e.g. for ``one_f_one_b(2, 2)``::
+    The grid as a string.
 
-      t        0   1   2   3   4   5
-      rank 0 0F0 0F1       0B0     0B1
-      rank 1     1F0 1B0 1F1 1B1
+  Example:
+    >>> print(render(one_f_one_b(2, 2)))
+    1F1B: p=2, m=2, steps F=1 B=1 I=1 W=1, bubble 33.3%
+    t        0   1   2   3   4   5
+    rank 0 0F0 0F1     0B0     0B1
+    rank 1     1F0 1B0 1F1 1B1
   """
   if not timed:
     header = (f'{schedule.name}: p={schedule.num_ranks}, stages='
@@ -83,8 +86,9 @@ def render(schedule: Schedule, costs: Mapping[str, int] | None = None, *,
       if a is not None:
         t0, t1 = int(result.start[a]), int(result.end[a])
         rows[rank][t0:t1] = [str(a)] + ['~'] * (t1 - t0 - 1)
+  used = ' '.join(f'{k}={int(c)}' for k, c in duration.items())
   return (f'{schedule.name}: p={schedule.num_ranks}, m='
-          f'{schedule.num_microbatches}, bubble '
+          f'{schedule.num_microbatches}, steps {used}, bubble '
           f'{result.bubble_fraction:.1%}\n' + format_grid(rows, column='t'))
 
 

@@ -20,6 +20,7 @@ implied by the dependencies).
 
 from __future__ import annotations
 
+import collections
 import csv
 import dataclasses
 import os
@@ -315,7 +316,11 @@ class Schedule:
     """Writes PyTorch's compute-only CSV: one row per rank, empty = idle.
 
     Example:
-      >>> one_f_one_b(2, 2).to_csv('1f1b.csv')   # 0F0,0F1,0B0,0B1 / 1F0,...
+      >>> one_f_one_b(2, 2).to_csv('1f1b.csv')
+      >>> print(open('1f1b.csv').read())
+      0F0,0F1,0B0,0B1
+      1F0,1B0,1F1,1B1
+      <BLANKLINE>
     """
     with open(path, 'w', newline='') as f:
       writer = csv.writer(f)
@@ -344,6 +349,11 @@ class Schedule:
     Raises:
       ValueError: for a cell that is not a compute action (with its rank and
         column), or a ``ScheduleError`` for an invalid schedule.
+
+    Example:
+      >>> one_f_one_b(2, 2).to_csv('1f1b.csv')
+      >>> Schedule.from_csv('1f1b.csv', name='1F1B') == one_f_one_b(2, 2)
+      True
     """
     with open(path, newline='') as f:
       rows = list(csv.reader(f))
@@ -462,9 +472,10 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int,
   microbatches (forwards chunk 0 -> v-1, backwards v-1 -> 0), starting with
   ``min((v-1)p + 2(p-1-r), v m)`` warm-up forwards, then alternating one
   forward and one backward. With every chunk costing ``F = B = 1`` the bubble
-  fraction approaches ``(p-1)/(v m + p-1)``, ``v`` times less bubble time than
-  1F1B on the same model; each rank stashes up to ``(v-1)p + 2(p-r) - 1``
-  chunk activations.
+  fraction is ``(p-1)/(v m + p-1)``, ``v`` times less bubble time than
+  1F1B on the same model (exact in simulation for ``F = B`` and for the
+  default ``B = 2F``); rank ``r`` stashes ``min((v-1)p + 2(p-r) - 1, v m)``
+  chunk activations at peak.
 
   Args:
     num_ranks: ``p >= 1``.
@@ -495,38 +506,49 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int,
         f'{call}: num_microbatches must be a multiple of num_ranks={p} '
         f'(microbatches go round the ranks in groups of {p}); nearest valid '
         f'choice: {nearest}.')
-  rows = []
-  for r in range(p):
-    warmup = min((v - 1) * p + 2 * (p - 1 - r), v * m)
-    chunk_ops = v * m  # forwards (and backwards) per rank
-    fwd_stage = lambda op, r=r: (op // p) % v * p + r
-    bwd_stage = lambda op, r=r, w=warmup: (v - 1 - (op - w) // p % v) * p + r
-    next_mb = {'F': [0] * (v * p), 'B': [0] * (v * p)}
-
-    def act(kind, stage, next_mb=next_mb):
-      next_mb[kind][stage] += 1
-      return Action(stage, kind, next_mb[kind][stage] - 1)
-
-    row = [act('F', fwd_stage(op)) for op in range(warmup)]
-    for op in range(warmup, chunk_ops):
-      row += [act('F', fwd_stage(op)), act('B', bwd_stage(op))]
-    row += [act('B', bwd_stage(op)) for op in range(chunk_ops, chunk_ops + warmup)]
-    rows.append(tuple(row))
-  return Schedule(p, v * p, m, tuple(k % p for k in range(v * p)), tuple(rows),
+  rows = tuple(_interleaved_row(r, p, m, v) for r in range(p))
+  return Schedule(p, v * p, m, tuple(k % p for k in range(v * p)), rows,
                   f'Interleaved 1F1B (v={v})').validate()
+
+
+def _interleaved_row(r: int, p: int, m: int, v: int) -> tuple[Action, ...]:
+  """Rank ``r`` of interleaved 1F1B (PyTorch's ``_get_1f1b_rank_ops``)."""
+  warmup = min((v - 1) * p + 2 * (p - 1 - r), v * m)
+  count = collections.Counter()
+
+  def act(kind: str, op: int) -> Action:
+    # Op ``op`` of a kind works on chunk ``op // p % v``: rounds of p
+    # microbatches per chunk; backwards count from the end of the warm-up and
+    # walk the chunks in reverse.
+    if kind == 'F':
+      chunk = op // p % v
+    else:
+      chunk = v - 1 - (op - warmup) // p % v
+    stage = chunk * p + r
+    count[kind, stage] += 1
+    return Action(stage, kind, count[kind, stage] - 1)
+
+  row = [act('F', op) for op in range(warmup)]
+  for op in range(warmup, v * m):
+    row += [act('F', op), act('B', op)]
+  row += [act('B', op) for op in range(v * m, v * m + warmup)]
+  return tuple(row)
 
 
 def zero_bubble_h1(num_ranks: int, num_microbatches: int) -> Schedule:
   """ZB-H1 (Qi et al. 2024): 1F1B with the backward split into ``I`` and ``W``.
 
-  PyTorch's ``ScheduleInterleavedZeroBubble`` order with one stage per rank:
+  PyTorch's ``ScheduleInterleavedZeroBubble`` order with one stage per rank
+  (PyTorch pads it with idle slots and needs ``m`` divisible by its number of
+  rounds; here any ``m >= 1`` works):
   rank ``r`` runs ``w = min(p-r-1, m)`` warm-up forwards, then pairs
   ``F, I``; after its ``k``-th input gradient ``I(k)`` it runs the weight
   gradient ``W(k-r)`` (when ``k >= r``), and the ``r`` postponed ``W`` fill
   the cool-down where 1F1B idles. Activation stash as 1F1B (``min(p-r, m)``
-  freed at ``I``); rank ``r`` holds up to ``r+1`` pending weight gradients.
-  With ``F = I = W = 1`` the bubble fraction is ``(p-1)/(3m+p-1)``, about a
-  third of 1F1B's ``(p-1)/(m+p-1)`` for ``m >> p``.
+  freed at ``I``); rank ``r`` holds up to ``min(r+1, m)`` pending weight
+  gradients. For ``m >= p`` and ``F = I = W = 1`` the bubble fraction is
+  ``(p-1)/(3m+p-1)``: at most half of 1F1B's ``(p-1)/(m+p-1)`` (with
+  ``B = I + W = 2``), and about a third for ``m >> p``.
 
   Args:
     num_ranks: ``p >= 1``.
@@ -565,8 +587,11 @@ def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
   activation turns around on rank ``p-1`` without communication. Backwards are
   split into ``I``/``W``; ``W`` fills the gaps. PyTorch builds the order for
   ``max(m, 2p-1)`` microbatches and drops the extra ones, which is what this
-  does too, so any ``m >= 1`` works. The bubble is smallest when
-  ``F = I = W`` and ``m >= 2p``.
+  does too, so any ``m >= 1`` works (no other constraint: every ``p, m``
+  validates). For ``m >= 2p-1`` and ``F = I = W = 1`` the bubble fraction is
+  ``(p-1)/(6m+p-1)`` (each rank is busy ``6m``, idle ``p-1``) and every rank
+  stashes ``2p`` chunk activations, i.e. ``p`` full-stage ones, as 1F1B's
+  rank 0.
 
   Args:
     num_ranks: ``p >= 1``.
@@ -582,43 +607,41 @@ def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
   """
   _check_sizes('zbv', num_ranks=num_ranks, num_microbatches=num_microbatches)
   p, m = num_ranks, num_microbatches
-  n = max(2 * p - 1, m)
-  rows = []
-  for r in range(p):
-    c0, c1 = r, 2 * p - 1 - r  # this rank's stages on the way down and up
-    count = {(c, k): 0 for c in (c0, c1) for k in 'FIW'}
-    row = []
+  rows = tuple(_zbv_row(r, p, m) for r in range(p))
+  placement = tuple(k if k < p else 2 * p - 1 - k for k in range(2 * p))
+  return Schedule(p, 2 * p, m, placement, rows, 'ZB-V').validate()
 
-    def act(stage, kind, row=row, count=count):
+
+def _zbv_row(r: int, p: int, m: int) -> tuple[Action, ...]:
+  """Rank ``r`` of ZB-V (PyTorch's ``ScheduleZBVZeroBubble``)."""
+  n = max(2 * p - 1, m)  # built for n microbatches, those >= m dropped
+  down, up = r, 2 * p - 1 - r  # this rank's stages on the way down and up
+  count = collections.Counter()
+  row = []
+
+  def act(stage: int, *kinds: str):
+    for kind in kinds:
       row.append(Action(stage, kind, count[stage, kind]))
       count[stage, kind] += 1
 
-    for _ in range(2 * (p - r) - 1):  # warm-up
-      act(c0, 'F')
-    for _ in range(r):
-      act(c1, 'F')
-      act(c0, 'F')
-    for _ in range(p - r):
-      act(c1, 'F')
-      act(c1, 'I')
-      act(c1, 'W')
-    while count[c1, 'F'] < count[c0, 'F'] or count[c0, 'F'] < n:  # steady
-      if count[c0, 'F'] < n:
-        act(c0, 'F')
-      act(c0, 'I')
-      act(c0, 'W')
-      act(c1, 'F')
-      act(c1, 'I')
-      act(c1, 'W')
-    for _ in range(r):  # cool-down
-      act(c0, 'I')
-      act(c1, 'I')
-    for _ in range(p - r):
-      act(c0, 'I')
-      act(c0, 'W')
-    for c in (c1, c0):
-      while count[c, 'W'] < count[c, 'I']:
-        act(c, 'W')
-    rows.append(tuple(a for a in row if a.microbatch < m))
-  placement = tuple(k if k < p else 2 * p - 1 - k for k in range(2 * p))
-  return Schedule(p, 2 * p, m, placement, tuple(rows), 'ZB-V').validate()
+  for _ in range(2 * (p - r) - 1):  # warm-up
+    act(down, 'F')
+  for _ in range(r):
+    act(up, 'F')
+    act(down, 'F')
+  for _ in range(p - r):
+    act(up, 'F', 'I', 'W')
+  while count[up, 'F'] < count[down, 'F'] or count[down, 'F'] < n:  # steady
+    if count[down, 'F'] < n:
+      act(down, 'F')
+    act(down, 'I', 'W')
+    act(up, 'F', 'I', 'W')
+  for _ in range(r):  # cool-down
+    act(down, 'I')
+    act(up, 'I')
+  for _ in range(p - r):
+    act(down, 'I', 'W')
+  for stage in (up, down):
+    while count[stage, 'W'] < count[stage, 'I']:
+      act(stage, 'W')
+  return tuple(a for a in row if a.microbatch < m)
