@@ -1,0 +1,286 @@
+"""Asynchronous parameter server: simulator vs hand-rolled stale SGD, threaded
+runtime vs simulator replay, bounded staleness, convergence, faults, errors."""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxpar
+from jaxpar import async_ps
+
+FEATURES = 4
+W_TRUE = np.linspace(-1.0, 2.0, FEATURES)
+
+
+def loss_fn(params, batch):
+  pred = batch['x'] @ params['w'] + params['b']
+  return jnp.mean((pred - batch['y']) ** 2)
+
+
+def make_batches(n, *, rows=8, seed=0, dtype=np.float64):
+  """n least-squares batches, y = x @ W_TRUE + 0.5 exactly (no noise)."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    x = rng.normal(size=(rows, FEATURES))
+    out.append({'x': x.astype(dtype), 'y': (x @ W_TRUE + 0.5).astype(dtype)})
+  return out
+
+
+def init_params(dtype=jnp.float64):
+  return {'w': jnp.zeros(FEATURES, dtype), 'b': jnp.zeros((), dtype)}
+
+
+def stale_reference(optimizer, params, batches, staleness):
+  """Plain Python, no jit: update i uses the gradient at version i - s[i]."""
+  versions = [params]
+  opt_state = optimizer.init(params)
+  losses = []
+  for i, (s, batch) in enumerate(zip(staleness, batches)):
+    loss, grads = jax.value_and_grad(loss_fn)(versions[i - s], batch)
+    updates, opt_state = optimizer.update(grads, opt_state, versions[i])
+    versions.append(optax.apply_updates(versions[i], updates))
+    losses.append(loss)
+  return versions[-1], np.asarray(losses)
+
+
+def sequential(optimizer, params, batches):
+  """Plain sequential optax training (no staleness at all)."""
+  opt_state = optimizer.init(params)
+  for batch in batches:
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+def assert_trees_close(actual, expected, rtol):
+  jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=rtol,
+                                                       atol=rtol),
+               actual, expected)
+
+
+def run_guarded(fn, timeout=60.0):
+  """Calls fn() in a thread; fails (instead of hanging) if it deadlocks."""
+  out = {}
+  x64 = jax.enable_x64.value  # config contexts are thread-local
+
+  def target():
+    try:
+      with jax.enable_x64(x64):
+        out['value'] = fn()
+    except BaseException as e:  # pylint: disable=broad-except
+      out['error'] = e
+  t = threading.Thread(target=target, daemon=True)
+  t.start()
+  t.join(timeout)
+  assert not t.is_alive(), f'run did not return within {timeout} s (deadlock)'
+  if 'error' in out:
+    raise out['error']
+  return out['value']
+
+
+def worker_threads():
+  return [t for t in threading.enumerate()
+          if t.name.startswith('jaxpar-async-ps-worker')]
+
+
+def test_simulate_matches_stale_reference(x64):
+  n = 12
+  batches = make_batches(n)
+  opt = optax.adam(0.1)
+  rng = np.random.default_rng(1)
+  patterns = {
+      'zero': np.zeros(n, int),
+      'constant3': np.minimum(3, np.arange(n)),
+      'cyclic': np.minimum(np.arange(n) % 4, np.arange(n)),
+      'random': np.minimum(rng.integers(0, 5, n), np.arange(n)),
+  }
+  seq = sequential(opt, init_params(), batches)
+  for name, staleness in patterns.items():
+    res = async_ps.simulate(loss_fn, opt, init_params(), batches,
+                            staleness=staleness)
+    ref_params, ref_losses = stale_reference(opt, init_params(), batches,
+                                             staleness)
+    assert_trees_close(res.params, ref_params, 1e-10)
+    np.testing.assert_allclose(res.losses, ref_losses, rtol=1e-10)
+    np.testing.assert_array_equal(res.staleness, staleness)
+    assert res.params['w'].dtype == jnp.float64, name
+    # Staleness must matter, or the comparison above proves nothing.
+    moved = np.abs(np.asarray(res.params['w'] - seq['w'])).max()
+    assert (moved < 1e-12) if name == 'zero' else (moved > 1e-6), (name, moved)
+
+
+def test_zero_staleness_is_sequential_training(x64):
+  batches = make_batches(24)
+  opt = optax.adam(0.05)
+  sim = async_ps.simulate(loss_fn, opt, init_params(), batches,
+                          staleness=np.zeros(24, int))
+  assert_trees_close(sim.params, sequential(opt, init_params(), batches), 1e-10)
+
+  ps = jaxpar.AsyncParameterServer(loss_fn, opt, init_params(),
+                                   num_workers=8, max_staleness=0)
+  res = run_guarded(lambda: ps.run(iter(batches), 24))
+  np.testing.assert_array_equal(res.staleness, 0)
+  np.testing.assert_array_equal(np.sort(res.batch_ids), np.arange(24))
+  ordered = [batches[j] for j in res.batch_ids]
+  assert_trees_close(res.params, sequential(opt, init_params(), ordered), 1e-10)
+
+
+SLEPT = threading.Event()
+
+
+def slow_on_flag(batch):
+  """Sleeps 0.5 s the first time a batch with batch['slow'] set is computed."""
+  def sleep(flag):
+    if flag and not SLEPT.is_set():
+      SLEPT.set()
+      time.sleep(0.5)
+    return np.zeros((), flag.dtype)
+  return jax.pure_callback(sleep, jax.ShapeDtypeStruct((), batch['slow'].dtype),
+                           batch['slow'])
+
+
+def straggler_loss(params, batch):
+  return loss_fn(params, batch) + 0.0 * slow_on_flag(batch)
+
+
+def flag_slow(batches, slow=None):
+  for i, batch in enumerate(batches):
+    batch['slow'] = np.int32(i == slow)
+  return batches
+
+
+def test_threaded_run_bounded_staleness_and_replay(x64):
+  """A straggler forces stale pushes; the bound holds and the run replays."""
+  n, bound = 48, 2
+  batches = flag_slow(make_batches(n, seed=3), slow=2)
+  SLEPT.clear()
+  opt = optax.sgd(0.05, momentum=0.5)
+  ps = jaxpar.AsyncParameterServer(straggler_loss, opt, init_params(),
+                                   num_workers=8, max_staleness=bound)
+  res = run_guarded(lambda: ps.run(batches, n))
+
+  assert res.staleness.max() <= bound
+  assert res.staleness.min() >= 0
+  np.testing.assert_array_equal(np.sort(res.batch_ids), np.arange(n))
+  assert set(res.workers) <= set(range(8))
+  # The slow batch's first gradient was > bound updates old: recomputed.
+  assert res.retries[list(res.batch_ids).index(2)] >= 1
+  assert int(ps.state.step) == n
+  assert res.params['w'].dtype == jnp.float64  # workers inherit x64
+
+  replay = async_ps.simulate(straggler_loss, opt, init_params(),
+                             [batches[j] for j in res.batch_ids],
+                             staleness=res.staleness)
+  assert_trees_close(res.params, replay.params, 1e-10)
+  np.testing.assert_allclose(res.losses, replay.losses, rtol=1e-10)
+
+  # A second run continues from the server's state.
+  more = run_guarded(lambda: ps.run(iter(flag_slow(make_batches(8, seed=4))), 8))
+  assert int(ps.state.step) == n + 8
+  np.testing.assert_array_equal(np.sort(more.batch_ids), np.arange(8))
+  assert more.staleness.max() <= bound
+
+
+def test_threaded_run_converges_on_least_squares():
+  batches = make_batches(400, rows=16, seed=5, dtype=np.float32)
+  ps = jaxpar.AsyncParameterServer(loss_fn, optax.sgd(0.05),
+                                   init_params(jnp.float32), num_workers=8,
+                                   max_staleness=4)
+  res = run_guarded(lambda: ps.run(iter(batches), 400))
+  assert res.staleness.max() <= 4
+  np.testing.assert_allclose(res.params['w'], W_TRUE, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(res.params['b'], 0.5, rtol=1e-4)
+  assert res.losses[-20:].mean() < 1e-6 * res.losses[:8].mean()
+
+
+def failing_batches(n, bad):
+  for i, batch in enumerate(make_batches(n, dtype=np.float32)):
+    if i == bad:
+      raise RuntimeError(f'bad batch {i}')
+    yield batch
+
+
+def test_iterator_fault_is_reraised_promptly():
+  ps = jaxpar.AsyncParameterServer(loss_fn, optax.sgd(0.05),
+                                   init_params(jnp.float32), num_workers=8,
+                                   max_staleness=3)
+  with pytest.raises(RuntimeError, match='bad batch 5') as info:
+    run_guarded(lambda: ps.run(failing_batches(50, bad=5), 50), timeout=30)
+  assert any('worker' in note for note in info.value.__notes__)
+  assert int(ps.state.step) <= 5  # only batches 0..4 existed
+  assert not worker_threads()
+
+
+def test_loss_fault_is_reraised_and_server_stays_usable():
+  def marked_loss(params, batch):
+    if batch['x'].shape[0] == 3:
+      raise ValueError('marked batch reached the loss')
+    return loss_fn(params, batch)
+  batches = make_batches(30, dtype=np.float32)
+  batches[10] = make_batches(1, rows=3, dtype=np.float32)[0]
+  ps = jaxpar.AsyncParameterServer(marked_loss, optax.sgd(0.05),
+                                   init_params(jnp.float32), num_workers=4,
+                                   max_staleness=2)
+  with pytest.raises(ValueError, match='marked batch'):
+    run_guarded(lambda: ps.run(batches, 30), timeout=30)
+  assert not worker_threads()
+  applied = int(ps.state.step)
+  assert applied < 30
+  res = run_guarded(lambda: ps.run(make_batches(6, dtype=np.float32), 6))
+  assert int(ps.state.step) == applied + 6 and len(res.losses) == 6
+
+
+def test_too_few_batches():
+  ps = jaxpar.AsyncParameterServer(loss_fn, optax.sgd(0.05),
+                                   init_params(jnp.float32), num_workers=2,
+                                   max_staleness=1)
+  with pytest.raises(ValueError, match='has 5 batches but run'):
+    ps.run(make_batches(5, dtype=np.float32), 10)
+  with pytest.raises(ValueError, match='ran out after 5 batches'):
+    run_guarded(lambda: ps.run(iter(make_batches(5, dtype=np.float32)), 10))
+  assert int(ps.state.step) <= 5 and not worker_threads()
+  with pytest.raises(ValueError, match='ran out after 2 batches'):
+    async_ps.simulate(loss_fn, optax.sgd(0.1), init_params(jnp.float32),
+                      make_batches(2, dtype=np.float32), staleness=[0, 1, 1])
+
+
+def test_invalid_arguments():
+  opt = optax.sgd(0.1)
+  p = init_params(jnp.float32)
+  make = lambda **kw: jaxpar.AsyncParameterServer(
+      loss_fn, kw.pop('opt', opt), p, **{'num_workers': 2, 'max_staleness': 1,
+                                         **kw})
+  for bad in (0, -1, 1.5, True):
+    with pytest.raises(ValueError, match=f'num_workers={bad!r} must be an int'):
+      make(num_workers=bad)
+  with pytest.raises(ValueError, match='max_staleness=-1 must be an int >= 0'):
+    make(max_staleness=-1)
+  with pytest.raises(ValueError, match='num_workers=9 is more than the 8'):
+    make(num_workers=9)
+  with pytest.raises(ValueError, match='num_workers=3 is more than the 2'):
+    make(num_workers=3, devices=jax.devices()[:2])
+  with pytest.raises(ValueError, match='device twice'):
+    make(devices=[jax.devices()[0]] * 2)
+  with pytest.raises(TypeError, match='optax.GradientTransformation'):
+    make(opt='adam')
+  with pytest.raises(TypeError, match='loss_fn must be a callable'):
+    jaxpar.AsyncParameterServer(None, opt, p, num_workers=1, max_staleness=0)
+  with pytest.raises(ValueError, match='num_updates=0 must be an int >= 1'):
+    make().run(make_batches(2), 0)
+
+  batches = make_batches(3, dtype=np.float32)
+  for staleness, match in [([0, 2, 0], r'staleness\[1\]=2 must be in \[0, 1\]'),
+                           ([0, -1], r'staleness\[1\]=-1'),
+                           ([], 'non-empty 1-D'), ([[0]], 'non-empty 1-D'),
+                           ([0.0, 1.0], 'sequence of ints')]:
+    with pytest.raises(ValueError, match=match):
+      async_ps.simulate(loss_fn, opt, p, batches, staleness=staleness)
+  with pytest.raises(TypeError, match='optax.GradientTransformation'):
+    async_ps.simulate(loss_fn, 'sgd', p, batches, staleness=[0])
