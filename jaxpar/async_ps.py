@@ -135,6 +135,16 @@ def _check_staleness(staleness: Any) -> np.ndarray:
   return arr.astype(np.int64)
 
 
+def _iterate(batches: Any) -> Any:
+  try:
+    return iter(batches)
+  except TypeError:
+    raise TypeError(
+        f'batches must be an iterable of batches (a list, generator or '
+        f'iterator of pytrees of arrays), got {type(batches).__name__}.'
+    ) from None
+
+
 def simulate(loss_fn: Callable[[PyTree, PyTree], jax.Array],
              optimizer: optax.GradientTransformation, params: PyTree,
              batches: Iterable[PyTree], *,
@@ -161,7 +171,8 @@ def simulate(loss_fn: Callable[[PyTree, PyTree], jax.Array],
     ``batch_ids`` and ``retries`` left ``None``.
 
   Raises:
-    TypeError: if ``loss_fn`` is not callable or ``optimizer`` is not optax.
+    TypeError: if ``loss_fn`` is not callable, ``optimizer`` is not optax or
+      ``batches`` is not iterable.
     ValueError: if ``staleness`` is malformed or ``batches`` has fewer than
       ``n`` batches.
 
@@ -178,7 +189,7 @@ def simulate(loss_fn: Callable[[PyTree, PyTree], jax.Array],
   state = TrainState.create(params, optimizer)
   # history[-1 - s] is the version of s updates ago (history[-1]: current).
   history = collections.deque([state.params], maxlen=int(staleness.max()) + 1)
-  batch_iter = iter(batches)
+  batch_iter = _iterate(batches)
   losses = []
   for i, s in enumerate(staleness):
     batch = next(batch_iter, _END)
@@ -302,6 +313,7 @@ class AsyncParameterServer:
       loss, worker, batch position and retries.
 
     Raises:
+      TypeError: if ``batches`` is not iterable.
       ValueError: if ``num_updates < 1`` or ``batches`` has fewer than
         ``num_updates`` batches.
       Exception: the first exception raised in a worker, re-raised unchanged
@@ -309,12 +321,12 @@ class AsyncParameterServer:
     """
     num_updates = _check_int('num_updates', num_updates, 1,
                              'ask for at least one update.')
+    batch_iter = _iterate(batches)
     if hasattr(batches, '__len__') and len(batches) < num_updates:
       raise ValueError(
           f'batches has {len(batches)} batches but run(num_updates='
           f'{num_updates}) takes one batch per update; pass at least '
           f'{num_updates} batches.')
-    batch_iter = iter(batches)
     value_and_grad, apply = self._compiled
     server = self.devices[0]
     # JAX config contexts are thread-local: run the workers with the

@@ -1,6 +1,7 @@
 """Asynchronous parameter server: simulator vs hand-rolled stale SGD, threaded
 runtime vs simulator replay, bounded staleness, convergence, faults, errors."""
 
+import doctest
 import threading
 import time
 
@@ -284,3 +285,13 @@ def test_invalid_arguments():
       async_ps.simulate(loss_fn, opt, p, batches, staleness=staleness)
   with pytest.raises(TypeError, match='optax.GradientTransformation'):
     async_ps.simulate(loss_fn, 'sgd', p, batches, staleness=[0])
+  with pytest.raises(TypeError, match='batches must be an iterable'):
+    async_ps.simulate(loss_fn, opt, p, 3, staleness=[0])
+  with pytest.raises(TypeError, match='batches must be an iterable'):
+    make().run(None, 2)
+
+
+def test_docstring_examples():
+  result = doctest.testmod(async_ps, extraglobs={
+      'jaxpar': jaxpar, 'jnp': jnp, 'np': np, 'optax': optax})
+  assert result.failed == 0 and result.attempted > 0
