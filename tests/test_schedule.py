@@ -406,6 +406,7 @@ def test_plot_gantt_chart():
   assert 'ZB-H1: p=3, m=4, bubble' in ax.get_title()
   assert f'{s.simulate(UNIT).bubble_fraction:.1%}' in ax.get_title()
   assert len(ax.collections) == 3 * 3 * 4  # one box per action
+  assert ax.get_xlim() == (0.0, s.simulate(UNIT).makespan)
   assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == [
       'F', 'I', 'W']
   target = Figure().add_subplot()

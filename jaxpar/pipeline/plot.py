@@ -151,7 +151,7 @@ def plot(schedule: Schedule, ax: Axes | None = None,
   ax.set_yticks(range(schedule.num_ranks),
                 [f'rank {r}' for r in range(schedule.num_ranks)])
   ax.set_ylim(schedule.num_ranks - 0.5, -0.5)
-  ax.set_xlim(0, result.makespan)
+  ax.margins(x=0)  # x from 0 to the makespan; shared axes take the union
   ax.set_xlabel('time')
   ax.set_title(f'{schedule.name}: p={schedule.num_ranks}, '
                f'm={schedule.num_microbatches}, bubble '
