@@ -5,6 +5,7 @@ import math
 import os
 
 import matplotlib
+import numpy as np
 import pytest
 
 from jaxpar import pipeline as pp
@@ -345,10 +346,17 @@ def test_schedule_normalises_and_type_checks():
   assert s.validate() is s
   with pytest.raises(TypeError, match=r'actions\[1\]\[0\] = 3.5'):
     Schedule(2, 2, 1, (0, 1), (('0F0',), (3.5,)))
+  s = Schedule(np.int64(2), 2, 1, np.arange(2),
+               [[Action(np.int32(0), 'F', np.int64(0)), '0B0'], ['1F0', '1B0']])
+  assert s.num_ranks == 2 and type(s.num_ranks) is int
+  assert type(s.placement[1]) is int and type(s.actions[0][0].stage) is int
+  assert s.validate().actions == rows('0F0 0B0', '1F0 1B0')
   with pytest.raises(TypeError, match='num_ranks=2.0 must be an int'):
     Schedule(2.0, 2, 1, (0, 1), ((), ()))
-  with pytest.raises(TypeError, match=r'placement\[1\]=None'):
+  with pytest.raises(TypeError, match=r'placement\[1\]=None must be an int'):
     Schedule(2, 2, 1, (0, None), ((), ()))
+  with pytest.raises(TypeError, match=r'actions\[0\]\[0\].stage=0.5'):
+    Schedule(1, 1, 1, (0,), (((0.5, 'F', 0),),))
   with pytest.raises(ValueError, match='<stage><kind><microbatch>'):
     Schedule(1, 1, 1, (0,), (('0F0', '0Q0'),))
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import csv
 import dataclasses
+import operator
 import os
 import re
 from collections.abc import Mapping
@@ -110,13 +111,25 @@ class Action(NamedTuple):
     return cls(int(match[1]), match[2], int(match[3]))
 
 
+def _as_int(value: object, what: str) -> int:
+  """``value`` as a plain int (numpy integers too); ``TypeError`` otherwise."""
+  try:
+    if not isinstance(value, bool):
+      return operator.index(value)
+  except TypeError:
+    pass
+  raise TypeError(f'{what}={value!r} must be an int.')
+
+
 def _as_action(cell: object, rank: int, step: int) -> Action | None:
-  if cell is None or isinstance(cell, Action):
-    return cell
+  if cell is None:
+    return None
   if isinstance(cell, str):
     return Action.parse(cell)
   if isinstance(cell, tuple) and len(cell) == 3:
-    return Action(*cell)
+    where = f'Schedule.actions[{rank}][{step}]'
+    return Action(_as_int(cell[0], f'{where}.stage'), cell[1],
+                  _as_int(cell[2], f'{where}.microbatch'))
   raise TypeError(
       f'Schedule.actions[{rank}][{step}] = {cell!r}: expected an Action, a '
       'string like "0F3", or None for an idle slot.')
@@ -137,8 +150,8 @@ class Schedule:
       round trips; timing treats waiting as implied by dependencies).
     name: a label for printing and plots.
 
-  Lists and strings like ``'0F3'`` are accepted and normalised to tuples of
-  ``Action``. Constructors return validated schedules; call ``validate()`` on
+  Lists, numpy integers, ``(stage, kind, microbatch)`` tuples and strings
+  like ``'0F3'`` are accepted and normalised to ints and tuples of ``Action``. Constructors return validated schedules; call ``validate()`` on
   hand-made ones.
 
   Example:
@@ -157,14 +170,10 @@ class Schedule:
 
   def __post_init__(self):
     for field in ('num_ranks', 'num_stages', 'num_microbatches'):
-      value = getattr(self, field)
-      if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f'Schedule.{field}={value!r} must be an int.')
-    placement = tuple(self.placement)
-    for stage, rank in enumerate(placement):
-      if isinstance(rank, bool) or not isinstance(rank, int):
-        raise TypeError(
-            f'Schedule.placement[{stage}]={rank!r} must be an int rank.')
+      object.__setattr__(self, field, _as_int(getattr(self, field),
+                                              f'Schedule.{field}'))
+    placement = tuple(_as_int(rank, f'Schedule.placement[{stage}]')
+                      for stage, rank in enumerate(self.placement))
     actions = tuple(
         tuple(_as_action(cell, r, t) for t, cell in enumerate(row))
         for r, row in enumerate(self.actions))
@@ -264,8 +273,7 @@ class Schedule:
 
   def _check_action(self, action: Action, rank: int, step: int):
     stage, kind, mb = action
-    if (kind not in KINDS or not isinstance(stage, int)
-        or not isinstance(mb, int) or not 0 <= stage < self.num_stages
+    if (kind not in KINDS or not 0 <= stage < self.num_stages
         or not 0 <= mb < self.num_microbatches):
       self._fail('range', f'{action} at rank {rank} step {step} is out of '
                  'range', f'use stages < {self.num_stages} and microbatches < '
