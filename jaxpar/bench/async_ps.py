@@ -7,7 +7,9 @@ applies ``U`` updates of ``b`` examples each from ``W`` worker threads. Rows
 give wall time (median over repeats, after a warm-up that compiles every
 device), updates/s and examples/s, the mean staleness and gradients computed
 per applied update (``1 + retries``: work thrown away for being too stale),
-and the loss on held-out data after the same number of examples.
+and the loss on held-out data after the same number of examples (median over
+the repeats: thread timing makes asynchronous runs differ). The initial
+held-out loss is 0.79.
 """
 
 from __future__ import annotations
@@ -71,14 +73,15 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
   optimizer = optax.sgd(0.05)
   rows = []
 
-  def row(mode, num_workers, max_staleness, num_updates, seconds, final_params,
+  def row(mode, num_workers, max_staleness, num_updates, seconds, finals,
           **extra):
     return {'mode': mode, 'workers': num_workers,
             'max_staleness': max_staleness, 'updates': num_updates,
             'examples': updates * per_worker, 'time_s': seconds,
             'updates_per_s': num_updates / seconds,
             'examples_per_s': updates * per_worker / seconds, **extra,
-            'eval_loss': float(eval_loss(final_params, evaluation))}
+            'eval_loss': statistics.median(float(eval_loss(p, evaluation))
+                                           for p in finals)}
 
   mesh = jaxpar.make_mesh(data=workers)
   step = jaxpar.data_parallel_step(_loss, optimizer, mesh=mesh)
@@ -91,7 +94,7 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
 
   sync_dp()  # compile
   seconds, outs = _median_run(sync_dp, repeats)
-  rows.append(row('sync_dp', workers, 0, dp_steps, seconds, outs[0],
+  rows.append(row('sync_dp', workers, 0, dp_steps, seconds, outs,
                   mean_staleness=0.0, grads_per_update=1.0))
 
   warm = jaxpar.AsyncParameterServer(_loss, optimizer, params,
@@ -110,7 +113,7 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
 
     seconds, outs = _median_run(async_ps, repeats)
     rows.append(row(
-        'async_ps', num_workers, max_staleness, updates, seconds, outs[0],
+        'async_ps', num_workers, max_staleness, updates, seconds, outs,
         mean_staleness=float(np.mean([r.staleness.mean() for r in results])),
         grads_per_update=float(np.mean([1 + r.retries.mean()
                                         for r in results]))))
