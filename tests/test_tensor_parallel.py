@@ -1,0 +1,688 @@
+"""Tensor parallelism equals the dense computation; communication as promised.
+
+Every layer runs inside ``jax.shard_map`` on ``tensor`` = 1, 2, 4, 8 devices;
+its output and the gradients of ``sum(y * w)`` (random ``w``) w.r.t. every
+parameter shard and the input are compared with plain ``jax`` on one device.
+Gradients are taken inside the shard_map, as a train step does.
+"""
+
+import functools
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import jaxpar
+from jaxpar import hlo
+from jaxpar import tensor_parallel as tp
+
+B, S, D, F, H, V = 2, 8, 16, 32, 8, 32   # H, S, V divisible by 1, 2, 4, 8
+REP, SEQ = P(), P(None, 'tensor', None)   # replicated / sequence-sharded
+
+# (tensor size, dtype, tolerance relative to each tensor's largest entry).
+CASES = [pytest.param((n, np.float64, 1e-10), id=f'tp{n}-f64')
+         for n in (1, 2, 4, 8)] + [pytest.param((8, np.float32, 1e-5),
+                                                id='tp8-f32')]
+
+
+@functools.cache
+def mesh_of(n):
+  return jaxpar.make_mesh(tensor=n, devices=jax.devices()[:n])
+
+
+def put(mesh, a, spec):
+  return jax.device_put(a, NamedSharding(mesh, spec))
+
+
+def rand(rng, *shape, scale=1.0):
+  return scale * rng.standard_normal(shape)
+
+
+def linear_params(rng, fan_in, fan_out):
+  return {'kernel': rand(rng, fan_in, fan_out, scale=fan_in ** -0.5),
+          'bias': rand(rng, fan_out, scale=0.1)}
+
+
+def mlp_params(rng):
+  return {'fc_in': linear_params(rng, D, F), 'fc_out': linear_params(rng, F, D)}
+
+
+def attention_params(rng):
+  k = D // H
+  qkv = {name: {'kernel': rand(rng, D, H, k, scale=D ** -0.5),
+                'bias': rand(rng, H, k, scale=0.1)}
+         for name in ('query', 'key', 'value')}
+  return qkv | {'out': {'kernel': rand(rng, H, k, D, scale=D ** -0.5),
+                        'bias': rand(rng, D, scale=0.1)}}
+
+
+def norm_params(rng):
+  return {'scale': 1 + rand(rng, D, scale=0.1), 'bias': rand(rng, D, scale=0.1)}
+
+
+def block_params(rng):
+  return {'ln1': norm_params(rng), 'attn': attention_params(rng),
+          'ln2': norm_params(rng), 'mlp': mlp_params(rng)}
+
+
+# Dense single-device references, written independently of jaxpar.
+
+
+def dense_mlp(p, x):
+  h = jax.nn.gelu(x @ p['fc_in']['kernel'] + p['fc_in']['bias'])
+  return h @ p['fc_out']['kernel'] + p['fc_out']['bias']
+
+
+def dense_attention(p, x, causal=True):
+  heads = []
+  for h in range(p['query']['kernel'].shape[1]):
+    q, k, v = (x @ p[n]['kernel'][:, h] + p[n]['bias'][h]
+               for n in ('query', 'key', 'value'))
+    s = q @ jnp.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    if causal:
+      s = jnp.where(np.tril(np.ones((x.shape[-2],) * 2, bool)), s, -jnp.inf)
+    heads.append(jax.nn.softmax(s, axis=-1) @ v)
+    # heads[h] [..., S, k]; concatenated head-major as the out kernel [H, k, D]
+  out = p['out']['kernel']
+  return (jnp.concatenate(heads, -1) @ out.reshape(-1, out.shape[-1])
+          + p['out']['bias'])
+
+
+def dense_norm(p, x):
+  return ((x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True)
+                                                      + 1e-6) * p['scale']
+          + p['bias'])
+
+
+def dense_block(p, x):
+  h = x + dense_attention(p['attn'], dense_norm(p['ln1'], x))
+  return h + dense_mlp(p['mlp'], dense_norm(p['ln2'], h))
+
+
+# Harness: value and gradients of sum(y * w), dense and tensor-parallel.
+
+
+def dense_value_and_grads(fn, params, x, w):
+  argnums = (0, 1) if np.issubdtype(x.dtype, np.floating) else 0
+
+  def loss(p, x):
+    y = fn(p, x)
+    return jnp.sum(y * w), y
+
+  (_, y), grads = jax.value_and_grad(loss, argnums, has_aux=True)(params, x)
+  return y, grads
+
+
+def tp_value_and_grads(fn, params, x, w, *, n, x_spec, out_spec):
+  """Runs fn(local params, local x) in shard_map; grads taken inside it."""
+  mesh = mesh_of(n)
+  specs = tp.param_specs(params)
+  diff_x = np.issubdtype(x.dtype, np.floating)
+  out_sharded = 'tensor' in tuple(out_spec)
+
+  def inner(p, x, w):
+    def loss(p, x):
+      y = fn(p, x)
+      local = jnp.sum(y * w)
+      return (jax.lax.psum(local, 'tensor') if out_sharded else local), y
+    argnums = (0, 1) if diff_x else 0
+    (_, y), grads = jax.value_and_grad(loss, argnums, has_aux=True)(p, x)
+    return y, grads
+
+  f = jax.jit(jax.shard_map(
+      inner, mesh=mesh, in_specs=(specs, x_spec, out_spec),
+      out_specs=(out_spec, (specs, x_spec) if diff_x else specs)))
+  return f(tp.shard_params(params, mesh=mesh), put(mesh, x, x_spec),
+           put(mesh, w, out_spec))
+
+
+def assert_trees_close(actual, expected, tol):
+  """Every leaf to ``tol`` relative, or absolute w.r.t. the largest entry.
+
+  The absolute floor is needed for gradients that are exactly zero in exact
+  arithmetic (e.g. the key bias: softmax ignores a per-query shift).
+  """
+  flat, _ = jax.tree_util.tree_flatten_with_path(expected)
+  got = jax.tree.leaves(actual)
+  assert len(got) == len(flat)
+  scale = max(np.abs(np.asarray(want)).max(initial=0) for _, want in flat)
+  for (path, want), have in zip(flat, got):
+    want, have = np.asarray(want), np.asarray(have)
+    assert have.shape == want.shape, jax.tree_util.keystr(path)
+    np.testing.assert_allclose(have, want, rtol=tol, atol=tol * scale,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def check_exact(tp_fn, dense_fn, params, x, *, n, dtype, tol, x_spec=REP,
+                out_spec=REP, seed=7):
+  cast = lambda a: a.astype(dtype) if np.issubdtype(a.dtype, np.floating) else a
+  params, x = jax.tree.map(cast, params), cast(x)
+  y_ref = np.asarray(dense_fn(params, x))
+  w = cast(np.random.default_rng(seed).standard_normal(y_ref.shape))
+  want = dense_value_and_grads(dense_fn, params, x, w)
+  got = tp_value_and_grads(tp_fn, params, x, w, n=n, x_spec=x_spec,
+                           out_spec=out_spec)
+  assert np.asarray(got[0]).dtype == dtype
+  assert_trees_close(got, want, tol)
+
+
+@pytest.fixture(params=CASES)
+def case(request):
+  n, dtype, tol = request.param
+  if dtype == np.float64:
+    request.getfixturevalue('x64')
+  return {'n': n, 'dtype': dtype, 'tol': tol}
+
+
+# ---------------------------------------------------------------------------
+# Exactness against the dense reference, tensor sizes 1, 2, 4, 8.
+
+
+def test_column_parallel_linear(case):
+  rng = np.random.default_rng(0)
+  params = {'fc_in': linear_params(rng, D, F)}
+  check_exact(
+      lambda p, x: tp.column_parallel_linear(x, p['fc_in']['kernel'],
+                                             p['fc_in']['bias']),
+      lambda p, x: x @ p['fc_in']['kernel'] + p['fc_in']['bias'],
+      params, rand(rng, B, S, D), out_spec=P(None, None, 'tensor'), **case)
+
+
+def test_row_parallel_linear(case):
+  rng = np.random.default_rng(1)
+  params = {'fc_out': linear_params(rng, F, D)}
+  check_exact(
+      lambda p, x: tp.row_parallel_linear(x, p['fc_out']['kernel'],
+                                          p['fc_out']['bias']),
+      lambda p, x: x @ p['fc_out']['kernel'] + p['fc_out']['bias'],
+      params, rand(rng, B, S, F), x_spec=P(None, None, 'tensor'), **case)
+
+
+def test_parallel_mlp(case):
+  rng = np.random.default_rng(2)
+  check_exact(tp.parallel_mlp, dense_mlp, mlp_params(rng), rand(rng, B, S, D),
+              **case)
+
+
+def test_parallel_self_attention(case):
+  rng = np.random.default_rng(3)
+  check_exact(functools.partial(tp.parallel_self_attention, causal=True),
+              dense_attention, attention_params(rng), rand(rng, B, S, D),
+              **case)
+
+
+def test_transformer_block_sequence_parallel(case):
+  rng = np.random.default_rng(4)
+  check_exact(functools.partial(tp.transformer_block, sequence_parallel=True),
+              dense_block, block_params(rng), rand(rng, B, S, D), x_spec=SEQ,
+              out_spec=SEQ, **case)
+
+
+def test_vocab_parallel_embed(case):
+  rng = np.random.default_rng(5)
+  params = {'embed': {'embedding': rand(rng, V, D)}}
+  ids = rng.integers(0, V, (B, S)).astype(np.int32)
+  ids[0, :3] = [0, V - 1, 0]   # both ends of the vocabulary, a repeated id
+  check_exact(lambda p, i: tp.vocab_parallel_embed(i, p['embed']['embedding']),
+              lambda p, i: p['embed']['embedding'][i], params, ids, **case)
+
+
+def test_vocab_parallel_cross_entropy_matches_optax(case):
+  """Per-example loss and d loss / d logits equal optax on gathered logits."""
+  rng = np.random.default_rng(6)
+  labels = rng.integers(0, V, (B, S)).astype(np.int32)
+  labels[0, :2] = [0, V - 1]
+  check_exact(
+      lambda p, logits: tp.vocab_parallel_cross_entropy(logits, labels),
+      lambda p, logits: optax.losses.softmax_cross_entropy_with_integer_labels(
+          logits, labels),
+      {}, rand(rng, B, S, V, scale=3.0), x_spec=P(None, None, 'tensor'),
+      **case)
+
+
+# Variants, on tensor=4 in float64.
+
+
+@pytest.mark.parametrize('variant', [
+    'column_gather_output', 'column_sequence_parallel',
+    'row_input_not_parallel', 'row_sequence_parallel', 'mlp_sequence_parallel',
+    'attention_sequence_parallel_noncausal', 'block_replicated',
+    'embed_sequence_parallel'])
+def test_variants(x64, variant):
+  rng = np.random.default_rng(8)
+  x = rand(rng, B, S, D)
+  lin = {'fc_in': linear_params(rng, D, F)}
+  row = {'fc_out': linear_params(rng, D, D)}
+  dense_lin = lambda p, x: x @ p['fc_in']['kernel'] + p['fc_in']['bias']
+  dense_row = lambda p, x: x @ p['fc_out']['kernel'] + p['fc_out']['bias']
+  col_p = lambda p: (p['fc_in']['kernel'], p['fc_in']['bias'])
+  row_p = lambda p: (p['fc_out']['kernel'], p['fc_out']['bias'])
+  table = {'embed': {'embedding': rand(rng, V, D)}}
+  ids = rng.integers(0, V, (B, S)).astype(np.int32)
+  args = {
+      'column_gather_output': (
+          lambda p, x: tp.column_parallel_linear(x, *col_p(p),
+                                                 gather_output=True),
+          dense_lin, lin, x, REP, REP),
+      'column_sequence_parallel': (
+          lambda p, x: tp.column_parallel_linear(x, *col_p(p),
+                                                 sequence_parallel=True),
+          dense_lin, lin, x, SEQ, P(None, None, 'tensor')),
+      'row_input_not_parallel': (
+          lambda p, x: tp.row_parallel_linear(x, *row_p(p),
+                                              input_is_parallel=False),
+          dense_row, row, x, REP, REP),
+      'row_sequence_parallel': (
+          lambda p, x: tp.row_parallel_linear(x, *row_p(p),
+                                              sequence_parallel=True),
+          dense_row, row, x, P(None, None, 'tensor'), SEQ),
+      'mlp_sequence_parallel': (
+          functools.partial(tp.parallel_mlp, sequence_parallel=True),
+          dense_mlp, mlp_params(rng), x, SEQ, SEQ),
+      'attention_sequence_parallel_noncausal': (
+          functools.partial(tp.parallel_self_attention, sequence_parallel=True),
+          functools.partial(dense_attention, causal=False),
+          attention_params(rng), x, SEQ, SEQ),
+      'block_replicated': (tp.transformer_block, dense_block,
+                           block_params(rng), x, REP, REP),
+      'embed_sequence_parallel': (
+          lambda p, i: tp.vocab_parallel_embed(i, p['embed']['embedding'],
+                                               sequence_parallel=True),
+          lambda p, i: p['embed']['embedding'][i], table, ids, REP, SEQ),
+  }
+  tp_fn, dense_fn, params, inputs, x_spec, out_spec = args[variant]
+  check_exact(tp_fn, dense_fn, params, inputs, n=4, dtype=np.float64,
+              tol=1e-10, x_spec=x_spec, out_spec=out_spec)
+
+
+def test_grad_outside_shard_map_is_not_scaled(x64):
+  """jax.grad of jit(shard_map(...)): replicated-input grads are not N x."""
+  rng = np.random.default_rng(9)
+  params, x = mlp_params(rng), rand(rng, B, S, D)
+  mesh = mesh_of(4)
+  specs = tp.param_specs(params)
+  mlp = jax.shard_map(tp.parallel_mlp, mesh=mesh, in_specs=(specs, REP),
+                      out_specs=REP)
+  loss = lambda f: (lambda p, x: jnp.sum(f(p, x) ** 2))
+  with jax.set_mesh(mesh):
+    got = jax.jit(jax.grad(loss(mlp), (0, 1)))(
+        tp.shard_params(params, mesh=mesh), put(mesh, x, REP))
+  assert_trees_close(got, jax.grad(loss(dense_mlp), (0, 1))(params, x), 1e-10)
+
+
+def test_cross_entropy_is_stable_for_huge_logits():
+  rng = np.random.default_rng(10)
+  logits = rand(rng, B, V, scale=1e4).astype(np.float32)
+  labels = rng.integers(0, V, (B,)).astype(np.int32)
+  mesh = mesh_of(8)
+  xent = jax.jit(jax.shard_map(tp.vocab_parallel_cross_entropy, mesh=mesh,
+                               in_specs=(P(None, 'tensor'), REP),
+                               out_specs=REP))
+  got = np.asarray(xent(put(mesh, logits, P(None, 'tensor')),
+                        put(mesh, labels, REP)))
+  want = optax.losses.softmax_cross_entropy_with_integer_labels(logits, labels)
+  assert np.all(np.isfinite(got))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+# ---------------------------------------------------------------------------
+# Communication, counted in the compiled HLO (tensor=4).
+
+NONE = dict.fromkeys(hlo.KINDS, 0)
+
+
+def compile_tp(fn, params, x, x_spec, out_spec, *, grad=False):
+  mesh = mesh_of(4)
+  specs = tp.param_specs(params)
+  if grad:   # loss and its gradient w.r.t. params and x
+    def loss(p, x):
+      local = jnp.sum(fn(p, x) ** 2)
+      return jax.lax.psum(local, 'tensor') if 'tensor' in tuple(
+          out_spec) else local
+    body = jax.value_and_grad(loss, (0, 1))
+    out_specs = (REP, (specs, x_spec))
+  else:
+    body, out_specs = fn, out_spec
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, x_spec),
+                            out_specs=out_specs))
+  return f.lower(tp.shard_params(params, mesh=mesh),
+                 put(mesh, x, x_spec)).compile()
+
+
+def counts_of(*args, **kwargs):
+  return hlo.collective_counts(compile_tp(*args, **kwargs))
+
+
+def counts_bytes(*args):
+  return hlo.collective_bytes(compile_tp(*args, grad=True))
+
+
+def forward_cases():
+  rng = np.random.default_rng(11)
+  x, logits = rand(rng, B, S, D), rand(rng, B, S, V)
+  lin = {'fc_in': linear_params(rng, D, F)}
+  row = {'fc_out': linear_params(rng, F, D)}
+  col = lambda **kw: (lambda p, x: tp.column_parallel_linear(
+      x, p['fc_in']['kernel'], p['fc_in']['bias'], **kw))
+  rowf = lambda **kw: (lambda p, x: tp.row_parallel_linear(
+      x, p['fc_out']['kernel'], p['fc_out']['bias'], **kw))
+  labels = np.zeros((B, S), np.int32)
+  sharded_last = P(None, None, 'tensor')
+  return {
+      'column': (col(), lin, x, REP, sharded_last, {}),
+      'column_gather_output': (col(gather_output=True), lin, x, REP, REP,
+                               {'all-gather': 1}),
+      'column_sequence_parallel': (col(sequence_parallel=True), lin, x, SEQ,
+                                   sharded_last, {'all-gather': 1}),
+      'row': (rowf(), row, rand(rng, B, S, F), sharded_last, REP,
+              {'all-reduce': 1}),
+      'row_sequence_parallel': (rowf(sequence_parallel=True), row,
+                                rand(rng, B, S, F), sharded_last, SEQ,
+                                {'reduce-scatter': 1}),
+      'mlp': (tp.parallel_mlp, mlp_params(rng), x, REP, REP,
+              {'all-reduce': 1}),
+      'attention': (functools.partial(tp.parallel_self_attention, causal=True),
+                    attention_params(rng), x, REP, REP, {'all-reduce': 1}),
+      'block': (tp.transformer_block, block_params(rng), x, REP, REP,
+                {'all-reduce': 2}),
+      'block_sequence_parallel': (
+          functools.partial(tp.transformer_block, sequence_parallel=True),
+          block_params(rng), x, SEQ, SEQ,
+          {'all-gather': 2, 'reduce-scatter': 2}),
+      'embed': (lambda p, i: tp.vocab_parallel_embed(i,
+                                                      p['embed']['embedding']),
+                {'embed': {'embedding': rand(rng, V, D)}},
+                np.zeros((B, S), np.int32), REP, REP, {'all-reduce': 1}),
+      'cross_entropy': (
+          lambda p, lg: tp.vocab_parallel_cross_entropy(lg, labels), {},
+          logits, sharded_last, REP, {'all-reduce': 2}),   # max, then sums
+  }
+
+
+FORWARD = forward_cases()
+
+
+@pytest.mark.parametrize('name', list(FORWARD))
+def test_forward_collectives(name):
+  fn, params, x, x_spec, out_spec, want = FORWARD[name]
+  assert counts_of(fn, params, x, x_spec, out_spec) == NONE | want
+
+
+@pytest.mark.parametrize('name,want', [
+    # forward psum + the all-reduce of dx (Megatron's f); none for dW.
+    ('mlp', {'all-reduce': 2}),
+    ('attention', {'all-reduce': 2}),
+    # backward of the cross-entropy is local: softmax - onehot.
+    ('cross_entropy', {'all-reduce': 2}),
+])
+def test_forward_backward_collectives(name, want):
+  fn, params, x, x_spec, out_spec, _ = FORWARD[name]
+  assert counts_of(fn, params, x, x_spec, out_spec, grad=True) == NONE | want
+
+
+def test_sequence_parallel_block_backward_all_reduces_only_replicated_grads():
+  """Backward mirrors 2 AG + 2 RS; all-reduces carry no activations.
+
+  The only all-reduced values are the loss and the gradients of the
+  replicated parameters used on sequence shards (norms, output biases),
+  however XLA combines them: exactly their bytes.
+  """
+  fn, params, x, x_spec, out_spec, _ = FORWARD['block_sequence_parallel']
+  counts = counts_of(fn, params, x, x_spec, out_spec, grad=True)
+  assert counts | {'all-reduce': 0} == NONE | {'all-gather': 4,
+                                               'reduce-scatter': 4}, counts
+  replicated = [leaf for leaf, spec in zip(
+      jax.tree.leaves(params), jax.tree.leaves(tp.param_specs(params)))
+                if spec == P()]
+  want = 4 * (1 + sum(leaf.size for leaf in replicated))   # float32
+  assert counts_bytes(fn, params, x, x_spec, out_spec)['all-reduce'] == want
+
+
+# ---------------------------------------------------------------------------
+# Dense params <-> shards, and Flax NNX modules.
+
+
+def test_param_specs_layouts_and_stacked_layers():
+  rng = np.random.default_rng(12)
+  specs = tp.param_specs(block_params(rng) | {
+      'embed': {'embedding': rand(rng, V, D)},
+      'stacked': {'fc_in': {'kernel': np.zeros((3, D, F))}}})
+  assert specs['attn']['query'] == {'kernel': P(None, 'tensor', None),
+                                    'bias': P('tensor', None)}
+  assert specs['attn']['out'] == {'kernel': P('tensor', None, None),
+                                  'bias': P()}
+  assert specs['mlp'] == {'fc_in': {'kernel': P(None, 'tensor'),
+                                    'bias': P('tensor')},
+                          'fc_out': {'kernel': P('tensor', None), 'bias': P()}}
+  assert specs['ln1'] == {'scale': P(), 'bias': P()}
+  assert specs['embed']['embedding'] == P('tensor', None)
+  assert specs['stacked']['fc_in']['kernel'] == P(None, None, 'tensor')
+  custom = tp.param_specs({'wte': {'embedding': np.zeros((V, D))}},
+                          axis='model', layout={'wte': 'vocab'})
+  assert custom['wte']['embedding'] == P('model', None)
+
+
+def test_shard_and_unshard_round_trip():
+  rng = np.random.default_rng(13)
+  params = block_params(rng)
+  mesh = mesh_of(4)
+  sharded = tp.shard_params(params, mesh=mesh)
+  kernel = sharded['mlp']['fc_in']['kernel']
+  assert kernel.sharding.shard_shape(kernel.shape) == (D, F // 4)
+  dense = tp.unshard_params(sharded)
+  for got, want in zip(jax.tree.leaves(dense), jax.tree.leaves(params)):
+    assert got.sharding.is_fully_replicated
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
+def test_flax_multi_head_attention_runs_tensor_parallel():
+  """nnx.MultiHeadAttention's own params, sharded, give its own output."""
+  mha = nnx.MultiHeadAttention(num_heads=H, in_features=D, decode=False,
+                               rngs=nnx.Rngs(0))
+  x = np.random.default_rng(14).standard_normal((B, S, D)).astype(np.float32)
+  mask = nnx.make_causal_mask(np.zeros((B, S)))
+  want = mha(x, mask=mask)
+  _, state = nnx.split(mha, nnx.Param)
+  params = nnx.to_pure_dict(state)
+  mesh = mesh_of(4)
+  attn = jax.jit(jax.shard_map(
+      functools.partial(tp.parallel_self_attention, causal=True), mesh=mesh,
+      in_specs=(tp.param_specs(params), REP), out_specs=REP))
+  got = attn(tp.shard_params(params, mesh=mesh), put(mesh, x, REP))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('sequence_parallel', [False, True])
+def test_nnx_modules_split_merge(x64, sequence_parallel):
+  """ParallelMLP / ParallelSelfAttention as pure functions: values and grads."""
+  rngs = nnx.Rngs(1)
+  kw = dict(sequence_parallel=sequence_parallel, param_dtype=jnp.float64)
+  mlp = tp.ParallelMLP(D, F, rngs=rngs, **kw)
+  attn = tp.ParallelSelfAttention(D, H, causal=True, rngs=rngs, **kw)
+  model = nnx.Sequential(attn, mlp)   # params: layers.0 (attn), layers.1 (mlp)
+  graphdef, state = nnx.split(model)
+  spec = SEQ if sequence_parallel else REP
+
+  def tp_fn(state, x):
+    return nnx.merge(graphdef, state)(x)
+
+  def dense_fn(p, x):
+    return dense_mlp(p['layers'][1], dense_attention(p['layers'][0], x))
+
+  x = np.random.default_rng(15).standard_normal((B, S, D))
+  w = np.random.default_rng(16).standard_normal((B, S, D))
+  mesh = mesh_of(4)
+  y, (g_state, g_x) = tp_value_and_grads(tp_fn, state, x, w, n=4, x_spec=spec,
+                                         out_spec=spec)
+  y_ref, (g_ref, gx_ref) = dense_value_and_grads(
+      dense_fn, nnx.to_pure_dict(state), x, w)
+  assert_trees_close((y, nnx.to_pure_dict(g_state), g_x),
+                     (y_ref, g_ref, gx_ref), 1e-10)
+  assert mesh.shape['tensor'] == 4
+
+
+def test_nnx_linear_modules(x64):
+  rngs = nnx.Rngs(2)
+  col = tp.ColumnParallelLinear(D, F, gather_output=True, rngs=rngs,
+                                param_dtype=jnp.float64)
+  row = tp.RowParallelLinear(F, D, input_is_parallel=False, use_bias=False,
+                             rngs=rngs, param_dtype=jnp.float64)
+  graphdef, state = nnx.split(nnx.Dict(fc_in=col, fc_out=row))
+
+  def tp_fn(state, x):
+    layers = nnx.merge(graphdef, state)
+    return layers['fc_out'](jnp.tanh(layers['fc_in'](x)))
+
+  def dense_fn(p, x):
+    return jnp.tanh(x @ p['fc_in']['kernel'] + p['fc_in']['bias']) @ (
+        p['fc_out']['kernel'])
+
+  rng = np.random.default_rng(17)
+  x, w = rand(rng, B, D), rand(rng, B, D)
+  got = tp_value_and_grads(tp_fn, state, x, w, n=4, x_spec=REP, out_spec=REP)
+  want = dense_value_and_grads(dense_fn, nnx.to_pure_dict(state), x, w)
+  assert_trees_close((got[0], (nnx.to_pure_dict(got[1][0]), got[1][1])), want,
+                     1e-10)
+
+
+# ---------------------------------------------------------------------------
+# Errors name the sizes and the fix.
+
+
+def run_in_tensor_map(fn, *args, specs, n=4, check_vma=True):
+  mesh = mesh_of(n)
+  placed = [put(mesh, a, s) for a, s in zip(args, specs)]
+  return jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs), out_specs=P(),
+                       check_vma=check_vma)(*placed)
+
+
+def test_shard_params_rejects_indivisible_sizes():
+  params = {'mlp': {'fc_in': {'kernel': np.zeros((D, 30)),
+                              'bias': np.zeros(30)}},
+            'attn': {'query': {'kernel': np.zeros((D, 6, 2))}},
+            'embed': {'embedding': np.zeros((30, D))}}
+  with pytest.raises(ValueError) as err:
+    tp.shard_params(params, mesh=mesh_of(4))
+  msg = str(err.value)
+  for part in ('output features 30', 'heads 6', 'vocab size 30',
+               "'tensor' axis size 4", 'mlp.fc_in.bias'):
+    assert part in msg
+
+
+def test_shard_params_rejects_missing_axis():
+  with pytest.raises(ValueError, match="no axis 'model'"):
+    tp.shard_params({}, mesh=mesh_of(2), axis='model')
+
+
+def test_param_specs_rejects_unknown_leaf_and_layout():
+  with pytest.raises(ValueError, match="layer 'fc_in' has layout 'column'.*"
+                     "not 'scale'"):
+    tp.param_specs({'fc_in': {'scale': np.zeros(3)}})
+  with pytest.raises(ValueError, match="'diagonal' is not one of"):
+    tp.param_specs({'fc_in': {'kernel': np.zeros((3, 3))}},
+                   layout={'fc_in': 'diagonal'})
+  with pytest.raises(ValueError, match='fewer than the 2 dims'):
+    tp.param_specs({'fc_in': {'kernel': np.zeros(3)}})
+
+
+def test_layer_outside_shard_map_names_the_fix():
+  with pytest.raises(ValueError, match="axis 'tensor' is not bound.*shard_map"):
+    tp.column_parallel_linear(jnp.ones((2, 4)), jnp.ones((4, 4)))
+
+
+def test_column_errors():
+  x, k = np.ones((2, D)), np.ones((D, F))
+  col = lambda x, k, b=None: tp.column_parallel_linear(x, k, b)
+  with pytest.raises(ValueError, match=r'x \(2, 8\) and kernel shard \(16, 8\)'):
+    run_in_tensor_map(col, x[:, :8], k, specs=[REP, P(None, 'tensor')])
+  with pytest.raises(ValueError, match=r"kernel \(16, 32\) is not sharded over"
+                     r" 'tensor'.*P\(None, 'tensor'\)"):
+    run_in_tensor_map(col, x, k, specs=[REP, REP])
+  with pytest.raises(ValueError, match='check_vma=True'):
+    run_in_tensor_map(col, x, k, specs=[REP, P(None, 'tensor')],
+                      check_vma=False)
+  with pytest.raises(ValueError, match=r'bias shape \(32,\) does not match the '
+                     r"8 output features.*P\('tensor'\)"):
+    run_in_tensor_map(col, x, k, np.ones(F),
+                      specs=[REP, P(None, 'tensor'), REP])
+
+
+def test_row_errors():
+  x, k = np.ones((2, F)), np.ones((F, D))
+  row = lambda x, k, b=None: tp.row_parallel_linear(x, k, b)
+  with pytest.raises(ValueError, match='32 input features.*expects 8.*'
+                     'input_is_parallel=False'):
+    run_in_tensor_map(row, x, k, specs=[REP, P('tensor', None)])
+  with pytest.raises(ValueError, match=r'bias shape \(4,\).*16 output'):
+    run_in_tensor_map(row, x, k, np.ones(D),
+                      specs=[P(None, 'tensor'), P('tensor', None), P('tensor')])
+
+
+def test_sequence_parallel_errors():
+  k = np.ones((D, F))
+  col = lambda x, k: tp.column_parallel_linear(x, k, sequence_parallel=True)
+  with pytest.raises(ValueError, match=r'sharded along the sequence.*'
+                     'replicated'):
+    run_in_tensor_map(col, np.ones((B, S, D)), k,
+                      specs=[REP, P(None, 'tensor')])
+  row = lambda x, k: tp.row_parallel_linear(x, k, sequence_parallel=True)
+  with pytest.raises(ValueError, match='sequence length 6 is not divisible by '
+                     '4'):
+    run_in_tensor_map(row, np.ones((B, 6, F)), np.ones((F, D)),
+                      specs=[P(None, None, 'tensor'), P('tensor', None)])
+
+
+def test_attention_shape_errors():
+  params = attention_params(np.random.default_rng(18))
+  params['out']['kernel'] = params['out']['kernel'][:, :1]   # head_dim 1 != 2
+  mesh = mesh_of(4)
+  specs = tp.param_specs(params)
+  attn = jax.shard_map(tp.parallel_self_attention, mesh=mesh,
+                       in_specs=(specs, REP), out_specs=REP)
+  with pytest.raises(ValueError, match=r"params\['out'\]\['kernel'\] has shape "
+                     r'\(2, 1, 16\), expected \(2, 2, 16\) for 2 local heads '
+                     r'\(of 8 over 4 devices\)'):
+    attn(tp.shard_params(params, mesh=mesh), put(mesh, np.ones((B, S, D)),
+                                                 REP))
+
+
+def test_vocab_errors():
+  with pytest.raises(TypeError, match='labels must be integers'):
+    run_in_tensor_map(tp.vocab_parallel_cross_entropy, np.ones((2, V)),
+                      np.ones(2), specs=[P(None, 'tensor'), REP])
+  with pytest.raises(ValueError, match=r'labels \(3,\) must have the shape of '
+                     r'logits \(2, 8\)'):
+    run_in_tensor_map(tp.vocab_parallel_cross_entropy, np.ones((2, V)),
+                      np.ones(3, np.int32), specs=[P(None, 'tensor'), REP])
+  with pytest.raises(TypeError, match='ids must be integers'):
+    run_in_tensor_map(tp.vocab_parallel_embed, np.ones(2), np.ones((V, D)),
+                      specs=[REP, P('tensor', None)])
+
+
+def test_nnx_module_errors():
+  with pytest.raises(ValueError, match='features 16 is not divisible by '
+                     'num_heads 6'):
+    tp.ParallelSelfAttention(D, 6, rngs=nnx.Rngs(0))
+  attn = tp.ParallelSelfAttention(D, 6, head_dim=2, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(attn)
+  mesh = mesh_of(4)
+  replicated = jax.tree.map(lambda _: REP, state)
+  call = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=mesh,
+                       in_specs=(replicated, REP), out_specs=REP)
+  with pytest.raises(ValueError, match='num_heads 6 is not divisible by the '
+                     'tensor axis size 4'):
+    call(jax.tree.map(lambda a: put(mesh, a, REP), state),
+         put(mesh, np.ones((B, S, D), np.float32), REP))
+  col = tp.ColumnParallelLinear(D, F, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(col)
+  call = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=mesh,
+                       in_specs=(jax.tree.map(lambda _: REP, state), REP),
+                       out_specs=REP)
+  with pytest.raises(ValueError, match=r'kernel shard has shape \(16, 32\), '
+                     r'expected \(16, 8\).*shard_params'):
+    call(jax.tree.map(lambda a: put(mesh, a, REP), state),
+         put(mesh, np.ones((B, D), np.float32), REP))
