@@ -340,6 +340,24 @@ def test_deadlock_message_names_every_stuck_rank():
   assert (e.value.action, e.value.rank, e.value.step) == (A('0B0'), 0, 1)
 
 
+def test_error_grid_of_a_long_schedule_shows_a_window():
+  s = pp.one_f_one_b(3, 40)
+  row = list(s.actions[1])
+  i, j = row.index(A('1F30')), row.index(A('1B30'))
+  row[i], row[j] = row[j], row[i]
+  broken = Schedule(3, 3, 40, s.placement, (s.actions[0], row, s.actions[2]))
+  with pytest.raises(ScheduleError, match="'order'") as e:
+    broken.validate()
+  lines = str(e.value).splitlines()
+  assert lines[1].split()[1:] == [str(t) for t in range(i - 4, i + 20)]
+  assert '[1B30]' in lines[3]
+  assert lines[-1] == f'(steps {i - 4}..{i + 19} of 0..79 shown)'
+  missing = Schedule(3, 3, 40, s.placement, (s.actions[0][:-1],) + s.actions[1:])
+  with pytest.raises(ScheduleError, match='0B39 is missing') as e:
+    missing.validate()
+  assert '(steps 0..23 of 0..79 shown)' in str(e.value)
+
+
 def test_schedule_normalises_and_type_checks():
   s = Schedule(2, 2, 1, [0, 1], [['0F0', '0B0'], [(1, 'F', 0), '1B0']])
   assert s.actions == rows('0F0 0B0', '1F0 1B0') and s.placement == (0, 1)
@@ -377,6 +395,13 @@ def test_from_csv_rejects_communication_actions(tmp_path):
   path = tmp_path / 'comms.csv'
   path.write_text('0F0,0B0\n1F0,1SEND_B0,1B0\n')
   with pytest.raises(ValueError, match=r'rank 1 column 1: .*1SEND_B0'):
+    Schedule.from_csv(path)
+
+
+def test_from_csv_rejects_a_gap_in_stage_numbers(tmp_path):
+  path = tmp_path / 'gap.csv'
+  path.write_text('0F0,0B0\n2F0,2B0\n')
+  with pytest.raises(ValueError, match='stage 1 has no actions'):
     Schedule.from_csv(path)
 
 

@@ -19,8 +19,15 @@ UNIT_COSTS = {'F': 1, 'B': 1, 'I': 1, 'W': 1}
 
 def format_grid(rows: Sequence[Sequence[str]],
                 marks: Iterable[tuple[int, int]] = (),
-                column: str = 'step') -> str:
+                column: str = 'step', max_columns: int | None = None) -> str:
   """Rank x column text grid; cells ``(rank, col)`` in ``marks`` get ``[ ]``.
+
+  Args:
+    rows: one sequence of cell strings per rank.
+    marks: ``(rank, column)`` cells to bracket.
+    column: the header of the column axis.
+    max_columns: if set and the grid is wider, show only a window of this
+      many columns, starting a few before the first mark.
 
   Example:
     >>> print(format_grid([['0F0', '0B0'], ['', '1F0']], marks=[(1, 1)]))
@@ -30,15 +37,23 @@ def format_grid(rows: Sequence[Sequence[str]],
   """
   marks = set(marks)
   ncol = max((len(row) for row in rows), default=0)
+  lo, hi = 0, ncol
+  if max_columns is not None and ncol > max_columns:
+    lo = max(0, min(min((t for _, t in marks), default=0) - 4,
+                    ncol - max_columns))
+    hi = lo + max_columns
   cells = [[(f'[{c}]' if (r, t) in marks else c) for t, c in enumerate(row)]
            + [''] * (ncol - len(row)) for r, row in enumerate(rows)]
-  width = max([len(str(ncol - 1))] + [len(c) for row in cells for c in row])
+  cells = [row[lo:hi] for row in cells]
+  width = max([len(str(hi - 1))] + [len(c) for row in cells for c in row])
   label = max(len(column), len(f'rank {len(rows) - 1}'))
   lines = [f'{column:<{label}} ' + ' '.join(
-      f'{t:>{width}}' for t in range(ncol))]
+      f'{t:>{width}}' for t in range(lo, hi))]
   for r, row in enumerate(cells):
     lines.append(f'{f"rank {r}":<{label}} ' + ' '.join(
         f'{c:>{width}}' for c in row))
+  if (lo, hi) != (0, ncol):
+    lines.append(f'({column}s {lo}..{hi - 1} of 0..{ncol - 1} shown)')
   return '\n'.join(line.rstrip() for line in lines)
 
 

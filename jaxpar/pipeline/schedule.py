@@ -51,6 +51,7 @@ RULES = {
     'order': 'on one rank, an action comes after the actions it depends on',
     'deadlock': 'the ranks, each running its actions in order, finish',
 }
+MAX_ERROR_COLUMNS = 24  # error grids show a window around the offending cell
 _ACTION_RE = re.compile(r'(\d+)([FBIW])(\d+)')
 
 
@@ -245,10 +246,10 @@ class Schedule:
             rank: int | None = None, step: int | None = None,
             marks: list[tuple[int, int]] | None = None):
     if marks is None:
-      marks = [] if rank is None else [(rank, step)]
+      marks = [] if step is None else [(rank, step)]
     grid = _plot.format_grid(
         [['' if a is None else str(a) for a in row] for row in self.actions],
-        marks=marks, column='step') if len(self.actions) else '(no ranks)'
+        marks=marks, max_columns=MAX_ERROR_COLUMNS) if self.actions else ''
     raise ScheduleError(
         f'Schedule {self.name!r} (p={self.num_ranks}, stages='
         f'{self.num_stages}, m={self.num_microbatches}) breaks rule {rule!r} '
@@ -356,7 +357,8 @@ class Schedule:
 
     Raises:
       ValueError: for a cell that is not a compute action (with its rank and
-        column), or a ``ScheduleError`` for an invalid schedule.
+        column), a stage number that never appears, or a ``ScheduleError``
+        for an invalid schedule.
 
     Example:
       >>> one_f_one_b(2, 2).to_csv('1f1b.csv')
@@ -382,6 +384,11 @@ class Schedule:
       for a in row:
         if a is not None and placement[a.stage] == -1:
           placement[a.stage] = rank
+    if -1 in placement:
+      raise ValueError(
+          f'{os.fspath(path)}: stage {placement.index(-1)} has no actions, but '
+          f'stages up to {num_stages - 1} appear; every logical stage must '
+          'appear on some row (stages are numbered from 0).')
     if name is None:
       name = os.path.splitext(os.path.basename(os.fspath(path)))[0]
     if num_microbatches is None:
