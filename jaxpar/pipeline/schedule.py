@@ -217,7 +217,7 @@ class Schedule:
           r0, t0 = where[action]
           self._fail('duplicate', f'{action} appears twice: at rank {r0} step '
                      f'{t0} and at rank {rank} step {step}',
-                     f'remove one of them', action, rank, step)
+                     'remove one of them', action, rank, step)
         where[action] = (rank, step)
     self._check_counts(where)
     graph = _simulate.dependency_graph(self)
@@ -263,7 +263,7 @@ class Schedule:
                  f'num_microbatches={m} must all be >= 1', 'pass positive sizes')
     if len(self.placement) != s:
       self._fail('structure', f'placement has {len(self.placement)} entries '
-                 f'for num_stages={s}', f'give one rank per logical stage')
+                 f'for num_stages={s}', 'give one rank per logical stage')
     for stage, rank in enumerate(self.placement):
       if not 0 <= rank < p:
         self._fail('structure', f'placement[{stage}]={rank} is not a rank in '
