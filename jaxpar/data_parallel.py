@@ -23,6 +23,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import zero
 from jaxpar.mesh import axis_size
 from jaxpar.train_state import (PyTree, StepStats, TrainState, apply_gradients,
                                 check_optimizer)
@@ -158,8 +159,10 @@ def data_parallel_step(
     num_microbatches: ``k``; each device accumulates gradients over ``k``
       microbatches with ``lax.scan``. The global batch size must be divisible
       by ``N * k``.
-    zero_stage: 0 (replicated optimizer state); 1 and 3 shard the optimizer
-      state (and params) over ``axis`` -- see ``jaxpar.zero``.
+    zero_stage: 0 (replicated optimizer state); 1 shards the optimizer state
+      over ``axis``, 3 the params too (``jaxpar.zero``; the state must come
+      from ``jaxpar.zero.shard_state(state, mesh=mesh, stage=zero_stage)``;
+      needs ``backend='shard_map'``).
     has_aux: ``loss_fn`` returns ``(loss, aux)``.
     backend: ``'shard_map'`` or ``'pmap'`` (legacy; same results).
 
@@ -193,15 +196,28 @@ def data_parallel_step(
     raise ValueError(f'backend={backend!r}; choose one of {BACKENDS}.')
   if zero_stage not in (0, 1, 3):
     raise ValueError(f'zero_stage={zero_stage!r}; choose 0, 1 or 3.')
-  if zero_stage:
-    raise NotImplementedError(
-        f'zero_stage={zero_stage} is not implemented yet; use zero_stage=0.')
+  if zero_stage and backend != 'shard_map':
+    raise ValueError(f'zero_stage={zero_stage} needs backend=\'shard_map\' '
+                     f'(got {backend!r}; pmap is the legacy replicated path).')
 
   def replica_step(state: TrainState, batch: PyTree):
-    params = jax.lax.pcast(state.params, axis, to='varying')
+    if zero_stage == 3:  # params are 1/N flat slices, gathered inside the loss
+      params, fn = state.params, zero.gathered_loss(loss_fn, axis=axis)
+    else:
+      params, fn = jax.lax.pcast(state.params, axis, to='varying'), loss_fn
     loss, grads, aux = microbatched_value_and_grad(
-        loss_fn, params, batch, num_microbatches=num_microbatches,
+        fn, params, batch, num_microbatches=num_microbatches,
         has_aux=has_aux, axis=axis)
+    if zero_stage:
+      # Reduce-scatter instead of all-reduce: each device gets the 1/N slice
+      # of the mean gradient that it updates (see jaxpar.zero).
+      loss, aux = jax.lax.pmean((loss, aux), axis)
+      grads = zero.reduce_gradients(grads, axis=axis)
+      grad_norm = zero.global_norm(grads, axis=axis)
+      state, skipped = zero.apply_gradients(
+          state, grads, loss=loss, grad_norm=grad_norm, optimizer=optimizer,
+          max_grad_norm=max_grad_norm, axis=axis)
+      return state, StepStats(loss, grad_norm, skipped, aux)
     # One all-reduce: the gradient of the global mean is the mean of the
     # per-device gradients (equal shard sizes).
     loss, grads, aux = jax.lax.pmean((loss, grads, aux), axis)
@@ -212,14 +228,19 @@ def data_parallel_step(
     return state, StepStats(loss, grad_norm, skipped, aux)
 
   if backend == 'shard_map':
-    compiled = jax.jit(jax.shard_map(
-        replica_step, mesh=mesh, in_specs=(P(), P(axis)),
-        out_specs=(P(), P())))
-    replicated = NamedSharding(mesh, P())
+    def sharded_step(state, batch):
+      # ZeRO's FlatLeaf arrays are sharded over axis, everything else (all of
+      # a zero_stage=0 state) is replicated.
+      specs = zero.state_specs(state, axis=axis)
+      return jax.shard_map(replica_step, mesh=mesh, in_specs=(specs, P(axis)),
+                           out_specs=(specs, P()))(state, batch)
+
+    compiled = jax.jit(sharded_step)
     sharded = NamedSharding(mesh, P(axis))
 
     def place(state, batch):
-      return (jax.device_put(state, replicated),
+      return (jax.device_put(state, jax.tree.map(
+          lambda s: NamedSharding(mesh, s), zero.state_specs(state, axis=axis))),
               jax.device_put(batch, sharded))
   else:
     devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0)
@@ -245,15 +266,16 @@ def data_parallel_step(
           f'num_microbatches {num_microbatches} = {n * num_microbatches}; use '
           f'a batch size that is a multiple of {n * num_microbatches} (e.g. '
           f'{max(1, size // (n * num_microbatches)) * n * num_microbatches}).')
-    key = (jax.tree.structure((state.params, batch)), tuple(
-        (np.shape(x), _dtype(x))
-        for x in jax.tree.leaves((state.params, batch))))
+    key = (jax.tree.structure((state, batch)), tuple(
+        (np.shape(x), _dtype(x)) for x in jax.tree.leaves((state, batch))))
     if key not in checked:
+      zero.check_state(state, optimizer, stage=zero_stage, mesh=mesh, axis=axis)
       micro = jax.tree.map(
           lambda x: jax.ShapeDtypeStruct(
               (size // (n * num_microbatches), *np.shape(x)[1:]),
               _dtype(x)), batch)
-      check_loss_fn(loss_fn, state.params, micro, has_aux=has_aux)
+      check_loss_fn(loss_fn, zero.logical_shapes(state.params), micro,
+                    has_aux=has_aux)
       checked.add(key)
 
   def step(state: TrainState, batch: PyTree) -> tuple[TrainState, StepStats]:
