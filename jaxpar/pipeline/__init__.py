@@ -9,3 +9,12 @@ from jaxpar.pipeline.schedule import one_f_one_b as one_f_one_b
 from jaxpar.pipeline.schedule import zbv as zbv
 from jaxpar.pipeline.schedule import zero_bubble_h1 as zero_bubble_h1
 from jaxpar.pipeline.simulate import SimResult as SimResult
+from jaxpar.pipeline.lower import LoweredSchedule as LoweredSchedule
+from jaxpar.pipeline.lower import lower as lower
+from jaxpar.pipeline.executor import PipelineGrads as PipelineGrads
+from jaxpar.pipeline.executor import pipeline_apply as pipeline_apply
+from jaxpar.pipeline.executor import pipeline_apply_local as pipeline_apply_local
+from jaxpar.pipeline.executor import pipeline_step as pipeline_step
+from jaxpar.pipeline.executor import pipeline_step_local as pipeline_step_local
+from jaxpar.pipeline.executor import ranks_to_stages as ranks_to_stages
+from jaxpar.pipeline.executor import stages_to_ranks as stages_to_ranks
