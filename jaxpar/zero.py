@@ -143,6 +143,17 @@ def _unpad(flat: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return flat[:math.prod(shape)].reshape(shape)
 
 
+def _mirrors(params: PyTree) -> Callable[[Any], bool]:
+  """Is a node a params-shaped subtree (``params``' structure and shapes)?"""
+  leaves, treedef = jax.tree.flatten(params)
+  shapes = [np.shape(x) for x in leaves]
+
+  def mirrors(node) -> bool:
+    node_leaves, node_def = jax.tree.flatten(node)
+    return node_def == treedef and [np.shape(x) for x in node_leaves] == shapes
+  return mirrors
+
+
 # -- Outside shard_map: converting states ----------------------------------
 
 
@@ -227,12 +238,7 @@ def shard_state(state: TrainState, *, mesh: Mesh, axis: str = 'data',
       raise TypeError(
           f'params leaf {jax.tree_util.keystr(path)} has dtype '
           f'{jnp.result_type(leaf)}; ZeRO shards trainable float params only.')
-  leaves, treedef = jax.tree.flatten(state.params)
-  shapes = [np.shape(x) for x in leaves]
-
-  def mirrors_params(node) -> bool:
-    node_leaves, node_def = jax.tree.flatten(node)
-    return node_def == treedef and [np.shape(x) for x in node_leaves] == shapes
+  mirrors_params = _mirrors(state.params)
 
   def flatten(tree):
     return jax.tree.map(
@@ -332,9 +338,11 @@ def check_state(state: TrainState, optimizer: optax.GradientTransformation, *,
   shapes = lambda tree: (jax.tree.structure(tree),
                          [np.shape(x) for x in jax.tree.leaves(tree)])
   if shapes(want) != shapes(state.opt_state):
-    if _flat_leaves(want) and not _flat_leaves(state.opt_state):
+    mirrors = _mirrors(logical_shapes(state.params))
+    if any(map(mirrors, jax.tree.leaves(state.opt_state, is_leaf=mirrors))):
       raise ValueError(f'zero_stage={stage} needs the optimizer state sharded '
-                       f'(state.opt_state holds no FlatLeaf); call {fix}.')
+                       '(state.opt_state holds unsharded params-shaped '
+                       f'subtrees); call {fix}.')
     raise ValueError(
         f'state.opt_state does not match optimizer.init of the flattened '
         f'params (got {jax.tree.structure(state.opt_state)}, want '
