@@ -3,6 +3,7 @@
 from jaxpar import async_ps as async_ps
 from jaxpar import pipeline as pipeline
 from jaxpar import tensor_parallel as tensor_parallel
+from jaxpar import zero as zero
 from jaxpar.async_ps import AsyncParameterServer as AsyncParameterServer
 from jaxpar.async_ps import AsyncResult as AsyncResult
 from jaxpar.data_parallel import data_parallel_step as data_parallel_step
