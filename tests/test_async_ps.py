@@ -133,39 +133,47 @@ def test_zero_staleness_is_sequential_training(x64):
   assert_trees_close(res.params, sequential(opt, init_params(), ordered), 1e-10)
 
 
-SLEPT = threading.Event()
+class Straggler:
+  """Batches (flagged ``slow``) of which batch ``slow`` is a straggler.
 
+  Its first gradient waits in a host callback until every batch has been
+  handed out, so the other workers apply many updates meanwhile and its push
+  is certainly too stale, however the threads are scheduled.
+  """
 
-def slow_on_flag(batch):
-  """Sleeps 0.5 s the first time a batch with batch['slow'] set is computed."""
-  def sleep(flag):
-    if flag and not SLEPT.is_set():
-      SLEPT.set()
-      time.sleep(0.5)
-    return np.zeros((), flag.dtype)
-  return jax.pure_callback(sleep, jax.ShapeDtypeStruct((), batch['slow'].dtype),
-                           batch['slow'])
+  def __init__(self, batches, slow=None):
+    self.batches = [dict(b, slow=np.int32(i == slow))
+                    for i, b in enumerate(batches)]
+    self.taken = 0
+    self.waited = threading.Event()
 
+  def __iter__(self):
+    for batch in self.batches:
+      self.taken += 1
+      yield batch
 
-def straggler_loss(params, batch):
-  return loss_fn(params, batch) + 0.0 * slow_on_flag(batch)
+  def _wait(self, flag):
+    if flag and not self.waited.is_set():
+      self.waited.set()
+      deadline = time.monotonic() + 30
+      while self.taken < len(self.batches) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return np.zeros((), np.int32)
 
-
-def flag_slow(batches, slow=None):
-  for i, batch in enumerate(batches):
-    batch['slow'] = np.int32(i == slow)
-  return batches
+  def loss(self, params, batch):
+    wait = jax.pure_callback(self._wait, jax.ShapeDtypeStruct((), jnp.int32),
+                             batch['slow'])
+    return loss_fn(params, batch) + 0.0 * wait
 
 
 def test_threaded_run_bounded_staleness_and_replay(x64):
   """A straggler forces stale pushes; the bound holds and the run replays."""
   n, bound = 48, 2
-  batches = flag_slow(make_batches(n, seed=3), slow=2)
-  SLEPT.clear()
+  straggler = Straggler(make_batches(n, seed=3), slow=2)
   opt = optax.sgd(0.05, momentum=0.5)
-  ps = jaxpar.AsyncParameterServer(straggler_loss, opt, init_params(),
+  ps = jaxpar.AsyncParameterServer(straggler.loss, opt, init_params(),
                                    num_workers=8, max_staleness=bound)
-  res = run_guarded(lambda: ps.run(batches, n))
+  res = run_guarded(lambda: ps.run(straggler, n))
 
   assert res.staleness.max() <= bound
   assert res.staleness.min() >= 0
@@ -176,14 +184,14 @@ def test_threaded_run_bounded_staleness_and_replay(x64):
   assert int(ps.state.step) == n
   assert res.params['w'].dtype == jnp.float64  # workers inherit x64
 
-  replay = async_ps.simulate(straggler_loss, opt, init_params(),
-                             [batches[j] for j in res.batch_ids],
+  replay = async_ps.simulate(straggler.loss, opt, init_params(),
+                             [straggler.batches[j] for j in res.batch_ids],
                              staleness=res.staleness)
   assert_trees_close(res.params, replay.params, 1e-10)
   np.testing.assert_allclose(res.losses, replay.losses, rtol=1e-10)
 
   # A second run continues from the server's state.
-  more = run_guarded(lambda: ps.run(iter(flag_slow(make_batches(8, seed=4))), 8))
+  more = run_guarded(lambda: ps.run(iter(Straggler(make_batches(8, seed=4))), 8))
   assert int(ps.state.step) == n + 8
   np.testing.assert_array_equal(np.sort(more.batch_ids), np.arange(8))
   assert more.staleness.max() <= bound
