@@ -43,8 +43,9 @@ everything else -- in particular the gathered params -- is recomputed, so the
 backward pass re-gathers each leaf instead of keeping the gathered copy. (A
 matmul of two params, e.g. ``w1 @ w2``, is a matmul output and is kept.)
 jaxpar does not know the model's layers, so gathering is per leaf, not per
-layer. XLA:CPU drops the rematerialisation barriers and reuses the forward
-gather; accelerator backends keep them.
+layer. ``jax.ad_checkpoint.print_saved_residuals`` shows that only the
+slices are kept; XLA:CPU, however, removes ``jax.checkpoint``'s barriers and
+reuses the forward gather (its HLO has one all-gather per leaf).
 
 **Optimizers.** Any optax optimizer whose update is elementwise (``sgd``,
 momentum, ``adam``, ``adamw``, ``lion``, ...) works exactly on flat padded
