@@ -39,7 +39,8 @@ KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'collective-permute',
 _INSTRUCTION = re.compile(
     r'^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s*'
     r'(?<![\w.\-])(?P<op>[a-z][a-z0-9\-]*)\((?P<rest>.*)$')
-_ARRAY_SHAPE = re.compile(r'\b(?P<dtype>[a-z]+\d*(?:e\d+m\d+\w*)?)\[(?P<dims>[\d,]*)\]')
+_ARRAY_SHAPE = re.compile(
+    r'\b(?P<dtype>[a-z]+\d*(?:e\d+m\d+\w*)?)\[(?P<dims>[\d,]*)\]')
 _DTYPE_BITS = {
     'pred': 8, 's2': 2, 'u2': 2, 's4': 4, 'u4': 4, 's8': 8, 'u8': 8,
     's16': 16, 'u16': 16, 'f16': 16, 'bf16': 16, 's32': 32, 'u32': 32,

@@ -46,7 +46,6 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-import math
 from typing import Any
 
 from flax import nnx
@@ -767,9 +766,44 @@ def _bias(p: nnx.Param | None) -> jax.Array | None:
   return None if p is None else p[...]
 
 
-class ColumnParallelLinear(nnx.Module):
-  """NNX module for ``column_parallel_linear``; params ``kernel [in, out]``
-  and ``bias [out]`` (dense at init, local shards when called).
+class _ParallelLinear(nnx.Module):
+  """Dense ``kernel [in, out]`` and ``bias [out]`` of a tensor-parallel
+  linear; subclasses say which kernel dim is split over ``axis``."""
+  _split_dim: int
+  _split_name: str
+
+  def __init__(self, in_features: int, out_features: int, *,
+               use_bias: bool = True, axis: str = 'tensor',
+               sequence_parallel: bool = False,
+               kernel_init: nnx.Initializer = _default_kernel_init,
+               bias_init: nnx.Initializer = _zeros,
+               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    self.in_features, self.out_features = in_features, out_features
+    self.axis, self.sequence_parallel = axis, sequence_parallel
+    self.kernel = nnx.Param(kernel_init(
+        rngs.params(), (in_features, out_features), param_dtype))
+    self.bias = (nnx.Param(bias_init(rngs.params(), (out_features,),
+                                     param_dtype))
+                 if use_bias else nnx.data(None))
+
+  def _local(self) -> tuple[jax.Array, jax.Array | None]:
+    """The local kernel and bias, checked against the dense shape."""
+    name = type(self).__name__
+    _check_module_shard(name, 'kernel', self.kernel,
+                        (self.in_features, self.out_features),
+                        self._split_dim, _axis_size(self.axis, name),
+                        self._split_name)
+    return self.kernel[...], _bias(self.bias)
+
+
+class ColumnParallelLinear(_ParallelLinear):
+  """NNX module for ``column_parallel_linear``: ``kernel [in, out]`` and
+  ``bias [out]``, dense at init, split by columns when called.
+
+  Args: ``in_features``, ``out_features``, ``gather_output`` and the
+  keyword-only ``use_bias``, ``axis``, ``sequence_parallel``,
+  ``kernel_init``, ``bias_init``, ``param_dtype``, ``rngs`` (as
+  ``nnx.Linear`` and ``column_parallel_linear``).
 
   Example:
     >>> layer = ColumnParallelLinear(16, 32, rngs=nnx.Rngs(0))
@@ -778,64 +812,39 @@ class ColumnParallelLinear(nnx.Module):
     ...                   in_specs=(param_specs(state), P()),
     ...                   out_specs=P(None, 'tensor'))
   """
+  _split_dim, _split_name = 1, 'out_features'
 
   def __init__(self, in_features: int, out_features: int, *,
-               use_bias: bool = True, axis: str = 'tensor',
-               gather_output: bool = False, sequence_parallel: bool = False,
-               kernel_init: nnx.Initializer = _default_kernel_init,
-               bias_init: nnx.Initializer = _zeros,
-               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
-    self.in_features, self.out_features = in_features, out_features
-    self.axis, self.gather_output = axis, gather_output
-    self.sequence_parallel = sequence_parallel
-    self.kernel = nnx.Param(kernel_init(rngs.params(),
-                                        (in_features, out_features),
-                                        param_dtype))
-    self.bias = nnx.Param(bias_init(rngs.params(), (out_features,),
-                                    param_dtype)) if use_bias else nnx.data(None)
+               gather_output: bool = False, **kwargs: Any):
+    super().__init__(in_features, out_features, **kwargs)
+    self.gather_output = gather_output
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    n = _axis_size(self.axis, 'ColumnParallelLinear')
-    _check_module_shard('ColumnParallelLinear', 'kernel', self.kernel,
-                        (self.in_features, self.out_features), 1, n,
-                        'out_features')
     return column_parallel_linear(
-        x, self.kernel[...], _bias(self.bias), axis=self.axis,
-        gather_output=self.gather_output,
+        x, *self._local(), axis=self.axis, gather_output=self.gather_output,
         sequence_parallel=self.sequence_parallel)
 
 
-class RowParallelLinear(nnx.Module):
-  """NNX module for ``row_parallel_linear``; params ``kernel [in, out]``
-  and ``bias [out]`` (dense at init; kernel split by rows when called).
+class RowParallelLinear(_ParallelLinear):
+  """NNX module for ``row_parallel_linear``: ``kernel [in, out]`` and
+  ``bias [out]``, dense at init, kernel split by rows when called.
+
+  Args: ``in_features``, ``out_features``, ``input_is_parallel`` and the
+  keyword-only arguments of ``ColumnParallelLinear``.
 
   Example:
     >>> layer = RowParallelLinear(32, 16, rngs=nnx.Rngs(0))
   """
+  _split_dim, _split_name = 0, 'in_features'
 
   def __init__(self, in_features: int, out_features: int, *,
-               use_bias: bool = True, axis: str = 'tensor',
-               input_is_parallel: bool = True,
-               sequence_parallel: bool = False,
-               kernel_init: nnx.Initializer = _default_kernel_init,
-               bias_init: nnx.Initializer = _zeros,
-               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
-    self.in_features, self.out_features = in_features, out_features
-    self.axis, self.input_is_parallel = axis, input_is_parallel
-    self.sequence_parallel = sequence_parallel
-    self.kernel = nnx.Param(kernel_init(rngs.params(),
-                                        (in_features, out_features),
-                                        param_dtype))
-    self.bias = nnx.Param(bias_init(rngs.params(), (out_features,),
-                                    param_dtype)) if use_bias else nnx.data(None)
+               input_is_parallel: bool = True, **kwargs: Any):
+    super().__init__(in_features, out_features, **kwargs)
+    self.input_is_parallel = input_is_parallel
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    n = _axis_size(self.axis, 'RowParallelLinear')
-    _check_module_shard('RowParallelLinear', 'kernel', self.kernel,
-                        (self.in_features, self.out_features), 0, n,
-                        'in_features')
     return row_parallel_linear(
-        x, self.kernel[...], _bias(self.bias), axis=self.axis,
+        x, *self._local(), axis=self.axis,
         input_is_parallel=self.input_is_parallel,
         sequence_parallel=self.sequence_parallel)
 

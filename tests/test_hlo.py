@@ -1,4 +1,4 @@
-"""Collectives counted from compiled HLO: real CPU programs and GPU-style text."""
+"""Collectives counted from compiled HLO: CPU programs and GPU-style text."""
 
 import jax
 import jax.numpy as jnp

@@ -329,7 +329,8 @@ def test_cross_entropy_is_stable_for_huge_logits():
                         put(mesh, labels, REP)))
   want = optax.losses.softmax_cross_entropy_with_integer_labels(logits, labels)
   assert np.all(np.isfinite(got))
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  np.testing.assert_allclose(got, want, rtol=1e-5,
+                             atol=1e-5 * np.abs(want).max())
 
 
 # ---------------------------------------------------------------------------
@@ -597,7 +598,8 @@ def test_layer_outside_shard_map_names_the_fix():
 def test_column_errors():
   x, k = np.ones((2, D)), np.ones((D, F))
   col = lambda x, k, b=None: tp.column_parallel_linear(x, k, b)
-  with pytest.raises(ValueError, match=r'x \(2, 8\) and kernel shard \(16, 8\)'):
+  with pytest.raises(ValueError,
+                     match=r'x \(2, 8\) and kernel shard \(16, 8\)'):
     run_in_tensor_map(col, x[:, :8], k, specs=[REP, P(None, 'tensor')])
   with pytest.raises(ValueError, match=r"kernel \(16, 32\) is not sharded over"
                      r" 'tensor'.*P\(None, 'tensor'\)"):

@@ -1,4 +1,4 @@
-"""Section ``tensor_parallel_vs_gspmd``: Megatron MLP block vs ``jax.jit`` + GSPMD.
+"""Section ``tensor_parallel_vs_gspmd``: Megatron MLP block vs jit + GSPMD.
 
 The block is ``y = x + mlp(layer_norm(x))`` with a GELU MLP ``d -> 4d -> d``
 on all devices as one ``tensor`` axis. jaxpar's version runs
