@@ -536,8 +536,9 @@ def pipeline_step_local(
     ``(loss, PipelineGrads(stages, loss, inputs))``: the mean loss over this
     shard's batch and its gradients; ``stages`` is this rank's ``[v, ...]``
     (varying over ``axis``), the rest is reduced over ``axis``. Nothing is
-    reduced over other axes: with a data-sharded batch, ``pmean`` the loss
-    and gradients over the data axis yourself.
+    reduced over other axes: with a batch sharded ``n`` ways over a data
+    axis, ``pmean`` the loss and the parameter gradients over it and divide
+    ``inputs`` (this shard's cotangent) by ``n``.
 
   Example:
     >>> def body(params, lp, x, t):   # inside shard_map over ('stage', 'tensor')
