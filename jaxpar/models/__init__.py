@@ -1,0 +1,5 @@
+"""Reference models: a decoder-only GPT (dense and 3D-parallel forms)."""
+
+from jaxpar.models import gpt as gpt
+from jaxpar.models.gpt import GPT as GPT
+from jaxpar.models.gpt import GPTConfig as GPTConfig

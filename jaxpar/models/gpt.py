@@ -1,0 +1,266 @@
+"""A decoder-only GPT in Flax NNX, and its tensor- and pipeline-parallel form.
+
+The dense model is plain Flax NNX (``nnx.Embed``, ``nnx.MultiHeadAttention``,
+``nnx.LayerNorm``, ``nnx.Linear``): the single-device reference. Its params
+(``nnx.split(model, nnx.Param)``, as a pure dict) run unchanged through the
+tensor-parallel functions of ``jaxpar.tensor_parallel``, whose layouts are
+Flax's; ``split_for_pipeline`` cuts them into the three parts the 3D train
+step (``jaxpar.parallel``) needs::
+
+  embed  {'embed', 'pos'}         token + position embedding, before the pipeline
+  stages blocks stacked [S, L_s, ...]   pipeline stage k = its L_s block slots
+  head   {'ln_f', 'lm_head'}      final norm + LM head, in the pipeline's loss_fn
+
+Uneven layer counts (``L`` layers on ``S`` stages) are balanced -- the first
+``L % S`` stages get one layer more -- and the missing slots are *identity*
+blocks (all-zero params: ``x + 0 + 0 == x`` exactly). ``PipelineLayout.mask``
+marks the real slots; the train step zeroes the gradients of the others, so
+they stay identity and the maths is that of the ``L``-layer model.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from flax.nnx.nn import attention
+
+from jaxpar import tensor_parallel as tp
+
+PyTree = Any
+
+
+class GPTConfig(NamedTuple):
+  """Sizes of a GPT. ``d_model`` divisible by ``num_heads``."""
+  vocab_size: int = 32
+  seq_len: int = 16
+  d_model: int = 64
+  num_heads: int = 4
+  num_layers: int = 4
+  mlp_ratio: int = 4
+
+
+class MLP(nnx.Module):
+  """``fc_out(gelu(fc_in(x)))``: the names ``parallel_mlp`` expects."""
+
+  def __init__(self, features: int, hidden: int, *, rngs: nnx.Rngs,
+               param_dtype: Any = jnp.float32):
+    self.fc_in = nnx.Linear(features, hidden, param_dtype=param_dtype,
+                            rngs=rngs)
+    self.fc_out = nnx.Linear(hidden, features, param_dtype=param_dtype,
+                             rngs=rngs)
+
+  def __call__(self, x):
+    return self.fc_out(jax.nn.gelu(self.fc_in(x)))
+
+
+def _attention(query, key, value, mask=None, **unused_kwargs):
+  """Flax's dot-product attention, softmax in the inputs' dtype.
+
+  (``nnx.dot_product_attention``'s fast path runs the softmax in float32;
+  the reference must stay float64 under ``jax_enable_x64``.)
+  """
+  weights = attention.dot_product_attention_weights(query, key, mask=mask)
+  return jnp.einsum('...hqk,...khd->...qhd', weights, value)
+
+
+class Block(nnx.Module):
+  """Pre-norm block: ``h = x + attn(ln1(x)); y = h + mlp(ln2(h))`` (causal)."""
+
+  def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs,
+               param_dtype: Any = jnp.float32):
+    d, kw = config.d_model, dict(param_dtype=param_dtype, rngs=rngs)
+    self.ln1 = nnx.LayerNorm(d, **kw)
+    self.attn = nnx.MultiHeadAttention(num_heads=config.num_heads,
+                                       in_features=d, decode=False,
+                                       attention_fn=_attention, **kw)
+    self.ln2 = nnx.LayerNorm(d, **kw)
+    self.mlp = MLP(d, config.mlp_ratio * d, **kw)
+
+  def __call__(self, x):
+    mask = nnx.make_causal_mask(jnp.ones(x.shape[:-1]), dtype=jnp.bool_)
+    h = x + self.attn(self.ln1(x), mask=mask)
+    return h + self.mlp(self.ln2(h))
+
+
+class GPT(nnx.Module):
+  """Decoder-only transformer: ``ids [B, S] -> logits [B, S, V]``.
+
+  Example:
+    >>> model = GPT(GPTConfig(), rngs=nnx.Rngs(0))
+    >>> params = gpt_params(model)               # pure dict of arrays
+    >>> loss = gpt_loss(params, ids, targets)    # == model's mean cross-entropy
+  """
+
+  def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs,
+               param_dtype: Any = jnp.float32):
+    if config.d_model % config.num_heads:
+      raise ValueError(f'd_model={config.d_model} is not divisible by '
+                       f'num_heads={config.num_heads}.')
+    self.config = config
+    kw = dict(param_dtype=param_dtype, rngs=rngs)
+    self.embed = nnx.Embed(config.vocab_size, config.d_model, **kw)
+    self.pos = nnx.Param(0.02 * jax.random.normal(
+        rngs.params(), (config.seq_len, config.d_model), param_dtype))
+    self.blocks = nnx.List([Block(config, **kw)
+                            for _ in range(config.num_layers)])
+    self.ln_f = nnx.LayerNorm(config.d_model, **kw)
+    self.lm_head = nnx.Linear(config.d_model, config.vocab_size, **kw)
+
+  def __call__(self, ids):
+    x = self.embed(ids) + self.pos[...][:ids.shape[-1]]
+    for block in self.blocks:
+      x = block(x)
+    return self.lm_head(self.ln_f(x))
+
+
+def gpt_params(model: GPT) -> dict:
+  """The model's parameters as a pure dict of arrays (``blocks`` keyed 0..L-1)."""
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+@functools.lru_cache(maxsize=None)
+def _abstract_model(config: GPTConfig, dtype: np.dtype):
+  return nnx.split(nnx.eval_shape(
+      lambda: GPT(config, rngs=nnx.Rngs(0), param_dtype=dtype)))
+
+
+def gpt_apply(params: dict, ids: jax.Array, *, config: GPTConfig) -> jax.Array:
+  """Dense forward ``ids [B, S] -> logits [B, S, V]`` from ``gpt_params``."""
+  graphdef, state = _abstract_model(config, params['pos'].dtype)
+  state = jax.tree.map(lambda x: x, state)   # a fresh State to fill in
+  nnx.replace_by_pure_dict(state, params)
+  return nnx.merge(graphdef, state)(ids)
+
+
+def gpt_loss(params: dict, batch: tuple[jax.Array, jax.Array], *,
+             config: GPTConfig) -> jax.Array:
+  """Mean next-token cross-entropy of the dense model: the reference.
+
+  Args:
+    params: ``gpt_params(model)``.
+    batch: ``(ids, targets)``, both int ``[B, S]``.
+    config: the model's ``GPTConfig``.
+
+  Returns:
+    scalar, ``optax.losses.softmax_cross_entropy_with_integer_labels``
+    averaged over batch and positions.
+  """
+  ids, targets = batch
+  return optax.losses.softmax_cross_entropy_with_integer_labels(
+      gpt_apply(params, ids, config=config), targets).mean()
+
+
+# ---------------------------------------------------------------------------
+# The parallel form: pure functions over the local shards, run inside a
+# shard_map whose 'tensor' axis splits heads, MLP features and vocabulary.
+
+
+class PipelineLayout(NamedTuple):
+  """How ``num_layers`` blocks sit on ``num_stages`` pipeline stages.
+
+  Stage ``k`` holds ``counts[k]`` real blocks (balanced, the first
+  ``num_layers % num_stages`` stages one more) in ``slots`` slots; the rest
+  are identity. ``mask[k, j]``: slot ``j`` of stage ``k`` is real.
+  """
+  num_layers: int
+  num_stages: int
+
+  @property
+  def counts(self) -> tuple[int, ...]:
+    q, r = divmod(self.num_layers, self.num_stages)
+    return tuple(q + (k < r) for k in range(self.num_stages))
+
+  @property
+  def slots(self) -> int:
+    return max(self.counts)
+
+  @property
+  def mask(self) -> np.ndarray:
+    return np.arange(self.slots)[None, :] < np.array(self.counts)[:, None]
+
+
+def split_for_pipeline(params: dict, *, num_stages: int):
+  """Dense ``gpt_params`` -> (``PipelineParams(embed, stages, head)``, layout).
+
+  ``stages`` leaves are ``[num_stages, slots, ...]``: block ``i`` of the
+  dense model is slot ``j`` of stage ``k`` in model order; identity slots are
+  zeros. ``merge_from_pipeline`` inverts it.
+
+  Raises:
+    ValueError: fewer layers than stages.
+
+  Example:
+    >>> pp, layout = split_for_pipeline(gpt_params(model), num_stages=4)
+    >>> layout.counts          # 6 layers on 4 stages
+    (2, 2, 1, 1)
+  """
+  from jaxpar.parallel import PipelineParams  # pylint: disable=g-import-not-at-top
+  blocks = [params['blocks'][i] for i in sorted(params['blocks'])]
+  if not isinstance(num_stages, int) or not 1 <= num_stages <= len(blocks):
+    raise ValueError(
+        f'num_stages={num_stages!r}: the GPT has {len(blocks)} layers; use '
+        f'1 <= num_stages <= {len(blocks)} (every stage needs a layer), or '
+        f'more layers.')
+  layout = PipelineLayout(len(blocks), num_stages)
+  zero = jax.tree.map(jnp.zeros_like, blocks[0])
+  slots, i = [], 0
+  for count in layout.counts:
+    stage = blocks[i:i + count] + [zero] * (layout.slots - count)
+    slots.append(jax.tree.map(lambda *xs: jnp.stack(xs), *stage))
+    i += count
+  stages = jax.tree.map(lambda *xs: jnp.stack(xs), *slots)
+  embed = {'embed': params['embed'], 'pos': params['pos']}
+  head = {'ln_f': params['ln_f'], 'lm_head': params['lm_head']}
+  return PipelineParams(embed, stages, head), layout
+
+
+def merge_from_pipeline(pipeline_params, layout: PipelineLayout) -> dict:
+  """Inverse of ``split_for_pipeline``: back to dense ``gpt_params``."""
+  embed, stages, head = pipeline_params
+  blocks = {}
+  for k, count in enumerate(layout.counts):
+    for j in range(count):
+      blocks[len(blocks)] = jax.tree.map(lambda x: x[k, j], stages)
+  return {'blocks': blocks, **embed, **head}
+
+
+def embed_fn(params: dict, ids: jax.Array, *, axis: str = 'tensor') -> jax.Array:
+  """Token (vocab-parallel) + position embedding: ``ids [B, S] -> [B, S, d]``.
+
+  Inside ``shard_map``; ``params['embed']['embedding']`` is the ``[V/N, d]``
+  shard. One all-reduce over ``axis``.
+  """
+  x = tp.vocab_parallel_embed(ids, params['embed']['embedding'], axis=axis)
+  return x + params['pos'][:ids.shape[-1]]
+
+
+def stage_fn(params: dict, x: jax.Array, *, axis: str = 'tensor') -> jax.Array:
+  """One pipeline stage: its ``slots`` blocks in order, ``[B, S, d] -> same``.
+
+  ``params`` leaves are ``[slots, ...]`` (one stage of ``split_for_pipeline``
+  's ``stages``), tensor-parallel shards, applied in order. Two
+  all-reduces over ``axis`` per block forward.
+  """
+  for j in range(jax.tree.leaves(params)[0].shape[0]):
+    x = tp.transformer_block(jax.tree.map(lambda a: a[j], params), x,
+                             axis=axis, causal=True)
+  return x
+
+
+def head_loss_fn(params: dict, y: jax.Array, targets: jax.Array, *,
+                 axis: str = 'tensor') -> jax.Array:
+  """Final norm, vocab-parallel LM head and cross-entropy, mean over ``[B, S]``.
+
+  The full logits ``[B, S, V]`` are never gathered
+  (``vocab_parallel_cross_entropy``).
+  """
+  h = tp.layer_norm(params['ln_f'], y)
+  logits = tp.column_parallel_linear(h, params['lm_head']['kernel'],
+                                     params['lm_head']['bias'], axis=axis)
+  return tp.vocab_parallel_cross_entropy(logits, targets, axis=axis).mean()
