@@ -103,6 +103,11 @@ class FlatLeaf:
       elements in row-major order, then zeros. Outside ``shard_map`` it is the
       global array sharded ``P(axis)``; inside, a device's ``[c]`` slice.
     shape: the original leaf shape (static pytree metadata).
+
+  Example:
+    >>> leaf = state.params['w']              # a stage-3 state on data=8
+    >>> leaf.shape, leaf.flat.shape, leaf.flat.sharding.spec
+    ((5, 7), (40,), PartitionSpec('data',))
   """
   flat: jax.Array
   shape: tuple[int, ...]
@@ -298,7 +303,11 @@ def check_state(state: TrainState, optimizer: optax.GradientTransformation, *,
   lengths must fit ``N = mesh.shape[axis]`` and ``opt_state`` must have the
   structure and shapes of ``optimizer.init`` of the flattened params (which
   also rejects optimizers that are not elementwise, e.g. ``adafactor``).
-  Abstract evaluation only (``jax.eval_shape``).
+  Abstract evaluation only (``jax.eval_shape``); ``data_parallel_step`` calls
+  it before compiling.
+
+  Example:
+    >>> jaxpar.zero.check_state(state, optax.adam(1e-3), stage=3, mesh=mesh)
   """
   fix = f'jaxpar.zero.shard_state(state, mesh=mesh, stage={stage})'
   flat = _flat_leaves(state)

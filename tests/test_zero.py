@@ -84,11 +84,17 @@ def test_matches_single_device_float64(x64, stage, mesh_name):
     assert tail.size and not tail.any()
 
 
-def test_matches_single_device_float32_with_aux():
+def test_matches_single_device_float32_with_aux_compiles_once():
+  traces = []
+
+  def counted_loss(params, batch):
+    traces.append(1)
+    return loss_with_aux(params, batch)
+
   mesh = jaxpar.make_mesh(data=8)
   params, batches = init_params(), make_batches(3, 64)
   optimizer = optax.sgd(0.1, momentum=0.9)
-  step = jaxpar.data_parallel_step(loss_with_aux, optimizer, mesh=mesh,
+  step = jaxpar.data_parallel_step(counted_loss, optimizer, mesh=mesh,
                                    zero_stage=3, num_microbatches=4,
                                    max_grad_norm=1.0, has_aux=True)
   want = reference_run(params, batches, optimizer, 1.0)
@@ -98,7 +104,10 @@ def test_matches_single_device_float32_with_aux():
     state, stats = step(state, batch)
     np.testing.assert_allclose(stats.aux['loss_x2'], 2 * want_loss, rtol=1e-5)
     got.append((stats.loss, stats.grad_norm, zero.gather_params(state)))
+    if len(got) == 1:
+      after_first = len(traces)
   assert_same_history(got, want, rtol=1e-5)
+  assert len(traces) == after_first   # no retrace on later steps
 
 
 @pytest.mark.parametrize('stage', [1, 3])
@@ -205,6 +214,18 @@ def test_stage3_backward_regathers_instead_of_saving_params(capsys):
   assert full & plain           # without remat a gathered param is kept
   assert not full & remat       # with it, only the slices are
   assert {(5,), (1,), (3,)} <= remat    # ceil(35/8), ceil(7/8), ceil(21/8)
+
+
+def test_global_norm_over_two_axes():
+  mesh = jaxpar.make_mesh(data=4, tensor=2)
+  rng = np.random.default_rng(0)
+  tree = {'a': rng.normal(size=(16, 3)), 'b': rng.normal(size=(8,))}
+  spec = P(('data', 'tensor'))
+  norm = jax.jit(jax.shard_map(
+      lambda t: zero.global_norm(t, axis=('data', 'tensor')), mesh=mesh,
+      in_specs=(spec,), out_specs=P()))(
+          jax.device_put(tree, jax.sharding.NamedSharding(mesh, spec)))
+  np.testing.assert_allclose(norm, optax.tree.norm(tree), rtol=1e-6)
 
 
 @pytest.mark.parametrize('stage', [1, 3])
