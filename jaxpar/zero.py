@@ -22,7 +22,7 @@ is static pytree metadata, so a ZeRO state is still an ordinary
 
   stage 1: g_d = grad(loss_fn)(params, batch_d)           full, local batch
            g   = reduce_scatter(pad(g_d)) / N             my 1/N slice of mean
-           |g| = sqrt(psum(sum(g**2)))                    global, before clipping
+           |g| = sqrt(psum(sum(g**2)))                    global, unclipped
            p, opt = optimizer.update(clip(g), opt, my slice of params)
            params = all_gather(p)[:size].reshape(s)       replicated again
   stage 3: params_full = all_gather(p)[:size].reshape(s)  inside the loss,
@@ -131,7 +131,7 @@ def _flat_leaves(tree: PyTree) -> list[FlatLeaf]:
 
 
 def padded_size(size: int, n: int) -> int:
-  """``N * max(1, ceil(size / N))``: a leaf's flat length when sharded ``N`` ways.
+  """``N * max(1, ceil(size / N))``: a leaf's flat length, sharded ``N`` ways.
 
   Example:
     >>> jaxpar.zero.padded_size(35, 8)
@@ -183,7 +183,7 @@ def state_specs(state: PyTree, *, axis: str = 'data') -> PyTree:
 
 
 def logical_shapes(tree: PyTree) -> PyTree:
-  """``jax.ShapeDtypeStruct`` of every leaf, ``FlatLeaf``s at their original shape.
+  """``jax.ShapeDtypeStruct`` of every leaf; ``FlatLeaf``s at their own shape.
 
   Example:
     >>> jaxpar.zero.logical_shapes(state.params)['w']   # a stage-3 state
@@ -224,7 +224,8 @@ def shard_state(state: TrainState, *, mesh: Mesh, axis: str = 'data',
     (c,)``).
 
   Example:
-    >>> state = jaxpar.TrainState.create({'w': jnp.ones((5, 7))}, optax.adam(0.1))
+    >>> state = jaxpar.TrainState.create({'w': jnp.ones((5, 7))},
+    ...                                  optax.adam(0.1))
     >>> state = jaxpar.zero.shard_state(state, mesh=jaxpar.make_mesh(data=8),
     ...                                 stage=3)
     >>> state.params['w'].flat.shape, state.params['w'].shape
@@ -297,7 +298,7 @@ def gather_params(state: TrainState) -> PyTree:
 
 def check_state(state: TrainState, optimizer: optax.GradientTransformation, *,
                 stage: int, mesh: Mesh, axis: str = 'data') -> None:
-  """``ValueError`` unless ``state`` is in the ZeRO layout of ``stage`` for ``mesh``.
+  """``ValueError`` unless ``state`` has ``stage``'s ZeRO layout for ``mesh``.
 
   Stage 0 (no ZeRO) accepts only plain states. For stages 1 and 3 the flat
   lengths must fit ``N = mesh.shape[axis]`` and ``opt_state`` must have the
@@ -324,8 +325,8 @@ def check_state(state: TrainState, optimizer: optax.GradientTransformation, *,
   if stage == 3 and len(params_flat) != num_params:
     raise ValueError(
         f'zero_stage=3 needs params sharded by zero.shard_state(..., stage=3), '
-        f'but {num_params - len(params_flat)} of {num_params} params leaves are '
-        f'plain arrays; call {fix}.')
+        f'but {num_params - len(params_flat)} of {num_params} params leaves '
+        f'are plain arrays; call {fix}.')
   if stage == 1 and params_flat:
     raise ValueError(
         'zero_stage=1 needs replicated params, but state.params are sharded '
@@ -427,7 +428,7 @@ def gathered_loss(loss_fn: Callable[..., Any], *,
 
 
 def reduce_gradients(grads: PyTree, *, axis: str) -> PyTree:
-  """This device's ``FlatLeaf`` slice of the mean over ``axis`` of per-device grads.
+  """This device's ``FlatLeaf`` slice of the per-device grads' mean over ``axis``.
 
   Inside ``shard_map`` over ``axis`` (size ``N``):
 
@@ -452,7 +453,7 @@ def reduce_gradients(grads: PyTree, *, axis: str) -> PyTree:
 
 
 def global_norm(grads: PyTree, *, axis: str | Sequence[str]) -> jax.Array:
-  """Global L2 norm of a gradient sharded over ``axis``: ``sqrt(psum(sum g**2))``.
+  """Global L2 norm of a gradient sharded over ``axis``: ``sqrt(psum(sum g^2))``.
 
   Inside ``shard_map``; ``axis`` is one mesh axis or a tuple of all axes the
   leaves are sharded over. Padding zeros add nothing. Equals

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 3 equal single-device optax training, with 1/N state per device."""
+"""ZeRO-1/3 equal single-device optax training, with 1/N state per device."""
 
 import math
 import re
