@@ -99,6 +99,10 @@ def _check_sequence_sharded(x: jax.Array, axis: str, n: int, fn: str) -> None:
 
 
 def _check_scatter(y: jax.Array, n: int, fn: str) -> None:
+  if y.ndim < 2:
+    raise ValueError(
+        f'{fn}: sequence_parallel=True needs outputs [..., S, d] to scatter '
+        f'along the sequence, got {tuple(y.shape)}.')
   if y.shape[-2] % n:
     raise ValueError(
         f'{fn}: sequence_parallel=True reduce-scatters the sequence (dim -2 of '
@@ -112,6 +116,11 @@ def _check_bias(bias: jax.Array | None, size: int, fn: str,
     raise ValueError(
         f'{fn}: bias shape {tuple(bias.shape)} does not match the {size} '
         f'output features of the kernel; {hint}.')
+
+
+def _arrays(params: Params) -> Params:
+  """An ``nnx.State`` (from ``nnx.split``) as nested dicts of arrays."""
+  return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
 
 
 # Collectives. Each forward collective's transpose is the backward one that
@@ -281,7 +290,8 @@ def parallel_mlp(params: Params, x: jax.Array, *, axis: str = 'tensor',
 
   Args:
     params: ``{'fc_in': {'kernel': [d, f/N], 'bias': [f/N]}, 'fc_out':
-      {'kernel': [f/N, d], 'bias': [d]}}`` local shards; biases optional.
+      {'kernel': [f/N, d], 'bias': [d]}}`` local shards (dicts of arrays or
+      an ``nnx.State``); biases optional.
     x: ``[..., d]`` replicated, or ``[..., S/N, d]`` with
       ``sequence_parallel``.
     axis: the tensor-parallel mesh axis.
@@ -295,6 +305,7 @@ def parallel_mlp(params: Params, x: jax.Array, *, axis: str = 'tensor',
     >>> mlp = jax.shard_map(parallel_mlp, mesh=mesh,
     ...                     in_specs=(param_specs(params), P()), out_specs=P())
   """
+  params = _arrays(params)
   fc_in, fc_out = params['fc_in'], params['fc_out']
   h = column_parallel_linear(x, fc_in['kernel'], fc_in.get('bias'), axis=axis,
                              sequence_parallel=sequence_parallel)
@@ -341,6 +352,7 @@ def parallel_self_attention(params: Params, x: jax.Array, *,
   """
   fn = 'parallel_self_attention'
   n = _axis_size(axis, fn)
+  params = _arrays(params)
   wq = params['query']['kernel']
   if wq.ndim != 3 or x.ndim < 2 or x.shape[-1] != wq.shape[0]:
     raise ValueError(
@@ -360,8 +372,9 @@ def parallel_self_attention(params: Params, x: jax.Array, *,
             f'{tuple(p[leaf].shape)}, expected {tuple(shape)} for {heads} '
             f'local heads (of {heads * n} over {n} devices) of size '
             f'{head_dim}.')
-    _check_sharded(p['kernel'], axis, fn, f"params['{name}']['kernel']",
-                   'from tensor_parallel.param_specs')
+    spec = (f'P({axis!r}, None, None)' if name == 'out' else
+            f'P(None, {axis!r}, None)')
+    _check_sharded(p['kernel'], axis, fn, f"params['{name}']['kernel']", spec)
   if sequence_parallel:
     _check_sequence_sharded(x, axis, n, fn)
     x = _gather_sequence(x, axis)
@@ -403,6 +416,7 @@ def layer_norm(params: Params, x: jax.Array, *,
   Example:
     >>> layer_norm({'scale': jnp.ones(4), 'bias': jnp.zeros(4)}, x)
   """
+  params = _arrays(params)
   mean = jnp.mean(x, axis=-1, keepdims=True)
   var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
   y = (x - mean) * jax.lax.rsqrt(var + epsilon)
@@ -444,6 +458,7 @@ def transformer_block(params: Params, x: jax.Array, *, axis: str = 'tensor',
     ...     mesh=mesh, in_specs=(param_specs(params), P(None, 'tensor')),
     ...     out_specs=P(None, 'tensor'))
   """
+  params = _arrays(params)
   h = x + parallel_self_attention(
       params['attn'], layer_norm(params['ln1'], x), axis=axis, causal=causal,
       sequence_parallel=sequence_parallel)

@@ -526,6 +526,18 @@ def test_nnx_modules_split_merge(x64, sequence_parallel):
   assert mesh.shape['tensor'] == 4
 
 
+def test_pure_functions_take_an_nnx_state(x64):
+  model = tp.ParallelMLP(D, F, param_dtype=jnp.float64, rngs=nnx.Rngs(3))
+  _, state = nnx.split(model)
+  x = np.random.default_rng(19).standard_normal((B, D))
+  mesh = mesh_of(4)
+  mlp = jax.jit(jax.shard_map(tp.parallel_mlp, mesh=mesh,
+                              in_specs=(tp.param_specs(state), REP),
+                              out_specs=REP))
+  got = mlp(tp.shard_params(state, mesh=mesh), put(mesh, x, REP))
+  assert_trees_close(got, dense_mlp(nnx.to_pure_dict(state), x), 1e-10)
+
+
 def test_nnx_linear_modules(x64):
   rngs = nnx.Rngs(2)
   col = tp.ColumnParallelLinear(D, F, gather_output=True, rngs=rngs,
@@ -632,6 +644,9 @@ def test_sequence_parallel_errors():
     run_in_tensor_map(col, np.ones((B, S, D)), k,
                       specs=[REP, P(None, 'tensor')])
   row = lambda x, k: tp.row_parallel_linear(x, k, sequence_parallel=True)
+  with pytest.raises(ValueError, match=r'outputs \[..., S, d\] to scatter'):
+    run_in_tensor_map(row, np.ones(F), np.ones((F, D)),
+                      specs=[P('tensor'), P('tensor', None)])
   with pytest.raises(ValueError, match='sequence length 6 is not divisible by '
                      '4'):
     run_in_tensor_map(row, np.ones((B, 6, F)), np.ones((F, D)),
