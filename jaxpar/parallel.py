@@ -86,6 +86,13 @@ def _axes(spec: P) -> tuple[str, ...]:
   return tuple(out)
 
 
+def _normalized(spec: P) -> P:
+  entries = list(spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return P(*entries)
+
+
 def _padded(spec: P, ndim: int) -> tuple:
   return tuple(spec) + (None,) * (ndim - len(spec))
 
@@ -254,7 +261,8 @@ def train_step(
   batch_sharding = NamedSharding(mesh, P(data_axis))
 
   def program(state: TrainState):
-    specs = jax.tree.map(lambda x: x.sharding.spec, state)
+    # Normalised (P(None,) == P()) so a step's output state hits the cache.
+    specs = jax.tree.map(lambda x: _normalized(x.sharding.spec), state)
     key = (jax.tree.structure(state), tuple(jax.tree.leaves(
         specs, is_leaf=lambda s: isinstance(s, P))))
     if key not in compiled:

@@ -1,0 +1,176 @@
+"""3D parallelism (DP x PP x TP) on a GPT equals single-device optax training."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.models import gpt
+
+CONFIG = gpt.GPTConfig(vocab_size=16, seq_len=8, d_model=16, num_heads=4,
+                       num_layers=4)
+
+
+def dense_params(dtype):
+  return jax.tree.map(lambda x: x.astype(dtype),
+                      gpt.gpt_params(gpt.GPT(CONFIG, rngs=nnx.Rngs(0))))
+
+
+def batches(num, size=8, seed=0):
+  rng = np.random.default_rng(seed)
+  return [(rng.integers(0, CONFIG.vocab_size, (size, CONFIG.seq_len)),
+           rng.integers(0, CONFIG.vocab_size, (size, CONFIG.seq_len)))
+          for _ in range(num)]
+
+
+def reference(params, data, optimizer, max_grad_norm):
+  optimizer = optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)
+  opt_state = optimizer.init(params)
+  loss_fn = jax.jit(jax.value_and_grad(functools.partial(gpt.gpt_loss,
+                                                         config=CONFIG)))
+  out = []
+  for batch in data:
+    loss, grads = loss_fn(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    out.append((loss, optax.tree.norm(grads), params))
+  return out
+
+
+def run(mesh_sizes, schedule, params, data, optimizer, max_grad_norm):
+  n = int(np.prod(list(mesh_sizes.values())))
+  mesh = jaxpar.make_mesh(**mesh_sizes, devices=jax.devices()[:n])
+  pp, layout = gpt.split_for_pipeline(params, num_stages=schedule.num_stages)
+  trainer = jaxpar.parallel.train_step(
+      gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optimizer,
+      schedule=schedule, mesh=mesh, stage_mask=layout.mask,
+      max_grad_norm=max_grad_norm)
+  state = trainer.init(pp)
+  out = []
+  for batch in data:
+    state, stats = trainer.step(state, batch)
+    assert not bool(stats.skipped)
+    out.append((stats.loss, stats.grad_norm,
+                gpt.merge_from_pipeline(trainer.params(state), layout)))
+  return out
+
+
+CASES = {
+    '2x2x2-1f1b': (dict(data=2, stage=2, tensor=2),
+                   lambda: jaxpar.pipeline.one_f_one_b(2, 2)),
+    '1x2x4-zb_h1': (dict(data=1, stage=2, tensor=4),
+                    lambda: jaxpar.pipeline.zero_bubble_h1(2, 4)),
+    '2x2x1-interleaved': (dict(data=2, stage=2, tensor=1),
+                          lambda: jaxpar.pipeline.interleaved_1f1b(2, 2, 2)),
+    '1x2x2-zbv': (dict(data=1, stage=2, tensor=2),
+                  lambda: jaxpar.pipeline.zbv(2, 4)),
+    '4x2x1-gpipe': (dict(data=4, stage=2, tensor=1),
+                    lambda: jaxpar.pipeline.gpipe(2, 1)),
+}
+
+
+@pytest.mark.parametrize('case', list(CASES))
+def test_matches_single_device_float64(x64, case):
+  """Every mesh shape and schedule: same losses, norms and params."""
+  mesh_sizes, make_schedule = CASES[case]
+  schedule = make_schedule()
+  params = dense_params(jnp.float64)
+  data = batches(2)
+  # Linear in the gradient: adam would blow the rounding noise of the
+  # key-bias gradient (exactly zero in exact arithmetic) up to full steps.
+  optimizer = optax.sgd(0.3, momentum=0.9)
+  got = run(mesh_sizes, schedule, params, data, optimizer, 0.5)
+  want = reference(params, data, optimizer, 0.5)
+  assert float(want[0][1]) > 0.5   # clipping is exercised
+  for (loss, norm, p), (ref_loss, ref_norm, ref_p) in zip(got, want):
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-10)
+    np.testing.assert_allclose(norm, ref_norm, rtol=1e-10)
+    chex.assert_trees_all_close(p, ref_p, rtol=1e-9, atol=1e-11)
+
+
+def test_float32_2x2x2_interleaved():
+  config_params = dense_params(jnp.float32)
+  data = batches(2)
+  optimizer = optax.sgd(0.1, momentum=0.9)  # adam would amplify rounding
+  schedule = jaxpar.pipeline.interleaved_1f1b(2, 2, 1)
+  got = run(dict(data=2, stage=2, tensor=2), schedule, config_params, data,
+            optimizer, 1.0)
+  want = reference(config_params, data, optimizer, 1.0)
+  for (loss, norm, p), (ref_loss, ref_norm, ref_p) in zip(got, want):
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(norm, ref_norm, rtol=1e-5)
+    chex.assert_trees_all_close(p, ref_p, rtol=1e-4, atol=1e-5)
+
+
+def test_uneven_layers_keep_identity_slots():
+  """6 layers on 4 stages: slots (2, 2, 1, 1); padding stays exactly zero."""
+  config = CONFIG._replace(num_layers=6)
+  params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(1)))
+  pp, layout = gpt.split_for_pipeline(params, num_stages=4)
+  assert layout.counts == (2, 2, 1, 1)
+  chex.assert_trees_all_equal(gpt.merge_from_pipeline(pp, layout), params)
+  mesh = jaxpar.make_mesh(stage=4, tensor=2)
+  trainer = jaxpar.parallel.train_step(
+      gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.adamw(0.1),
+      schedule=jaxpar.pipeline.one_f_one_b(4, 2), mesh=mesh,
+      stage_mask=layout.mask)
+  state, stats = trainer.step(trainer.init(pp), batches(1, size=4)[0])
+  stages = trainer.params(state).stages
+  for leaf in jax.tree.leaves(stages):
+    assert not np.any(np.asarray(leaf)[~layout.mask])
+  ref = gpt.gpt_loss(params, batches(1, size=4)[0], config=config)
+  np.testing.assert_allclose(stats.loss, ref, rtol=1e-5)
+
+
+def test_non_finite_step_is_skipped():
+  params = dense_params(jnp.float32)
+  params['ln_f']['scale'] = params['ln_f']['scale'].at[0].set(jnp.nan)
+  pp, layout = gpt.split_for_pipeline(params, num_stages=2)
+  trainer = jaxpar.parallel.train_step(
+      gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.adam(0.1),
+      schedule=jaxpar.pipeline.one_f_one_b(2, 2),
+      mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2), stage_mask=layout.mask)
+  state = trainer.init(pp)
+  new, stats = trainer.step(state, batches(1)[0])
+  assert bool(stats.skipped) and int(new.step) == 0
+  chex.assert_trees_all_equal(new.params, state.params)
+
+
+class TestErrors:
+
+  def test_schedule_ranks_must_match_mesh(self):
+    with pytest.raises(ValueError, match="num_ranks=4 but the mesh axis "
+                       "'stage' has size 2"):
+      jaxpar.parallel.train_step(
+          gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(0.1),
+          schedule=jaxpar.pipeline.one_f_one_b(4, 4),
+          mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2))
+
+  def test_more_stages_than_layers(self):
+    with pytest.raises(ValueError, match='num_stages=5: the GPT has 4 layers'):
+      gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=5)
+
+  def test_batch_not_divisible(self):
+    pp, layout = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=2)
+    trainer = jaxpar.parallel.train_step(
+        gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(0.1),
+        schedule=jaxpar.pipeline.one_f_one_b(2, 4),
+        mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2), stage_mask=layout.mask)
+    with pytest.raises(ValueError, match=r'batch size 12 .* data size 2 x '
+                       r'num_microbatches 4 = 8'):
+      trainer.step(trainer.init(pp), batches(1, size=12)[0])
+
+  def test_tensor_size_must_divide_heads(self):
+    pp, _ = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=1)
+    trainer = jaxpar.parallel.train_step(
+        gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(0.1),
+        schedule=jaxpar.pipeline.one_f_one_b(1, 1),
+        mesh=jaxpar.make_mesh(tensor=8))
+    with pytest.raises(ValueError, match='not divisible'):
+      trainer.init(pp)
