@@ -282,58 +282,61 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
       break
     act_vma = new
   act_aval = jax.typeof(x)
-  if train:
-    avals = (act_aval, stash_aval, dp_aval, loss_aval, dlp_aval)
-  else:
-    avals = (act_aval,)
-
-  def outputs(*parts):
-    """The branch outputs typed alike; missing parts hold ``bubble_fill``."""
-    parts += (None,) * (len(avals) - len(parts))
-    return tuple(_full(a, bubble_fill) if o is None else _like(o, a)
-                 for o, a in zip(parts, avals))
 
   def params_of(j):
     return jax.tree.map(lambda a: a[j], local_params)
 
-  def idle(j, x, st, target):
-    del j, x, st, target
-    return outputs()
+  def put(buf, index, value):
+    """``buf[index] = value`` (in place), cast to the buffer's varying axes."""
+    return jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(
+        b, _like(v, b[0]), index, 0), buf, value)
 
-  def fwd(j, x, st, target):
+  def add_grads(grads, j, dp):
+    """``grads[j] += dp``, in place."""
+    return put(grads, j, jax.tree.map(lambda g, d: g[j] + _like(d, g[j]),
+                                      grads, dp))
+
+  # One block per action kind; each runs in a ``_when`` and updates the tick
+  # state (payload, new stash entry, grads, loss, dloss_params) in place.
+  # Only the gradient accumulators live in these loops: the stash is read
+  # before them and written after them, so that XLA never copies it.
+  def fwd(state, j, x, st, target):
     del st, target
+    _, _, *acc = state
     if not train:
-      return outputs(stage_fn(params_of(j), x))
-    return outputs(*stage.forward(params_of(j), x))
+      return (_like(stage_fn(params_of(j), x), act_aval), None)
+    y, new = stage.forward(params_of(j), x)
+    return (_like(y, act_aval), _like(new, stash_aval), *acc)
 
-  def fwd_last(j, x, st, target):
+  def fwd_last(state, j, x, st, target):
     del st
-    y, stash = stage.forward(params_of(j), x)
-    loss, (dlp, dy) = seed(loss_params, y, target)
-    return outputs(dy, stash, None, loss, dlp)
+    _, _, grads, loss, dlp = state
+    y, new = stage.forward(params_of(j), x)
+    l, (dl, dy) = seed(loss_params, y, target)
+    return (_like(dy, act_aval), _like(new, stash_aval), grads,
+            loss + _like(l, loss),
+            jax.tree.map(lambda a, d: a + _like(d, a), dlp, dl))
 
-  def bwd(j, dy, st, target):
+  def bwd(state, j, dy, st, target):
     del target
+    _, new, grads, *acc = state
     dp, dx = stage.backward(params_of(j), st, dy)
-    return outputs(dx, None, dp)
+    return (_like(dx, act_aval), new, add_grads(grads, j, dp), *acc)
 
-  def bwd_input(j, dy, st, target):
+  def bwd_input(state, j, dy, st, target):
     del target
-    return outputs(stage.backward(params_of(j), st, dy)[1])
+    _, *rest = state
+    return (_like(stage.backward(params_of(j), st, dy)[1], act_aval), *rest)
 
-  def bwd_weight(j, dy, st, target):
+  def bwd_weight(state, j, dy, st, target):
     del target
-    return outputs(None, None, stage.backward(params_of(j), st, dy)[0])
+    payload, new, grads, *acc = state
+    dp = stage.backward(params_of(j), st, dy)[0]
+    return (payload, new, add_grads(grads, j, dp), *acc)
 
-  branches = [idle, fwd]
+  blocks = {F: fwd}
   if train:
-    branches += [bwd, bwd_input, bwd_weight, fwd_last]
-
-  def update(buf, index, new, write):
-    """``buf[index] = new`` where ``write``: a select, never a mask product."""
-    old = jax.lax.dynamic_index_in_dim(buf, index, keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(
-        buf, jnp.where(write, new, old), index, 0)
+    blocks.update({B: bwd, I: bwd_input, W: bwd_weight, _F_LAST: fwd_last})
 
   # The batch-sized result (input cotangents, or the outputs when not
   # training) is produced on one rank, one microbatch at a time. It is kept
@@ -347,60 +350,78 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   edge_vma = act_vma - {axis}
 
   def tick(carry, row):
-    mailbox, stash, acc, edge = carry
+    mailbox, stash, grads, loss, dlp, edge = carry
     row, (edge_now, edge_mb) = row
     kind, stg, mb, j, read, slot, recv = (a[rank] for a in row)
     mb, j, slot = jnp.maximum(mb, 0), jnp.maximum(j, 0), jnp.maximum(slot, 0)
-    x = inputs[mb]
-    if mailbox is not None:
-      x = jnp.where(read >= 0, mailbox[jnp.maximum(read, 0)], x)
-    st = jax.tree.map(lambda b: b[slot], stash)
+    x = jnp.where(read >= 0, mailbox[jnp.maximum(read, 0)], inputs[mb])
     target = jax.tree.map(lambda t: t[mb], targets)
     branch = kind
     if train:
       branch = jnp.where((kind == F) & (stg == last), _F_LAST, kind)
-    out = jax.lax.switch(branch, branches, j, x, st, target)
-    payload = out[0]
+      st = jax.tree.map(lambda b: b[slot], stash)
+      state = (_full(act_aval, bubble_fill), st, grads, loss, dlp)
+    else:
+      st, state = None, (_full(act_aval, bubble_fill), None)
+    for code, block in blocks.items():
+      state = _when(branch == code, lambda s, block=block: block(
+          s, j, x, st, target), state)
     if train:
-      stash = jax.tree.map(lambda b, s: update(b, slot, s, kind == F),
-                           stash, out[1])
-      grads, loss, dlp = acc
-      has_dp = (kind == B) | (kind == W)
-      grads = jax.tree.map(
-          lambda g, d: jax.lax.dynamic_update_index_in_dim(
-              g, g[j] + jnp.where(has_dp, d, 0), j, 0), grads, out[2])
-      is_loss = branch == _F_LAST
-      loss = loss + jnp.where(is_loss, out[3], 0)
-      dlp = jax.tree.map(lambda a, d: a + jnp.where(is_loss, d, 0),
-                         dlp, out[4])
-      acc = grads, loss, dlp
+      # Only F changes ``new`` (it starts as the entry read), so writing it
+      # back unconditionally is a no-op on other ticks.
+      payload, new, grads, loss, dlp = state
+      stash = put(stash, slot, new)
+    else:
+      payload, _ = state
     mine = jnp.isin(kind, jnp.array(edge_kinds)) & (stg == edge_stage)
     value = jax.lax.cond(
         edge_now,
         lambda: jax.lax.psum(jnp.where(mine, payload, 0), axis),
         lambda: _vary(jnp.zeros(payload.shape, payload.dtype), edge_vma))
-    edge = update(edge, edge_mb, value, edge_now)
+    edge = _select_put(edge, edge_mb, value, edge_now)
     for k, offset in enumerate(lowered.offsets):
       msg = payload if offset == 0 else jax.lax.ppermute(
           payload, axis, [(r, (r + offset) % p) for r in range(p)])
-      mailbox = update(mailbox, jnp.maximum(recv[k], 0), msg, recv[k] >= 0)
-    return (mailbox, stash, acc, edge), None
+      # No message: write into the spare last slot, which nothing reads.
+      mailbox = put(mailbox, jnp.where(recv[k] >= 0, recv[k], spare), msg)
+    return (mailbox, stash, grads, loss, dlp, edge), None
 
-  stash = acc = None
+  stash = grads = loss = dlp = None
   if train:
-    acc = _full(dp_aval, 0, v), _full(loss_aval, 0), _full(dlp_aval, 0)
+    grads = _full(dp_aval, 0, v)
+    loss, dlp = _full(loss_aval, 0), _full(dlp_aval, 0)
     stash = _full(stash_aval, bubble_fill, lowered.num_stash_slots)
-  mailbox = (_full(act_aval, bubble_fill, lowered.num_mailbox_slots)
-             if lowered.num_mailbox_slots else None)
+  spare = lowered.num_mailbox_slots
+  mailbox = _full(act_aval, bubble_fill, spare + 1)
   edge = _vary(jnp.zeros((m,) + act_aval.shape, act_aval.dtype), edge_vma)
   rows = (lowered.kind, lowered.stage, lowered.microbatch, lowered.local_stage,
           lowered.read_slot, lowered.stash_slot, lowered.recv_slot)
-  (_, _, acc, edge), _ = jax.lax.scan(
-      tick, (mailbox, stash, acc, edge), (rows, edge_rows))
+  (_, _, grads, loss, dlp, edge), _ = jax.lax.scan(
+      tick, (mailbox, stash, grads, loss, dlp, edge), (rows, edge_rows))
   if not train:
     return edge
-  grads, loss, dlp = acc
   return jax.lax.psum(loss, axis), grads, jax.lax.psum(dlp, axis), edge
+
+
+def _when(pred: jax.Array, fn: Callable[[PyTree], PyTree],
+          state: PyTree) -> PyTree:
+  """``fn(state)`` if ``pred`` else ``state``, updating buffers in place.
+
+  A ``while_loop`` of zero or one trip. XLA keeps while-loop carries in
+  place, whereas a ``lax.cond``/``lax.switch`` copies every buffer that a
+  branch passes through unchanged: with a branch per action kind that would
+  copy the gradient accumulators and stash on every tick.
+  """
+  return jax.lax.while_loop(
+      lambda c: c[0], lambda c: (c[0] & False, fn(c[1])), (pred, state))[1]
+
+
+def _select_put(buf: jax.Array, index: jax.Array, value: jax.Array,
+                write: jax.Array) -> jax.Array:
+  """``buf[index] = value`` where ``write``: a select, never a mask product."""
+  old = jax.lax.dynamic_index_in_dim(buf, index, keepdims=False)
+  return jax.lax.dynamic_update_index_in_dim(
+      buf, jnp.where(write, value, old), index, 0)
 
 
 # ---------------------------------------------------------------- checks
