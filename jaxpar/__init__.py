@@ -1,6 +1,8 @@
 """jaxpar: data, tensor and pipeline parallelism for JAX as pure functions."""
 
 from jaxpar import async_ps as async_ps
+from jaxpar import checkpoint as checkpoint
+from jaxpar import distributed as distributed
 from jaxpar import models as models
 from jaxpar import parallel as parallel
 from jaxpar import pipeline as pipeline

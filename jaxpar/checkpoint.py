@@ -1,0 +1,365 @@
+"""Checkpoints of sharded pytrees (a ``TrainState``) with orbax.
+
+One checkpoint directory holds numbered steps, as orbax's
+``CheckpointManager`` writes them::
+
+  directory/
+    100/default/...     # step 100: one tensorstore file set per leaf,
+    200/default/...     # each device writes its own shards
+
+``save`` writes every shard of every leaf from the device that holds it (no
+gather on one host), and returns only when the step is complete on disk, so a
+process may exit right after it. ``restore`` reads each shard straight onto
+the devices of a *target* layout, given by ``like``: a state with the target
+shardings (e.g. a fresh ``Trainer.init(...)``) or a pytree of
+``jax.ShapeDtypeStruct`` with shardings. The target mesh may differ from the
+one that saved -- other data / tensor sizes, other devices -- as long as
+every leaf has the saved shape and dtype.
+
+**Pipeline stages.** A ``jaxpar.parallel.Trainer`` state keeps stage leaves
+in the executor's rank layout ``[p, v, ...]``, which depends on the schedule
+(``p`` ranks, ``v`` stages each, placement of the schedule). With
+``schedule=`` the stages of every ``PipelineParams`` in the state (the
+params and the optimizer state's copies of them, e.g. Adam's ``mu``/``nu``)
+are saved in model order ``[num_stages, ...]``, and restored into the rank
+layout of the schedule passed to ``restore``. Such a checkpoint restores
+onto any schedule with the same ``num_stages`` (1F1B on 4 ranks and
+interleaved 1F1B with 2 ranks x 2 stages alike) and any mesh. Without
+``schedule=`` leaves are saved as they are: restore onto the same schedule
+(same ``p``, ``v`` and placement). A different ``num_stages`` is a different
+model split and needs the model's own re-split (e.g.
+``gpt.merge_from_pipeline`` / ``split_for_pipeline`` on the params).
+
+**ZeRO.** A ``jaxpar.zero`` state saves and restores like any other; its
+``FlatLeaf`` arrays are padded to a multiple of the data size, so restore it
+onto the same data size, or save ``zero.unshard_state(state)``, which
+restores anywhere and is re-sharded with ``zero.shard_state``.
+
+Example:
+  >>> state = trainer.init(pp)
+  >>> state, stats = trainer.step(state, batch)
+  >>> jaxpar.checkpoint.save('ckpt', state, schedule=schedule)  # at state.step
+  >>> like = other_trainer.init(pp)               # any mesh, same num_stages
+  >>> state = jaxpar.checkpoint.restore('ckpt', like, schedule=other_schedule)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.parallel import PipelineParams
+from jaxpar.pipeline import executor
+from jaxpar.pipeline.schedule import Schedule
+from jaxpar.train_state import PyTree, TrainState
+
+_SHOWN = 8  # leaf paths listed in one error message
+
+
+def _path(directory: Any) -> str:
+  if not isinstance(directory, (str, os.PathLike)):
+    raise TypeError(f'directory must be a str or os.PathLike, got '
+                    f'{type(directory).__name__}: {directory!r}.')
+  return os.path.abspath(os.fspath(directory))
+
+
+def _manager(path: str, *, keep: int | None = None,
+             create: bool = False) -> ocp.CheckpointManager:
+  # Synchronous: save returns once the step is on disk (and renamed from its
+  # temporary name), so an exit right after it cannot leave it half written.
+  return ocp.CheckpointManager(
+      path, item_handlers=ocp.StandardCheckpointHandler(),
+      options=ocp.CheckpointManagerOptions(
+          max_to_keep=keep, create=create, enable_async_checkpointing=False))
+
+
+def _check_step(step: Any) -> int:
+  if isinstance(step, (bool, np.bool_)) or not isinstance(
+      step, (int, np.integer)) or step < 0:
+    raise ValueError(f'step={step!r} must be an int >= 0.')
+  return int(step)
+
+
+def _check_schedule(schedule: Any) -> None:
+  if schedule is not None and not isinstance(schedule, Schedule):
+    raise TypeError(f'schedule must be a jaxpar.pipeline.Schedule or None, got '
+                    f'{type(schedule).__name__}.')
+
+
+def _name(path: tuple) -> str:
+  """Dotted leaf name as orbax stores it: ``opt_state.0.mu.stages.w``."""
+  parts = []
+  for key in path:
+    for attr in ('name', 'key', 'idx'):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+    else:
+      parts.append(str(key))
+  return '.'.join(parts)
+
+
+def _is_pipeline(node: Any) -> bool:
+  return isinstance(node, PipelineParams)
+
+
+def _map_stages(fn, tree: PyTree, *rest: PyTree) -> PyTree:
+  """``fn(stages, *rest_stages)`` on every ``PipelineParams`` node of ``tree``.
+
+  ``rest`` are trees with ``PipelineParams`` nodes at the same places.
+  """
+  return jax.tree.map(
+      lambda n, *r: n._replace(stages=fn(n.stages, *(x.stages for x in r)))
+      if _is_pipeline(n) else n, tree, *rest, is_leaf=_is_pipeline)
+
+
+def _model_sharding(leaf: Any) -> NamedSharding | None:
+  """``[p, v, ...]`` sharded ``P(a, None, *rest)`` -> ``[p*v, ...]`` ``P(a, *rest)``."""
+  sharding = getattr(leaf, 'sharding', None)
+  if not isinstance(sharding, NamedSharding):
+    return None
+  spec = tuple(sharding.spec) + (None,) * (len(leaf.shape) - len(sharding.spec))
+  return NamedSharding(sharding.mesh, P(spec[0], *spec[2:]))
+
+
+def _to_model_order(state: PyTree, schedule: Schedule) -> PyTree:
+  def one(stages):
+    return jax.tree.map(
+        lambda a: executor.ranks_to_stages(
+            a, schedule, out_sharding=_model_sharding(a)), stages)
+  return _map_stages(one, state)
+
+
+def _check_leaves(tree: PyTree, name: str, kinds: tuple[type, ...],
+                  rule: str) -> list:
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  if not leaves:
+    raise ValueError(f'{name} has no array leaves: nothing to checkpoint.')
+  for path, leaf in leaves:
+    if not isinstance(leaf, kinds):
+      raise TypeError(f'{name} leaf {_name(path)!r} is a '
+                      f'{type(leaf).__name__}; {rule}')
+  return leaves
+
+
+def save(directory: str | os.PathLike, state: PyTree, *, step: int | None = None,
+         schedule: Schedule | None = None, keep: int | None = None) -> int:
+  """Saves ``state`` (sharded or not) as step ``step`` of ``directory``.
+
+  Every process of a multi-process run must call it with its part of the
+  same global ``state``; each device writes its own shards. The call returns
+  when the step is completely written (orbax writes it under a temporary
+  name and renames it at the end, so a crash never leaves a step that looks
+  complete).
+
+  Args:
+    directory: the checkpoint directory (created if missing; relative paths
+      are made absolute against the current directory).
+    state: a pytree of ``jax.Array`` / numpy arrays / scalars, e.g. a
+      ``TrainState`` from any jaxpar train step (ZeRO and 3D included).
+    step: the step number; default ``int(state.step)`` for a ``TrainState``.
+      Saving a step that already exists replaces it.
+    schedule: for a ``jaxpar.parallel.Trainer`` state, the trainer's
+      schedule: pipeline stages are saved in model order, restorable onto any
+      schedule with the same ``num_stages`` (see the module docstring).
+    keep: after saving, keep only the ``keep`` most recently saved steps;
+      ``None`` keeps all.
+
+  Returns:
+    The step number saved.
+
+  Raises:
+    ValueError: bad ``step``/``keep``, or ``state`` without leaves.
+    TypeError: a leaf that is not an array or scalar, or a bad ``schedule``.
+
+  Example:
+    >>> jaxpar.checkpoint.save('ckpt', state, keep=3)   # ckpt/<state.step>/
+    10
+  """
+  path = _path(directory)
+  _check_schedule(schedule)
+  if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
+                           or keep < 1):
+    raise ValueError(f'keep={keep!r} must be an int >= 1, or None to keep all '
+                     'steps.')
+  if step is None:
+    if not isinstance(state, TrainState):
+      raise ValueError(
+          f'step=None takes the step from a TrainState, but state is a '
+          f'{type(state).__name__}; pass step=<int>.')
+    step = int(state.step)
+  step = _check_step(step)
+  _check_leaves(state, 'state', (jax.Array, np.ndarray, np.generic, int, float),
+                'checkpoints hold arrays and numbers only.')
+  if schedule is not None:
+    state = _to_model_order(state, schedule)
+  manager = _manager(path, keep=keep, create=True)
+  try:
+    if step in manager.all_steps():
+      manager.delete(step)
+    manager.save(step, args=ocp.args.StandardSave(state), force=True)
+    manager.wait_until_finished()
+  finally:
+    manager.close()
+  return step
+
+
+def latest_step(directory: str | os.PathLike) -> int | None:
+  """The highest step saved in ``directory``; ``None`` if there is none yet.
+
+  A missing directory also gives ``None``, so ``latest_step(d) is None``
+  tells a fresh run from one to resume.
+
+  Example:
+    >>> if jaxpar.checkpoint.latest_step('ckpt') is not None:
+    ...   state = jaxpar.checkpoint.restore('ckpt', state)
+  """
+  path = _path(directory)
+  if not os.path.isdir(path):
+    return None
+  manager = _manager(path)
+  try:
+    return manager.latest_step()
+  finally:
+    manager.close()
+
+
+def _target(leaf: Any) -> Any:
+  """What orbax restores ``leaf`` as: a sharded ``ShapeDtypeStruct`` or numpy."""
+  if isinstance(leaf, jax.Array):
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+  return leaf
+
+
+def _model_target(leaf: Any, schedule: Schedule) -> Any:
+  """Target of a rank-layout ``[p, v, ...]`` stage leaf, in model order."""
+  shape = (schedule.num_stages,) + tuple(leaf.shape[2:])
+  if isinstance(leaf, np.ndarray):
+    return np.zeros(shape, leaf.dtype)
+  return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=_model_sharding(leaf))
+
+
+def _to_rank_layout(leaf: Any, like: Any, schedule: Schedule) -> Any:
+  """A restored model-order ``[num_stages, ...]`` leaf -> ``like``'s ``[p, v, ...]``."""
+  out = executor.stages_to_ranks(leaf, schedule,
+                                 out_sharding=_model_sharding(like))
+  if isinstance(like, np.ndarray):
+    return np.asarray(out)
+  return jax.device_put(out, like.sharding)
+
+
+def _compare(saved: dict[str, Any], wanted: dict[str, Any], path: str,
+             hint: str) -> None:
+  """One ``ValueError`` listing every missing, extra or mismatched leaf."""
+  problems = []
+  missing = [k for k in wanted if k not in saved]
+  extra = [k for k in saved if k not in wanted]
+  if missing:
+    problems.append(f'in like but not in the checkpoint: '
+                    f'{", ".join(missing[:_SHOWN])}'
+                    + (f' (+{len(missing) - _SHOWN} more)'
+                       if len(missing) > _SHOWN else ''))
+  if extra:
+    problems.append(f'in the checkpoint but not in like: '
+                    f'{", ".join(extra[:_SHOWN])}'
+                    + (f' (+{len(extra) - _SHOWN} more)'
+                       if len(extra) > _SHOWN else ''))
+  shapes = [f'{k}: checkpoint {tuple(saved[k].shape)} {np.dtype(saved[k].dtype)}'
+            f' vs like {tuple(wanted[k].shape)} {np.dtype(wanted[k].dtype)}'
+            for k in wanted if k in saved and (
+                tuple(saved[k].shape) != tuple(wanted[k].shape)
+                or np.dtype(saved[k].dtype) != np.dtype(wanted[k].dtype))]
+  if shapes:
+    problems.append('shape/dtype mismatch:\n    ' + '\n    '.join(
+        shapes[:_SHOWN]) + (f'\n    (+{len(shapes) - _SHOWN} more)'
+                            if len(shapes) > _SHOWN else ''))
+  if problems:
+    raise ValueError(f'checkpoint {path} does not match like:\n  '
+                     + '\n  '.join(problems) + f'\n{hint}')
+
+
+def restore(directory: str | os.PathLike, like: PyTree, *,
+            step: int | None = None,
+            schedule: Schedule | None = None) -> PyTree:
+  """Restores step ``step`` of ``directory`` onto the layout of ``like``.
+
+  Args:
+    directory: a directory written by ``save``.
+    like: the target: a pytree with the saved structure whose leaves are
+      ``jax.Array`` (restored with the same sharding, e.g. a fresh
+      ``Trainer.init(...)`` on any mesh), ``jax.ShapeDtypeStruct`` with a
+      ``sharding``, or numpy arrays (restored as numpy). Shapes and dtypes
+      must be the saved ones; values of ``like`` are not used.
+    step: the step to restore; default the latest (``latest_step``).
+    schedule: the schedule of the trainer that ``like`` comes from, when the
+      checkpoint was saved with ``schedule=`` (model-order stages): they are
+      put into this schedule's rank layout.
+
+  Returns:
+    ``like``'s pytree (same node types) holding the saved values, bit for
+    bit, with ``like``'s shardings.
+
+  Raises:
+    FileNotFoundError: no such directory, no checkpoint in it, or no step
+      ``step`` (the message lists the saved steps).
+    ValueError: leaves missing on either side, or with another shape or
+      dtype (the message names each leaf and both shapes).
+    TypeError: a ``like`` leaf that is not an array or a sharded
+      ``ShapeDtypeStruct``.
+
+  Example:
+    >>> like = trainer.init(pp)       # the target mesh and shardings
+    >>> state = jaxpar.checkpoint.restore('ckpt', like, schedule=schedule)
+  """
+  path = _path(directory)
+  _check_schedule(schedule)
+  if step is not None:
+    step = _check_step(step)
+  for _, leaf in _check_leaves(
+      like, 'like', (jax.Array, jax.ShapeDtypeStruct, np.ndarray),
+      'use jax.Array, numpy arrays or jax.ShapeDtypeStruct(shape, dtype, '
+      'sharding=...).'):
+    if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
+      raise TypeError(
+          f'like has a jax.ShapeDtypeStruct {leaf} without sharding; give it '
+          'sharding=NamedSharding(mesh, spec) (where to put the restored '
+          'array).')
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f'no checkpoint directory {path}.')
+  manager = _manager(path)
+  try:
+    steps = sorted(manager.all_steps())
+    if not steps:
+      raise FileNotFoundError(f'no checkpoint in {path} (it has no saved '
+                              'steps).')
+    step = steps[-1] if step is None else step
+    if step not in steps:
+      raise FileNotFoundError(f'no step {step} in {path}; saved steps: '
+                              f'{steps}.')
+    target = jax.tree.map(_target, like)
+    if schedule is not None:
+      target = _map_stages(lambda st: jax.tree.map(
+          lambda a: _model_target(a, schedule), st), target)
+    saved = {_name(p): m for p, m in jax.tree_util.tree_leaves_with_path(
+        manager.item_metadata(step).tree)}
+    wanted = {_name(p): t for p, t in jax.tree_util.tree_leaves_with_path(
+        target)}
+    _compare(saved, wanted, os.path.join(path, str(step)), hint=(
+        'Restore onto a state of the same model and optimizer. Pipeline '
+        'stages: a checkpoint saved with schedule= holds them in model order '
+        '[num_stages, ...] (restore with schedule=, same num_stages); without '
+        'it, in the rank layout [p, v, ...] of the schedule used (restore '
+        'without schedule= onto the same schedule).'))
+    restored = manager.restore(step, args=ocp.args.StandardRestore(target))
+  finally:
+    manager.close()
+  if schedule is not None:
+    restored = _map_stages(lambda st, ref: jax.tree.map(
+        lambda a, r: _to_rank_layout(a, r, schedule), st, ref), restored, like)
+  return restored

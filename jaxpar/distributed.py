@@ -1,0 +1,313 @@
+"""Multi-process runs: ``jax.distributed`` set-up and a local launcher.
+
+JAX scales past one process with its multi-controller runtime: every process
+runs the same program, sees all devices of all processes in
+``jax.devices()`` (its own in ``jax.local_devices()``), and a mesh over all
+of them makes one global array out of the shards each process holds. jaxpar's
+train steps work unchanged on such a mesh:
+
+* ``jax.device_put(x, NamedSharding(mesh, spec))`` of a host (numpy) array
+  works across processes, each process filling its own devices' shards from
+  its copy of ``x`` -- so every process must pass the *same* global ``x``
+  (same seed; JAX does not check). To load only a process's part of the
+  batch, use ``jax.make_array_from_process_local_data(sharding, local_x)``.
+* A replicated result (``StepStats.loss``, ``Trainer.params(state)``) is
+  read with ``float()`` / ``np.asarray`` in every process; a sharded one
+  (a ``TrainState`` leaf split over devices of other processes) only with
+  ``to_host``, which all-gathers it.
+* ``jaxpar.checkpoint`` saves and restores from all processes together.
+
+On CPU the collectives between processes run over gloo, which is how the
+tests run two processes of four simulated devices each on one machine::
+
+  python -m jaxpar launch --num-processes 2 -- demo ...     # or, in Python:
+  jaxpar.distributed.launch(2, ['demo', ...], devices_per_process=4)
+
+and each process starts with ``jaxpar.distributed.initialize()``, which reads
+the ``JAXPAR_*`` variables ``launch`` sets.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxpar.train_state import PyTree
+
+ENV_COORDINATOR = 'JAXPAR_COORDINATOR'
+ENV_NUM_PROCESSES = 'JAXPAR_NUM_PROCESSES'
+ENV_PROCESS_ID = 'JAXPAR_PROCESS_ID'
+ENV_LOCAL_DEVICE_COUNT = 'JAXPAR_LOCAL_DEVICE_COUNT'
+
+_GRACE_S = 5.0     # SIGTERM -> SIGKILL
+_POLL_S = 0.05
+_LOG_TAIL = 4000   # characters of a failed process's output shown
+
+
+def _env_int(name: str) -> int | None:
+  value = os.environ.get(name)
+  if value is None or value == '':
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f'environment variable {name}={value!r} must be an '
+                     'integer.') from None
+
+
+def _check_int(value: Any, name: str, low: int) -> None:
+  if value is not None and (isinstance(value, bool) or not isinstance(
+      value, (int, np.integer)) or value < low):
+    raise ValueError(f'{name}={value!r} must be an int >= {low}.')
+
+
+def _check_coordinator(coordinator: str) -> None:
+  host, _, port = coordinator.rpartition(':')
+  if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ValueError(
+        f'coordinator={coordinator!r} must be "host:port" (the address of '
+        'process 0 and a free port on it), e.g. "10.0.0.1:1234".')
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *,
+               local_device_count: int | None = None) -> None:
+  """Joins this process to a multi-process JAX run (before any JAX operation).
+
+  Wraps ``jax.distributed.initialize``. Each argument left ``None`` is read
+  from ``JAXPAR_COORDINATOR`` / ``JAXPAR_NUM_PROCESSES`` /
+  ``JAXPAR_PROCESS_ID`` / ``JAXPAR_LOCAL_DEVICE_COUNT`` (set by ``launch``);
+  what is still unset is left to ``jax.distributed``, which reads
+  ``JAX_COORDINATOR_ADDRESS`` and detects Slurm, Open MPI, Kubernetes and
+  Cloud TPU jobs. With nothing set at all, or ``num_processes == 1``, it is a
+  single-process run and ``jax.distributed`` is not started (only
+  ``local_device_count`` is applied).
+
+  Args:
+    coordinator: ``"host:port"`` of process 0's coordinator service.
+    num_processes: the number of processes ``N``.
+    process_id: this process's index, ``0 <= process_id < N``.
+    local_device_count: CPU devices this process simulates
+      (``jax_num_cpu_devices``); ``None`` keeps JAX's default. Ignored by
+      GPU/TPU backends, whose devices are the hardware's.
+
+  On CPU, cross-process collectives use gloo
+  (``jax_cpu_collectives_implementation='gloo'``). Calling it again with the
+  same process layout is a no-op.
+
+  Raises:
+    ValueError: a bad value (argument or environment variable).
+    RuntimeError: JAX already started (devices are fixed then) with another
+      layout; call ``initialize`` first thing in the program.
+
+  Example:
+    >>> import jaxpar
+    >>> jaxpar.distributed.initialize('10.0.0.1:1234', 2, 0,
+    ...                               local_device_count=4)
+    >>> jax.device_count(), jax.local_device_count()
+    (8, 4)
+  """
+  if coordinator is None:
+    coordinator = os.environ.get(ENV_COORDINATOR) or None
+  if num_processes is None:
+    num_processes = _env_int(ENV_NUM_PROCESSES)
+  if process_id is None:
+    process_id = _env_int(ENV_PROCESS_ID)
+  if local_device_count is None:
+    local_device_count = _env_int(ENV_LOCAL_DEVICE_COUNT)
+  if coordinator is not None:
+    if not isinstance(coordinator, str):
+      raise TypeError(f'coordinator must be a "host:port" str, got '
+                      f'{type(coordinator).__name__}.')
+    _check_coordinator(coordinator)
+  _check_int(num_processes, 'num_processes', 1)
+  _check_int(process_id, 'process_id', 0)
+  _check_int(local_device_count, 'local_device_count', 1)
+  if num_processes is not None and process_id is not None and (
+      process_id >= num_processes):
+    raise ValueError(f'process_id={process_id} must be < num_processes='
+                     f'{num_processes} (processes are numbered 0..N-1).')
+  single = num_processes == 1 or (
+      coordinator is None and num_processes is None and process_id is None
+      and not os.environ.get('JAX_COORDINATOR_ADDRESS'))
+  if single and local_device_count is None:
+    return
+
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  if xla_bridge.backends_are_initialized():
+    same = (jax.local_device_count() == (local_device_count or
+                                         jax.local_device_count())
+            and (single or jax.distributed.is_initialized()
+                 and jax.process_count() == num_processes
+                 and jax.process_index() == process_id))
+    if same:
+      return
+    raise RuntimeError(
+        f'jaxpar.distributed.initialize(coordinator={coordinator!r}, '
+        f'num_processes={num_processes}, process_id={process_id}, '
+        f'local_device_count={local_device_count}) was called after JAX '
+        f'started ({jax.process_count()} process(es), '
+        f'{jax.local_device_count()} local device(s)). Call it before any JAX '
+        'operation (first lines of the program), then restart the process.')
+  if local_device_count is not None:
+    jax.config.update('jax_num_cpu_devices', int(local_device_count))
+  if single:
+    return
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(
+      coordinator, None if num_processes is None else int(num_processes),
+      None if process_id is None else int(process_id))
+
+
+def is_main_process() -> bool:
+  """``True`` in process 0 (the one that should print, plot, write reports).
+
+  Example:
+    >>> if jaxpar.distributed.is_main_process():
+    ...   print(f'loss {float(stats.loss):.4f}')
+  """
+  return jax.process_index() == 0
+
+
+def to_host(tree: PyTree) -> PyTree:
+  """Every ``jax.Array`` leaf of ``tree`` as a numpy array, in every process.
+
+  Arrays this process can read whole (fully addressable, or fully
+  replicated) are copied; arrays sharded over other processes' devices are
+  all-gathered (``multihost_utils.process_allgather``), which is a
+  collective: every process must call ``to_host`` with the same tree.
+  Other leaves are returned as they are. Single-process: ``np.asarray``.
+
+  Example:
+    >>> params = jaxpar.distributed.to_host(state.params)   # numpy, global
+  """
+  def one(x):
+    if not isinstance(x, jax.Array):
+      return x
+    if x.is_fully_addressable or x.is_fully_replicated:
+      return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return jax.tree.map(one, tree)
+
+
+def free_port() -> int:
+  """A TCP port on localhost that is free now (for a local coordinator)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+  """SIGTERM the running processes, SIGKILL those alive after a grace time."""
+  for p in procs:
+    if p.poll() is None:
+      p.terminate()
+  deadline = time.monotonic() + _GRACE_S
+  for p in procs:
+    try:
+      p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      p.kill()
+      p.wait()
+
+
+def launch(num_processes: int, argv: Sequence[str], *,
+           devices_per_process: int | None = None, port: int | None = None,
+           module: str = 'jaxpar', timeout: float | None = None) -> int:
+  """Runs ``python -m <module> <argv...>`` as ``num_processes`` local processes.
+
+  Process ``i`` gets ``JAXPAR_COORDINATOR=127.0.0.1:<port>``,
+  ``JAXPAR_NUM_PROCESSES``, ``JAXPAR_PROCESS_ID=i`` (and
+  ``JAXPAR_LOCAL_DEVICE_COUNT``) in its environment, for ``initialize()`` to
+  read. Process 0 writes to this process's stdout/stderr; the others' output
+  is kept and shown (its tail) only if they fail. If one process exits with
+  an error, the others are terminated at once (a JAX process would otherwise
+  wait for the dead one in its next collective).
+
+  Args:
+    num_processes: ``N >= 1``.
+    argv: the arguments after ``python -m <module>``, e.g.
+      ``['demo', '--steps', '10']``.
+    devices_per_process: simulated CPU devices per process; ``None`` leaves
+      it to the program.
+    port: the coordinator port on localhost; default a free one.
+    module: the module to run (``python -m module``).
+    timeout: seconds before all processes are killed and ``TimeoutError`` is
+      raised; ``None`` waits forever.
+
+  Returns:
+    The first non-zero exit code (a signal ``s`` gives ``-s``), or 0.
+
+  Raises:
+    ValueError / TypeError: bad arguments.
+    TimeoutError: ``timeout`` expired (all processes are killed first).
+
+  Example:
+    >>> jaxpar.distributed.launch(2, ['demo', '--steps', '20'],
+    ...                           devices_per_process=4)
+    0
+  """
+  _check_int(num_processes, 'num_processes', 1)
+  if isinstance(argv, str) or not all(isinstance(a, str) for a in argv):
+    raise TypeError(f'argv must be a list of str (e.g. ["demo", "--steps", '
+                    f'"10"]), got {argv!r}.')
+  _check_int(devices_per_process, 'devices_per_process', 1)
+  if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                           or not 0 < port < 65536):
+    raise ValueError(f'port={port!r} must be an int in 1..65535, or None for '
+                     'a free one.')
+  if timeout is not None and not timeout > 0:
+    raise ValueError(f'timeout={timeout!r} must be > 0 seconds, or None.')
+  port = free_port() if port is None else port
+  procs, logs = [], []
+  failed, code = None, 0
+  try:
+    for i in range(num_processes):
+      env = dict(os.environ)
+      env.update({ENV_COORDINATOR: f'127.0.0.1:{port}',
+                  ENV_NUM_PROCESSES: str(num_processes),
+                  ENV_PROCESS_ID: str(i)})
+      if devices_per_process is not None:
+        env[ENV_LOCAL_DEVICE_COUNT] = str(devices_per_process)
+      log = None if i == 0 else tempfile.TemporaryFile()
+      logs.append(log)
+      procs.append(subprocess.Popen(
+          [sys.executable, '-m', module, *argv], env=env, stdout=log,
+          stderr=None if log is None else subprocess.STDOUT))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+      bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+      if bad:
+        failed, code = bad[0], procs[bad[0]].returncode
+        break
+      if deadline is not None and time.monotonic() > deadline:
+        _stop(procs)
+        raise TimeoutError(
+            f'launch: {num_processes} processes of python -m {module} '
+            f'{" ".join(argv)} ran past timeout={timeout}s and were killed.')
+      time.sleep(_POLL_S)
+    else:
+      bad = [i for i, p in enumerate(procs) if p.returncode != 0]
+      if bad:
+        failed, code = bad[0], procs[bad[0]].returncode
+  finally:
+    _stop(procs)
+    if failed is not None and logs[failed] is not None:
+      logs[failed].seek(0)
+      tail = logs[failed].read().decode(errors='replace')[-_LOG_TAIL:]
+      print(f'--- process {failed} exited with code {code}; last output:\n'
+            f'{tail}', file=sys.stderr)
+    for log in logs:
+      if log is not None:
+        log.close()
+  return code

@@ -1,0 +1,165 @@
+"""jaxpar.distributed: 2 processes x 4 CPU devices (gloo) == one process."""
+
+import functools
+import json
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import distributed_worker as worker
+import launch_probe
+import jaxpar
+from jaxpar import distributed
+from jaxpar.models import gpt
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ENV = (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
+       distributed.ENV_PROCESS_ID, distributed.ENV_LOCAL_DEVICE_COUNT,
+       'JAX_COORDINATOR_ADDRESS')
+
+
+@pytest.fixture
+def worker_path(monkeypatch):
+  """``python -m distributed_worker`` / ``launch_probe`` in launched processes."""
+  monkeypatch.setenv('PYTHONPATH', os.pathsep.join(
+      [TESTS] + [p for p in [os.environ.get('PYTHONPATH')] if p]))
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+  for name in ENV:
+    monkeypatch.delenv(name, raising=False)
+
+
+def _leaves(tree) -> np.ndarray:
+  return np.array(jax.tree.leaves(tree), np.float64)
+
+
+def _dense_gpt_reference():
+  """Single-device optax training of the dense GPT: losses, final params."""
+  cfg, params, batches, opt = worker.gpt_setup()
+  tx = optax.chain(optax.clip_by_global_norm(1.0), opt)
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(
+        functools.partial(gpt.gpt_loss, config=cfg))(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  opt_state, losses = tx.init(params), []
+  for batch in batches:
+    params, opt_state, loss = step(params, opt_state, batch)
+    losses.append(float(loss))
+  return losses, json.loads(json.dumps(jax.tree.map(
+      lambda x: np.asarray(x).tolist(), params)))
+
+
+def test_two_processes_match_one_process(tmp_path, worker_path, clean_env,
+                                         x64):
+  out = tmp_path / 'result.json'
+  code = distributed.launch(
+      2, [str(out), str(tmp_path / 'ckpt')], devices_per_process=4,
+      module='distributed_worker', timeout=300)
+  assert code == 0
+  result = json.loads(out.read_text())
+  assert (result['process_count'], result['local_device_count']) == (2, 4)
+
+  # Data parallel on data=8 over 2 processes == the same step in one process.
+  dp = worker.train_dp()
+  np.testing.assert_allclose(result['dp']['losses'], dp['losses'], rtol=1e-12)
+  np.testing.assert_allclose(_leaves(result['dp']['params']),
+                             _leaves(dp['params']), rtol=1e-12)
+
+  # 3D GPT (data=2 x stage=2 x tensor=2 across the processes) == dense
+  # single-device optax, and its checkpoint restores bit for bit.
+  losses, params = _dense_gpt_reference()
+  np.testing.assert_allclose(result['gpt']['losses'], losses, rtol=1e-10)
+  np.testing.assert_allclose(_leaves(result['gpt']['params']),
+                             _leaves(params), rtol=1e-10, atol=1e-9)
+  assert result['gpt']['restored_equal']
+
+
+def test_launch_sets_the_environment(tmp_path, worker_path):
+  code = distributed.launch(3, ['env', str(tmp_path)], devices_per_process=2,
+                            port=12345, module='launch_probe', timeout=60)
+  assert code == 0
+  for i in range(3):
+    env = json.loads((tmp_path / f'{i}.json').read_text())
+    assert env == {'JAXPAR_COORDINATOR': '127.0.0.1:12345',
+                   'JAXPAR_NUM_PROCESSES': '3', 'JAXPAR_PROCESS_ID': str(i),
+                   'JAXPAR_LOCAL_DEVICE_COUNT': '2'}
+
+
+def test_launch_stops_the_others_when_one_fails(worker_path, capfd):
+  # The others sleep 120 s: only killing them returns before the timeout.
+  code = distributed.launch(3, ['fail', '1'], module='launch_probe',
+                            timeout=60)
+  assert code == launch_probe.FAIL_CODE
+  assert (f'process 1 exited with code {launch_probe.FAIL_CODE}'
+          in capfd.readouterr().err)
+
+
+def test_launch_timeout_kills_all(worker_path):
+  with pytest.raises(TimeoutError, match='timeout=2'):
+    distributed.launch(2, ['sleep'], module='launch_probe', timeout=2)
+
+
+@pytest.mark.parametrize('kwargs, error, match', [
+    (dict(num_processes=0), ValueError, 'num_processes=0'),
+    (dict(argv='demo'), TypeError, 'list of str'),
+    (dict(argv=['demo', 3]), TypeError, 'list of str'),
+    (dict(devices_per_process=0), ValueError, 'devices_per_process=0'),
+    (dict(port=70000), ValueError, 'port=70000'),
+    (dict(timeout=0), ValueError, 'timeout=0'),
+])
+def test_launch_errors(kwargs, error, match):
+  args = dict(num_processes=2, argv=['demo'])
+  args.update(kwargs)
+  with pytest.raises(error, match=match):
+    distributed.launch(args.pop('num_processes'), args.pop('argv'), **args)
+
+
+def test_initialize_single_process_is_a_no_op(clean_env):
+  assert distributed.initialize() is None
+  distributed.initialize(num_processes=1)
+  distributed.initialize(local_device_count=jax.local_device_count())
+  assert not jax.distributed.is_initialized()
+  assert distributed.is_main_process()
+
+
+@pytest.mark.parametrize('args, env, error, match', [
+    (dict(coordinator='localhost'), {}, ValueError, 'host:port'),
+    (dict(coordinator=1234), {}, TypeError, 'coordinator'),
+    (dict(num_processes=0), {}, ValueError, 'num_processes=0'),
+    (dict(num_processes=2, process_id=2), {}, ValueError, 'process_id=2'),
+    (dict(local_device_count=0), {}, ValueError, 'local_device_count=0'),
+    ({}, {distributed.ENV_NUM_PROCESSES: 'two'}, ValueError,
+     'JAXPAR_NUM_PROCESSES'),
+    # Valid, but JAX already runs here with another layout.
+    (dict(coordinator='127.0.0.1:1234', num_processes=2, process_id=0), {},
+     RuntimeError, 'before any JAX operation'),
+    (dict(local_device_count=4), {}, RuntimeError, 'before any JAX operation'),
+])
+def test_initialize_errors(args, env, error, match, clean_env, monkeypatch):
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  with pytest.raises(error, match=match):
+    distributed.initialize(**args)
+  assert not jax.distributed.is_initialized()
+
+
+def test_to_host():
+  mesh = jaxpar.make_mesh(data=2, tensor=4)
+  x = np.arange(32.0).reshape(4, 8)
+  tree = {'x': jax.device_put(x, NamedSharding(mesh, P('data', 'tensor'))),
+          'n': 3}
+  host = distributed.to_host(tree)
+  assert isinstance(host['x'], np.ndarray)
+  np.testing.assert_array_equal(host['x'], x)
+  assert host['n'] == 3
