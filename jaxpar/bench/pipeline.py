@@ -23,8 +23,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.mesh import axis_size
-from jaxpar.pipeline.executor import LossFn, StageFn
+from jaxpar.bench._timing import compile_stats, median_seconds
+from jaxpar.mesh import axis_size, make_mesh
+from jaxpar.pipeline import schedule as sched
+from jaxpar.pipeline.executor import LossFn, StageFn, pipeline_step
 
 
 def gpipe_autodiff_step(stage_fn: StageFn, loss_fn: LossFn, *,
@@ -75,3 +77,97 @@ def gpipe_autodiff_step(stage_fn: StageFn, loss_fn: LossFn, *,
         stage_params, loss_params, split(inputs), split(targets))
     return loss, (ds, dl, dx.reshape(inputs.shape))
   return step
+
+
+# ---------------------------------------------------------------- the model
+
+
+def _stage(params, x):
+  """A residual MLP block: ``x + tanh(x @ w1) @ w2``."""
+  return x + jnp.tanh(x @ params['w1']) @ params['w2']
+
+
+def _loss(params, y, target):
+  return jnp.mean((y @ params['head'] - target) ** 2)
+
+
+def _model(num_stages: int, batch: int, width: int, seed: int = 0):
+  """Float32 ``(stage_params, loss_params, inputs, targets)``."""
+  k = jax.random.split(jax.random.key(seed), 5)
+  normal = lambda key, shape, fan_in: (
+      jax.random.normal(key, shape, jnp.float32) / fan_in**0.5)
+  stages = {'w1': normal(k[0], (num_stages, width, 2 * width), width),
+            'w2': normal(k[1], (num_stages, 2 * width, width), 2 * width)}
+  head = {'head': normal(k[2], (width, 8), width)}
+  return (stages, head, normal(k[3], (batch, width), 1.0),
+          normal(k[4], (batch, 8), 1.0))
+
+
+def _sequential_loss(stages, head, inputs, targets):
+  """The plain single-device model on the whole batch."""
+  x = inputs
+  for k in range(jax.tree.leaves(stages)[0].shape[0]):
+    x = _stage(jax.tree.map(lambda a, k=k: a[k], stages), x)
+  return _loss(head, x, targets)
+
+
+# ---------------------------------------------------------------- sections
+
+
+def _memory_and_compile(quick: bool) -> tuple[list[dict], list[dict]]:
+  p, mb, width = 4, 16, 128
+  ms = (8, 64) if quick else (8, 16, 32, 64, 128)
+  mesh = make_mesh(stage=p, devices=jax.devices()[:p])
+  memory, compile_time = [], []
+  steps = [(name, lambda m, s=s: pipeline_step(
+      _stage, _loss, schedule=s(m), mesh=mesh)) for name, s in (
+          ('1F1B', lambda m: sched.one_f_one_b(p, m)),
+          ('interleaved (v=2)', lambda m: sched.interleaved_1f1b(p, m, 2)),
+          ('ZB-H1', lambda m: sched.zero_bubble_h1(p, m)))]
+  steps.append(('GPipe by autodiff', lambda m: gpipe_autodiff_step(
+      _stage, _loss, num_microbatches=m, mesh=mesh)))
+  for name, make in steps:
+    base = None
+    for m in ms:
+      num_stages = 2 * p if name.startswith('interleaved') else p
+      stats = compile_stats(make(m), *_model(num_stages, m * mb, width))
+      base = base or stats
+      memory.append({
+          'step': name, 'p': p, 'm': m, 'microbatch': mb, 'width': width,
+          'temp_bytes': stats['temp_bytes'],
+          'temp_vs_m8': stats['temp_bytes'] / base['temp_bytes'],
+          'argument_bytes': stats['argument_bytes'],
+          'output_bytes': stats['output_bytes']})
+      compile_time.append({
+          'step': name, 'p': p, 'm': m, 'compile_s': stats['compile_s'],
+          'vs_m8': stats['compile_s'] / base['compile_s']})
+  return memory, compile_time
+
+
+def _cpu_overhead(quick: bool) -> list[dict]:
+  p, m = 4, 8
+  width, mb = (256, 128) if quick else (512, 256)
+  mesh = make_mesh(stage=p, devices=jax.devices()[:p])
+  args = _model(p, m * mb, width)
+  reference = jax.jit(jax.value_and_grad(_sequential_loss, argnums=(0, 1, 2)))
+  steps = {'single device value_and_grad': reference}
+  for name, schedule in (('1F1B', sched.one_f_one_b(p, m)),
+                         ('ZB-H1', sched.zero_bubble_h1(p, m)),
+                         ('GPipe', sched.gpipe(p, m))):
+    steps[name] = pipeline_step(_stage, _loss, schedule=schedule, mesh=mesh)
+  for fn in steps.values():  # compile everything before timing anything
+    jax.block_until_ready(fn(*args))
+  seconds = {name: median_seconds(fn, *args, repeats=5 if quick else 11)
+             for name, fn in steps.items()}
+  ref = seconds['single device value_and_grad']
+  return [{'step': name, 'p': 1 if fn is reference else p, 'm': m,
+           'batch': m * mb, 'width': width, 'median_ms': 1e3 * s,
+           'vs_single_device': s / ref}
+          for (name, fn), s in zip(steps.items(), seconds.values())]
+
+
+def run(*, quick: bool) -> dict[str, list[dict]]:
+  """The ``pipeline_memory``, ``compile_time`` and ``cpu_overhead`` sections."""
+  memory, compile_time = _memory_and_compile(quick)
+  return {'pipeline_memory': memory, 'compile_time': compile_time,
+          'cpu_overhead': _cpu_overhead(quick)}

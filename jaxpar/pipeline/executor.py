@@ -293,8 +293,7 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
 
   def add_grads(grads, j, dp):
     """``grads[j] += dp``, in place."""
-    return put(grads, j, jax.tree.map(lambda g, d: g[j] + _like(d, g[j]),
-                                      grads, dp))
+    return jax.tree.map(lambda g, d: g.at[j].add(_like(d, g[j])), grads, dp)
 
   # One block per action kind; each runs in a ``_when`` and updates the tick
   # state (payload, new stash entry, grads, loss, dloss_params) in place.
@@ -337,6 +336,8 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   blocks = {F: fwd}
   if train:
     blocks.update({B: bwd, I: bwd_input, W: bwd_weight, _F_LAST: fwd_last})
+  present = set(np.unique(lowered.kind).tolist()) | {_F_LAST}
+  blocks = {code: block for code, block in blocks.items() if code in present}
 
   # The batch-sized result (input cotangents, or the outputs when not
   # training) is produced on one rank, one microbatch at a time. It is kept
