@@ -119,6 +119,27 @@ def _map_stages(fn, tree: PyTree, *rest: PyTree) -> PyTree:
       if _is_pipeline(n) else n, tree, *rest, is_leaf=_is_pipeline)
 
 
+def _check_rank_layout(tree: PyTree, schedule: Schedule, name: str) -> None:
+  """``ValueError`` unless ``tree``'s stages are in ``schedule``'s rank layout."""
+  nodes = [n for n in jax.tree.leaves(tree, is_leaf=_is_pipeline)
+           if _is_pipeline(n)]
+  if not nodes:
+    raise ValueError(
+        f'schedule= applies to jaxpar.parallel.Trainer states (with '
+        f'PipelineParams), but {name} has no PipelineParams; drop schedule=.')
+  p = schedule.num_ranks
+  lead = (p, schedule.num_stages // p)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(
+      [n.stages for n in nodes]):
+    if tuple(np.shape(leaf)[:2]) != lead:
+      raise ValueError(
+          f'{name} stage leaf {"stages." + _name(path[1:])!r} has shape '
+          f'{tuple(np.shape(leaf))}, but the rank layout of schedule '
+          f'{schedule.name!r} ({p} ranks, {schedule.num_stages} stages) '
+          f'starts with {lead}; pass the schedule of the Trainer that made '
+          f'{name}.')
+
+
 def _model_sharding(leaf: Any) -> NamedSharding | None:
   """``[p, v, ...]`` sharded ``P(a, None, *rest)`` -> ``[p*v, ...]`` ``P(a, *rest)``."""
   sharding = getattr(leaf, 'sharding', None)
@@ -198,6 +219,7 @@ def save(directory: str | os.PathLike, state: PyTree, *, step: int | None = None
   _check_leaves(state, 'state', (jax.Array, np.ndarray, np.generic, int, float),
                 'checkpoints hold arrays and numbers only.')
   if schedule is not None:
+    _check_rank_layout(state, schedule, 'state')
     state = _to_model_order(state, schedule)
   manager = _manager(path, keep=keep, create=True)
   try:
@@ -330,6 +352,8 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
           f'like has a jax.ShapeDtypeStruct {leaf} without sharding; give it '
           'sharding=NamedSharding(mesh, spec) (where to put the restored '
           'array).')
+  if schedule is not None:
+    _check_rank_layout(like, schedule, 'like')
   if not os.path.isdir(path):
     raise FileNotFoundError(f'no checkpoint directory {path}.')
   manager = _manager(path)
