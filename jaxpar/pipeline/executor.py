@@ -6,23 +6,28 @@ one ``lax.scan`` over the ticks of the lowered schedule
 (``jaxpar.pipeline.lower``). Per tick, every rank
 
 1. reads its row of the tick table (action kind, stage, microbatch, slots);
-2. reads the action's input: the batch (stage 0's ``F``) or a mailbox slot,
-   and its stash slot;
-3. runs one branch of a ``lax.switch``: idle (computes nothing), ``F``
-   (``stage_fn`` forward, stashing the VJP residuals or, with ``remat``, the
-   stage input; on the last stage also ``loss_fn`` and the loss cotangent),
-   ``B`` (input and parameter cotangents), ``I`` (input cotangent only) or
-   ``W`` (parameter cotangent only);
-4. sends the branch's output with one ``ppermute`` per distinct rank offset
-   of the schedule (every rank takes part every tick, outside the switch);
-   receivers store it in the mailbox slot the table names, if any.
+2. reads the action's input (the batch for stage 0's ``F``, else a mailbox
+   slot) and its stash slot;
+3. runs the block of its action kind and no other: ``F`` (``stage_fn``
+   forward, stashing the VJP residuals or, with ``remat``, the stage input;
+   on the last stage also ``loss_fn`` and the loss cotangent), ``B`` (input
+   and parameter cotangents), ``I`` (input cotangent only) or ``W``
+   (parameter cotangent only); an idle rank computes nothing;
+4. writes the new stash entry back and sends the block's output with one
+   ``ppermute`` per distinct rank offset of the schedule (every rank takes
+   part every tick); receivers store it in the mailbox slot the table names.
 
-Buffer updates use ``jnp.where`` selects, never masks multiplied in, so
-whatever a bubble tick produces (``bubble_fill``, NaN in the tests) never
+The dispatch on the kind is a ``lax.switch`` in spirit, written as one
+zero-or-one-trip ``while_loop`` per kind (``_when``): XLA updates loop
+carries in place, while a ``switch`` copies every buffer that a branch passes
+through unchanged, which would copy the gradient accumulators every tick.
+
+Buffer updates are selects or writes to a spare slot, never masks multiplied
+in, so whatever a bubble produces (``bubble_fill``, NaN in the tests) never
 reaches the results. Memory is the schedule's: ``num_stash_slots`` stashes and
-``num_mailbox_slots`` activations per rank (``O(p)`` for 1F1B whatever the
-number of microbatches ``m``), plus the batch, its gradient and the
-parameters.
+``num_mailbox_slots + 1`` activations per rank (``O(p)`` for 1F1B whatever
+the number of microbatches ``m``), plus the parameters, their gradients, the
+batch and its gradient (arguments and outputs, written in place).
 
 ``pipeline_step_local`` / ``pipeline_apply_local`` are the same executor as a
 function that runs *inside* a caller's ``shard_map``, so ``stage_fn`` may use
@@ -43,14 +48,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.mesh import axis_size
-from jaxpar.pipeline.lower import (B, F, I, IDLE, W, LoweredSchedule,
+from jaxpar.pipeline.lower import (B, F, I, W, LoweredSchedule,
                                    local_stages, lower)
 from jaxpar.pipeline.schedule import Schedule
 
 PyTree = Any
 StageFn = Callable[[PyTree, jax.Array], jax.Array]
 LossFn = Callable[[PyTree, jax.Array, PyTree], jax.Array]
-_F_LAST = 5  # switch branch: forward of the last stage, with the loss
+_F_LAST = 5  # block code: forward of the last stage, with the loss
 
 
 class PipelineGrads(NamedTuple):
@@ -169,7 +174,7 @@ def _full(avals: PyTree, fill: float, n: int | None = None) -> PyTree:
 
 
 class _Stage:
-  """``stage_fn`` split into the forward and backward halves the branches run.
+  """``stage_fn`` split into the forward and backward halves the blocks run.
 
   Without remat, ``F`` stashes the leaves of the ``jax.vjp`` closure except
   the stage's own parameters (which ``B`` reads from the parameter buffer
@@ -205,7 +210,7 @@ class _Stage:
     return y, stash
 
   def forward(self, params, x):
-    """``(y, stash)`` for the ``F`` branch."""
+    """``(y, stash)`` for the ``F`` block."""
     if self.remat:
       return self.stage_fn(params, x), x
     y, stash, _, index = self._split(params, x)
@@ -250,9 +255,9 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   rank = jax.lax.axis_index(axis)
   v = jax.tree.leaves(local_params)[0].shape[0]
 
-  # Every value the branches touch varies over the pipeline axis and over
+  # Every value the blocks touch varies over the pipeline axis and over
   # what the batch varies over (e.g. 'data'): no gradient is then psum-ed
-  # implicitly inside a branch that only some ranks take.
+  # implicitly inside a block that only some ranks run.
   base = _vma(inputs) | {axis}
   local_params = _vary(local_params, base)
   loss_params = _vary(loss_params, base)
@@ -263,7 +268,7 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
     fn = lambda lp, y: loss_fn(lp, y, target) / m
     return jax.value_and_grad(fn, argnums=(0, 1))(lp, y)
 
-  # Types of everything the branches produce. The activations' varying axes
+  # Types of everything the blocks produce. The activations' varying axes
   # are a fixed point of x -> y (-> loss cotangent -> dx) -> x.
   act_vma = base
   while True:
@@ -535,7 +540,7 @@ def pipeline_step_local(
   For composing pipeline parallelism with other axes: the caller's
   ``shard_map`` spans ``axis`` and maybe others; ``stage_fn`` may use
   collectives over the other axes (all devices of a group sit on the same
-  pipeline rank and take the same branch).
+  pipeline rank and run the same blocks).
 
   Args:
     stage_fn: ``stage_fn(one_stage_params, x) -> y``, ``y`` like ``x``.
