@@ -120,7 +120,7 @@ def _map_stages(fn, tree: PyTree, *rest: PyTree) -> PyTree:
 
 
 def _check_rank_layout(tree: PyTree, schedule: Schedule, name: str) -> None:
-  """``ValueError`` unless ``tree``'s stages are in ``schedule``'s rank layout."""
+  """``ValueError`` unless ``tree``'s stages are in ``schedule``'s layout."""
   nodes = [n for n in jax.tree.leaves(tree, is_leaf=_is_pipeline)
            if _is_pipeline(n)]
   if not nodes:
@@ -132,8 +132,9 @@ def _check_rank_layout(tree: PyTree, schedule: Schedule, name: str) -> None:
   for path, leaf in jax.tree_util.tree_leaves_with_path(
       [n.stages for n in nodes]):
     if tuple(np.shape(leaf)[:2]) != lead:
+      leaf_name = 'stages.' + _name(path[1:])
       raise ValueError(
-          f'{name} stage leaf {"stages." + _name(path[1:])!r} has shape '
+          f'{name} stage leaf {leaf_name!r} has shape '
           f'{tuple(np.shape(leaf))}, but the rank layout of schedule '
           f'{schedule.name!r} ({p} ranks, {schedule.num_stages} stages) '
           f'starts with {lead}; pass the schedule of the Trainer that made '
@@ -141,11 +142,15 @@ def _check_rank_layout(tree: PyTree, schedule: Schedule, name: str) -> None:
 
 
 def _model_sharding(leaf: Any) -> NamedSharding | None:
-  """``[p, v, ...]`` sharded ``P(a, None, *rest)`` -> ``[p*v, ...]`` ``P(a, *rest)``."""
+  """Sharding of a ``[p, v, ...]`` leaf's model order ``[p*v, ...]``.
+
+  ``P(a, None, *rest)`` (ranks split over ``a``) -> ``P(a, *rest)``.
+  """
   sharding = getattr(leaf, 'sharding', None)
   if not isinstance(sharding, NamedSharding):
     return None
-  spec = tuple(sharding.spec) + (None,) * (len(leaf.shape) - len(sharding.spec))
+  spec = tuple(sharding.spec)
+  spec += (None,) * (len(leaf.shape) - len(spec))
   return NamedSharding(sharding.mesh, P(spec[0], *spec[2:]))
 
 
@@ -169,8 +174,9 @@ def _check_leaves(tree: PyTree, name: str, kinds: tuple[type, ...],
   return leaves
 
 
-def save(directory: str | os.PathLike, state: PyTree, *, step: int | None = None,
-         schedule: Schedule | None = None, keep: int | None = None) -> int:
+def save(directory: str | os.PathLike, state: PyTree, *,
+         step: int | None = None, schedule: Schedule | None = None,
+         keep: int | None = None) -> int:
   """Saves ``state`` (sharded or not) as step ``step`` of ``directory``.
 
   Every process of a multi-process run must call it with its part of the
@@ -253,7 +259,7 @@ def latest_step(directory: str | os.PathLike) -> int | None:
 
 
 def _target(leaf: Any) -> Any:
-  """What orbax restores ``leaf`` as: a sharded ``ShapeDtypeStruct`` or numpy."""
+  """What orbax restores ``leaf`` as: sharded ``ShapeDtypeStruct`` or numpy."""
   if isinstance(leaf, jax.Array):
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
   return leaf
@@ -268,7 +274,7 @@ def _model_target(leaf: Any, schedule: Schedule) -> Any:
 
 
 def _to_rank_layout(leaf: Any, like: Any, schedule: Schedule) -> Any:
-  """A restored model-order ``[num_stages, ...]`` leaf -> ``like``'s ``[p, v, ...]``."""
+  """A restored ``[num_stages, ...]`` leaf -> ``like``'s ``[p, v, ...]``."""
   out = executor.stages_to_ranks(leaf, schedule,
                                  out_sharding=_model_sharding(like))
   if isinstance(like, np.ndarray):
@@ -276,31 +282,32 @@ def _to_rank_layout(leaf: Any, like: Any, schedule: Schedule) -> Any:
   return jax.device_put(out, like.sharding)
 
 
+def _listing(items: list[str], sep: str) -> str:
+  """The first ``_SHOWN`` items joined by ``sep``, and how many are left."""
+  more = f'{sep}(+{len(items) - _SHOWN} more)' if len(items) > _SHOWN else ''
+  return sep.join(items[:_SHOWN]) + more
+
+
 def _compare(saved: dict[str, Any], wanted: dict[str, Any], path: str,
              hint: str) -> None:
   """One ``ValueError`` listing every missing, extra or mismatched leaf."""
+  def describe(x):
+    return f'{tuple(x.shape)} {np.dtype(x.dtype)}'
   problems = []
   missing = [k for k in wanted if k not in saved]
-  extra = [k for k in saved if k not in wanted]
   if missing:
-    problems.append(f'in like but not in the checkpoint: '
-                    f'{", ".join(missing[:_SHOWN])}'
-                    + (f' (+{len(missing) - _SHOWN} more)'
-                       if len(missing) > _SHOWN else ''))
+    problems.append('in like but not in the checkpoint: '
+                    + _listing(missing, ', '))
+  extra = [k for k in saved if k not in wanted]
   if extra:
-    problems.append(f'in the checkpoint but not in like: '
-                    f'{", ".join(extra[:_SHOWN])}'
-                    + (f' (+{len(extra) - _SHOWN} more)'
-                       if len(extra) > _SHOWN else ''))
-  shapes = [f'{k}: checkpoint {tuple(saved[k].shape)} {np.dtype(saved[k].dtype)}'
-            f' vs like {tuple(wanted[k].shape)} {np.dtype(wanted[k].dtype)}'
-            for k in wanted if k in saved and (
-                tuple(saved[k].shape) != tuple(wanted[k].shape)
-                or np.dtype(saved[k].dtype) != np.dtype(wanted[k].dtype))]
+    problems.append('in the checkpoint but not in like: '
+                    + _listing(extra, ', '))
+  shapes = [f'{k}: checkpoint {describe(saved[k])} vs like '
+            f'{describe(wanted[k])}' for k in wanted
+            if k in saved and describe(saved[k]) != describe(wanted[k])]
   if shapes:
-    problems.append('shape/dtype mismatch:\n    ' + '\n    '.join(
-        shapes[:_SHOWN]) + (f'\n    (+{len(shapes) - _SHOWN} more)'
-                            if len(shapes) > _SHOWN else ''))
+    problems.append('shape/dtype mismatch:\n    '
+                    + _listing(shapes, '\n    '))
   if problems:
     raise ValueError(f'checkpoint {path} does not match like:\n  '
                      + '\n  '.join(problems) + f'\n{hint}')
