@@ -144,12 +144,11 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     return
 
   from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-  if xla_bridge.backends_are_initialized():
-    same = (jax.local_device_count() == (local_device_count or
-                                         jax.local_device_count())
+  if xla_bridge.backends_are_initialized() or jax.distributed.is_initialized():
+    same = (local_device_count in (None, jax.local_device_count())
             and (single or jax.distributed.is_initialized()
-                 and jax.process_count() == num_processes
-                 and jax.process_index() == process_id))
+                 and num_processes in (None, jax.process_count())
+                 and process_id in (None, jax.process_index())))
     if same:
       return
     raise RuntimeError(

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxpar
 
@@ -93,11 +95,18 @@ def train_gpt(ckpt_dir: str) -> dict:
       jnp.array_equal(x, y) for x, y in zip(jax.tree.leaves(a),
                                             jax.tree.leaves(b))])))(
                                                 restored, state)
+  # A leaf sharded over both processes' devices: to_host all-gathers it.
+  kernel = state.params.stages['mlp']['fc_in']['kernel']
+  replicated = jax.device_put(kernel, NamedSharding(kernel.sharding.mesh, P()))
+  gathered = jaxpar.distributed.to_host(kernel)
   dense = gpt.merge_from_pipeline(trainer.params(state), layout)
   return {'losses': losses,
           'params': jax.tree.map(lambda x: x.tolist(),
                                  jaxpar.distributed.to_host(dense)),
-          'restored_equal': bool(same)}
+          'restored_equal': bool(same),
+          'gathered_equal': (not kernel.is_fully_addressable
+                             and np.array_equal(gathered,
+                                                np.asarray(replicated)))}
 
 
 def main(argv: list[str]) -> int:

@@ -83,6 +83,7 @@ def test_two_processes_match_one_process(tmp_path, worker_path, clean_env,
   np.testing.assert_allclose(_leaves(result['gpt']['params']),
                              _leaves(params), rtol=1e-10, atol=1e-9)
   assert result['gpt']['restored_equal']
+  assert result['gpt']['gathered_equal']
 
 
 def test_launch_sets_the_environment(tmp_path, worker_path):
