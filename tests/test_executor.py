@@ -1,5 +1,6 @@
 """pipeline_step / pipeline_apply: exactly the sequential model, memory flat in m."""
 
+import doctest
 import math
 
 import jax
@@ -11,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar.bench.pipeline import gpipe_autodiff_step
+from jaxpar.pipeline import executor
 from jaxpar.pipeline import schedule as sch
 from jaxpar.pipeline.executor import (PipelineGrads, pipeline_apply,
                                       pipeline_apply_local, pipeline_step,
@@ -109,10 +111,13 @@ def test_exact_float32_on_a_data_parallel_mesh():
   """float32; a mesh with a 'data' axis too (the step replicates over it)."""
   p, m = 4, 4
   schedule = sch.zero_bubble_h1(p, m)
-  args = model(p, m * MB, np.float32)
-  step = pipeline_step(stage_fn, loss_fn, schedule=schedule,
-                       mesh=jaxpar.make_mesh(data=2, stage=p))
-  assert_exact(step(*args), reference(*args, m), rtol=1e-5)
+  mesh = jaxpar.make_mesh(data=2, stage=p)
+  stages, loss_params, x, t = args = model(p, m * MB, np.float32)
+  step = pipeline_step(stage_fn, loss_fn, schedule=schedule, mesh=mesh)
+  # Arguments placed by the caller (batch split over 'data') work too.
+  placed = (jax.device_put(stages, NamedSharding(mesh, P('stage'))),
+            loss_params, jax.device_put(x, NamedSharding(mesh, P('data'))), t)
+  assert_exact(step(*placed), reference(*args, m), rtol=1e-5)
 
 
 def test_bubbles_are_inert(x64):
@@ -334,3 +339,9 @@ def test_errors_before_compiling():
     pipeline_apply_local(stage_fn, stages, x, lowered=lower(schedule))
   with pytest.raises(TypeError, match='LoweredSchedule'):
     pipeline_apply_local(stage_fn, stages, x, lowered=schedule)
+
+
+def test_docstring_examples():
+  result = doctest.testmod(executor, extraglobs={
+      'jaxpar': jaxpar, 'jax': jax, 'jnp': jnp, 'np': np, 'P': P})
+  assert result.attempted >= 10 and not result.failed

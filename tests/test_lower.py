@@ -1,10 +1,13 @@
 """lower(): the tick table, replayed symbolically against the schedule."""
 
 import dataclasses
+import doctest
+import importlib
 
 import numpy as np
 import pytest
 
+import jaxpar
 from jaxpar.pipeline import schedule as sch
 from jaxpar.pipeline.lower import B, F, I, IDLE, W, local_stages, lower
 
@@ -161,3 +164,10 @@ def test_errors():
       (sch.Action(2, 'F', 0), sch.Action(2, 'B', 0))), 'uneven')
   with pytest.raises(ValueError, match=r'\[2, 1\] stages'):
     lower(uneven)
+
+
+def test_docstring_examples():
+  # The module, not the function that jaxpar.pipeline re-exports as ``lower``.
+  module = importlib.import_module('jaxpar.pipeline.lower')
+  result = doctest.testmod(module, extraglobs={'jaxpar': jaxpar})
+  assert result.attempted >= 3 and not result.failed

@@ -100,9 +100,8 @@ def stages_to_ranks(tree: PyTree, schedule: Schedule, *,
 
   Example:
     >>> s = jaxpar.pipeline.interleaved_1f1b(2, 4, 2)   # placement (0, 1, 0, 1)
-    >>> stages_to_ranks(jnp.arange(4), s)
-    Array([[0, 2],
-           [1, 3]], dtype=int32)
+    >>> jaxpar.pipeline.stages_to_ranks(np.arange(4), s).tolist()
+    [[0, 2], [1, 3]]
   """
   return _permute(tree, _stage_order(schedule), schedule.num_ranks,
                   out_sharding, to_ranks=True)
@@ -113,7 +112,9 @@ def ranks_to_stages(tree: PyTree, schedule: Schedule, *,
   """Inverse of ``stages_to_ranks``: ``[p, v, ...]`` back to ``[num_stages, ...]``.
 
   Example:
-    >>> ranks_to_stages(stages_to_ranks(x, s), s) is equal to x
+    >>> s = jaxpar.pipeline.zbv(2, 2)   # placement (0, 1, 1, 0)
+    >>> jaxpar.pipeline.ranks_to_stages(np.array([[0, 3], [1, 2]]), s).tolist()
+    [0, 1, 2, 3]
   """
   return _permute(tree, np.argsort(_stage_order(schedule)), schedule.num_ranks,
                   out_sharding, to_ranks=False)
@@ -568,9 +569,20 @@ def pipeline_step_local(
     ``inputs`` (this shard's cotangent) by ``n``.
 
   Example:
-    >>> def body(params, lp, x, t):   # inside shard_map over ('stage', 'tensor')
-    ...   loss, g = pipeline_step_local(stage_fn, loss_fn, params[0], lp, x, t,
-    ...                                 lowered=lower(schedule))
+    >>> stage_fn = lambda w, x: jnp.tanh(x @ w)
+    >>> loss_fn = lambda scale, y, t: jnp.mean((scale * y - t) ** 2)
+    >>> low = jaxpar.pipeline.lower(jaxpar.pipeline.one_f_one_b(4, 8))
+    >>> def body(w, scale, x, t):   # one rank's view
+    ...   loss, g = jaxpar.pipeline.pipeline_step_local(
+    ...       stage_fn, loss_fn, w[0], scale, x, t, lowered=low)
+    ...   return loss, g.stages[None]
+    >>> step = jax.jit(jax.shard_map(
+    ...     body, mesh=jaxpar.make_mesh(stage=4, data=2), axis_names={'stage'},
+    ...     in_specs=(P('stage'), P(), P(), P()), out_specs=(P(), P('stage'))))
+    >>> w = np.full((4, 1, 16, 16), 1 / 16, np.float32)   # [p, v, ...]
+    >>> loss, dw = step(w, 2.0, np.ones((32, 16)), np.zeros((32, 16)))
+    >>> dw.shape
+    (4, 1, 16, 16)
   """
   lowered = _check_lowered(lowered)
   _check_fn(stage_fn, 'stage_fn')
@@ -666,12 +678,16 @@ def pipeline_step(
       another batch size or a ``stage_fn`` that changes the shape.
 
   Example:
-    >>> mesh = jaxpar.make_mesh(stage=4, data=2)
-    >>> step = pipeline_step(stage_fn, loss_fn, mesh=mesh,
-    ...                      schedule=jaxpar.pipeline.one_f_one_b(4, 8))
-    >>> loss, grads = step(stage_params, loss_params, inputs, targets)
-    >>> grads.stages['w'].shape == stage_params['w'].shape
-    True
+    >>> stage_fn = lambda p, x: jnp.tanh(x @ p['w'] + p['b'])
+    >>> loss_fn = lambda scale, y, t: jnp.mean((scale * y - t) ** 2)
+    >>> step = jaxpar.pipeline.pipeline_step(
+    ...     stage_fn, loss_fn, mesh=jaxpar.make_mesh(stage=4, data=2),
+    ...     schedule=jaxpar.pipeline.one_f_one_b(4, 8))
+    >>> params = {'w': np.full((4, 16, 16), 1 / 16, np.float32),
+    ...           'b': np.zeros((4, 16), np.float32)}    # 4 stages
+    >>> loss, grads = step(params, 2.0, np.ones((32, 16)), np.zeros((32, 16)))
+    >>> grads.stages['w'].shape, grads.inputs.shape
+    ((4, 16, 16), (32, 16))
   """
   _check_fn(stage_fn, 'stage_fn')
   _check_fn(loss_fn, 'loss_fn')
@@ -695,6 +711,9 @@ def pipeline_step(
   def step(stage_params, loss_params, inputs, targets):
     _check_leading(stage_params, schedule.num_stages, 'stage_params',
                    'schedule.num_stages')
+    # Replicated on every device (a no-op unless the caller sharded them).
+    loss_params, inputs, targets = jax.reshard(
+        (loss_params, inputs, targets), NamedSharding(mesh, P()))
     loss, grads = sharded(
         stages_to_ranks(stage_params, schedule, out_sharding=by_stage),
         loss_params, inputs, targets)
@@ -707,6 +726,7 @@ def pipeline_step(
     'stage_fn', 'schedule', 'mesh', 'axis', 'bubble_fill'))
 def _apply(stage_fn, stage_params, inputs, *, schedule, mesh, axis,
            bubble_fill):
+  bubble_fill = float(bubble_fill)  # passed as a str: nan == nan for the cache
   lowered = _lowered_for(schedule, mesh, axis, training=False)
   _check_leading(stage_params, schedule.num_stages, 'stage_params',
                  'schedule.num_stages')
@@ -715,6 +735,7 @@ def _apply(stage_fn, stage_params, inputs, *, schedule, mesh, axis,
       axis=axis, bubble_fill=bubble_fill)
   params = stages_to_ranks(stage_params, schedule,
                            out_sharding=NamedSharding(mesh, P(axis)))
+  inputs = jax.reshard(inputs, NamedSharding(mesh, P()))
   return jax.shard_map(local, mesh=mesh, in_specs=(P(axis), P()),
                        out_specs=P(), axis_names={axis})(params, inputs)
 
@@ -742,9 +763,13 @@ def pipeline_apply(stage_fn: StageFn, stage_params: PyTree,
     ``[batch, ...]``, replicated over ``axis``.
 
   Example:
-    >>> y = pipeline_apply(stage_fn, stage_params, x, mesh=mesh,
-    ...                    schedule=jaxpar.pipeline.gpipe(4, 8))
+    >>> y = jaxpar.pipeline.pipeline_apply(
+    ...     lambda w, x: jnp.tanh(x @ w), np.ones((4, 16, 16), np.float32),
+    ...     np.ones((32, 16), np.float32), mesh=jaxpar.make_mesh(stage=4, data=2),
+    ...     schedule=jaxpar.pipeline.one_f_one_b(4, 8))
+    >>> y.shape
+    (32, 16)
   """
   _check_fn(stage_fn, 'stage_fn')
   return _apply(stage_fn, stage_params, inputs, schedule=schedule, mesh=mesh,
-                axis=axis, bubble_fill=_check_fill(bubble_fill))
+                axis=axis, bubble_fill=str(_check_fill(bubble_fill)))

@@ -114,7 +114,7 @@ def local_stages(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
   stages so that stage parameters can be laid out as ``[p, v, ...]``.
 
   Example:
-    >>> local_stages(schedule)   # interleaved, p=2, 4 stages
+    >>> local_stages(jaxpar.pipeline.interleaved_1f1b(2, 2, 2))
     ((0, 2), (1, 3))
   """
   per_rank = tuple(
