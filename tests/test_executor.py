@@ -339,6 +339,12 @@ def test_errors_before_compiling():
     pipeline_apply_local(stage_fn, stages, x, lowered=lower(schedule))
   with pytest.raises(TypeError, match='LoweredSchedule'):
     pipeline_apply_local(stage_fn, stages, x, lowered=schedule)
+  four = model(4, m * MB, np.float32)[0]
+  with pytest.raises(ValueError, match="axis 'stage' has size 4.*num_ranks=2"):
+    jax.shard_map(lambda s: pipeline_step_local(
+        stage_fn, loss_fn, s, loss_params, x, t, lowered=lower(schedule)),
+                  mesh=mesh_for(4), in_specs=P('stage'), out_specs=P(),
+                  axis_names={'stage'})(four)
 
 
 def test_docstring_examples():

@@ -496,6 +496,15 @@ def _check_stage_fn(stage_fn: StageFn, params: PyTree, x: jax.Array) -> None:
         'their cotangent) or into loss_fn.')
 
 
+def _check_axis(axis: str, schedule: Schedule) -> None:
+  """Inside ``shard_map``: ``axis`` must have ``schedule.num_ranks`` ranks."""
+  size = jax.lax.axis_size(axis)
+  if size != schedule.num_ranks:
+    raise ValueError(
+        f'axis {axis!r} has size {size} but schedule {schedule.name!r} has '
+        f'num_ranks={schedule.num_ranks}: lower a schedule for {size} ranks.')
+
+
 def _check_lowered(lowered: Any) -> LoweredSchedule:
   if not isinstance(lowered, LoweredSchedule):
     raise TypeError(f'lowered must be a LoweredSchedule from '
@@ -591,11 +600,12 @@ def pipeline_step_local(
     raise ValueError(f'lowered schedule {lowered.schedule.name!r} has no '
                      'backward actions; use pipeline_apply_local.')
   schedule = lowered.schedule
-  v = schedule.num_stages // schedule.num_ranks
-  _check_float((local_params, loss_params, inputs), '(params, loss_params, '
-               'inputs)')
-  _check_leading(local_params, v, 'local_params',
-                 'num_stages // num_ranks')
+  _check_axis(axis, schedule)
+  for tree, name in ((local_params, 'local_params'),
+                     (loss_params, 'loss_params'), (inputs, 'inputs')):
+    _check_float(tree, name)
+  _check_leading(local_params, schedule.num_stages // schedule.num_ranks,
+                 'local_params', 'num_stages // num_ranks')
   xs, ts = _microbatched(inputs, targets, schedule.num_microbatches)
   _check_stage_fn(stage_fn, local_params, xs)
   loss, grads, dlp, dx = _run(
@@ -623,6 +633,7 @@ def pipeline_apply_local(
                      'backward actions; lower its F actions only for '
                      'pipeline_apply_local.')
   schedule = lowered.schedule
+  _check_axis(axis, schedule)
   _check_leading(local_params, schedule.num_stages // schedule.num_ranks,
                  'local_params', 'num_stages // num_ranks')
   xs, _ = _microbatched(inputs, (), schedule.num_microbatches)
@@ -650,6 +661,11 @@ def pipeline_step(
   ``lower(schedule).num_stash_slots`` stashes (VJP residuals without the
   parameters; the stage input with ``remat``) and ``num_mailbox_slots``
   activations, independent of ``m`` for 1F1B, interleaved and zero-bubble.
+  When the placement is not one stage per rank in order (interleaved, V),
+  the model-order stage parameters and gradients are permuted to and from
+  the rank layout every step, which gathers them on every device; for large
+  models keep them in that layout (``stages_to_ranks``) and call
+  ``pipeline_step_local`` in your own ``shard_map``.
 
   Args:
     stage_fn: ``stage_fn(one_stage_params, x) -> y`` with ``y`` of ``x``'s
