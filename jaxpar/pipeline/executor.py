@@ -254,7 +254,7 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   train = loss_fn is not None
   stage = _Stage(stage_fn, remat or not train)
   rank = jax.lax.axis_index(axis)
-  v = jax.tree.leaves(local_params)[0].shape[0]
+  v = schedule.num_stages // p
 
   # Every value the blocks touch varies over the pipeline axis and over
   # what the batch varies over (e.g. 'data'): no gradient is then psum-ed
