@@ -1,9 +1,11 @@
-"""The command line: the demo learns, bad flags fail in one line with exit 2."""
+"""The command line: the demo learns, any mesh gives the same losses, bad flags
+fail in one line with exit code 2."""
 
 import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 
@@ -12,19 +14,63 @@ def jaxpar_cli(*args, timeout=600):
                         capture_output=True, text=True, timeout=timeout)
 
 
-def test_demo_learns(tmp_path):
-  out = tmp_path / 'run.json'
-  result = jaxpar_cli('demo', '--steps', '40', '--json', str(out))
-  assert result.returncode == 0, result.stderr
-  record = json.loads(out.read_text())
-  losses = [s['loss'] for s in record['steps']]
-  assert len(losses) == 40
-  assert losses[-1] < 0.5 * losses[0]
-  assert 'loss' in result.stdout
+def demo_losses(tmp_path, *args):
+  out = tmp_path / f'run{len(list(tmp_path.iterdir()))}.json'
+  result = jaxpar_cli('demo', '--json', str(out), *args)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return [s['loss'] for s in json.loads(out.read_text())['steps']]
 
 
-@pytest.mark.parametrize('args', [['demo', '--steps', '0'], ['nonsense']])
-def test_bad_flags_exit_2_without_traceback(args):
+def test_default_demo_learns(tmp_path):
+  plot = tmp_path / 'run.png'
+  losses = demo_losses(tmp_path, '--plot', str(plot))
+  assert losses[-1] < 0.4 * losses[0]
+  assert plot.stat().st_size > 10_000
+
+
+SMALL = ('--steps', '3', '--layers', '4')
+
+
+@pytest.mark.parametrize('schedule', ['1f1b', 'zbv'])
+def test_any_mesh_gives_the_losses_of_one_device(tmp_path, schedule):
+  one = demo_losses(tmp_path, *SMALL, '--mesh', 'data=1,stage=1,tensor=1',
+                    '--schedule', '1f1b')
+  three_d = demo_losses(tmp_path, *SMALL, '--mesh', 'data=2,stage=2,tensor=2',
+                        '--schedule', schedule)
+  np.testing.assert_allclose(three_d, one, rtol=1e-4)
+  assert one[-1] < one[0]
+
+
+def test_launch_two_processes_gives_the_same_losses(tmp_path):
+  out = tmp_path / 'launch.json'
+  result = jaxpar_cli('launch', '-n', '2', '--devices-per-process', '4', '--',
+                      'demo', *SMALL, '--json', str(out))
+  assert result.returncode == 0, result.stdout[-3000:]
+  launched = [s['loss'] for s in json.loads(out.read_text())['steps']]
+  single = demo_losses(tmp_path, *SMALL)
+  np.testing.assert_allclose(launched, single, rtol=1e-5)
+
+
+def test_resume_continues_bit_exactly(tmp_path):
+  ckpt = str(tmp_path / 'ckpt')
+  straight = demo_losses(tmp_path, '--steps', '4', '--layers', '2')
+  first = demo_losses(tmp_path, '--steps', '2', '--layers', '2',
+                      '--checkpoint', ckpt)
+  rest = demo_losses(tmp_path, '--steps', '4', '--layers', '2',
+                     '--checkpoint', ckpt, '--resume')
+  assert first + rest == straight
+
+
+@pytest.mark.parametrize('args', [
+    ['demo', '--mesh', 'data=4,stage=4,tensor=4'],     # larger than the devices
+    ['demo', '--layers', '1'],                         # fewer layers than stages
+    ['demo', '--schedule', 'pipedream'],               # unknown schedule
+    ['demo', '--steps', '0'],
+    ['nonsense'],
+])
+def test_bad_flags_exit_2_in_one_line(args):
   result = jaxpar_cli(*args)
   assert result.returncode == 2
   assert 'Traceback' not in result.stderr
+  if args[0] == 'demo':
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
