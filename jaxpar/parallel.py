@@ -25,10 +25,38 @@ as sgd/adam/adamw are) with clipping by the global norm over all shards::
 
 and non-finite steps skipped (``jaxpar.train_state.apply_gradients``). Any
 mesh shape computes the same losses and gradients as one device.
+
+**ZeRO-1** (``zero_stage=1``, as ``jaxpar.zero`` does for plain data
+parallelism, but on each device's *local* stage/tensor shard): the optimizer
+state is also split over ``'data'``, so each data replica keeps ``~1/N`` of it.
+A param leaf of global shape ``lead + rest`` (``lead = (p, v)`` for stage
+leaves, ``()`` for embed / head) whose local shard has ``r`` elements in
+``rest`` gets optimizer-state leaves of shape::
+
+  lead + (size of each mesh axis splitting rest, in order) + (N * c,)
+  c = max(1, ceil(r / N)),   spec  P(*lead spec, *those axes, 'data')
+
+e.g. a ``[p, v, d, h]`` stage leaf split ``P('stage', None, None, 'tensor')``
+has ``[p, v, T, N*c]`` moments split ``P('stage', None, 'tensor', 'data')``:
+each device holds ``[1, v, 1, c]``, its ``rest`` flattened, zero-padded to
+``N*c`` and cut into ``N`` pieces. Stage leaves keep their ``[p, v]`` rows, so
+``jaxpar.checkpoint.save(..., schedule=)`` reorders them like the params (the
+checkpoint then restores onto any schedule with the same ``num_stages`` and
+the same data and tensor sizes). Per step and device::
+
+  g    = psum_scatter(pad(flat(local grad)), 'data') / N   my [c] slice of the mean
+  |g|  = sqrt(sum_leaves psum_{leaf axes + 'data'}(sum(g^2)))   padding adds 0
+  p, opt = optimizer.update(clip(g), opt, my [c] slice of the local params)
+  params = all_gather(p, 'data')[:r].reshape(local shard)
+
+Communication equals the all-reduce of ``zero_stage=0`` (a reduce-scatter
+plus an all-gather); the loss, norm, clipping and skipping are the same.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -40,6 +68,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import tensor_parallel as tp
+from jaxpar import zero
 from jaxpar.data_parallel import batch_size_of
 from jaxpar.mesh import axis_size
 from jaxpar.pipeline import executor
@@ -112,6 +141,68 @@ def global_norm(grads: PyTree, specs: PyTree) -> jax.Array:
   return jnp.sqrt(total)
 
 
+ZERO_STAGES = (0, 1)
+
+# Leading dims of each PipelineParams part that ZeRO-1 keeps as they are (a
+# stage leaf's [p, v] rank rows); the rest of each local shard is flattened.
+_LEAD = PipelineParams(embed=0, stages=2, head=0)
+
+
+def _map_parts(fn: Callable[..., Any], params: PipelineParams,
+               specs: PipelineParams, *rest: PipelineParams) -> PipelineParams:
+  """``fn(leaf, spec, lead, *rest_leaves)`` on every leaf of ``params``."""
+  return PipelineParams(*(
+      jax.tree.map(lambda x, s, *r, lead=lead: fn(x, s, lead, *r),
+                   part, spec, *(tree[i] for tree in rest))
+      for i, (part, spec, lead) in enumerate(zip(params, specs, _LEAD))))
+
+
+def _rest_axes(spec: P, ndim: int, lead: int) -> tuple[str, ...]:
+  """Mesh axes that split a leaf's dims after its ``lead`` leading ones."""
+  return _axes(P(*_padded(spec, ndim)[lead:]))
+
+
+def _zero_spec(spec: P, ndim: int, lead: int, data_axis: str) -> P:
+  """Spec of a leaf's ZeRO-1 optimizer-state leaf (module docstring)."""
+  return P(*_padded(spec, ndim)[:lead], *_rest_axes(spec, ndim, lead),
+           data_axis)
+
+
+def _flat_padded(x: jax.Array, lead: int, n: int) -> jax.Array:
+  """``x`` as ``[*lead dims, N*c]``: the rest raveled, then zero-padded."""
+  flat = x.reshape(x.shape[:lead] + (-1,))
+  size = flat.shape[-1]
+  return jnp.pad(flat, [(0, 0)] * lead + [(0, zero.padded_size(size, n) - size)])
+
+
+def _zero_slice(x: jax.Array, spec: P, lead: int, *, axis: str) -> jax.Array:
+  """This device's ``[*lead, 1, .., 1, c]`` ZeRO-1 slice of a local shard."""
+  n, d = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+  flat = _flat_padded(x, lead, n)
+  c = flat.shape[-1] // n
+  ones = (1,) * len(_rest_axes(spec, x.ndim, lead))
+  return jax.lax.dynamic_slice_in_dim(flat, d * c, c, axis=lead).reshape(
+      x.shape[:lead] + ones + (c,))
+
+
+def _scatter_mean(g: jax.Array, spec: P, lead: int, *,
+                  axis: str) -> jax.Array:
+  """This device's ZeRO-1 slice of the mean over ``axis`` of local grads."""
+  n = jax.lax.axis_size(axis)
+  mine = jax.lax.psum_scatter(_flat_padded(g, lead, n), axis,
+                              scatter_dimension=lead, tiled=True) / n
+  ones = (1,) * len(_rest_axes(spec, g.ndim, lead))
+  return mine.reshape(g.shape[:lead] + ones + mine.shape[-1:])
+
+
+def _gather_shard(mine: jax.Array, lead: int, shape: tuple[int, ...], *,
+                  axis: str) -> jax.Array:
+  """The local shard of ``shape`` from every device's ZeRO-1 slice."""
+  flat = mine.reshape(mine.shape[:lead] + mine.shape[-1:])
+  full = jax.lax.all_gather(flat, axis, axis=lead, tiled=True, to='invarying')
+  return full[..., :math.prod(shape[lead:])].reshape(shape)
+
+
 def train_step(
     embed_fn: Callable[[PyTree, Any], jax.Array],
     stage_fn: Callable[[PyTree, jax.Array], jax.Array],
@@ -127,6 +218,7 @@ def train_step(
     data_axis: str = 'data',
     stage_axis: str = 'stage',
     tensor_axis: str = 'tensor',
+    zero_stage: int = 0,
 ) -> Trainer:
   """A DP x PP x TP train step for a model given as embed / stages / head.
 
@@ -149,6 +241,11 @@ def train_step(
     layout: tensor-parallel layout of layer names (``tensor_parallel.
       param_specs``); default ``tensor_parallel.DEFAULT_LAYOUT``.
     data_axis, stage_axis, tensor_axis: the mesh axis names.
+    zero_stage: 0 (optimizer state sharded like the params) or 1 (ZeRO-1:
+      also split over ``data_axis``, ``~1/N`` per data replica; gradients are
+      reduce-scattered and params all-gathered, see the module docstring).
+      Same losses, norms and params either way; a state only fits the
+      ``zero_stage`` of the ``Trainer`` whose ``init`` made it.
 
   Returns:
     a ``Trainer(init, step, params)``. The batch is ``(inputs, targets)`` with
@@ -168,6 +265,15 @@ def train_step(
     if not callable(fn):
       raise TypeError(f'{name} must be callable, got {fn!r}.')
   check_optimizer(optimizer)
+  if zero_stage == 3 and not isinstance(zero_stage, bool):
+    raise NotImplementedError(
+        'zero_stage=3 (params sharded over data too) is not implemented for '
+        'the 3D train step; use zero_stage=1 (optimizer state sharded), or '
+        'jaxpar.data_parallel_step(..., zero_stage=3) without pipeline and '
+        'tensor parallelism.')
+  if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
+    raise ValueError(f'zero_stage={zero_stage!r}; choose 0 (no ZeRO) or 1 '
+                     '(optimizer state sharded over the data axis).')
   n_data = axis_size(mesh, data_axis)
   n_stage = axis_size(mesh, stage_axis)
   axis_size(mesh, tensor_axis)
@@ -222,9 +328,39 @@ def train_step(
         executor.stages_to_ranks(stages, schedule), specs.stages)
     params = PipelineParams(embed, stages, head)
     with jax.set_mesh(mesh):
-      opt_state = jax.jit(optimizer.init)(params)
+      opt_state = jax.jit(optimizer.init)(
+          zero_slices(params, specs) if zero_stage else params)
     step0 = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
     return TrainState(step0, params, opt_state)
+
+  def zero_specs(params: PipelineParams, specs: PipelineParams
+                 ) -> PipelineParams:
+    return _map_parts(lambda x, s, lead: _zero_spec(s, np.ndim(x), lead,
+                                                    data_axis), params, specs)
+
+  def zero_slices(params: PipelineParams, specs: PipelineParams
+                  ) -> PipelineParams:
+    """The ZeRO-1 slices of placed ``params``: what the optimizer sees."""
+    slices = jax.shard_map(
+        lambda p: _map_parts(functools.partial(_zero_slice, axis=data_axis),
+                             p, specs),
+        mesh=mesh, in_specs=(specs,), out_specs=zero_specs(params, specs))
+    return jax.jit(slices)(params)
+
+  def check_opt_state(state: TrainState, specs: PipelineParams) -> None:
+    """``ValueError`` unless ``state.opt_state`` has this trainer's layout."""
+    like = (jax.eval_shape(lambda p: zero_slices(p, specs), state.params)
+            if zero_stage else state.params)
+    want = jax.eval_shape(optimizer.init, like)
+    shapes = lambda tree: (jax.tree.structure(tree),
+                           [np.shape(x) for x in jax.tree.leaves(tree)])
+    if shapes(want) != shapes(state.opt_state):
+      raise ValueError(
+          f'state.opt_state does not have the layout this Trainer '
+          f'(zero_stage={zero_stage}) gives optimizer.init: its structure or '
+          f'leaf shapes differ. States from a Trainer with another zero_stage, '
+          f'mesh or optimizer do not fit; create the state with this '
+          f'trainer\'s init (checkpoint.restore onto trainer.init(params)).')
 
   def to_model_order(state: TrainState) -> PipelineParams:
     params = jax.device_put(state.params, NamedSharding(mesh, P()))
@@ -250,12 +386,29 @@ def train_step(
     grads = PipelineParams(embed_grads,
                            jax.tree.map(lambda g: g[None], stage_grads),
                            grads.loss)
-    loss, grads = jax.lax.pmean((loss, grads), data_axis)
-    grad_norm = global_norm(grads, specs.params)
-    state, skipped = apply_gradients(
-        state, grads, loss=loss, grad_norm=grad_norm, optimizer=optimizer,
-        max_grad_norm=max_grad_norm)
-    return state, StepStats(loss, grad_norm, skipped)
+    if not zero_stage:
+      loss, grads = jax.lax.pmean((loss, grads), data_axis)
+      grad_norm = global_norm(grads, specs.params)
+      state, skipped = apply_gradients(
+          state, grads, loss=loss, grad_norm=grad_norm, optimizer=optimizer,
+          max_grad_norm=max_grad_norm)
+      return state, StepStats(loss, grad_norm, skipped)
+    # ZeRO-1: reduce-scatter instead of all-reduce; update my 1/N slice of
+    # the local shard, then all-gather the params over the data axis.
+    loss = jax.lax.pmean(loss, data_axis)
+    grads = _map_parts(functools.partial(_scatter_mean, axis=data_axis),
+                       grads, specs.params)
+    grad_norm = global_norm(grads, zero_specs(grads, specs.params))
+    mine = _map_parts(functools.partial(_zero_slice, axis=data_axis),
+                      state.params, specs.params)
+    new, skipped = apply_gradients(
+        state._replace(params=mine), grads, loss=loss, grad_norm=grad_norm,
+        optimizer=optimizer, max_grad_norm=max_grad_norm)
+    params = _map_parts(
+        lambda p, _, lead, old: _gather_shard(p, lead, old.shape,
+                                              axis=data_axis),
+        new.params, specs.params, state.params)
+    return new._replace(params=params), StepStats(loss, grad_norm, skipped)
 
   compiled = {}
   batch_sharding = NamedSharding(mesh, P(data_axis))
@@ -266,6 +419,7 @@ def train_step(
     key = (jax.tree.structure(state), tuple(jax.tree.leaves(
         specs, is_leaf=lambda s: isinstance(s, P))))
     if key not in compiled:
+      check_opt_state(state, specs.params)
       fn = jax.shard_map(
           lambda s, i, t: local_step(s, i, t, specs=specs), mesh=mesh,
           in_specs=(specs, P(data_axis), P(data_axis)),
