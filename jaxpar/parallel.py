@@ -44,8 +44,8 @@ each device holds ``[1, v, 1, c]``, its ``rest`` flattened, zero-padded to
 checkpoint then restores onto any schedule with the same ``num_stages`` and
 the same data and tensor sizes). Per step and device::
 
-  g    = psum_scatter(pad(flat(local grad)), 'data') / N   my [c] slice of the mean
-  |g|  = sqrt(sum_leaves psum_{leaf axes + 'data'}(sum(g^2)))   padding adds 0
+  g = psum_scatter(pad(flat(local grad)), 'data') / N   my [c] slice of the mean
+  |g| = sqrt(sum_leaves psum_{leaf axes, 'data'}(sum(g^2)))   padding adds 0
   p, opt = optimizer.update(clip(g), opt, my [c] slice of the local params)
   params = all_gather(p, 'data')[:r].reshape(local shard)
 
@@ -95,7 +95,8 @@ class Trainer(NamedTuple):
 
   Attributes:
     init: ``init(params: PipelineParams) -> TrainState``, placed and sharded
-      on the mesh (stages in rank layout, optimizer state like its params).
+      on the mesh (stages in rank layout, optimizer state like its params,
+      or with ``zero_stage=1`` in the ZeRO-1 layout of the module docstring).
     step: ``step(state, (inputs, targets)) -> (state, StepStats)``, jitted;
       ``step.lower(state, batch)`` gives the lowered program.
     params: ``params(state) -> PipelineParams`` in model order (for
@@ -171,8 +172,8 @@ def _zero_spec(spec: P, ndim: int, lead: int, data_axis: str) -> P:
 def _flat_padded(x: jax.Array, lead: int, n: int) -> jax.Array:
   """``x`` as ``[*lead dims, N*c]``: the rest raveled, then zero-padded."""
   flat = x.reshape(x.shape[:lead] + (-1,))
-  size = flat.shape[-1]
-  return jnp.pad(flat, [(0, 0)] * lead + [(0, zero.padded_size(size, n) - size)])
+  pad = zero.padded_size(flat.shape[-1], n) - flat.shape[-1]
+  return jnp.pad(flat, [(0, 0)] * lead + [(0, pad)])
 
 
 def _zero_slice(x: jax.Array, spec: P, lead: int, *, axis: str) -> jax.Array:
@@ -265,7 +266,7 @@ def train_step(
     if not callable(fn):
       raise TypeError(f'{name} must be callable, got {fn!r}.')
   check_optimizer(optimizer)
-  if zero_stage == 3 and not isinstance(zero_stage, bool):
+  if zero_stage == 3:
     raise NotImplementedError(
         'zero_stage=3 (params sharded over data too) is not implemented for '
         'the 3D train step; use zero_stage=1 (optimizer state sharded), or '
@@ -335,6 +336,7 @@ def train_step(
 
   def zero_specs(params: PipelineParams, specs: PipelineParams
                  ) -> PipelineParams:
+    """Specs of the ZeRO-1 slices of ``params`` (placed with ``specs``)."""
     return _map_parts(lambda x, s, lead: _zero_spec(s, np.ndim(x), lead,
                                                     data_axis), params, specs)
 
@@ -398,7 +400,7 @@ def train_step(
     loss = jax.lax.pmean(loss, data_axis)
     grads = _map_parts(functools.partial(_scatter_mean, axis=data_axis),
                        grads, specs.params)
-    grad_norm = global_norm(grads, zero_specs(grads, specs.params))
+    grad_norm = global_norm(grads, zero_specs(state.params, specs.params))
     mine = _map_parts(functools.partial(_zero_slice, axis=data_axis),
                       state.params, specs.params)
     new, skipped = apply_gradients(
