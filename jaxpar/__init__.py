@@ -17,3 +17,10 @@ from jaxpar.train_state import StepStats as StepStats
 from jaxpar.train_state import TrainState as TrainState
 
 __version__ = '0.1.0'
+
+__all__ = [
+    'AsyncParameterServer', 'AsyncResult', 'StepStats', 'TrainState',
+    'async_ps', 'checkpoint', 'data_parallel_step', 'distributed',
+    'make_mesh', 'models', 'parallel', 'pipeline', 'simulate_cpu_devices',
+    'tensor_parallel', 'zero',
+]
