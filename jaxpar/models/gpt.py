@@ -31,6 +31,7 @@ from flax import nnx
 from flax.nnx.nn import attention
 
 from jaxpar import tensor_parallel as tp
+from jaxpar.models.mlp import MLP
 
 PyTree = Any
 
@@ -43,20 +44,6 @@ class GPTConfig(NamedTuple):
   num_heads: int = 4
   num_layers: int = 4
   mlp_ratio: int = 4
-
-
-class MLP(nnx.Module):
-  """``fc_out(gelu(fc_in(x)))``: the names ``parallel_mlp`` expects."""
-
-  def __init__(self, features: int, hidden: int, *, rngs: nnx.Rngs,
-               param_dtype: Any = jnp.float32):
-    self.fc_in = nnx.Linear(features, hidden, param_dtype=param_dtype,
-                            rngs=rngs)
-    self.fc_out = nnx.Linear(hidden, features, param_dtype=param_dtype,
-                             rngs=rngs)
-
-  def __call__(self, x):
-    return self.fc_out(jax.nn.gelu(self.fc_in(x)))
 
 
 def _attention(query, key, value, mask=None, **unused_kwargs):
