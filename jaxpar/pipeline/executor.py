@@ -7,15 +7,16 @@ one ``lax.scan`` over the ticks of the lowered schedule
 
 1. reads its row of the tick table (action kind, stage, microbatch, slots);
 2. reads the action's input (the batch for stage 0's ``F``, else a mailbox
-   slot) and its stash slot;
+   slot);
 3. runs the block of its action kind and no other: ``F`` (``stage_fn``
-   forward, stashing the VJP residuals or, with ``remat``, the stage input;
-   on the last stage also ``loss_fn`` and the loss cotangent), ``B`` (input
-   and parameter cotangents), ``I`` (input cotangent only) or ``W``
-   (parameter cotangent only); an idle rank computes nothing;
-4. writes the new stash entry back and sends the block's output with one
-   ``ppermute`` per distinct rank offset of the schedule (every rank takes
-   part every tick); receivers store it in the mailbox slot the table names.
+   forward, writing the VJP residuals or, with ``remat``, the stage input to
+   its stash slot in place; on the last stage also ``loss_fn`` and the loss
+   cotangent), ``B`` (input and parameter cotangents), ``I`` (input
+   cotangent only) or ``W`` (parameter cotangent only), each reading its
+   stash slot; an idle rank computes nothing;
+4. sends the block's output with one ``ppermute`` per distinct rank offset
+   of the schedule (every rank takes part every tick); receivers store it
+   in the mailbox slot the table names.
 
 The dispatch on the kind is a ``lax.switch`` in spirit, written as one
 zero-or-one-trip ``while_loop`` per kind (``_when``): XLA updates loop
@@ -302,48 +303,44 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
     return jax.tree.map(lambda g, d: g.at[j].add(_like(d, g[j])), grads, dp)
 
   # One block per action kind; each runs in a ``_when`` and updates the tick
-  # state (payload, new stash entry, grads, loss, dloss_params) in place.
-  # Only the gradient accumulators live in these loops: the stash is read
-  # before them and written after them, so that XLA never copies it.
-  def fwd(state, j, x, st, target):
-    del st, target
-    _, _, *acc = state
+  # state (payload, grads, loss, dloss_params) in place. The writers (``F``)
+  # also carry the stash and write their slot in place; the readers (``B``,
+  # ``I``, ``W``) run inside one loop that reads the stash entry (two loops
+  # reading the stash would each copy it). No tick copies a stash buffer.
+  def fwd(state, stash, j, slot, x, target):
+    del target
     if not train:
-      return (_like(stage_fn(params_of(j), x), act_aval), None)
+      return (_like(stage_fn(params_of(j), x), act_aval),), None
     y, new = stage.forward(params_of(j), x)
-    return (_like(y, act_aval), _like(new, stash_aval), *acc)
+    return (_like(y, act_aval), *state[1:]), put(stash, slot, new)
 
-  def fwd_last(state, j, x, st, target):
-    del st
-    _, _, grads, loss, dlp = state
+  def fwd_last(state, stash, j, slot, x, target):
+    _, grads, loss, dlp = state
     y, new = stage.forward(params_of(j), x)
     l, (dl, dy) = seed(loss_params, y, target)
-    return (_like(dy, act_aval), _like(new, stash_aval), grads,
-            loss + _like(l, loss),
-            jax.tree.map(lambda a, d: a + _like(d, a), dlp, dl))
+    return (_like(dy, act_aval), grads, loss + _like(l, loss),
+            jax.tree.map(lambda a, d: a + _like(d, a), dlp, dl)
+            ), put(stash, slot, new)
 
-  def bwd(state, j, dy, st, target):
-    del target
-    _, new, grads, *acc = state
+  def bwd(state, st, j, dy):
+    _, grads, *acc = state
     dp, dx = stage.backward(params_of(j), st, dy)
-    return (_like(dx, act_aval), new, add_grads(grads, j, dp), *acc)
+    return (_like(dx, act_aval), add_grads(grads, j, dp), *acc)
 
-  def bwd_input(state, j, dy, st, target):
-    del target
-    _, *rest = state
-    return (_like(stage.backward(params_of(j), st, dy)[1], act_aval), *rest)
+  def bwd_input(state, st, j, dy):
+    dx = stage.backward(params_of(j), st, dy)[1]
+    return (_like(dx, act_aval), *state[1:])
 
-  def bwd_weight(state, j, dy, st, target):
-    del target
-    payload, new, grads, *acc = state
+  def bwd_weight(state, st, j, dy):
+    payload, grads, *acc = state
     dp = stage.backward(params_of(j), st, dy)[0]
-    return (payload, new, add_grads(grads, j, dp), *acc)
+    return (payload, add_grads(grads, j, dp), *acc)
 
-  blocks = {F: fwd}
-  if train:
-    blocks.update({B: bwd, I: bwd_input, W: bwd_weight, _F_LAST: fwd_last})
+  writers = {F: fwd, _F_LAST: fwd_last} if train else {F: fwd}
+  readers = {B: bwd, I: bwd_input, W: bwd_weight} if train else {}
   present = set(np.unique(lowered.kind).tolist()) | {_F_LAST}
-  blocks = {code: block for code, block in blocks.items() if code in present}
+  readers, writers = ({code: block for code, block in blocks.items()
+                       if code in present} for blocks in (readers, writers))
 
   # The batch-sized result (input cotangents, or the outputs when not
   # training) is produced on one rank, one microbatch at a time. It is kept
@@ -366,26 +363,28 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
     branch = kind
     if train:
       branch = jnp.where((kind == F) & (stg == last), _F_LAST, kind)
-      st = jax.tree.map(lambda b: b[slot], stash)
-      state = (_full(act_aval, bubble_fill), st, grads, loss, dlp)
-    else:
-      st, state = None, (_full(act_aval, bubble_fill), None)
-    for code, block in blocks.items():
-      state = _when(branch == code, lambda s, block=block: block(
-          s, j, x, st, target), state)
+    state = (_full(act_aval, bubble_fill), grads, loss, dlp)
+    if not train:
+      state = state[:1]
+    if readers:
+      # One loop reads the stash (several would each copy it); it reads the
+      # entry, then runs the block of this tick's kind.
+      def read(state):
+        st = jax.tree.map(lambda b: b[slot], stash)
+        for code, block in readers.items():
+          state = _when(branch == code, lambda s, block=block: block(
+              s, st, j, x), state)
+        return state
+      state = _when(jnp.isin(branch, np.array(list(readers))), read, state)
+    for code, block in writers.items():
+      state, stash = _when(branch == code, lambda c, block=block: block(
+          *c, j, slot, x, target), (state, stash))
+    payload = state[0]
     if train:
-      # Only F changes ``new`` (it starts as the entry read), so writing it
-      # back unconditionally is a no-op on other ticks.
-      payload, new, grads, loss, dlp = state
-      stash = put(stash, slot, new)
-    else:
-      payload, _ = state
+      _, grads, loss, dlp = state
     mine = jnp.isin(kind, jnp.array(edge_kinds)) & (stg == edge_stage)
-    value = jax.lax.cond(
-        edge_now,
-        lambda: jax.lax.psum(jnp.where(mine, payload, 0), axis),
-        lambda: _vary(jnp.zeros(payload.shape, payload.dtype), edge_vma))
-    edge = _select_put(edge, edge_mb, value, edge_now)
+    edge = _when(edge_now, lambda e: jax.lax.dynamic_update_index_in_dim(
+        e, jax.lax.psum(jnp.where(mine, payload, 0), axis), edge_mb, 0), edge)
     for k, offset in enumerate(lowered.offsets):
       msg = payload if offset == 0 else jax.lax.ppermute(
           payload, axis, [(r, (r + offset) % p) for r in range(p)])
@@ -421,14 +420,6 @@ def _when(pred: jax.Array, fn: Callable[[PyTree], PyTree],
   """
   return jax.lax.while_loop(
       lambda c: c[0], lambda c: (c[0] & False, fn(c[1])), (pred, state))[1]
-
-
-def _select_put(buf: jax.Array, index: jax.Array, value: jax.Array,
-                write: jax.Array) -> jax.Array:
-  """``buf[index] = value`` where ``write``: a select, never a mask product."""
-  old = jax.lax.dynamic_index_in_dim(buf, index, keepdims=False)
-  return jax.lax.dynamic_update_index_in_dim(
-      buf, jnp.where(write, value, old), index, 0)
 
 
 # ---------------------------------------------------------------- checks
