@@ -321,13 +321,12 @@ def train_step(
               f'stage_mask shape {stage_mask.shape} is not a prefix of a stage '
               f'leaf shape {leaf.shape}.')
     specs = tp_specs(params)
-    # shard_params checks the tensor-parallel sizes and places embed / head.
-    embed, stages, head = (tp.shard_params(part, mesh=mesh, axis=tensor_axis,
-                                           layout=layout) for part in params)
-    stages = jax.tree.map(
-        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
-        executor.stages_to_ranks(stages, schedule), specs.stages)
-    params = PipelineParams(embed, stages, head)
+    for part in params:
+      tp.check_divisible(part, mesh=mesh, axis=tensor_axis, layout=layout)
+    params = params._replace(
+        stages=executor.stages_to_ranks(params.stages, schedule))
+    params = jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
     with jax.set_mesh(mesh):
       opt_state = jax.jit(optimizer.init)(
           zero_slices(params, specs) if zero_stage else params)

@@ -677,6 +677,38 @@ def param_specs(params: PyTree, *, axis: str = 'tensor',
   return jax.tree_util.tree_map_with_path(spec, params)
 
 
+def check_divisible(params: PyTree, *, mesh: jax.sharding.Mesh,
+                    axis: str = 'tensor',
+                    layout: Mapping[str, str] | None = None) -> None:
+  """``ValueError`` unless every split size of ``params`` divides by ``axis``.
+
+  The sizes ``param_specs`` splits (hidden size, heads, vocabulary) must be
+  multiples of the ``axis`` size; all offending leaves are listed.
+
+  Example:
+    >>> check_divisible(params, mesh=jaxpar.make_mesh(tensor=8))
+  """
+  n = _mesh_axis_size(mesh, axis)
+  layout = DEFAULT_LAYOUT if layout is None else layout
+  errors = []
+
+  def check(path, leaf):
+    rule, kind = _leaf_rule(path, leaf, layout)
+    for dim, d in enumerate(rule):
+      if d is _TP and leaf.shape[dim] % n:
+        errors.append(
+            f"  {'.'.join(_path_names(path))} {tuple(leaf.shape)}: "
+            f'{_SPLIT_SIZE[kind]} {leaf.shape[dim]} (dim {dim}) is not '
+            f'divisible by the {axis!r} axis size {n}')
+
+  jax.tree_util.tree_map_with_path(check, params)
+  if errors:
+    raise ValueError(
+        f'cannot split these params over {n} devices:\n'
+        + '\n'.join(errors) + f'\nChoose sizes divisible by {n}, or a '
+        f'{axis!r} axis size that divides them.')
+
+
 def shard_params(params: PyTree, *, mesh: jax.sharding.Mesh,
                  axis: str = 'tensor',
                  layout: Mapping[str, str] | None = None) -> PyTree:
@@ -702,25 +734,7 @@ def shard_params(params: PyTree, *, mesh: jax.sharding.Mesh,
   Example:
     >>> params = shard_params(nnx.split(model)[1], mesh=mesh)
   """
-  n = _mesh_axis_size(mesh, axis)
-  layout = DEFAULT_LAYOUT if layout is None else layout
-  errors = []
-
-  def check(path, leaf):
-    rule, kind = _leaf_rule(path, leaf, layout)
-    for dim, d in enumerate(rule):
-      if d is _TP and leaf.shape[dim] % n:
-        errors.append(
-            f"  {'.'.join(_path_names(path))} {tuple(leaf.shape)}: "
-            f'{_SPLIT_SIZE[kind]} {leaf.shape[dim]} (dim {dim}) is not '
-            f'divisible by the {axis!r} axis size {n}')
-
-  jax.tree_util.tree_map_with_path(check, params)
-  if errors:
-    raise ValueError(
-        f'shard_params: cannot split these params over {n} devices:\n'
-        + '\n'.join(errors) + f'\nChoose sizes divisible by {n}, or a '
-        f'{axis!r} axis size that divides them.')
+  check_divisible(params, mesh=mesh, axis=axis, layout=layout)
   specs = param_specs(params, axis=axis, layout=layout)
   return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
                       params, specs)

@@ -19,16 +19,10 @@ from jaxpar.pipeline.executor import (PipelineGrads, pipeline_apply,
                                       pipeline_step_local, ranks_to_stages,
                                       stages_to_ranks)
 from jaxpar.pipeline.lower import local_stages, lower
+from test_lower import CONSTRUCTORS as SCHEDULES
 
 D, MB, OUT = 8, 2, 3  # width, microbatch size, target width
 NAN = float('nan')
-SCHEDULES = {
-    'gpipe': sch.gpipe,
-    '1f1b': sch.one_f_one_b,
-    'interleaved': lambda p, m: sch.interleaved_1f1b(p, m, 2),
-    'zb_h1': sch.zero_bubble_h1,
-    'zbv': sch.zbv,
-}
 
 
 def stage_fn(params, x):

@@ -46,6 +46,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxpar.pipeline.schedule import Action, Schedule
+from jaxpar.pipeline.simulate import dependency_graph
 
 IDLE, F, B, I, W = 0, 1, 2, 3, 4
 KIND_CODES = {'F': F, 'B': B, 'I': I, 'W': W}
@@ -129,19 +130,6 @@ def local_stages(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
   return per_rank
 
 
-def _deps(a: Action, n: int, bwd: dict[tuple[int, int], str]) -> list[tuple]:
-  """Keys ``(kind, stage, mb)`` of the actions whose results ``a`` reads."""
-  s, i = a.stage, a.microbatch
-  if a.kind == 'F':
-    return [('F', s - 1, i)] if s > 0 else []
-  if a.kind == 'W':
-    return [('I', s, i)]
-  deps = [('F', s, i)]
-  if s < n - 1:
-    deps.append((bwd[s + 1, i], s + 1, i))
-  return deps
-
-
 def _allocate(intervals: Iterable[tuple[int, int, tuple]]) -> tuple[dict, int]:
   """Slots for ``(write_tick, last_read_tick, key)`` with a free list.
 
@@ -204,7 +192,9 @@ def lower(schedule: Schedule, *, forward_only: bool = False) -> LoweredSchedule:
          for acts in schedule.actions for a in acts
          if a is not None and a.kind in 'BI'}
 
-  # Greedy list scheduling: tick of each action.
+  # Greedy list scheduling: tick of each action (the executor's dependency
+  # rules are the simulator's).
+  graph = dependency_graph(schedule)
   tick: dict[tuple[str, int, int], int] = {}
   placed: list[list[tuple[int, Action]]] = [[] for _ in range(p)]
   pos = [0] * p
@@ -215,7 +205,8 @@ def lower(schedule: Schedule, *, forward_only: bool = False) -> LoweredSchedule:
     for r in range(p):
       if pos[r] < len(order[r]):
         a = order[r][pos[r]]
-        if all(tick.get(d, t) < t for d in _deps(a, n, bwd)):
+        if all(tick.get((d.kind, d.stage, d.microbatch), t) < t
+               for d in graph[a]):
           tick[a.kind, a.stage, a.microbatch] = t
           placed[r].append((t, a))
           pos[r] += 1
