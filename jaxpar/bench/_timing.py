@@ -31,3 +31,25 @@ def compile_stats(jitted, *args) -> dict:
           'temp_bytes': int(mem.temp_size_in_bytes),
           'argument_bytes': int(mem.argument_size_in_bytes),
           'output_bytes': int(mem.output_size_in_bytes)}
+
+
+def wall_and_cpu_seconds(steps: dict[str, Callable], args: tuple,
+                         repeats: int) -> dict[str, tuple[float, float]]:
+  """Median wall and process-CPU seconds of each step, after a warm-up.
+
+  The steps take turns within each repetition, so that load from other
+  processes hits them alike. CPU time (``time.process_time``) sums all the
+  process's threads: it counts the work, whatever the number of cores.
+  """
+  for fn in steps.values():  # compile everything before timing anything
+    jax.block_until_ready(fn(*args))
+  wall = {name: [] for name in steps}
+  cpu = {name: [] for name in steps}
+  for _ in range(repeats):
+    for name, fn in steps.items():
+      w, c = time.perf_counter(), time.process_time()
+      jax.block_until_ready(fn(*args))
+      wall[name].append(time.perf_counter() - w)
+      cpu[name].append(time.process_time() - c)
+  return {name: (statistics.median(wall[name]), statistics.median(cpu[name]))
+          for name in steps}

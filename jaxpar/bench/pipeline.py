@@ -19,8 +19,6 @@ Sections:
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 
 import jax
@@ -28,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.bench._timing import compile_stats
+from jaxpar.bench._timing import compile_stats, wall_and_cpu_seconds
 from jaxpar.mesh import axis_size, make_mesh
 from jaxpar.pipeline import schedule as sched
 from jaxpar.pipeline.executor import LossFn, StageFn, pipeline_step
@@ -149,28 +147,6 @@ def _memory_and_compile(quick: bool) -> tuple[list[dict], list[dict]]:
   return memory, compile_time
 
 
-def _wall_and_cpu(steps: dict[str, Callable], args: tuple,
-                  repeats: int) -> dict[str, tuple[float, float]]:
-  """Median wall and process-CPU seconds of each step, after a warm-up.
-
-  The steps take turns within each repetition, so that load from other
-  processes hits them alike. CPU time (``time.process_time``) sums all the
-  process's threads: it counts the work, whatever the number of cores.
-  """
-  for fn in steps.values():  # compile everything before timing anything
-    jax.block_until_ready(fn(*args))
-  wall = {name: [] for name in steps}
-  cpu = {name: [] for name in steps}
-  for _ in range(repeats):
-    for name, fn in steps.items():
-      w, c = time.perf_counter(), time.process_time()
-      jax.block_until_ready(fn(*args))
-      wall[name].append(time.perf_counter() - w)
-      cpu[name].append(time.process_time() - c)
-  return {name: (statistics.median(wall[name]), statistics.median(cpu[name]))
-          for name in steps}
-
-
 def _cpu_overhead(quick: bool) -> list[dict]:
   p, m = 4, 8
   width, mb = (256, 128) if quick else (512, 256)
@@ -183,7 +159,7 @@ def _cpu_overhead(quick: bool) -> list[dict]:
                          ('ZB-H1', sched.zero_bubble_h1(p, m)),
                          ('GPipe', sched.gpipe(p, m))):
     steps[name] = pipeline_step(_stage, _loss, schedule=schedule, mesh=mesh)
-  seconds = _wall_and_cpu(steps, args, repeats=7 if quick else 11)
+  seconds = wall_and_cpu_seconds(steps, args, repeats=7 if quick else 11)
   ref_wall, ref_cpu = seconds[reference]
   return [{'step': name, 'p': 1 if name == reference else p, 'm': m,
            'batch': m * mb, 'width': width, 'median_ms': 1e3 * wall,
