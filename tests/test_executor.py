@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import jaxpar
 from jaxpar.bench.pipeline import gpipe_autodiff_step
 from jaxpar.pipeline import executor
-from jaxpar.pipeline import schedule as sch
+from jaxpar import pipeline as sch
 from jaxpar.pipeline.executor import (PipelineGrads, pipeline_apply,
                                       pipeline_apply_local, pipeline_step,
                                       pipeline_step_local, ranks_to_stages,

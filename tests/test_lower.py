@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar.pipeline import schedule as sch
+from jaxpar import pipeline as sch
 from jaxpar.pipeline.lower import B, F, I, IDLE, W, local_stages, lower
 
 CONSTRUCTORS = {

@@ -8,7 +8,10 @@ import matplotlib
 import numpy as np
 import pytest
 
+import jaxpar
 from jaxpar import pipeline as pp
+from jaxpar.pipeline import _action as action_module
+from jaxpar.pipeline import constructors as constructors_module
 from jaxpar.pipeline import plot as plot_module
 from jaxpar.pipeline import schedule as schedule_module
 from jaxpar.pipeline import simulate as simulate_module
@@ -448,10 +451,8 @@ def test_plot_gantt_chart():
 
 def test_docstring_examples(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)  # examples write small files
-  names = {n: getattr(pp, n) for n in (
-      'Action', 'Schedule', 'gpipe', 'one_f_one_b', 'interleaved_1f1b',
-      'zero_bubble_h1', 'zbv')}
-  for module in (schedule_module, simulate_module, plot_module):
-    result = doctest.testmod(module, extraglobs=names,
+  for module in (action_module, schedule_module, constructors_module,
+                 simulate_module, plot_module):
+    result = doctest.testmod(module, extraglobs={'jaxpar': jaxpar},
                              optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0, module.__name__

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.bench._timing import compile_stats, wall_and_cpu_seconds
 from jaxpar.mesh import axis_size, make_mesh
-from jaxpar.pipeline import schedule as sched
+from jaxpar.pipeline import constructors as sched
 from jaxpar.pipeline.executor import LossFn, StageFn, pipeline_step
 
 

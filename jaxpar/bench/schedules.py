@@ -11,7 +11,7 @@ closed form (all exact here: GPipe/1F1B ``(p-1)/(m+p-1)``, interleaved
 from __future__ import annotations
 
 from jaxpar.bench._timing import median_seconds
-from jaxpar.pipeline import schedule as sched
+from jaxpar.pipeline import constructors as sched
 
 V = 2  # interleaved chunks per rank
 

@@ -6,12 +6,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from jaxpar.pipeline import simulate as _simulate
+from jaxpar.pipeline._action import ScheduleLike
 
 if TYPE_CHECKING:
   from matplotlib.axes import Axes
   from matplotlib.figure import Figure
-
-  from jaxpar.pipeline.schedule import Schedule
 
 COLORS = {'F': '#4c72b0', 'B': '#55a868', 'I': '#dd8452', 'W': '#8172b3'}
 UNIT_COSTS = {'F': 1, 'B': 1, 'I': 1, 'W': 1}
@@ -57,7 +56,7 @@ def format_grid(rows: Sequence[Sequence[str]],
   return '\n'.join(line.rstrip() for line in lines)
 
 
-def render(schedule: Schedule, costs: Mapping[str, int] | None = None, *,
+def render(schedule: ScheduleLike, costs: Mapping[str, int] | None = None, *,
            timed: bool = True) -> str:
   """The schedule as a text grid, one row per rank.
 
@@ -75,7 +74,7 @@ def render(schedule: Schedule, costs: Mapping[str, int] | None = None, *,
     The grid as a string.
 
   Example:
-    >>> print(render(one_f_one_b(2, 2)))
+    >>> print(render(jaxpar.pipeline.one_f_one_b(2, 2)))
     1F1B: p=2, m=2, steps F=1 B=1 I=1 W=1, bubble 33.3%
     t        0   1   2   3   4   5
     rank 0 0F0 0F1     0B0     0B1
@@ -107,7 +106,7 @@ def render(schedule: Schedule, costs: Mapping[str, int] | None = None, *,
           f'{result.bubble_fraction:.1%}\n' + format_grid(rows, column='t'))
 
 
-def plot(schedule: Schedule, ax: Axes | None = None,
+def plot(schedule: ScheduleLike, ax: Axes | None = None,
          costs: Mapping[str, float] | None = None,
          comm: float = 0.0) -> Figure:
   """Gantt chart of ``simulate(costs, comm)``: ranks as rows, time on x.
@@ -127,7 +126,7 @@ def plot(schedule: Schedule, ax: Axes | None = None,
     The ``Figure`` holding the chart.
 
   Example:
-    >>> fig = one_f_one_b(4, 8).plot(costs={'F': 1, 'B': 2})
+    >>> fig = jaxpar.pipeline.one_f_one_b(4, 8).plot(costs={'F': 1, 'B': 2})
     >>> fig.savefig('1f1b.png')
   """
   try:

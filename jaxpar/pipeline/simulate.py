@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-if TYPE_CHECKING:
-  from jaxpar.pipeline.schedule import Action, Schedule
+from jaxpar.pipeline._action import Action, ScheduleLike
 
 DEFAULT_COSTS = {'F': 1.0, 'B': 2.0, 'I': 1.0, 'W': 1.0}
 
@@ -69,7 +68,7 @@ def check_costs(costs: Mapping[str, float] | None,
   return merged
 
 
-def dependency_graph(schedule: Schedule) -> dict[Action, tuple[Action, ...]]:
+def dependency_graph(schedule: ScheduleLike) -> dict[Action, tuple[Action, ...]]:
   """What each action of ``schedule`` waits for, besides its rank's order.
 
   ``F(s, i) <- F(s-1, i)``; ``B/I(s, i) <- F(s, i), B/I(s+1, i)`` (the latter
@@ -79,7 +78,6 @@ def dependency_graph(schedule: Schedule) -> dict[Action, tuple[Action, ...]]:
   Returns:
     ``{action: dependencies}`` for every action in the schedule.
   """
-  from jaxpar.pipeline.schedule import Action  # pylint: disable=g-import-not-at-top
   present = {a for row in schedule.actions for a in row if a is not None}
   last = schedule.num_stages - 1
 
@@ -100,7 +98,7 @@ def dependency_graph(schedule: Schedule) -> dict[Action, tuple[Action, ...]]:
   return graph
 
 
-def _run(schedule: Schedule, graph: Mapping[Action, tuple[Action, ...]],
+def _run(schedule: ScheduleLike, graph: Mapping[Action, tuple[Action, ...]],
          duration: Mapping[str, float], comm: float):
   """Start/end times by Kahn's algorithm; unreached actions are deadlocked."""
   rank_of, successors, waiting = {}, {}, {}
@@ -136,7 +134,7 @@ def _run(schedule: Schedule, graph: Mapping[Action, tuple[Action, ...]],
   return start, end
 
 
-def blocked(schedule: Schedule, graph: Mapping[Action, tuple[Action, ...]]
+def blocked(schedule: ScheduleLike, graph: Mapping[Action, tuple[Action, ...]]
             ) -> list[tuple[int, int, Action]]:
   """``(rank, step, awaited action)`` for each rank stuck in a deadlock.
 
@@ -164,7 +162,7 @@ def _peak(row, plus: str, minus: tuple[str, ...]) -> int:
   return peak
 
 
-def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None,
+def simulate(schedule: ScheduleLike, costs: Mapping[str, float] | None = None,
              comm: float = 0.0) -> SimResult:
   """Times ``schedule``: each rank runs its actions in order, as early as possible.
 
@@ -185,7 +183,7 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None,
     ScheduleError: if the schedule is invalid; ValueError for bad costs/comm.
 
   Example:
-    >>> r = simulate(gpipe(4, 8), costs={'F': 1, 'B': 1})
+    >>> r = simulate(jaxpar.pipeline.gpipe(4, 8), costs={'F': 1, 'B': 1})
     >>> r.makespan, round(r.bubble_fraction, 4)   # 2(m+p-1), 3/11
     (22.0, 0.2727)
   """
