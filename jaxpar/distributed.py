@@ -42,6 +42,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxpar import _compat
 from jaxpar.train_state import PyTree
 
 ENV_COORDINATOR = 'JAXPAR_COORDINATOR'
@@ -143,8 +144,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   if single and local_device_count is None:
     return
 
-  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-  if xla_bridge.backends_are_initialized() or jax.distributed.is_initialized():
+  if _compat.backends_are_initialized() or jax.distributed.is_initialized():
     same = (local_device_count in (None, jax.local_device_count())
             and (single or jax.distributed.is_initialized()
                  and num_processes in (None, jax.process_count())

@@ -12,7 +12,19 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxpar import _compat
+
 AXES = ('data', 'stage', 'tensor')
+
+
+def _check_size(fn: str, name: str, size: object) -> None:
+  """``TypeError`` unless an int (NumPy ints too, never a bool); ``ValueError``
+  unless ``>= 1``."""
+  if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+    raise TypeError(f'{fn}: {name}={size!r} must be an int >= 1, got a '
+                    f'{type(size).__name__}.')
+  if size < 1:
+    raise ValueError(f'{fn}: {name}={size!r} must be an int >= 1.')
 
 
 def simulate_cpu_devices(n: int) -> None:
@@ -22,6 +34,7 @@ def simulate_cpu_devices(n: int) -> None:
     n: number of simulated CPU devices, ``n >= 1``.
 
   Raises:
+    TypeError: if ``n`` is not an int.
     ValueError: if ``n < 1``.
     RuntimeError: if the backend already started with a different count.
 
@@ -29,10 +42,8 @@ def simulate_cpu_devices(n: int) -> None:
     >>> import jaxpar
     >>> jaxpar.simulate_cpu_devices(8)   # first cell of a notebook
   """
-  if not isinstance(n, int) or n < 1:
-    raise ValueError(f'simulate_cpu_devices(n={n!r}): n must be an int >= 1.')
-  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-  if xla_bridge.backends_are_initialized():
+  _check_size('simulate_cpu_devices', 'n', n)
+  if _compat.backends_are_initialized():
     have = jax.device_count()
     if have == n and jax.default_backend() == 'cpu':
       return
@@ -41,12 +52,16 @@ def simulate_cpu_devices(n: int) -> None:
         f'{jax.default_backend()} device(s). Call it before any JAX operation '
         '(first line of the script, first cell of the notebook, or '
         'tests/conftest.py), then restart the process or kernel.')
-  jax.config.update('jax_num_cpu_devices', n)
+  jax.config.update('jax_num_cpu_devices', int(n))
 
 
 def make_mesh(*, data: int = 1, stage: int = 1, tensor: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A mesh of shape ``(data, stage, tensor)`` with all axes ``Explicit``.
+
+  Built by ``jax.make_mesh``, which orders the devices by the hardware
+  topology (on TPU and GPU hosts) so neighbouring mesh positions are
+  neighbouring devices.
 
   Args:
     data: size of the data-parallel axis ``'data'``.
@@ -58,32 +73,38 @@ def make_mesh(*, data: int = 1, stage: int = 1, tensor: int = 1,
   Returns:
     ``jax.sharding.Mesh`` with axis names ``('data', 'stage', 'tensor')``.
 
+  Raises:
+    TypeError: a size that is not an int (``True`` is not an int here).
+    ValueError: a size below 1, or sizes whose product is not the number of
+      devices.
+
   Example:
     >>> mesh = jaxpar.make_mesh(data=2, stage=2, tensor=2)   # 8 devices
-    >>> mesh.shape['stage']
-    2
+    >>> dict(mesh.shape)
+    {'data': 2, 'stage': 2, 'tensor': 2}
+    >>> jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4]).devices.shape
+    (1, 1, 4)
   """
-  sizes = {'data': data, 'stage': stage, 'tensor': tensor}
-  for name, size in sizes.items():
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-      raise ValueError(f'make_mesh: {name}={size!r} must be an int >= 1.')
+  for name, size in (('data', data), ('stage', stage), ('tensor', tensor)):
+    _check_size('make_mesh', name, size)
+  data, stage, tensor = int(data), int(stage), int(tensor)
   n = data * stage * tensor
+  call = f'make_mesh(data={data}, stage={stage}, tensor={tensor})'
   if devices is None:
     have = jax.device_count()
     if n != have:
       raise ValueError(
-          f'make_mesh(data={data}, stage={stage}, tensor={tensor}) needs '
-          f'{n} devices but jax.device_count() is {have}. Choose sizes that '
-          f'multiply to {have}, or pass devices=jax.devices()[:{n}].')
+          f'{call} needs {n} devices but jax.device_count() is {have}. Choose '
+          f'sizes that multiply to {have}, or pass '
+          f'devices=jax.devices()[:{n}].')
     devices = jax.devices()
   devices = list(devices)
   if len(devices) != n:
     raise ValueError(
-        f'make_mesh(data={data}, stage={stage}, tensor={tensor}) needs {n} '
-        f'devices but got len(devices)={len(devices)}; pass '
+        f'{call} needs {n} devices but got len(devices)={len(devices)}; pass '
         f'devices=jax.devices()[:{n}].')
-  return Mesh(np.array(devices).reshape(data, stage, tensor), AXES,
-              axis_types=(AxisType.Explicit,) * 3)
+  return jax.make_mesh((data, stage, tensor), AXES,
+                       axis_types=(AxisType.Explicit,) * 3, devices=devices)
 
 
 def axis_size(mesh: Mesh, axis: str) -> int:

@@ -48,6 +48,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import _compat
 from jaxpar.mesh import axis_size
 from jaxpar.pipeline.lower import (B, F, I, W, LoweredSchedule,
                                    local_stages, lower)
@@ -141,9 +142,7 @@ def _vma(tree: PyTree) -> frozenset[str]:
   """Mesh axes over which any leaf of ``tree`` varies (inside ``shard_map``)."""
   out = frozenset()
   for leaf in jax.tree.leaves(tree):
-    aval = leaf if isinstance(leaf, jax.core.ShapedArray) else jax.typeof(leaf)
-    mat = aval.manual_axis_type
-    out |= mat.varying if mat is not None else frozenset()
+    out |= _compat.varying_axes(leaf)
   return out
 
 
