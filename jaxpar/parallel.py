@@ -74,20 +74,9 @@ from jaxpar.mesh import axis_size
 from jaxpar.pipeline import executor
 from jaxpar.pipeline.lower import lower
 from jaxpar.pipeline.schedule import Schedule
+from jaxpar.pipeline_params import PipelineParams
 from jaxpar.train_state import (PyTree, StepStats, TrainState, apply_gradients,
                                 check_optimizer)
-
-
-class PipelineParams(NamedTuple):
-  """A pipelined model's params: ``embed`` -> ``stages`` -> ``head``.
-
-  ``stages`` leaves are stacked ``[num_stages, ...]`` in model order (in a
-  ``TrainState`` from ``Trainer.init`` they are in the executor's rank
-  layout ``[p, v, ...]``; ``Trainer.params`` converts back).
-  """
-  embed: PyTree
-  stages: PyTree
-  head: PyTree
 
 
 class Trainer(NamedTuple):

@@ -32,6 +32,7 @@ from flax.nnx.nn import attention
 
 from jaxpar import tensor_parallel as tp
 from jaxpar.models.mlp import MLP
+from jaxpar.pipeline_params import PipelineParams
 
 PyTree = Any
 
@@ -187,7 +188,6 @@ def split_for_pipeline(params: dict, *, num_stages: int):
     >>> layout.counts          # 6 layers on 4 stages
     (2, 2, 1, 1)
   """
-  from jaxpar.parallel import PipelineParams  # pylint: disable=g-import-not-at-top
   blocks = [params['blocks'][i] for i in sorted(params['blocks'])]
   if not isinstance(num_stages, int) or not 1 <= num_stages <= len(blocks):
     raise ValueError(
