@@ -1,0 +1,274 @@
+"""One rank of the ``real_parallel`` benchmark (see ``jaxpar.bench.real_parallel``).
+
+``python -m jaxpar.bench._real_parallel_worker CONFIG_JSON``, started by
+``jaxpar.distributed.launch`` with one CPU device per process. Each rank pins
+all its threads to ``config['cores'][rank]`` before JAX starts its backend,
+joins the job (gloo), and times, in turns within every repetition:
+
+* ``sequential``: rank 0 alone runs the ``m`` microbatches one after the
+  other on its core (``lax.scan`` of ``value_and_grad`` of the whole model,
+  gradients accumulated); the other ranks wait at the next barrier;
+* every pipeline schedule of ``SCHEDULES`` that ``jaxpar.pipeline`` defines,
+  with ``pipeline_step`` on the mesh ``stage=N``;
+* plain data parallelism on the mesh ``data=N``: each rank runs ``m/N`` of
+  the microbatches as ``sequential`` does, then one ``pmean`` of the
+  gradients.
+
+A barrier (``sync_global_devices``) precedes every timed step, so all ranks
+start it together; rank 0's median wall time is reported. Rank 0 checks that
+every step's loss equals the sequential loss (the steps compute the same
+maths) and writes the rows to ``config['out']`` as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxpar
+from jaxpar import distributed
+
+# (constructor name in jaxpar.pipeline, extra positional args after (p, m));
+# those the installed jaxpar lacks are left out.
+SCHEDULES = (('gpipe', ()), ('one_f_one_b', ()), ('interleaved_1f1b', (2,)),
+             ('zero_bubble_h1', ()), ('zbv', ()), ('dualpipev', ()),
+             ('v_half', ()), ('v_min', ()))
+# The ideal speed-up is the total work over simulate(IDEAL_COSTS).makespan:
+# unit-free, since all stages of a schedule are equal.
+IDEAL_COSTS = {'F': 1.0, 'B': 2.0, 'I': 1.0, 'W': 1.0}
+SEQUENTIAL = 'one core, sequential'
+DATA_PARALLEL = 'data parallel'
+_LOSS_RTOL = 1e-4   # float32 losses of the same maths, summed in other orders
+_OUT_WIDTH = 8      # the loss head's output features
+
+
+def pin_process(core: int) -> None:
+  """Pins every thread of this process (and those it starts) to ``core``."""
+  for tid in os.listdir('/proc/self/task'):
+    try:
+      os.sched_setaffinity(int(tid), {core})
+    except ProcessLookupError:  # the thread ended meanwhile
+      pass
+
+
+def _threads_pinned(core: int) -> bool:
+  """Whether every live thread of this process may run on ``core`` only."""
+  pinned = True
+  for tid in os.listdir('/proc/self/task'):
+    try:
+      pinned &= os.sched_getaffinity(int(tid)) == {core}
+    except ProcessLookupError:
+      pass
+  return pinned
+
+
+# ---------------------------------------------------------------- the model
+
+
+def stage_fn(params, x):
+  """Residual tanh layers ``x + tanh(x @ w[k])`` over ``params['w']: [L, D, D]``."""
+  for k in range(params['w'].shape[0]):
+    x = x + jnp.tanh(x @ params['w'][k])
+  return x
+
+
+def loss_fn(head, y, target):
+  """Mean squared error of the ``[D, 8]`` linear head."""
+  return jnp.mean((y @ head - target) ** 2)
+
+
+def model(layers: int, width: int, batch: int, seed: int = 0):
+  """Float32 numpy ``(layers [L, D, D], head [D, 8], inputs [B, D], targets [B, 8])``."""
+  rng = np.random.default_rng(seed)  # the same arrays in every process
+  normal = lambda shape, scale: (rng.standard_normal(shape) * scale).astype(
+      np.float32)
+  return (normal((layers, width, width), width**-0.5),
+          normal((width, _OUT_WIDTH), width**-0.5),
+          normal((batch, width), 1.0), normal((batch, _OUT_WIDTH), 1.0))
+
+
+def accumulated_grads(layers, head, xs, ts):
+  """Mean loss and gradients over microbatches ``xs: [k, mb, D]``, one at a time.
+
+  Returns ``(loss, (dlayers, dhead, dxs))`` of the mean over the ``k``
+  microbatches; only one microbatch's activations are alive at a time.
+  """
+  grad = jax.value_and_grad(
+      lambda w, h, x, t: loss_fn(h, stage_fn({'w': w}, x), t),
+      argnums=(0, 1, 2))
+
+  def body(carry, xt):
+    loss, dw, dh = carry
+    l, (gw, gh, gx) = grad(layers, head, *xt)
+    return (loss + l, dw + gw, dh + gh), gx
+
+  init = (jnp.zeros_like(xs[0, 0, 0]), jnp.zeros_like(layers),
+          jnp.zeros_like(head))
+  (loss, dw, dh), dxs = jax.lax.scan(body, init, (xs, ts))
+  k = xs.shape[0]
+  return loss / k, (dw / k, dh / k, dxs / k)
+
+
+def data_parallel_grads(mesh) -> Callable:
+  """``accumulated_grads`` on each rank's ``m/N`` microbatches, one ``pmean``."""
+  n = mesh.shape['data']
+
+  def local(layers, head, xs, ts):
+    # Varying params: the per-rank grads are local, the pmean sums them once.
+    layers, head = jax.lax.pcast((layers, head), 'data', to='varying')
+    loss, (dw, dh, dxs) = accumulated_grads(layers, head, xs, ts)
+    loss, dw, dh = jax.lax.pmean((loss, dw, dh), 'data')
+    return loss, (dw, dh, dxs / n)
+
+  return jax.jit(jax.shard_map(
+      local, mesh=mesh, in_specs=(P(), P(), P('data'), P('data')),
+      out_specs=(P(), (P(), P(), P('data')))))
+
+
+# ---------------------------------------------------------------- the steps
+
+
+def _schedules(p: int, m: int, layers: int) -> tuple[list, list[dict]]:
+  """``[(schedule, ideal)]`` to time, and note rows for those that cannot run."""
+  found, notes = [], []
+  for name, extra in SCHEDULES:
+    constructor = getattr(jaxpar.pipeline, name, None)
+    if constructor is None:
+      continue
+    try:
+      schedule = constructor(p, m, *extra)
+    except (TypeError, ValueError) as e:  # e.g. m too small for it
+      notes.append({'step': name, 'ranks': p, 'm': m, 'note': str(e)})
+      continue
+    if layers % schedule.num_stages:
+      notes.append({'step': schedule.name, 'ranks': p, 'm': m, 'note': (
+          f'{layers} layers do not split evenly over '
+          f'{schedule.num_stages} stages')})
+      continue
+    sim = schedule.simulate(IDEAL_COSTS)
+    found.append((schedule, sum(sim.busy) / sim.makespan))
+  return found, notes
+
+
+def _steps(config: dict) -> tuple[dict, list[dict]]:
+  """``{name: (fn, args, all_ranks, info)}`` in timing order, and note rows."""
+  n, m, mb = jax.process_count(), config['num_microbatches'], config['microbatch']
+  w, head, x, t = model(config['layers'], config['width'], m * mb)
+  split = lambda a: a.reshape((m, mb) + a.shape[1:])
+  info = lambda ranks, ideal, stages: {'ranks': ranks, 'stages': stages,
+                                       'ideal': ideal}
+  local = jax.local_devices()[0]
+  steps = {SEQUENTIAL: (
+      jax.jit(accumulated_grads),
+      jax.device_put((w, head, split(x), split(t)), local), False,
+      info(1, 1.0, 1))}
+
+  mesh = jaxpar.make_mesh(stage=n)
+  replicated = NamedSharding(mesh, P())
+  schedules, notes = _schedules(n, m, config['layers'])
+  for schedule, ideal in schedules:
+    s = schedule.num_stages
+    stages = {'w': w.reshape((s, -1) + w.shape[1:])}
+    args = (jax.device_put(stages, NamedSharding(mesh, P('stage'))),
+            *jax.device_put((head, x, t), replicated))
+    steps[schedule.name] = (
+        jaxpar.pipeline.pipeline_step(stage_fn, loss_fn, schedule=schedule,
+                                      mesh=mesh),
+        args, True, info(n, ideal, s))
+
+  if m % n:
+    notes.append({'step': DATA_PARALLEL, 'ranks': n, 'm': m, 'note': (
+        f'm={m} microbatches do not split evenly over {n} ranks')})
+  else:
+    mesh = jaxpar.make_mesh(data=n)
+    by_rank = NamedSharding(mesh, P('data'))
+    steps[DATA_PARALLEL] = (
+        data_parallel_grads(mesh),
+        (*jax.device_put((w, head), NamedSharding(mesh, P())),
+         *jax.device_put((split(x), split(t)), by_rank)),
+        True, info(n, float(n), 1))
+  return steps, notes
+
+
+def _barrier() -> None:
+  multihost_utils.sync_global_devices('jaxpar real_parallel')
+
+
+def time_steps(steps: dict, *, repeats: int, warmup: int) -> dict:
+  """Median seconds of each step on this rank; the steps take turns.
+
+  Every rank passes the same barriers; a step with ``all_ranks=False`` runs
+  on rank 0 only. Also returns each step's loss (rank 0's, from the last run).
+  """
+  me = jax.process_index()
+  times = {name: [] for name in steps}
+  losses = {}
+  for rep in range(warmup + repeats):
+    for name, (fn, args, all_ranks, _) in steps.items():
+      _barrier()
+      if all_ranks or me == 0:
+        start = time.perf_counter()
+        loss, _ = jax.block_until_ready(fn(*args))
+        if rep >= warmup:
+          times[name].append(time.perf_counter() - start)
+        losses[name] = float(loss)
+  _barrier()
+  return {name: (statistics.median(times[name]) if times[name] else None,
+                 losses.get(name)) for name in steps}
+
+
+def rows(config: dict, cores: list[int]) -> list[dict]:
+  """Rank 0's table rows, ``[]`` elsewhere (all ranks call it together)."""
+  steps, notes = _steps(config)
+  timed = time_steps(steps, repeats=config['repeats'], warmup=config['warmup'])
+  if jax.process_index() != 0:
+    return []
+  base_s, base_loss = timed[SEQUENTIAL]
+  out = []
+  for name, (seconds, loss) in timed.items():
+    if not np.isclose(loss, base_loss, rtol=_LOSS_RTOL):
+      raise RuntimeError(f'real_parallel: {name} computed loss {loss}, the '
+                         f'sequential step {base_loss}: not the same model.')
+    info = steps[name][3]
+    speedup = base_s / seconds
+    out.append({'step': name, 'ranks': info['ranks'], 'stages': info['stages'],
+                'm': config['num_microbatches'], 'width': config['width'],
+                'microbatch': config['microbatch'], 'median_ms': 1e3 * seconds,
+                'speedup': speedup, 'ideal': info['ideal'],
+                'efficiency': speedup / info['ideal'],
+                'cores': ','.join(map(str, cores[:info['ranks']]))})
+  return out + notes
+
+
+def main(argv: list[str]) -> int:
+  config = json.loads(argv[0])
+  os.dup2(2, 1)  # keep the bench's stdout (its tables) free of gloo's chatter
+  rank = int(os.environ[distributed.ENV_PROCESS_ID])
+  core = config['cores'][rank]
+  pin_process(core)   # before JAX starts its thread pools
+  distributed.initialize()
+  result = rows(config, config['cores'])
+  pinned = multihost_utils.process_allgather(
+      np.array([_threads_pinned(core)]))
+  if not pinned.all():
+    raise RuntimeError(f'real_parallel: threads of ranks '
+                       f'{np.flatnonzero(~pinned).tolist()} escaped their core.')
+  if rank == 0:
+    with open(config['out'], 'w') as f:
+      json.dump(result, f)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,120 @@
+"""Pipelining where ranks really run in parallel: N processes on N cores.
+
+Simulated devices that share cores measure total work only. This section
+runs ``N`` processes (default 2) joined by ``jax.distributed`` with gloo
+collectives (``jaxpar.distributed.launch``), each with one CPU device and all
+its threads pinned to its own core (``os.sched_setaffinity``): real N-way
+parallel hardware with real communication.
+
+The model: ``L = 8`` residual layers ``x <- x + tanh(x @ w_k)``, weights
+stacked ``[L, D, D]``, then a linear head and a mean squared error. A
+schedule with ``S`` stages gets ``L / S`` layers per stage, sliced out of a
+``[L/S, D, D]`` leaf inside the stage function (as a GPT stage does), so
+interleaved and V schedules run the same model. The batch is ``m``
+microbatches of ``microbatch`` rows.
+
+Rows (``python -m jaxpar bench --only real_parallel``), timed in turns after
+a warm-up, each step started by all ranks together after a barrier (rank 0's
+median wall time):
+
+* ``one core, sequential``: the same ``m`` microbatches one after the other
+  on one pinned core (``lax.scan`` of ``value_and_grad`` of the whole model,
+  gradients accumulated) -- speed-up 1.00 by definition;
+* every schedule constructor that ``jaxpar.pipeline`` defines (GPipe, 1F1B,
+  interleaved 1F1B with ``v = 2``, ZB-H1, ZB-V, ...) through
+  ``pipeline_step`` on the mesh ``stage=N``;
+* ``data parallel``: the honest contrast, mesh ``data=N``, each rank running
+  ``m/N`` of the microbatches sequentially, then one gradient ``pmean``.
+
+Columns: ``speedup`` = sequential time / this time; ``ideal`` = total work
+/ ``Schedule.simulate(costs).makespan`` with costs ``F=1, B=2, I=W=1``
+(``N`` for data parallelism); ``efficiency`` = speedup / ideal; ``cores``
+the cores the ranks ran on. With fewer usable cores than ranks the section
+is one ``skipped`` row; a run that fails or times out (all processes are
+killed) is one ``failed`` row, its output on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+from jaxpar import distributed
+
+WORKER = 'jaxpar.bench._real_parallel_worker'
+
+
+def _check_sizes(**sizes: int) -> None:
+  for name, value in sizes.items():
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f'real_parallel.measure: {name}={value!r} must be an '
+                       'int >= 1.')
+
+
+def measure(*, num_processes: int = 2, layers: int = 8, width: int = 512,
+            microbatch: int = 128, num_microbatches: int = 8,
+            repeats: int = 10, warmup: int = 2,
+            timeout: float = 1200.0) -> list[dict]:
+  """Times every schedule on ``num_processes`` pinned cores (see the module).
+
+  Args:
+    num_processes: ``N``, the ranks (processes, cores, devices).
+    layers: ``L``, residual tanh layers in the model; schedules whose number
+      of stages does not divide it get a ``note`` row instead.
+    width: ``D``, the features.
+    microbatch: rows per microbatch.
+    num_microbatches: ``m``; the batch is ``m * microbatch`` rows.
+    repeats: timed steps per row (the median is reported).
+    warmup: untimed steps first (the first one compiles).
+    timeout: seconds before all processes are killed (a ``failed`` row).
+
+  Returns:
+    Rows of ``step, ranks, stages, m, width, microbatch, median_ms, speedup,
+    ideal, efficiency, cores``; or one ``skipped`` / ``failed`` row with a
+    ``note``.
+
+  Raises:
+    ValueError: a size that is not an int >= 1, or ``timeout <= 0``.
+
+  Example:
+    >>> from jaxpar.bench import real_parallel
+    >>> rows = real_parallel.measure(width=64, microbatch=8)  # doctest: +SKIP
+    >>> [row['step'] for row in rows][:3]   # doctest: +SKIP
+    ['one core, sequential', 'GPipe', '1F1B']
+  """
+  _check_sizes(num_processes=num_processes, layers=layers, width=width,
+               microbatch=microbatch, num_microbatches=num_microbatches,
+               repeats=repeats, warmup=warmup)
+  if not timeout > 0:
+    raise ValueError(f'real_parallel.measure: timeout={timeout!r} must be > 0 '
+                     'seconds.')
+  cores = sorted(os.sched_getaffinity(0))
+  if len(cores) < num_processes:
+    return [{'step': 'skipped', 'ranks': num_processes, 'note': (
+        f'{len(cores)} core(s) usable by this process (os.sched_getaffinity), '
+        f'{num_processes} ranks need one each')}]
+  with tempfile.TemporaryDirectory() as tmp:
+    config = {'out': os.path.join(tmp, 'rows.json'),
+              'cores': cores[:num_processes], 'layers': layers,
+              'width': width, 'microbatch': microbatch,
+              'num_microbatches': num_microbatches, 'repeats': repeats,
+              'warmup': warmup}
+    try:
+      code = distributed.launch(num_processes, [json.dumps(config)],
+                                devices_per_process=1, module=WORKER,
+                                timeout=timeout)
+    except TimeoutError as e:
+      return [{'step': 'failed', 'ranks': num_processes, 'note': str(e)}]
+    if code != 0:
+      return [{'step': 'failed', 'ranks': num_processes, 'note': (
+          f'a rank exited with code {code}; its output is on stderr')}]
+    with open(config['out']) as f:
+      return json.load(f)
+
+
+def run(*, quick: bool) -> dict[str, list[dict]]:
+  """The ``real_parallel`` section: 2 ranks, ``m = 8``, D=512 (quick: 256)."""
+  sizes = (dict(width=256, microbatch=64, repeats=5, warmup=1) if quick else
+           dict(width=512, microbatch=128, repeats=10, warmup=2))
+  return {'real_parallel': measure(**sizes)}

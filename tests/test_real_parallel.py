@@ -1,0 +1,105 @@
+"""The real_parallel bench harness: N pinned processes, gloo; never on speed."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxpar
+from jaxpar.bench import _real_parallel_worker as worker
+from jaxpar.bench import real_parallel
+
+TINY = dict(width=32, microbatch=8, num_microbatches=4, repeats=2, warmup=1,
+            timeout=300)
+
+
+def _reference(w, head, x, t):
+  """``value_and_grad`` of the whole model on the whole batch."""
+  loss = lambda w, h, x: worker.loss_fn(h, worker.stage_fn({'w': w}, x), t)
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))(w, head, x)
+
+
+def _expected_schedules(p, m):
+  return [getattr(jaxpar.pipeline, name)(p, m, *extra)
+          for name, extra in worker.SCHEDULES
+          if hasattr(jaxpar.pipeline, name)]
+
+
+def test_end_to_end_two_pinned_processes():
+  cores = sorted(os.sched_getaffinity(0))
+  rows = real_parallel.measure(num_processes=2, **TINY)
+  if len(cores) < 2:
+    assert [r['step'] for r in rows] == ['skipped']
+    pytest.skip(f'{len(cores)} usable core(s): {rows[0]["note"]}')
+  assert all(r['step'] != 'failed' for r in rows), rows
+  schedules = _expected_schedules(2, 4)
+  assert [r['step'] for r in rows] == (
+      [worker.SEQUENTIAL] + [s.name for s in schedules]
+      + [worker.DATA_PARALLEL])
+  base = rows[0]['median_ms']
+  for row in rows:
+    assert row['median_ms'] > 0
+    assert row['speedup'] == pytest.approx(base / row['median_ms'])
+    assert row['efficiency'] == pytest.approx(row['speedup'] / row['ideal'])
+    assert (row['m'], row['width'], row['microbatch']) == (4, 32, 8)
+    assert row['cores'] == ','.join(map(str, cores[:row['ranks']]))
+  ideal = {r['step']: r['ideal'] for r in rows}
+  assert ideal[worker.SEQUENTIAL] == 1 and ideal[worker.DATA_PARALLEL] == 2
+  # GPipe and 1F1B, F=1, B=2: 2*4*3 units of work in (m + p - 1) * 3 = 15.
+  assert ideal['GPipe'] == ideal['1F1B'] == pytest.approx(24 / 15)
+  for s in schedules:
+    sim = s.simulate(worker.IDEAL_COSTS)
+    assert ideal[s.name] == pytest.approx(sum(sim.busy) / sim.makespan)
+    assert next(r for r in rows if r['step'] == s.name)['stages'] == (
+        s.num_stages)
+
+
+def test_fewer_cores_than_ranks_is_a_skip_row(monkeypatch):
+  monkeypatch.setattr(real_parallel.os, 'sched_getaffinity', lambda pid: {3})
+  rows = real_parallel.measure(num_processes=2, **TINY)
+  assert rows == [{'step': 'skipped', 'ranks': 2, 'note': (
+      '1 core(s) usable by this process (os.sched_getaffinity), 2 ranks '
+      'need one each')}]
+
+
+def test_timeout_kills_the_processes_and_reports():
+  if len(os.sched_getaffinity(0)) < 2:
+    pytest.skip('needs 2 usable cores')
+  rows = real_parallel.measure(num_processes=2, **{**TINY, 'timeout': 0.5})
+  assert [r['step'] for r in rows] == ['failed']
+  assert 'timeout=0.5s' in rows[0]['note']
+
+
+@pytest.mark.parametrize('bad, match', [
+    (dict(num_processes=0), 'num_processes=0 must be an int >= 1'),
+    (dict(width=16.0), 'width=16.0 must be an int >= 1'),
+    (dict(repeats=True), 'repeats=True must be an int >= 1'),
+    (dict(timeout=0), 'timeout=0 must be > 0'),
+])
+def test_bad_sizes_raise(bad, match):
+  with pytest.raises(ValueError, match=match):
+    real_parallel.measure(**bad)
+
+
+def test_sequential_and_data_parallel_steps_are_exact(x64):
+  m, mb = 4, 3
+  w, head, x, t = (a.astype(np.float64)
+                   for a in worker.model(layers=4, width=8, batch=m * mb))
+  loss, (dw, dh, dx) = _reference(w, head, x, t)
+  split = lambda a: a.reshape((m, mb) + a.shape[1:])
+
+  seq_loss, (sw, sh, sx) = jax.jit(worker.accumulated_grads)(
+      w, head, split(x), split(t))
+  mesh = jaxpar.make_mesh(data=2, devices=jax.devices()[:2])
+  rep, by_rank = NamedSharding(mesh, P()), NamedSharding(mesh, P('data'))
+  dp_loss, (pw, ph, px) = worker.data_parallel_grads(mesh)(
+      jax.device_put(w, rep), jax.device_put(head, rep),
+      jax.device_put(split(x), by_rank), jax.device_put(split(t), by_rank))
+  for got in ((seq_loss, sw, sh, sx), (dp_loss, pw, ph, px)):
+    np.testing.assert_allclose(got[0], loss, rtol=1e-10)
+    for g, want in zip(got[1:], (dw, dh, split(dx))):
+      np.testing.assert_allclose(g, want, rtol=1e-10, atol=1e-14)
+
