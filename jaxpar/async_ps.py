@@ -24,13 +24,21 @@ Bounded staleness holds by construction. Staleness is measured when a push is
 applied, by the one thread that applies pushes: a push computed on version
 ``v`` arriving at version ``c`` with ``c - v > max_staleness`` is rejected,
 and its worker pulls the current params and recomputes the gradient on the
-*same* batch (counted in ``AsyncResult.retries``). No batch is dropped: every
-batch taken from the iterator gives exactly one applied update, so
-``run(batches, n)`` consumes exactly ``n`` batches. ``max_staleness=0`` makes
-every update use the current params: plain sequential optax training over the
-batches in the order they were applied (``AsyncResult.batch_ids``). The price
-of a small bound is wasted work: with ``W`` workers and ``max_staleness=0`` up
-to ``W - 1`` of every ``W`` gradients are recomputed.
+*same* batch (counted in ``AsyncResult.retries``). No batch is dropped for
+staleness: every batch taken from the iterator with a finite gradient gives
+exactly one applied update. ``max_staleness=0`` makes every update use the
+current params: plain sequential optax training over the batches in the order
+they were applied (``AsyncResult.batch_ids``). The price of a small bound is
+wasted work: with ``W`` workers and ``max_staleness=0`` up to ``W - 1`` of
+every ``W`` gradients are recomputed.
+
+Non-finite gradients are never applied. A push whose loss or gradient holds a
+NaN or inf is dropped, not recomputed (the server's params are always finite,
+so the batch or ``loss_fn`` made it), and its batch is listed in
+``AsyncResult.skipped``; the run takes another batch in its place, so
+``run(batches, n)`` applies exactly ``n`` updates and consumes
+``n + len(skipped)`` batches. ``simulate`` follows the same rule: update ``i``
+with a non-finite gradient leaves params and optimizer state unchanged.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -70,6 +79,9 @@ class AsyncResult(NamedTuple):
     retries: int array ``[num_updates]``, how many gradients of update ``i``'s
       batch were rejected as too stale and recomputed; ``None`` from
       ``simulate``.
+    skipped: int array, the positions (as in ``batch_ids``) of the batches
+      whose loss or gradient was not finite: dropped, never applied. From
+      ``simulate``: the updates ``i`` that were skipped (no-ops).
   """
   params: PyTree
   staleness: np.ndarray
@@ -77,20 +89,31 @@ class AsyncResult(NamedTuple):
   workers: np.ndarray | None = None
   batch_ids: np.ndarray | None = None
   retries: np.ndarray | None = None
+  skipped: np.ndarray | None = None
 
 
 class _Compiled(NamedTuple):
-  value_and_grad: Callable[[PyTree, PyTree], tuple[jax.Array, PyTree]]
+  # (params, batch) -> (loss, grads, finite): finite is a bool scalar, True
+  # when the loss and every gradient element are finite.
+  value_and_grad: Callable[[PyTree, PyTree], tuple[jax.Array, PyTree,
+                                                   jax.Array]]
   apply: Callable[[TrainState, PyTree], TrainState]
 
 
 def _build(loss_fn: Callable, optimizer: optax.GradientTransformation
            ) -> _Compiled:
+  def value_and_grad(params: PyTree, batch: PyTree):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    finite = jnp.isfinite(loss)
+    for g in jax.tree.leaves(grads):
+      finite &= jnp.all(jnp.isfinite(g))
+    return loss, grads, finite
+
   def apply(state: TrainState, grads: PyTree) -> TrainState:
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     return TrainState(state.step + 1, optax.apply_updates(state.params, updates),
                       opt_state)
-  return _Compiled(jax.jit(jax.value_and_grad(loss_fn)), jax.jit(apply))
+  return _Compiled(jax.jit(value_and_grad), jax.jit(apply))
 
 
 # One pair of jitted functions per (loss_fn, optimizer): servers built again
@@ -154,7 +177,9 @@ def simulate(loss_fn: Callable[[PyTree, PyTree], jax.Array],
   Update ``i`` (for ``i < n = len(staleness)``) computes
   ``loss_i, g_i = value_and_grad(loss_fn)(params_{i - staleness[i]}, batch_i)``
   and applies ``g_i`` with ``optimizer`` to the current params and optimizer
-  state. All-zero staleness is exactly sequential optax training; replaying a
+  state, unless ``loss_i`` or ``g_i`` is not finite: then update ``i`` is
+  skipped (``params_{i+1} = params_i``, listed in ``skipped``). All-zero
+  staleness is exactly sequential optax training; replaying a
   threaded run (its batches in ``batch_ids`` order, its ``staleness``)
   reproduces its params. Keeps ``max(staleness) + 1`` param versions.
 
@@ -167,8 +192,8 @@ def simulate(loss_fn: Callable[[PyTree, PyTree], jax.Array],
     staleness: ``n`` ints with ``0 <= staleness[i] <= i``.
 
   Returns:
-    ``AsyncResult(params, staleness, losses)`` with ``workers``,
-    ``batch_ids`` and ``retries`` left ``None``.
+    ``AsyncResult(params, staleness, losses, skipped=...)`` with
+    ``workers``, ``batch_ids`` and ``retries`` left ``None``.
 
   Raises:
     TypeError: if ``loss_fn`` is not callable, ``optimizer`` is not optax or
@@ -190,7 +215,7 @@ def simulate(loss_fn: Callable[[PyTree, PyTree], jax.Array],
   # history[-1 - s] is the version of s updates ago (history[-1]: current).
   history = collections.deque([state.params], maxlen=int(staleness.max()) + 1)
   batch_iter = _iterate(batches)
-  losses = []
+  losses, skipped = [], []
   for i, s in enumerate(staleness):
     batch = next(batch_iter, _END)
     if batch is _END:
@@ -198,15 +223,21 @@ def simulate(loss_fn: Callable[[PyTree, PyTree], jax.Array],
           f'batches ran out after {i} batches but staleness has '
           f'{staleness.size} entries (one batch per update); pass at least '
           f'{staleness.size} batches or a shorter staleness trace.')
-    loss, grads = compiled.value_and_grad(history[-1 - s], batch)
-    state = compiled.apply(state, grads)
+    loss, grads, finite = compiled.value_and_grad(history[-1 - s], batch)
+    if bool(finite):
+      state = compiled.apply(state, grads)
+    else:
+      skipped.append(i)
     history.append(state.params)
     losses.append(loss)
-  return AsyncResult(state.params, staleness, np.asarray(jax.device_get(losses)))
+  return AsyncResult(state.params, staleness,
+                     np.asarray(jax.device_get(losses)),
+                     skipped=np.asarray(skipped, np.int64))
 
 
 _END = object()  # end of a batch iterator
-_ACCEPTED, _RETRY, _STOP = 'accepted', 'retry', 'stop'  # server -> worker
+# server -> worker
+_ACCEPTED, _RETRY, _DROPPED, _STOP = 'accepted', 'retry', 'dropped', 'stop'
 
 
 class _Push(NamedTuple):
@@ -216,6 +247,7 @@ class _Push(NamedTuple):
   retries: int
   loss: float
   grads: PyTree
+  finite: bool
 
 
 class _Failure(NamedTuple):
@@ -233,7 +265,9 @@ class AsyncParameterServer:
   thread is the server: it applies pushes in arrival order with the jitted
   optax update, on ``devices[0]``, unless the push is more than
   ``max_staleness`` updates old; then the worker pulls fresh params and
-  recomputes the gradient on the same batch. See the module docstring for the
+  recomputes the gradient on the same batch. A non-finite loss or gradient is
+  dropped and its batch listed in ``AsyncResult.skipped``; another batch
+  takes its place. See the module docstring for the
   exact rule and ``simulate`` for its deterministic twin.
 
   The server keeps its ``state`` (a ``TrainState`` whose ``step`` is the
@@ -310,12 +344,14 @@ class AsyncParameterServer:
     Returns:
       ``AsyncResult`` of this run, update ``i`` being the ``i``-th applied:
       the final params and, per update, its staleness (``<= max_staleness``),
-      loss, worker, batch position and retries.
+      loss, worker, batch position and retries; and the positions of the
+      batches dropped for a non-finite gradient (``skipped``). ``batch_ids``
+      and ``skipped`` together are ``range(num_updates + len(skipped))``.
 
     Raises:
       TypeError: if ``batches`` is not iterable.
-      ValueError: if ``num_updates < 1`` or ``batches`` has fewer than
-        ``num_updates`` batches.
+      ValueError: if ``num_updates < 1`` or ``batches`` runs out before
+        ``num_updates`` updates are applied.
       Exception: the first exception raised in a worker, re-raised unchanged
         (same type and message, its traceback from the worker) with a note.
     """
@@ -334,7 +370,7 @@ class AsyncParameterServer:
     x64 = jax.enable_x64.value
     version = int(self._state.step)
     latest = [(version, self._state.params)]  # replaced, never mutated
-    taken = [0]
+    taken, dropped = [0], [0]   # batches taken / dropped as non-finite
     take_lock = threading.Lock()
     stop = threading.Event()
     pushes: queue.SimpleQueue = queue.SimpleQueue()
@@ -346,7 +382,7 @@ class AsyncParameterServer:
         with jax.enable_x64(x64):
           while True:
             with take_lock:
-              if stop.is_set() or taken[0] == num_updates:
+              if stop.is_set() or taken[0] - dropped[0] >= num_updates:
                 return
               batch_id = taken[0]
               batch = next(batch_iter, _END)
@@ -360,14 +396,16 @@ class AsyncParameterServer:
             retries = 0
             while True:
               pulled, params = latest[0]
-              loss, grads = value_and_grad(jax.device_put(params, device), batch)
+              loss, grads, finite = value_and_grad(
+                  jax.device_put(params, device), batch)
               # Push when the gradient exists, not when it is dispatched.
               loss = float(jax.block_until_ready((loss, grads))[0])
               if stop.is_set():
                 return
-              pushes.put(_Push(k, pulled, batch_id, retries, loss, grads))
+              pushes.put(_Push(k, pulled, batch_id, retries, loss, grads,
+                               bool(finite)))
               reply = replies[k].get()
-              if reply == _ACCEPTED:
+              if reply in (_ACCEPTED, _DROPPED):
                 break
               if reply == _STOP:
                 return
@@ -378,7 +416,7 @@ class AsyncParameterServer:
     threads = [threading.Thread(target=work, args=(k,),
                                 name=f'jaxpar-async-ps-worker-{k}')
                for k in range(self.num_workers)]
-    record = []
+    record, skipped = [], []
     try:
       for t in threads:
         t.start()
@@ -391,6 +429,12 @@ class AsyncParameterServer:
               f'{len(record)} of {num_updates} updates, which are kept in '
               f'.state (step {version}).')
           raise msg.error
+        if not msg.finite:   # dropped; the worker takes another batch
+          with take_lock:
+            dropped[0] += 1
+          skipped.append(msg.batch_id)
+          replies[msg.worker].put(_DROPPED)
+          continue
         staleness = version - msg.version
         if staleness > self.max_staleness:
           replies[msg.worker].put(_RETRY)
@@ -410,4 +454,5 @@ class AsyncParameterServer:
     staleness, losses, workers, batch_ids, retries = map(np.asarray,
                                                           zip(*record))
     return AsyncResult(self._state.params, staleness, losses, workers,
-                       batch_ids, retries)
+                       batch_ids, retries,
+                       np.asarray(sorted(skipped), np.int64))

@@ -46,6 +46,7 @@ Example:
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -54,6 +55,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import integrity
+from jaxpar.integrity import CheckpointError, leaf_name
 from jaxpar.parallel import PipelineParams
 from jaxpar.pipeline import executor
 from jaxpar.pipeline.schedule import Schedule
@@ -92,19 +95,6 @@ def _check_schedule(schedule: Any) -> None:
                     f'{type(schedule).__name__}.')
 
 
-def _name(path: tuple) -> str:
-  """Dotted leaf name as orbax stores it: ``opt_state.0.mu.stages.w``."""
-  parts = []
-  for key in path:
-    for attr in ('name', 'key', 'idx'):
-      if hasattr(key, attr):
-        parts.append(str(getattr(key, attr)))
-        break
-    else:
-      parts.append(str(key))
-  return '.'.join(parts)
-
-
 def _is_pipeline(node: Any) -> bool:
   return isinstance(node, PipelineParams)
 
@@ -132,9 +122,9 @@ def _check_rank_layout(tree: PyTree, schedule: Schedule, name: str) -> None:
   for path, leaf in jax.tree_util.tree_leaves_with_path(
       [n.stages for n in nodes]):
     if tuple(np.shape(leaf)[:2]) != lead:
-      leaf_name = 'stages.' + _name(path[1:])
+      stage_leaf = 'stages.' + leaf_name(path[1:])
       raise ValueError(
-          f'{name} stage leaf {leaf_name!r} has shape '
+          f'{name} stage leaf {stage_leaf!r} has shape '
           f'{tuple(np.shape(leaf))}, but the rank layout of schedule '
           f'{schedule.name!r} ({p} ranks, {schedule.num_stages} stages) '
           f'starts with {lead}; pass the schedule of the Trainer that made '
@@ -169,7 +159,7 @@ def _check_leaves(tree: PyTree, name: str, kinds: tuple[type, ...],
     raise ValueError(f'{name} has no array leaves: nothing to checkpoint.')
   for path, leaf in leaves:
     if not isinstance(leaf, kinds):
-      raise TypeError(f'{name} leaf {_name(path)!r} is a '
+      raise TypeError(f'{name} leaf {leaf_name(path)!r} is a '
                       f'{type(leaf).__name__}; {rule}')
   return leaves
 
@@ -181,9 +171,15 @@ def save(directory: str | os.PathLike, state: PyTree, *,
 
   Every process of a multi-process run must call it with its part of the
   same global ``state``; each device writes its own shards. The call returns
-  when the step is completely written (orbax writes it under a temporary
-  name and renames it at the end, so a crash never leaves a step that looks
-  complete).
+  when the step is completely written: orbax writes it under a temporary
+  name and renames it at the end, then jaxpar adds the integrity records
+  (crc32 of every file each process wrote, a checksum per array, the jaxpar,
+  jax and orbax versions; see ``jaxpar.integrity``) and last the commit mark.
+  A process killed at any point leaves the earlier steps restorable and this
+  one either absent or incomplete (skipped by ``latest_step``).
+
+  A state whose params (for a ``TrainState``; every float leaf otherwise)
+  hold NaN or inf is refused: it is never written.
 
   Args:
     directory: the checkpoint directory (created if missing; relative paths
@@ -203,6 +199,7 @@ def save(directory: str | os.PathLike, state: PyTree, *,
 
   Raises:
     ValueError: bad ``step``/``keep``, or ``state`` without leaves.
+    CheckpointError: (a ``ValueError``) params that are not finite.
     TypeError: a leaf that is not an array or scalar, or a bad ``schedule``.
 
   Example:
@@ -227,6 +224,8 @@ def save(directory: str | os.PathLike, state: PyTree, *,
   if schedule is not None:
     _check_rank_layout(state, schedule, 'state')
     state = _to_model_order(state, schedule)
+  checksums, finite = integrity.array_checksums(state)
+  _check_finite(finite, params_only=isinstance(state, TrainState), step=step)
   manager = _manager(path, keep=keep, create=True)
   try:
     if step in manager.all_steps():
@@ -235,27 +234,83 @@ def save(directory: str | os.PathLike, state: PyTree, *,
     manager.wait_until_finished()
   finally:
     manager.close()
+  integrity.write_records(os.path.join(path, str(step)), step, checksums)
   return step
 
 
-def latest_step(directory: str | os.PathLike) -> int | None:
-  """The highest step saved in ``directory``; ``None`` if there is none yet.
+def _check_finite(finite: dict[str, bool], *, params_only: bool,
+                  step: int) -> None:
+  bad = [name for name, ok in finite.items() if not ok and (
+      not params_only or name == 'params' or name.startswith('params.'))]
+  if bad:
+    raise CheckpointError(
+        f'refusing to save step {step}: leaves {_listing(bad, ", ")} hold '
+        'NaN or inf (a checkpoint is never written from non-finite params); the '
+        'earlier steps are untouched: restore the last good one and lower '
+        'the learning rate or check the data.')
+
+
+def _steps(path: str) -> list[int]:
+  """The steps orbax lists in ``path`` (complete renames), ascending."""
+  if not os.path.isdir(path):
+    return []
+  manager = _manager(path)
+  try:
+    return sorted(manager.all_steps())
+  finally:
+    manager.close()
+
+
+def latest_step(directory: str | os.PathLike, *,
+                verify: bool = True) -> int | None:
+  """The highest good step saved in ``directory``; ``None`` if there is none.
 
   A missing directory also gives ``None``, so ``latest_step(d) is None``
   tells a fresh run from one to resume.
+
+  Args:
+    directory: a directory written by ``save``.
+    verify: re-read the files of each step, newest first, and skip (with a
+      ``UserWarning`` naming the step and the reason) those that are
+      incomplete or fail their crc32 check (``jaxpar.integrity``).
+      ``False``: the highest step on disk, unchecked.
 
   Example:
     >>> if jaxpar.checkpoint.latest_step('ckpt') is not None:
     ...   state = jaxpar.checkpoint.restore('ckpt', state)
   """
   path = _path(directory)
-  if not os.path.isdir(path):
-    return None
-  manager = _manager(path)
-  try:
-    return manager.latest_step()
-  finally:
-    manager.close()
+  for step in reversed(_steps(path)):
+    if not verify:
+      return step
+    try:
+      integrity.verify_files(os.path.join(path, str(step)), step)
+    except CheckpointError as e:
+      warnings.warn(f'jaxpar.checkpoint.latest_step skips step {step}: {e}',
+                    stacklevel=2)
+      continue
+    return step
+  return None
+
+
+def _pick_step(path: str, step: int | None,
+               verify: bool) -> tuple[int, dict | None]:
+  """``(step, commit record)``: the asked step, or the latest good one."""
+  steps = _steps(path)
+  if not steps:
+    raise FileNotFoundError(f'no checkpoint in {path} (it has no saved steps).')
+  if step is not None and step not in steps:
+    raise FileNotFoundError(f'no step {step} in {path}; saved steps: {steps}.')
+  if not verify:
+    return (steps[-1] if step is None else step), None
+  if step is not None:
+    return step, integrity.verify_files(os.path.join(path, str(step)), step)
+  good = latest_step(path)   # warns about each step it skips
+  if good is None:
+    raise CheckpointError(
+        f'no step of {path} passes verification (steps {steps}: see the '
+        'warnings); the checkpoint cannot be used, start without it.')
+  return good, integrity.verify_files(os.path.join(path, str(good)), good)
 
 
 def _target(leaf: Any) -> Any:
@@ -314,8 +369,8 @@ def _compare(saved: dict[str, Any], wanted: dict[str, Any], path: str,
 
 
 def restore(directory: str | os.PathLike, like: PyTree, *,
-            step: int | None = None,
-            schedule: Schedule | None = None) -> PyTree:
+            step: int | None = None, schedule: Schedule | None = None,
+            verify: bool = True) -> PyTree:
   """Restores step ``step`` of ``directory`` onto the layout of ``like``.
 
   Args:
@@ -325,10 +380,14 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
       ``Trainer.init(...)`` on any mesh), ``jax.ShapeDtypeStruct`` with a
       ``sharding``, or numpy arrays (restored as numpy). Shapes and dtypes
       must be the saved ones; values of ``like`` are not used.
-    step: the step to restore; default the latest (``latest_step``).
+    step: the step to restore; default the latest good one
+      (``latest_step``, which warns about each newer step it skips).
     schedule: the schedule of the trainer that ``like`` comes from, when the
       checkpoint was saved with ``schedule=`` (model-order stages): they are
       put into this schedule's rank layout.
+    verify: check the step before reading it (the crc32 of every file) and
+      the values after (one checksum per array). ``False`` reads an
+      unverified step (e.g. one written without the integrity records).
 
   Returns:
     ``like``'s pytree (same node types) holding the saved values, bit for
@@ -337,6 +396,9 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
   Raises:
     FileNotFoundError: no such directory, no checkpoint in it, or no step
       ``step`` (the message lists the saved steps).
+    CheckpointError: (a ``ValueError``, one line) the step is incomplete,
+      damaged or unreadable; it names the step, the file or array, and what
+      to do.
     ValueError: leaves missing on either side, or with another shape or
       dtype (the message names each leaf and both shapes).
     TypeError: a ``like`` leaf that is not an array or a sharded
@@ -363,33 +425,36 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
     _check_rank_layout(like, schedule, 'like')
   if not os.path.isdir(path):
     raise FileNotFoundError(f'no checkpoint directory {path}.')
+  step, record = _pick_step(path, step, verify)
+  step_dir = os.path.join(path, str(step))
+  target = jax.tree.map(_target, like)
+  if schedule is not None:
+    target = _map_stages(lambda st: jax.tree.map(
+        lambda a: _model_target(a, schedule), st), target)
   manager = _manager(path)
   try:
-    steps = sorted(manager.all_steps())
-    if not steps:
-      raise FileNotFoundError(f'no checkpoint in {path} (it has no saved '
-                              'steps).')
-    step = steps[-1] if step is None else step
-    if step not in steps:
-      raise FileNotFoundError(f'no step {step} in {path}; saved steps: '
-                              f'{steps}.')
-    target = jax.tree.map(_target, like)
-    if schedule is not None:
-      target = _map_stages(lambda st: jax.tree.map(
-          lambda a: _model_target(a, schedule), st), target)
-    saved = {_name(p): m for p, m in jax.tree_util.tree_leaves_with_path(
-        manager.item_metadata(step).tree)}
-    wanted = {_name(p): t for p, t in jax.tree_util.tree_leaves_with_path(
+    try:
+      metadata = manager.item_metadata(step).tree
+    except Exception as e:  # pylint: disable=broad-except
+      raise integrity.unreadable(step_dir, step, e) from e
+    saved = {leaf_name(p): m for p, m in jax.tree_util.tree_leaves_with_path(
+        metadata)}
+    wanted = {leaf_name(p): t for p, t in jax.tree_util.tree_leaves_with_path(
         target)}
-    _compare(saved, wanted, os.path.join(path, str(step)), hint=(
+    _compare(saved, wanted, step_dir, hint=(
         'Restore onto a state of the same model and optimizer. Pipeline '
         'stages: a checkpoint saved with schedule= holds them in model order '
         '[num_stages, ...] (restore with schedule=, same num_stages); without '
         'it, in the rank layout [p, v, ...] of the schedule used (restore '
         'without schedule= onto the same schedule).'))
-    restored = manager.restore(step, args=ocp.args.StandardRestore(target))
+    try:
+      restored = manager.restore(step, args=ocp.args.StandardRestore(target))
+    except Exception as e:  # pylint: disable=broad-except
+      raise integrity.unreadable(step_dir, step, e) from e
   finally:
     manager.close()
+  if record is not None:
+    integrity.verify_arrays(record, restored, step_dir, step)
   if schedule is not None:
     restored = _map_stages(lambda st, ref: jax.tree.map(
         lambda a, r: _to_rank_layout(a, r, schedule), st, ref), restored, like)

@@ -246,6 +246,79 @@ def test_loss_fault_is_reraised_and_server_stays_usable():
   assert int(ps.state.step) == applied + 6 and len(res.losses) == 6
 
 
+def nan_batches(n, bad, *, seed=0):
+  """n float64 batches; batch ``bad`` has a NaN input (a NaN gradient)."""
+  batches = make_batches(n, seed=seed)
+  batches[bad] = dict(batches[bad], x=batches[bad]['x'].copy())
+  batches[bad]['x'][0, 0] = np.nan
+  return batches
+
+
+def test_nan_batch_never_reaches_the_params(x64):
+  """One NaN batch among 21: dropped, listed, replaced; 20 clean updates."""
+  batches, opt = nan_batches(21, bad=7), optax.adam(0.05)
+  ps = jaxpar.AsyncParameterServer(loss_fn, opt, init_params(), num_workers=4,
+                                   max_staleness=2)
+  res = run_guarded(lambda: ps.run(iter(batches), 20))
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(
+      ps.state))
+  np.testing.assert_array_equal(res.skipped, [7])
+  assert 7 not in res.batch_ids and len(res.batch_ids) == 20
+  np.testing.assert_array_equal(
+      np.sort(np.concatenate([res.batch_ids, res.skipped])), np.arange(21))
+  assert int(ps.state.step) == 20 and np.isfinite(res.losses).all()
+  # The applied updates replay exactly without the NaN batch.
+  replay = async_ps.simulate(loss_fn, opt, init_params(),
+                             [batches[j] for j in res.batch_ids],
+                             staleness=res.staleness)
+  assert_trees_close(res.params, replay.params, 1e-10)
+  assert replay.skipped.size == 0
+  # A list with no batch to spare runs out rather than apply the NaN.
+  ps = jaxpar.AsyncParameterServer(loss_fn, opt, init_params(), num_workers=2,
+                                   max_staleness=1)
+  with pytest.raises(ValueError, match='ran out after 20 batches'):
+    run_guarded(lambda: ps.run(batches[:20], 20))
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(
+      ps.state))
+
+
+def test_simulate_skips_nan_updates(x64):
+  batches, opt = nan_batches(10, bad=4), optax.adam(0.05)
+  res = async_ps.simulate(loss_fn, opt, init_params(), batches,
+                          staleness=np.zeros(10, int))
+  np.testing.assert_array_equal(res.skipped, [4])
+  assert np.isnan(res.losses[4]) and np.isfinite(np.delete(res.losses, 4)).all()
+  assert_trees_close(res.params, sequential(opt, init_params(),
+                                            batches[:4] + batches[5:]), 1e-10)
+  # An inf loss (finite gradient) is skipped too.
+  inf_loss = lambda p, b: loss_fn(p, b) + jnp.where(b['x'][0, 0] > 1e300,
+                                                    jnp.inf, 0.0)
+  big = [dict(b) for b in make_batches(3)]
+  big[1]['x'] = big[1]['x'].copy()
+  big[1]['x'][0, 0] = 1e301
+  res = async_ps.simulate(inf_loss, opt, init_params(), big,
+                          staleness=[0, 0, 0])
+  np.testing.assert_array_equal(res.skipped, [1])
+
+
+def test_worker_fault_surfaces_within_a_second():
+  raised = []
+
+  def batches():
+    for i, batch in enumerate(make_batches(40, dtype=np.float32)):
+      if i == 12:
+        raised.append(time.monotonic())
+        raise RuntimeError('iterator broke')
+      yield batch
+  ps = jaxpar.AsyncParameterServer(loss_fn, optax.sgd(0.05),
+                                   init_params(jnp.float32), num_workers=4,
+                                   max_staleness=2)
+  run_guarded(lambda: ps.run(make_batches(4, dtype=np.float32), 4))  # compile
+  with pytest.raises(RuntimeError, match='iterator broke'):
+    run_guarded(lambda: ps.run(batches(), 40), timeout=30)
+  assert time.monotonic() - raised[0] < 1.0
+
+
 def test_too_few_batches():
   ps = jaxpar.AsyncParameterServer(loss_fn, optax.sgd(0.05),
                                    init_params(jnp.float32), num_workers=2,
