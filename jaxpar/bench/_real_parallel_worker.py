@@ -1,7 +1,8 @@
-"""One rank of the ``real_parallel`` benchmark (see ``jaxpar.bench.real_parallel``).
+"""One rank of the ``real_parallel`` benchmark (``jaxpar.bench.real_parallel``).
 
 ``python -m jaxpar.bench._real_parallel_worker CONFIG_JSON``, started by
-``jaxpar.distributed.launch`` with one CPU device per process. Each rank pins
+``jaxpar.distributed.launch`` with one CPU device per process; the config
+holds ``measure``'s sizes, the ``cores`` and the ``out`` path. Each rank pins
 all its threads to ``config['cores'][rank]`` before JAX starts its backend,
 joins the job (gloo), and times, in turns within every repetition:
 
@@ -28,6 +29,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +79,7 @@ def _threads_pinned(core: int) -> bool:
 
 
 def stage_fn(params, x):
-  """Residual tanh layers ``x + tanh(x @ w[k])`` over ``params['w']: [L, D, D]``."""
+  """Residual layers ``x + tanh(x @ w[k])``, ``params['w']: [L, D, D]``."""
   for k in range(params['w'].shape[0]):
     x = x + jnp.tanh(x @ params['w'][k])
   return x
@@ -89,8 +91,11 @@ def loss_fn(head, y, target):
 
 
 def model(layers: int, width: int, batch: int, seed: int = 0):
-  """Float32 numpy ``(layers [L, D, D], head [D, 8], inputs [B, D], targets [B, 8])``."""
-  rng = np.random.default_rng(seed)  # the same arrays in every process
+  """Float32 numpy ``(layers [L, D, D], head [D, 8], inputs, targets)``.
+
+  ``inputs: [batch, D]``, ``targets: [batch, 8]``, the same in every process.
+  """
+  rng = np.random.default_rng(seed)
   normal = lambda shape, scale: (rng.standard_normal(shape) * scale).astype(
       np.float32)
   return (normal((layers, width, width), width**-0.5),
@@ -99,7 +104,7 @@ def model(layers: int, width: int, batch: int, seed: int = 0):
 
 
 def accumulated_grads(layers, head, xs, ts):
-  """Mean loss and gradients over microbatches ``xs: [k, mb, D]``, one at a time.
+  """Mean loss and gradients over microbatches ``xs: [k, mb, D]`` in turn.
 
   Returns ``(loss, (dlayers, dhead, dxs))`` of the mean over the ``k``
   microbatches; only one microbatch's activations are alive at a time.
@@ -121,7 +126,7 @@ def accumulated_grads(layers, head, xs, ts):
 
 
 def data_parallel_grads(mesh) -> Callable:
-  """``accumulated_grads`` on each rank's ``m/N`` microbatches, one ``pmean``."""
+  """``accumulated_grads`` of each rank's ``m/N`` microbatches, a ``pmean``."""
   n = mesh.shape['data']
 
   def local(layers, head, xs, ts):
@@ -139,8 +144,17 @@ def data_parallel_grads(mesh) -> Callable:
 # ---------------------------------------------------------------- the steps
 
 
+class Step(NamedTuple):
+  """A step to time: ``fn(*args) -> (loss, grads)`` on ``ranks`` ranks."""
+  fn: Callable
+  args: tuple
+  ranks: int      # 1: rank 0 alone; the others wait at the next barrier
+  stages: int
+  ideal: float    # total work / simulated makespan
+
+
 def _schedules(p: int, m: int, layers: int) -> tuple[list, list[dict]]:
-  """``[(schedule, ideal)]`` to time, and note rows for those that cannot run."""
+  """``[(schedule, ideal)]`` to time, and note rows for those that can't run."""
   found, notes = [], []
   for name, extra in SCHEDULES:
     constructor = getattr(jaxpar.pipeline, name, None)
@@ -161,18 +175,16 @@ def _schedules(p: int, m: int, layers: int) -> tuple[list, list[dict]]:
   return found, notes
 
 
-def _steps(config: dict) -> tuple[dict, list[dict]]:
-  """``{name: (fn, args, all_ranks, info)}`` in timing order, and note rows."""
-  n, m, mb = jax.process_count(), config['num_microbatches'], config['microbatch']
+def _steps(config: dict) -> tuple[dict[str, Step], list[dict]]:
+  """The steps by name, in timing order, and note rows."""
+  n, m = jax.process_count(), config['num_microbatches']
+  mb = config['microbatch']
   w, head, x, t = model(config['layers'], config['width'], m * mb)
   split = lambda a: a.reshape((m, mb) + a.shape[1:])
-  info = lambda ranks, ideal, stages: {'ranks': ranks, 'stages': stages,
-                                       'ideal': ideal}
   local = jax.local_devices()[0]
-  steps = {SEQUENTIAL: (
+  steps = {SEQUENTIAL: Step(
       jax.jit(accumulated_grads),
-      jax.device_put((w, head, split(x), split(t)), local), False,
-      info(1, 1.0, 1))}
+      jax.device_put((w, head, split(x), split(t)), local), 1, 1, 1.0)}
 
   mesh = jaxpar.make_mesh(stage=n)
   replicated = NamedSharding(mesh, P())
@@ -182,10 +194,10 @@ def _steps(config: dict) -> tuple[dict, list[dict]]:
     stages = {'w': w.reshape((s, -1) + w.shape[1:])}
     args = (jax.device_put(stages, NamedSharding(mesh, P('stage'))),
             *jax.device_put((head, x, t), replicated))
-    steps[schedule.name] = (
+    steps[schedule.name] = Step(
         jaxpar.pipeline.pipeline_step(stage_fn, loss_fn, schedule=schedule,
                                       mesh=mesh),
-        args, True, info(n, ideal, s))
+        args, n, s, ideal)
 
   if m % n:
     notes.append({'step': DATA_PARALLEL, 'ranks': n, 'm': m, 'note': (
@@ -193,11 +205,11 @@ def _steps(config: dict) -> tuple[dict, list[dict]]:
   else:
     mesh = jaxpar.make_mesh(data=n)
     by_rank = NamedSharding(mesh, P('data'))
-    steps[DATA_PARALLEL] = (
+    steps[DATA_PARALLEL] = Step(
         data_parallel_grads(mesh),
         (*jax.device_put((w, head), NamedSharding(mesh, P())),
          *jax.device_put((split(x), split(t)), by_rank)),
-        True, info(n, float(n), 1))
+        n, 1, float(n))
   return steps, notes
 
 
@@ -205,21 +217,22 @@ def _barrier() -> None:
   multihost_utils.sync_global_devices('jaxpar real_parallel')
 
 
-def time_steps(steps: dict, *, repeats: int, warmup: int) -> dict:
-  """Median seconds of each step on this rank; the steps take turns.
+def time_steps(steps: dict[str, Step], *, repeats: int, warmup: int
+               ) -> dict[str, tuple[float | None, float | None]]:
+  """``(median seconds, loss)`` of each step on this rank, steps in turns.
 
-  Every rank passes the same barriers; a step with ``all_ranks=False`` runs
-  on rank 0 only. Also returns each step's loss (rank 0's, from the last run).
+  Every rank passes the same barriers; a step on one rank runs on rank 0
+  only (``None`` elsewhere). The loss is the last run's.
   """
   me = jax.process_index()
   times = {name: [] for name in steps}
   losses = {}
   for rep in range(warmup + repeats):
-    for name, (fn, args, all_ranks, _) in steps.items():
+    for name, step in steps.items():
       _barrier()
-      if all_ranks or me == 0:
+      if me < step.ranks:
         start = time.perf_counter()
-        loss, _ = jax.block_until_ready(fn(*args))
+        loss, _ = jax.block_until_ready(step.fn(*step.args))
         if rep >= warmup:
           times[name].append(time.perf_counter() - start)
         losses[name] = float(loss)
@@ -228,7 +241,7 @@ def time_steps(steps: dict, *, repeats: int, warmup: int) -> dict:
                  losses.get(name)) for name in steps}
 
 
-def rows(config: dict, cores: list[int]) -> list[dict]:
+def rows(config: dict) -> list[dict]:
   """Rank 0's table rows, ``[]`` elsewhere (all ranks call it together)."""
   steps, notes = _steps(config)
   timed = time_steps(steps, repeats=config['repeats'], warmup=config['warmup'])
@@ -240,14 +253,13 @@ def rows(config: dict, cores: list[int]) -> list[dict]:
     if not np.isclose(loss, base_loss, rtol=_LOSS_RTOL):
       raise RuntimeError(f'real_parallel: {name} computed loss {loss}, the '
                          f'sequential step {base_loss}: not the same model.')
-    info = steps[name][3]
-    speedup = base_s / seconds
-    out.append({'step': name, 'ranks': info['ranks'], 'stages': info['stages'],
+    step, speedup = steps[name], base_s / seconds
+    out.append({'step': name, 'ranks': step.ranks, 'stages': step.stages,
                 'm': config['num_microbatches'], 'width': config['width'],
                 'microbatch': config['microbatch'], 'median_ms': 1e3 * seconds,
-                'speedup': speedup, 'ideal': info['ideal'],
-                'efficiency': speedup / info['ideal'],
-                'cores': ','.join(map(str, cores[:info['ranks']]))})
+                'speedup': speedup, 'ideal': step.ideal,
+                'efficiency': speedup / step.ideal,
+                'cores': ','.join(map(str, config['cores'][:step.ranks]))})
   return out + notes
 
 
@@ -257,13 +269,15 @@ def main(argv: list[str]) -> int:
   rank = int(os.environ[distributed.ENV_PROCESS_ID])
   core = config['cores'][rank]
   pin_process(core)   # before JAX starts its thread pools
+  jax.config.update('jax_platforms', 'cpu')  # cores, even on a GPU host
   distributed.initialize()
-  result = rows(config, config['cores'])
+  result = rows(config)
   pinned = multihost_utils.process_allgather(
       np.array([_threads_pinned(core)]))
   if not pinned.all():
-    raise RuntimeError(f'real_parallel: threads of ranks '
-                       f'{np.flatnonzero(~pinned).tolist()} escaped their core.')
+    raise RuntimeError(
+        f'real_parallel: threads of ranks {np.flatnonzero(~pinned).tolist()} '
+        'escaped their core.')
   if rank == 0:
     with open(config['out'], 'w') as f:
       json.dump(result, f)

@@ -115,6 +115,7 @@ def measure(*, num_processes: int = 2, layers: int = 8, width: int = 512,
 
 def run(*, quick: bool) -> dict[str, list[dict]]:
   """The ``real_parallel`` section: 2 ranks, ``m = 8``, D=512 (quick: 256)."""
-  sizes = (dict(width=256, microbatch=64, repeats=5, warmup=1) if quick else
+  sizes = (dict(width=256, microbatch=64, repeats=5, warmup=1, timeout=600)
+           if quick else
            dict(width=512, microbatch=128, repeats=10, warmup=2))
   return {'real_parallel': measure(**sizes)}
