@@ -3,6 +3,8 @@
 from jaxpar import async_ps as async_ps
 from jaxpar import checkpoint as checkpoint
 from jaxpar import distributed as distributed
+from jaxpar import guard as guard
+from jaxpar import integrity as integrity
 from jaxpar import models as models
 from jaxpar import parallel as parallel
 from jaxpar import pipeline as pipeline
@@ -20,7 +22,8 @@ __version__ = '0.1.0'
 
 __all__ = [
     'AsyncParameterServer', 'AsyncResult', 'StepStats', 'TrainState',
-    'async_ps', 'checkpoint', 'data_parallel_step', 'distributed',
+    'async_ps', 'checkpoint', 'data_parallel_step', 'distributed', 'guard',
+    'integrity',
     'make_mesh', 'models', 'parallel', 'pipeline', 'simulate_cpu_devices',
     'tensor_parallel', 'zero',
 ]

@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument('--checkpoint', metavar='DIR', help='save the state here at the end')
   p.add_argument('--resume', action='store_true',
                  help='continue from the latest checkpoint in --checkpoint')
+  p.add_argument('--max-skipped', type=int, default=5, metavar='K',
+                 help='stop (exit code 3) after K consecutive steps skipped '
+                 'for non-finite loss or gradients')
   p.add_argument('--coordinator', metavar='HOST:PORT',
                  help='jax.distributed coordinator (multi-process runs)')
   p.add_argument('--num-processes', type=int)
@@ -66,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   if isinstance(args.mesh, str):
     args.mesh = _mesh_flag(args.mesh)
   for name in ('microbatches', 'virtual_stages', 'steps', 'layers', 'batch',
-               'devices'):
+               'devices', 'max_skipped'):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       p.error(f'--{name.replace("_", "-")} must be >= 1, got {getattr(args, name)}')
   stages = num_stages(args)
@@ -74,6 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.error(f'--layers {args.layers} is fewer than the {stages} pipeline '
             f'stages of {args.schedule} on stage={args.mesh["stage"]}; use '
             f'--layers {stages} or more')
+  if not math.isfinite(args.lr) or args.lr <= 0:
+    p.error(f'--lr must be a finite number > 0, got {args.lr}')
   if args.resume and not args.checkpoint:
     p.error('--resume needs --checkpoint DIR')
   need = args.mesh['data'] * args.microbatches
@@ -150,11 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     state = trainer.init(pipeline_params)
   except ValueError as e:   # e.g. heads not divisible by the tensor size
     parser.error(str(e).splitlines()[0])
-  if args.resume and jaxpar.checkpoint.latest_step(args.checkpoint) is not None:
-    state = jaxpar.checkpoint.restore(args.checkpoint, state, schedule=schedule)
+  if args.resume:   # the newest step or nothing: a damaged one is refused
+    newest = jaxpar.checkpoint.latest_step(args.checkpoint, verify=False)
+    try:
+      if newest is not None:
+        state = jaxpar.checkpoint.restore(args.checkpoint, state,
+                                          step=newest, schedule=schedule)
+    except jaxpar.checkpoint.CheckpointError as e:
+      print(f'{parser.prog}: error: {e}', file=sys.stderr)
+      return 4
   first = int(state.step)
   tokens = args.batch * config.seq_len
-  history = []
+  history, skips, stopped = [], jaxpar.guard.SkipCount(), None
   bar = tqdm(range(first, args.steps), desc=f'GPT {schedule.name}',
              unit='step', disable=not main_process, file=sys.stdout)
   for i in bar:
@@ -164,10 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     state, stats = trainer.step(state, batch)
     loss = float(stats.loss)
     seconds = time.perf_counter() - start
-    history.append({'step': i, 'loss': loss,
-                    'grad_norm': float(stats.grad_norm), 'seconds': seconds})
-    bar.set_postfix(loss=f'{loss:.3f}', tokens_s=f'{tokens / seconds:,.0f}')
-  if args.checkpoint:   # every process writes its shards
+    history.append({'step': i, 'loss': loss, 'grad_norm': float(
+        stats.grad_norm), 'skipped': bool(stats.skipped), 'seconds': seconds})
+    bar.set_postfix(loss=f'{loss:.3f}', tokens_s=f'{tokens / seconds:,.0f}',
+                    skipped=sum(h['skipped'] for h in history))
+    try:
+      skips = jaxpar.guard.count_skipped(skips, stats, step=i,
+                                         max_skipped=args.max_skipped)
+    except jaxpar.guard.TooManySkippedError as e:
+      stopped = e
+      break
+  bar.close()
+  if args.checkpoint and not stopped:   # every process writes its shards
     jaxpar.checkpoint.save(args.checkpoint, state, schedule=schedule)
   # Placing the batch is collective across processes: lower in all of them.
   mem = trainer.step.lower(state, make_batch(
@@ -192,15 +212,23 @@ def main(argv: list[str] | None = None) -> int:
           f'{mem.argument_size_in_bytes / 2**20:.2f} MiB arguments per device '
           f'(compiled program)\n'
           + (f'loss          {losses[0]:.3f} -> {losses[-1]:.3f} over steps '
-             f'{first}..{args.steps - 1}\n'
-             f'throughput    {rate:,.0f} tokens/s (steady state)'
+             f'{first}..{history[-1]["step"]}\n'
+             f'throughput    {rate:,.0f} tokens/s (steady state)\n'
+             f'skipped       {sum(h["skipped"] for h in history)} steps '
+             '(non-finite loss or gradients)'
              if history else f'nothing to do: already at step {first}'))
     if args.json:
       with open(args.json, 'w') as f:
         json.dump({'config': {**vars(args), 'schedule_name': schedule.name},
+                   'skipped': sum(h['skipped'] for h in history),
+                   'stopped': str(stopped) if stopped else None,
                    'steps': history}, f, indent=1)
     if args.plot:
       _plot(args.plot, history, schedule)
+  if stopped:
+    if main_process:
+      print(f'{parser.prog}: error: {stopped}', file=sys.stderr)
+    return 3
   return 0
 
 

@@ -1,7 +1,9 @@
 """The command line: the demo learns, any mesh gives the same losses, bad flags
-fail in one line with exit code 2."""
+fail in one line with exit code 2, runs of non-finite steps stop with exit
+code 3, damaged checkpoints are refused with exit code 4."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -61,11 +63,72 @@ def test_resume_continues_bit_exactly(tmp_path):
   assert first + rest == straight
 
 
+TINY = ('--layers', '2', '--mesh', 'data=1,stage=1,tensor=1')
+
+
+@pytest.fixture(scope='module')
+def good_checkpoint(tmp_path_factory):
+  """A 2-step tiny demo checkpoint (step 2)."""
+  ckpt = tmp_path_factory.mktemp('good') / 'ckpt'
+  result = jaxpar_cli('demo', '--steps', '2', *TINY, '--checkpoint', str(ckpt))
+  assert result.returncode == 0, result.stderr[-3000:]
+  return ckpt
+
+
+def _snapshot(directory):
+  return {str(p.relative_to(directory)): p.read_bytes()
+          for p in sorted(directory.rglob('*')) if p.is_file()}
+
+
+def test_non_finite_steps_stop_with_exit_3(tmp_path, good_checkpoint):
+  """lr=1e30 blows the params up at step 2: steps 3, 4 are skipped, the run
+  stops (exit 3, one line), the checkpoint stays at step 2."""
+  ckpt = tmp_path / 'ckpt'
+  shutil.copytree(good_checkpoint, ckpt)
+  before = _snapshot(ckpt)
+  out = tmp_path / 'nan.json'
+  result = jaxpar_cli('demo', '--steps', '10', *TINY, '--lr', '1e30',
+                      '--max-skipped', '2', '--checkpoint', str(ckpt),
+                      '--resume', '--json', str(out))
+  assert result.returncode == 3, result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+  assert '2 consecutive steps were skipped' in result.stderr
+  assert 'skipped       2 steps' in result.stdout
+  report = json.loads(out.read_text())
+  assert report['skipped'] == 2 and report['stopped']
+  assert [s['skipped'] for s in report['steps']] == [False, True, True]
+  assert _snapshot(ckpt) == before   # nothing written over the good step
+
+
+@pytest.mark.parametrize('target', ['default/ocdbt.process_0/d/*',
+                                    'default/_sharding'])
+def test_damaged_checkpoint_is_refused_in_one_line(tmp_path, good_checkpoint,
+                                                   target):
+  ckpt = tmp_path / 'ckpt'
+  shutil.copytree(good_checkpoint, ckpt)
+  for f in (ckpt / '2').glob(target):
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 16] = bytes(16)
+    f.write_bytes(data)
+  before = _snapshot(ckpt)
+  result = jaxpar_cli('demo', '--steps', '4', *TINY, '--checkpoint',
+                      str(ckpt), '--resume')
+  assert result.returncode == 4
+  assert 'Traceback' not in result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+  assert 'checkpoint step 2' in result.stderr and 'damaged' in result.stderr
+  assert _snapshot(ckpt) == before   # not trained from, not overwritten
+
+
 @pytest.mark.parametrize('args', [
     ['demo', '--mesh', 'data=4,stage=4,tensor=4'],     # larger than the devices
     ['demo', '--layers', '1'],                         # fewer layers than stages
     ['demo', '--schedule', 'pipedream'],               # unknown schedule
     ['demo', '--steps', '0'],
+    ['demo', '--max-skipped', '0'],
+    ['demo', '--lr', 'nan'],
+    ['demo', '--lr', '-1'],
     ['nonsense'],
 ])
 def test_bad_flags_exit_2_in_one_line(args):

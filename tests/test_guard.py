@@ -1,0 +1,42 @@
+"""jaxpar.guard: consecutive non-finite steps stop a loop; isolated ones do not."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpar
+from jaxpar import guard
+
+
+def stats(skipped):
+  return jaxpar.StepStats(jnp.float32(1.0), jnp.float32(1.0),
+                          jnp.asarray(skipped))
+
+
+def test_counts_runs_and_totals():
+  count = guard.SkipCount()
+  for flag in [False, True, True, False, True, np.bool_(False)]:
+    count = guard.count_skipped(count, stats(flag) if flag else flag,
+                                max_skipped=3)
+  assert count == guard.SkipCount(consecutive=0, total=3)
+
+
+def test_stops_at_max_skipped():
+  count = guard.SkipCount()
+  count = guard.count_skipped(count, stats(True), max_skipped=2, step=7)
+  with pytest.raises(guard.TooManySkippedError,
+                     match=r'2 consecutive steps were skipped .* the last at '
+                     r'step 8; stopped \(max_skipped=2\)'):
+    guard.count_skipped(count, stats(True), max_skipped=2, step=8)
+
+
+@pytest.mark.parametrize('count, skipped, max_skipped, error, match', [
+    ((0, 0), False, 5, TypeError, 'SkipCount'),
+    (guard.SkipCount(), 1, 5, TypeError, 'StepStats or a bool'),
+    (guard.SkipCount(), np.zeros(2, bool), 5, TypeError, 'StepStats or a bool'),
+    (guard.SkipCount(), False, 0, ValueError, 'max_skipped=0'),
+    (guard.SkipCount(), False, True, ValueError, 'max_skipped=True'),
+])
+def test_errors(count, skipped, max_skipped, error, match):
+  with pytest.raises(error, match=match):
+    guard.count_skipped(count, skipped, max_skipped=max_skipped)
