@@ -12,8 +12,8 @@ import jaxpar
 from jaxpar.bench import _real_parallel_worker as worker
 from jaxpar.bench import real_parallel
 
-TINY = dict(width=32, microbatch=8, num_microbatches=4, repeats=2, warmup=1,
-            timeout=300)
+TINY = dict(layers=4, width=32, microbatch=8, num_microbatches=4, repeats=2,
+            warmup=1, timeout=300)
 
 
 def _reference(w, head, x, t):

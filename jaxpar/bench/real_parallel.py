@@ -22,7 +22,9 @@ median wall time):
   gradients accumulated) -- speed-up 1.00 by definition;
 * every schedule constructor that ``jaxpar.pipeline`` defines (GPipe, 1F1B,
   interleaved 1F1B with ``v = 2``, ZB-H1, ZB-V, ...) through
-  ``pipeline_step`` on the mesh ``stage=N``;
+  ``pipeline_step`` on the mesh ``stage=N`` (for interleaved and V schedules
+  that includes permuting the stage params and grads between model order and
+  rank layout every step, as ``pipeline_step`` does);
 * ``data parallel``: the honest contrast, mesh ``data=N``, each rank running
   ``m/N`` of the microbatches sequentially, then one gradient ``pmean``.
 
