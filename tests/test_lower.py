@@ -9,7 +9,7 @@ import pytest
 
 import jaxpar
 from jaxpar import pipeline as sch
-from jaxpar.pipeline.lower import B, F, I, IDLE, W, local_stages, lower
+from jaxpar.pipeline.lower import F, I, IDLE, W, local_stages, lower
 
 CONSTRUCTORS = {
     'gpipe': sch.gpipe,
@@ -21,35 +21,34 @@ CONSTRUCTORS = {
 CASES = [(name, p, m) for name in CONSTRUCTORS for p, m in
          [(1, 3), (2, 1), (2, 4), (4, 2), (4, 8), (3, 7), (8, 8)]
          if name != 'interleaved' or m % p == 0]
-UNIT = {'F': 1, 'B': 1, 'I': 1, 'W': 1}
-
-
 def replay(low):
   """Runs the table on symbolic values; asserts every read gets what it needs.
 
   Mailbox and stash slots hold keys naming their content: ``('act', s, i)``
   is stage s's output for microbatch i, ``('cot', s, i)`` the cotangent of
-  stage s's input, ``('seed', i)`` the loss cotangent. Returns the set of
-  actions run, as ``(kind_code, stage, microbatch)``.
+  stage s's input, ``('seed', i)`` the loss cotangent. Returns ``{(kind_code,
+  stage, microbatch): tick}`` of the actions run.
   """
   sched = low.schedule
   p, last = sched.num_ranks, sched.num_stages - 1
   mail = [dict() for _ in range(p)]
   stash = [dict() for _ in range(p)]
+  kept = [dict() for _ in range(p)]
   done = {}
   for t in range(low.num_ticks):
     sent = {}
     for r in range(p):
       kind = low.kind[t, r]
       s, i = low.stage[t, r], low.microbatch[t, r]
+      read, slot, wslot = (low.read_slot[t, r], low.stash_slot[t, r],
+                           low.weight_slot[t, r])
       if kind == IDLE:
-        assert s == i == low.read_slot[t, r] == low.stash_slot[t, r] == -1
+        assert s == i == read == slot == wslot == -1
         continue
       assert sched.placement[s] == r
       assert local_stages(sched)[r][low.local_stage[t, r]] == s
       assert (kind, s, i) not in done
       done[kind, s, i] = t
-      read, slot = low.read_slot[t, r], low.stash_slot[t, r]
       assert -1 <= read < max(low.num_mailbox_slots, 1)
       assert -1 <= slot < max(low.num_stash_slots, 1)
       if kind == F:
@@ -59,48 +58,90 @@ def replay(low):
         sent[r] = ('act', s, i) if s < last else ('seed', i)
         if s == last and not low.training:
           del sent[r]
+        continue
+      want = ('seed', i) if s == last else ('cot', s + 1, i)
+      assert mail[r][read] == want, (t, r, mail[r].get(read), want)
+      assert stash[r][slot] == (s, i)
+      if kind == I:
+        kept[r][wslot] = (s, i)
       else:
-        want = ('seed', i) if s == last else ('cot', s + 1, i)
-        assert mail[r][read] == want, (t, r, mail[r].get(read), want)
-        assert stash[r][slot] == (s, i)
-        if kind in (B, I) and s > 0:
-          sent[r] = ('cot', s, i)
+        assert kept[r][wslot] == (s, i)
+      if s > 0:  # I sends its input cotangent, W the one its I computed
+        sent[r] = ('cot', s, i)
     for r in range(p):
       for k, offset in enumerate(low.offsets):
         slot = low.recv_slot[t, r, k]
         if slot >= 0:
-          src = (r - offset) % p
-          msg = sent.pop(src)
+          msg = sent[(r - offset) % p]
           stage = msg[1] if msg[0] != 'seed' else last
           dst_stage = stage + 1 if msg[0] == 'act' else (
               stage - 1 if msg[0] == 'cot' else stage)
           assert sched.placement[dst_stage] == r
           mail[r][slot] = msg
-    assert not sent, f'tick {t}: messages {sent} were never received'
   return done
 
 
+def expected(sched):
+  """The ``(kind_code, stage, microbatch)`` the table must run: B = I + W."""
+  want = set()
+  for row in sched.actions:
+    for a in row:
+      if a is not None:
+        kinds = 'IW' if a.kind == 'B' else a.kind
+        want |= {(dict(F=F, I=I, W=W)[k], a.stage, a.microbatch)
+                 for k in kinds}
+  return want
+
+
 @pytest.mark.parametrize('name,p,m', CASES)
-def test_table_replays_and_matches_simulate(name, p, m):
+def test_table_replays(name, p, m):
   sched = CONSTRUCTORS[name](p, m)
   low = lower(sched)
   done = replay(low)
-  want = {(dict(F=F, B=B, I=I, W=W)[a.kind], a.stage, a.microbatch)
-          for row in sched.actions for a in row if a is not None}
-  assert set(done) == want
-  # Dependencies are satisfied strictly earlier (messages usable at t + 1).
+  assert set(done) == expected(sched)
+  # Dependencies are satisfied strictly earlier (messages usable at t + 1);
+  # a split B's input cotangent leaves with its W.
+  split = {(a.stage, a.microbatch) for row in sched.actions for a in row
+           if a is not None and a.kind == 'B'}
+  sent = {(s, i): t + ((s, i) in split) for (k, s, i), t in done.items()
+          if k == I}
   for (kind, s, i), t in done.items():
     if kind == F and s > 0:
       assert done[F, s - 1, i] < t
-    if kind in (B, I):
+    if kind == I:
       assert done[F, s, i] < t
+      assert s == sched.num_stages - 1 or sent[s + 1, i] < t
     if kind == W:
       assert done[I, s, i] < t
-  assert low.num_ticks == sched.simulate(costs=UNIT).makespan
   for field in (low.kind, low.stage, low.microbatch, low.local_stage,
-                low.read_slot, low.stash_slot):
+                low.read_slot, low.stash_slot, low.weight_slot):
     assert field.dtype == np.int32 and field.shape == (low.num_ticks, p)
   assert low.recv_slot.shape == (low.num_ticks, p, len(low.offsets))
+
+
+GRID = [(name, p, m) for name in CONSTRUCTORS for p in (1, 2, 3, 4, 8)
+        for m in (1, 2, 4, 8, 12, 32, 64)
+        if name != 'interleaved' or m % p == 0]
+
+
+@pytest.mark.parametrize('name', CONSTRUCTORS)
+def test_lockstep_time_is_the_simulated_time(name):
+  """``lower(s).makespan()`` (what the executor scans) == ``simulate``'s."""
+  for n, p, m in GRID:
+    if n == name:
+      sched = CONSTRUCTORS[name](p, m)
+      assert lower(sched).makespan() == sched.simulate().makespan, (p, m)
+
+
+def test_lockstep_time_by_hand():
+  # 1F1B, p=2, m=3: (m + p - 1)(F + B) = 12 with F=1, B = I + W = 2.
+  low = lower(sch.one_f_one_b(2, 3))
+  assert low.render() == 'rank 0: FF..IWFIW.IW\nrank 1: .FIWFIWFIW..'
+  assert low.makespan() == 12
+  # A tick lasts as long as its slowest action.
+  assert low.makespan({'F': 2, 'I': 1, 'W': 1}) == 5 * 2 + 7 * 1  # 5 of 12 hold an F
+  with pytest.raises(ValueError, match='unknown kind'):
+    low.makespan({'X': 1})
 
 
 @pytest.mark.parametrize('name,p,m', [c for c in CASES if c[0] != 'gpipe'])

@@ -3,32 +3,50 @@
 ``pipeline_step`` runs a training step of a pipelined model, ``pipeline_apply``
 its forward pass. Both are one ``jax.shard_map`` over the pipeline axis around
 one ``lax.scan`` over the ticks of the lowered schedule
-(``jaxpar.pipeline.lower``). Per tick, every rank
+(``jaxpar.pipeline.lower``; ``docs/executor.md`` draws a tick). Per tick,
+every rank
 
 1. reads its row of the tick table (action kind, stage, microbatch, slots);
-2. reads the action's input (the batch for stage 0's ``F``, else a mailbox
-   slot);
-3. runs the block of its action kind and no other: ``F`` (``stage_fn``
-   forward, writing the VJP residuals or, with ``remat``, the stage input to
-   its stash slot in place; on the last stage also ``loss_fn`` and the loss
-   cotangent), ``B`` (input and parameter cotangents), ``I`` (input
-   cotangent only) or ``W`` (parameter cotangent only), each reading its
-   stash slot; an idle rank computes nothing;
-4. sends the block's output with one ``ppermute`` per distinct rank offset
-   of the schedule (every rank takes part every tick); receivers store it
-   in the mailbox slot the table names.
+2. reads the action's input: the batch for stage 0's ``F``, else a mailbox
+   slot (the activation for ``F``, the output cotangent for ``I`` and ``W``);
+3. runs the block of its action kind and no other (``StageVJP``):
 
-The dispatch on the kind is a ``lax.switch`` in spirit, written as one
-zero-or-one-trip ``while_loop`` per kind (``_when``): XLA updates loop
-carries in place, while a ``switch`` copies every buffer that a branch passes
-through unchanged, which would copy the gradient accumulators every tick.
+   * ``F``: ``stage_fn`` forward, writing the activations its backward needs
+     (never the parameters or values computed from them alone) to its stash
+     slot in place; on the last stage also ``loss_fn`` and the loss
+     cotangent;
+   * ``I``: the input cotangent, keeping what ``W`` needs (the cotangents at
+     the parameter-consuming operations) in a weight-stash slot;
+   * ``W``: the parameter cotangent from what ``I`` kept, added to the
+     gradient accumulator in place. ``I`` and ``W`` together do the FLOPs of
+     one backward; a schedule's ``B`` runs as an ``I`` and the ``W`` after it.
+
+   An idle rank computes nothing;
+4. sends the block's output (``W`` sends the input cotangent its ``I``
+   computed, as a ``B`` would when it ends) with one ``ppermute`` per distinct
+   rank offset of the schedule (every rank takes part every tick); receivers
+   store it in the mailbox slot the table names. On the ``m`` ticks on which
+   stage 0 finishes a microbatch's input cotangent (forward only: the last
+   stage its output), a ``psum`` over the pipeline axis hands that
+   microbatch to every rank, so the batch-sized result is written in place
+   (an ``O(m)`` buffer summed once at the end would double it).
+
+**Dispatch.** The block of a tick is chosen by a zero-or-one-trip
+``while_loop`` per kind (``_when``) rather than a ``lax.switch``: XLA updates
+loop carries in place, while a ``switch`` copies every buffer a branch passes
+through unchanged (gradient accumulators, stashes) on every tick. Each
+``_when`` tests one predicate. On XLA:GPU a predicate of a ``while`` is read
+back to the host, so a training tick costs 6 host round-trips: ``F``, the
+last stage's ``F`` with the loss, the stash read shared by ``I`` and ``W``,
+``I`` and ``W`` inside it, and the result ``psum`` (the messages need none);
+a forward-only tick costs 2.
 
 Buffer updates are selects or writes to a spare slot, never masks multiplied
 in, so whatever a bubble produces (``bubble_fill``, NaN in the tests) never
-reaches the results. Memory is the schedule's: ``num_stash_slots`` stashes and
-``num_mailbox_slots + 1`` activations per rank (``O(p)`` for 1F1B whatever
-the number of microbatches ``m``), plus the parameters, their gradients, the
-batch and its gradient (arguments and outputs, written in place).
+reaches the results. Memory is the schedule's: ``num_stash_slots`` stashes,
+``num_weight_slots`` weight stashes and ``num_mailbox_slots + 1`` activations
+per rank (``O(p)`` for 1F1B whatever the number of microbatches ``m``), plus
+the parameters, their gradients, the batch and its gradient.
 
 ``pipeline_step_local`` / ``pipeline_apply_local`` are the same executor as a
 function that runs *inside* a caller's ``shard_map``, so ``stage_fn`` may use
@@ -48,11 +66,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import _compat
-from jaxpar.mesh import axis_size
-from jaxpar.pipeline.lower import (B, F, I, W, LoweredSchedule,
-                                   local_stages, lower)
+from jaxpar.pipeline._vma import full, like, vary, vma
+from jaxpar.pipeline.checks import (check_axis, check_fill, check_float,
+                                    check_fn, check_leading, check_lowered,
+                                    check_stage_fn, lowered_for, microbatched)
+from jaxpar.pipeline.layout import ranks_to_stages, stages_to_ranks
+from jaxpar.pipeline.lower import F, I, W, LoweredSchedule
 from jaxpar.pipeline.schedule import Schedule
+from jaxpar.pipeline.stage import StageVJP
 
 PyTree = Any
 StageFn = Callable[[PyTree, jax.Array], jax.Array]
@@ -74,166 +95,6 @@ class PipelineGrads(NamedTuple):
   inputs: jax.Array
 
 
-# ---------------------------------------------------------------- layouts
-
-
-def _stage_order(schedule: Schedule) -> np.ndarray:
-  """Model-order stage index of each ``(rank, local)`` position, flattened."""
-  return np.array([k for stages in local_stages(schedule) for k in stages])
-
-
-def stages_to_ranks(tree: PyTree, schedule: Schedule, *,
-                    out_sharding: NamedSharding | None = None) -> PyTree:
-  """Rearranges a ``[num_stages, ...]`` stack into the ``[p, v, ...]`` rank layout.
-
-  Row ``[r, j]`` holds the ``j``-th stage (ascending) that ``schedule.placement``
-  puts on rank ``r``; ``v = num_stages // p``. Shard dim 0 over the pipeline
-  axis to give every rank its own stages.
-
-  Args:
-    tree: pytree of ``[num_stages, ...]`` arrays, in model order.
-    schedule: the ``Schedule`` whose placement to follow.
-    out_sharding: sharding of the ``[num_stages, ...]`` rows after
-      reordering, before the reshape (needed under ``jit`` with explicit mesh
-      axes, e.g. ``NamedSharding(mesh, P('stage'))``).
-
-  Returns:
-    The pytree with leaves ``[p, v, ...]``.
-
-  Example:
-    >>> s = jaxpar.pipeline.interleaved_1f1b(2, 4, 2)   # placement (0, 1, 0, 1)
-    >>> jaxpar.pipeline.stages_to_ranks(np.arange(4), s).tolist()
-    [[0, 2], [1, 3]]
-  """
-  return _permute(tree, _stage_order(schedule), schedule.num_ranks,
-                  out_sharding, to_ranks=True)
-
-
-def ranks_to_stages(tree: PyTree, schedule: Schedule, *,
-                    out_sharding: NamedSharding | None = None) -> PyTree:
-  """Inverse of ``stages_to_ranks``: ``[p, v, ...]`` back to ``[num_stages, ...]``.
-
-  Example:
-    >>> s = jaxpar.pipeline.zbv(2, 2)   # placement (0, 1, 1, 0)
-    >>> jaxpar.pipeline.ranks_to_stages(np.array([[0, 3], [1, 2]]), s).tolist()
-    [0, 1, 2, 3]
-  """
-  return _permute(tree, np.argsort(_stage_order(schedule)), schedule.num_ranks,
-                  out_sharding, to_ranks=False)
-
-
-def _permute(tree, order, p, out_sharding, *, to_ranks):
-  """Rows of each leaf in ``order`` (skipped when it is the identity)."""
-  identity = np.array_equal(order, np.arange(len(order)))
-
-  def one(a):
-    if not to_ranks:
-      a = a.reshape((-1,) + a.shape[2:])
-    if not identity:
-      a = jnp.asarray(a).at[order].get(out_sharding=out_sharding)
-    return a.reshape((p, -1) + a.shape[1:]) if to_ranks else a
-  return jax.tree.map(one, tree)
-
-
-# ---------------------------------------------------------------- typing
-
-
-def _vma(tree: PyTree) -> frozenset[str]:
-  """Mesh axes over which any leaf of ``tree`` varies (inside ``shard_map``)."""
-  out = frozenset()
-  for leaf in jax.tree.leaves(tree):
-    out |= _compat.varying_axes(leaf)
-  return out
-
-
-def _vary(tree: PyTree, axes: frozenset[str]) -> PyTree:
-  """Casts every leaf to varying over ``axes`` (a no-op where it already is)."""
-  def one(x):
-    missing = tuple(sorted(frozenset(axes) - _vma(x)))
-    return jax.lax.pcast(x, missing, to='varying') if missing else x
-  return jax.tree.map(one, tree)
-
-
-def _like(tree: PyTree, avals: PyTree) -> PyTree:
-  """Casts each leaf of ``tree`` to the varying axes of the matching aval."""
-  return jax.tree.map(lambda x, a: _vary(x, _vma(a)), tree, avals)
-
-
-def _full(avals: PyTree, fill: float, n: int | None = None) -> PyTree:
-  """Arrays like ``avals`` (``[n, *shape]`` if ``n``) holding ``fill``.
-
-  Non-float leaves hold 0; the varying axes are those of the avals.
-  """
-  def one(a):
-    value = fill if jnp.issubdtype(a.dtype, jnp.inexact) else 0
-    shape = a.shape if n is None else (n,) + a.shape
-    return _vary(jnp.full(shape, value, a.dtype), _vma(a))
-  return jax.tree.map(one, avals)
-
-
-# ---------------------------------------------------------------- the stage
-
-
-class _Stage:
-  """``stage_fn`` split into the forward and backward halves the blocks run.
-
-  Without remat, ``F`` stashes the leaves of the ``jax.vjp`` closure except
-  the stage's own parameters (which ``B`` reads from the parameter buffer
-  again, so they are never copied per microbatch); with remat it stashes the
-  stage input and ``B`` recomputes the forward.
-  """
-
-  def __init__(self, stage_fn: StageFn, remat: bool):
-    self.stage_fn = stage_fn
-    self.remat = remat
-    self.treedef = None      # of the VJP closure, set by ``trace``
-    self.param_index = None  # per closure leaf: index of a param leaf or None
-
-  def _split(self, params, x):
-    y, vjp = jax.vjp(self.stage_fn, params, x)
-    leaves, treedef = jax.tree.flatten(vjp)
-    p_leaves = jax.tree.leaves(params)
-    index = tuple(next((k for k, q in enumerate(p_leaves) if q is leaf), None)
-                  for leaf in leaves)
-    return y, [l for l, k in zip(leaves, index) if k is None], treedef, index
-
-  def trace(self, params, x):
-    """Records the closure structure; returns ``(y, stash)`` avals."""
-    if self.remat:
-      return jax.eval_shape(self.stage_fn, params, x), jax.typeof(x)
-    out = {}
-
-    def probe(params, x):
-      y, stash, out['treedef'], out['index'] = self._split(params, x)
-      return y, stash
-    y, stash = jax.eval_shape(probe, params, x)
-    self.treedef, self.param_index = out['treedef'], out['index']
-    return y, stash
-
-  def forward(self, params, x):
-    """``(y, stash)`` for the ``F`` block."""
-    if self.remat:
-      return self.stage_fn(params, x), x
-    y, stash, _, index = self._split(params, x)
-    if index != self.param_index:
-      raise RuntimeError('stage_fn traced to a different VJP structure twice; '
-                         'it must be a pure function of (params, x).')
-    return y, stash
-
-  def backward(self, params, stash, dy):
-    """``(dparams, dx)`` from the stash and the output cotangent ``dy``."""
-    if self.remat:
-      _, vjp = jax.vjp(self.stage_fn, params, stash)
-    else:
-      p_leaves, rest = jax.tree.leaves(params), iter(stash)
-      vjp = jax.tree.unflatten(self.treedef, [
-          next(rest) if k is None else p_leaves[k] for k in self.param_index])
-    return vjp(dy)
-
-
-# ---------------------------------------------------------------- executor
-
-
 def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
          local_params: PyTree, loss_params: PyTree, inputs: jax.Array,
          targets: PyTree, *, axis: str, remat: bool, bubble_fill: float):
@@ -252,16 +113,16 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   p, m = schedule.num_ranks, schedule.num_microbatches
   last = schedule.num_stages - 1
   train = loss_fn is not None
-  stage = _Stage(stage_fn, remat or not train)
+  stage = StageVJP(stage_fn, remat or not train)
   rank = jax.lax.axis_index(axis)
   v = schedule.num_stages // p
 
   # Every value the blocks touch varies over the pipeline axis and over
   # what the batch varies over (e.g. 'data'): no gradient is then psum-ed
   # implicitly inside a block that only some ranks run.
-  base = _vma(inputs) | {axis}
-  local_params = _vary(local_params, base)
-  loss_params = _vary(loss_params, base)
+  base = vma(inputs) | {axis}
+  local_params = vary(local_params, base)
+  loss_params = vary(loss_params, base)
   one_params = jax.tree.map(lambda a: a[0], local_params)
 
   def seed(lp, y, target):
@@ -273,21 +134,23 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   # are a fixed point of x -> y (-> loss cotangent -> dx) -> x.
   act_vma = base
   while True:
-    x = _vary(jnp.zeros(inputs.shape[1:], inputs.dtype), act_vma)
+    x = vary(jnp.zeros(inputs.shape[1:], inputs.dtype), act_vma)
     y_aval, stash_aval = stage.trace(one_params, x)
-    new = act_vma | _vma(y_aval)
+    new = act_vma | vma(y_aval)
     if train:
-      y = _vary(jnp.zeros_like(x), _vma(y_aval))
+      y = vary(jnp.zeros_like(x), vma(y_aval))
       loss_aval, (dlp_aval, dy_aval) = jax.eval_shape(
           seed, loss_params, y, jax.tree.map(lambda t: t[0], targets))
-      dy = _vary(jnp.zeros_like(x), new | _vma(dy_aval))
+      dy = vary(jnp.zeros_like(x), new | vma(dy_aval))
       dp_aval, dx_aval = jax.eval_shape(
-          stage.backward, one_params, _full(stash_aval, 0), dy)
-      new |= _vma(dy_aval) | _vma(dx_aval)
+          stage.backward, one_params, full(stash_aval, 0), dy)
+      new |= vma(dy_aval) | vma(dx_aval)
     if new == act_vma:
       break
     act_vma = new
   act_aval = jax.typeof(x)
+  if train:
+    kept_aval = stage.split(one_params, full(stash_aval, 0), dy)
 
   def params_of(j):
     return jax.tree.map(lambda a: a[j], local_params)
@@ -295,93 +158,85 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   def put(buf, index, value):
     """``buf[index] = value`` (in place), cast to the buffer's varying axes."""
     return jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(
-        b, _like(v, b[0]), index, 0), buf, value)
-
-  def add_grads(grads, j, dp):
-    """``grads[j] += dp``, in place."""
-    return jax.tree.map(lambda g, d: g.at[j].add(_like(d, g[j])), grads, dp)
+        b, like(v, b[0]), index, 0), buf, value)
 
   # One block per action kind; each runs in a ``_when`` and updates the tick
-  # state (payload, grads, loss, dloss_params) in place. The writers (``F``)
-  # also carry the stash and write their slot in place; the readers (``B``,
-  # ``I``, ``W``) run inside one loop that reads the stash entry (two loops
-  # reading the stash would each copy it). No tick copies a stash buffer.
+  # state (payload, grads, loss, dloss_params) in place. ``F`` also carries
+  # the stash and writes its slot in place; ``I`` and ``W`` run inside one
+  # loop that reads the stash entry once and carries the weight stash.
   def fwd(state, stash, j, slot, x, target):
     del target
     if not train:
-      return (_like(stage_fn(params_of(j), x), act_aval),), None
+      return (like(stage_fn(params_of(j), x), act_aval),), None
     y, new = stage.forward(params_of(j), x)
-    return (_like(y, act_aval), *state[1:]), put(stash, slot, new)
+    return (like(y, act_aval), *state[1:]), put(stash, slot, new)
 
   def fwd_last(state, stash, j, slot, x, target):
     _, grads, loss, dlp = state
     y, new = stage.forward(params_of(j), x)
     l, (dl, dy) = seed(loss_params, y, target)
-    return (_like(dy, act_aval), grads, loss + _like(l, loss),
-            jax.tree.map(lambda a, d: a + _like(d, a), dlp, dl)
+    return (like(dy, act_aval), grads, loss + like(l, loss),
+            jax.tree.map(lambda a, d: a + like(d, a), dlp, dl)
             ), put(stash, slot, new)
 
-  def bwd(state, st, j, dy):
-    _, grads, *acc = state
-    dp, dx = stage.backward(params_of(j), st, dy)
-    return (_like(dx, act_aval), add_grads(grads, j, dp), *acc)
+  def bwd_input(carry, st, j, wslot, dy):
+    state, wstash = carry
+    dx, kept = stage.input_grad(params_of(j), st, dy)
+    dx = like(dx, act_aval)
+    return (dx, *state[1:]), put(wstash, wslot, (kept, dx))
 
-  def bwd_input(state, st, j, dy):
-    dx = stage.backward(params_of(j), st, dy)[1]
-    return (_like(dx, act_aval), *state[1:])
+  def bwd_weight(carry, st, j, wslot, dy):
+    (_, grads, *acc), wstash = carry
+    kept, dx = jax.tree.map(lambda b: b[wslot], wstash)
+    dp = stage.weight_grad(params_of(j), st, dy, kept)
+    grads = jax.tree.map(lambda g, d: g.at[j].add(like(d, g[j])), grads, dp)
+    return (dx, grads, *acc), wstash
 
-  def bwd_weight(state, st, j, dy):
-    payload, grads, *acc = state
-    dp = stage.backward(params_of(j), st, dy)[0]
-    return (payload, add_grads(grads, j, dp), *acc)
-
+  present = set(np.unique(lowered.kind).tolist())
   writers = {F: fwd, _F_LAST: fwd_last} if train else {F: fwd}
-  readers = {B: bwd, I: bwd_input, W: bwd_weight} if train else {}
-  present = set(np.unique(lowered.kind).tolist()) | {_F_LAST}
-  readers, writers = ({code: block for code, block in blocks.items()
-                       if code in present} for blocks in (readers, writers))
+  readers = {code: block for code, block in ((I, bwd_input), (W, bwd_weight))
+             if code in present}
 
   # The batch-sized result (input cotangents, or the outputs when not
   # training) is produced on one rank, one microbatch at a time. It is kept
   # replicated over ``axis`` by a psum of that microbatch on the ticks that
   # produce one (the same ticks on every rank), so that the scan writes the
   # output buffer in place: no O(m) temporary, no O(m) psum at the end.
-  edge_kinds, edge_stage = ((B, I), 0) if train else ((F,), last)
-  produces = np.isin(lowered.kind, edge_kinds) & (lowered.stage == edge_stage)
+  edge_kind, edge_stage = (I, 0) if train else (F, last)
+  produces = (lowered.kind == edge_kind) & (lowered.stage == edge_stage)
   edge_rows = (produces.any(1),
                np.where(produces, lowered.microbatch, 0).max(1))
-  edge_vma = act_vma - {axis}
 
   def tick(carry, row):
-    mailbox, stash, grads, loss, dlp, edge = carry
+    mailbox, stash, wstash, grads, loss, dlp, edge = carry
     row, (edge_now, edge_mb) = row
-    kind, stg, mb, j, read, slot, recv = (a[rank] for a in row)
-    mb, j, slot = jnp.maximum(mb, 0), jnp.maximum(j, 0), jnp.maximum(slot, 0)
+    kind, stg, mb, j, read, slot, wslot, recv = (a[rank] for a in row)
+    mb, j = jnp.maximum(mb, 0), jnp.maximum(j, 0)
+    slot, wslot = jnp.maximum(slot, 0), jnp.maximum(wslot, 0)
     x = jnp.where(read >= 0, mailbox[jnp.maximum(read, 0)], inputs[mb])
     target = jax.tree.map(lambda t: t[mb], targets)
     branch = kind
     if train:
       branch = jnp.where((kind == F) & (stg == last), _F_LAST, kind)
-    state = (_full(act_aval, bubble_fill), grads, loss, dlp)
+    state = (full(act_aval, bubble_fill), grads, loss, dlp)
     if not train:
       state = state[:1]
-    if readers:
-      # One loop reads the stash (several would each copy it); it reads the
-      # entry, then runs the block of this tick's kind.
-      def read(state):
-        st = jax.tree.map(lambda b: b[slot], stash)
-        for code, block in readers.items():
-          state = _when(branch == code, lambda s, block=block: block(
-              s, st, j, x), state)
-        return state
-      state = _when(jnp.isin(branch, np.array(list(readers))), read, state)
     for code, block in writers.items():
       state, stash = _when(branch == code, lambda c, block=block: block(
           *c, j, slot, x, target), (state, stash))
+    if readers:
+      def read(carry):
+        st = jax.tree.map(lambda b: b[slot], stash)
+        for code, block in readers.items():
+          carry = _when(branch == code, lambda c, block=block: block(
+              c, st, j, wslot, x), carry)
+        return carry
+      state, wstash = _when(jnp.isin(branch, np.array(list(readers))), read,
+                            (state, wstash))
     payload = state[0]
     if train:
       _, grads, loss, dlp = state
-    mine = jnp.isin(kind, jnp.array(edge_kinds)) & (stg == edge_stage)
+    mine = (kind == edge_kind) & (stg == edge_stage)
     edge = _when(edge_now, lambda e: jax.lax.dynamic_update_index_in_dim(
         e, jax.lax.psum(jnp.where(mine, payload, 0), axis), edge_mb, 0), edge)
     for k, offset in enumerate(lowered.offsets):
@@ -389,20 +244,25 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
           payload, axis, [(r, (r + offset) % p) for r in range(p)])
       # No message: write into the spare last slot, which nothing reads.
       mailbox = put(mailbox, jnp.where(recv[k] >= 0, recv[k], spare), msg)
-    return (mailbox, stash, grads, loss, dlp, edge), None
+    return (mailbox, stash, wstash, grads, loss, dlp, edge), None
 
-  stash = grads = loss = dlp = None
+  stash = wstash = grads = loss = dlp = None
   if train:
-    grads = _full(dp_aval, 0, v)
-    loss, dlp = _full(loss_aval, 0), _full(dlp_aval, 0)
-    stash = _full(stash_aval, bubble_fill, lowered.num_stash_slots)
+    grads = full(dp_aval, 0, v)
+    loss, dlp = full(loss_aval, 0), full(dlp_aval, 0)
+    stash = full(stash_aval, bubble_fill, lowered.num_stash_slots)
+    wstash = full((kept_aval, act_aval), bubble_fill,
+                  max(lowered.num_weight_slots, 1))
   spare = lowered.num_mailbox_slots
-  mailbox = _full(act_aval, bubble_fill, spare + 1)
-  edge = _vary(jnp.zeros((m,) + act_aval.shape, act_aval.dtype), edge_vma)
+  mailbox = full(act_aval, bubble_fill, spare + 1)
+  edge = vary(jnp.zeros((m,) + act_aval.shape, act_aval.dtype),
+              act_vma - {axis})
   rows = (lowered.kind, lowered.stage, lowered.microbatch, lowered.local_stage,
-          lowered.read_slot, lowered.stash_slot, lowered.recv_slot)
-  (_, _, grads, loss, dlp, edge), _ = jax.lax.scan(
-      tick, (mailbox, stash, grads, loss, dlp, edge), (rows, edge_rows))
+          lowered.read_slot, lowered.stash_slot, lowered.weight_slot,
+          lowered.recv_slot)
+  (_, _, _, grads, loss, dlp, edge), _ = jax.lax.scan(
+      tick, (mailbox, stash, wstash, grads, loss, dlp, edge),
+      (rows, edge_rows))
   if not train:
     return edge
   return jax.lax.psum(loss, axis), grads, jax.lax.psum(dlp, axis), edge
@@ -419,112 +279,6 @@ def _when(pred: jax.Array, fn: Callable[[PyTree], PyTree],
   """
   return jax.lax.while_loop(
       lambda c: c[0], lambda c: (c[0] & False, fn(c[1])), (pred, state))[1]
-
-
-# ---------------------------------------------------------------- checks
-
-
-def _check_fn(fn: Any, name: str) -> None:
-  if not callable(fn):
-    raise TypeError(f'{name} must be callable, got {type(fn).__name__}: '
-                    f'{fn!r}.')
-
-
-def _check_float(tree: PyTree, name: str) -> None:
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-      raise TypeError(
-          f'{name}{jax.tree_util.keystr(path)} has dtype '
-          f'{jnp.result_type(leaf)}; the pipeline differentiates it, so it '
-          'must be floating point (cast it, or close over integer data in '
-          'stage_fn/loss_fn instead).')
-
-
-def _check_leading(tree: PyTree, size: int, name: str, rule: str) -> None:
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    shape = np.shape(leaf)
-    if not shape or shape[0] != size:
-      raise ValueError(
-          f'{name}{jax.tree_util.keystr(path)} has shape {shape} but its '
-          f'leading axis must be {rule}={size}: stack one slice per stage '
-          '(e.g. jax.tree.map(lambda *a: jnp.stack(a), *per_stage)).')
-
-
-def _microbatched(inputs: jax.Array, targets: PyTree, m: int):
-  """``inputs`` and every ``targets`` leaf reshaped to ``[m, batch/m, ...]``."""
-  if np.ndim(inputs) == 0:
-    raise ValueError(f'inputs must have a leading batch axis, got shape '
-                     f'{np.shape(inputs)}.')
-  batch = np.shape(inputs)[0]
-  if batch % m:
-    raise ValueError(
-        f'inputs batch size {batch} is not divisible by the schedule\'s '
-        f'num_microbatches={m}: use a batch that is a multiple of {m} or a '
-        f'schedule whose microbatch count divides {batch}.')
-  for path, leaf in jax.tree_util.tree_leaves_with_path(targets):
-    if not np.shape(leaf) or np.shape(leaf)[0] != batch:
-      raise ValueError(
-          f'targets{jax.tree_util.keystr(path)} has shape {np.shape(leaf)} but '
-          f'inputs has batch size {batch}: inputs and targets must share the '
-          'leading batch axis.')
-  split = lambda a: jnp.reshape(a, (m, batch // m) + np.shape(a)[1:])
-  return split(inputs), jax.tree.map(split, targets)
-
-
-def _check_stage_fn(stage_fn: StageFn, params: PyTree, x: jax.Array) -> None:
-  """``ValueError`` unless ``stage_fn`` keeps the activation shape and dtype."""
-  out = jax.eval_shape(stage_fn, jax.tree.map(lambda a: a[0], params), x[0])
-  if (not isinstance(out, jax.ShapeDtypeStruct) or out.shape != x.shape[1:]
-      or out.dtype != x.dtype):
-    got = (f'{out.dtype}{list(out.shape)}' if isinstance(
-        out, jax.ShapeDtypeStruct) else f'a {type(out).__name__}')
-    raise ValueError(
-        f'stage_fn maps a microbatch {x.dtype}{list(x.shape[1:])} to {got}; '
-        'a pipeline stage must return an array of the same shape and dtype '
-        'as its input. Move shape-changing layers (embedding, head) out of '
-        'the stages: in front of the pipeline (PipelineGrads.inputs gives '
-        'their cotangent) or into loss_fn.')
-
-
-def _check_axis(axis: str, schedule: Schedule) -> None:
-  """Inside ``shard_map``: ``axis`` must have ``schedule.num_ranks`` ranks."""
-  size = jax.lax.axis_size(axis)
-  if size != schedule.num_ranks:
-    raise ValueError(
-        f'axis {axis!r} has size {size} but schedule {schedule.name!r} has '
-        f'num_ranks={schedule.num_ranks}: lower a schedule for {size} ranks.')
-
-
-def _check_lowered(lowered: Any) -> LoweredSchedule:
-  if not isinstance(lowered, LoweredSchedule):
-    raise TypeError(f'lowered must be a LoweredSchedule from '
-                    f'jaxpar.pipeline.lower(schedule), got '
-                    f'{type(lowered).__name__}.')
-  return lowered
-
-
-def _check_fill(bubble_fill: Any) -> float:
-  if isinstance(bubble_fill, bool) or not isinstance(
-      bubble_fill, (int, float, np.floating)):
-    raise TypeError(f'bubble_fill={bubble_fill!r} must be a float (e.g. 0.0, '
-                    "or float('nan') to check that bubbles are inert).")
-  return float(bubble_fill)
-
-
-def _lowered_for(schedule: Any, mesh: Mesh, axis: str,
-                 training: bool) -> LoweredSchedule:
-  """Lowers ``schedule`` after checking it against ``mesh`` and the mode."""
-  if not isinstance(schedule, Schedule):
-    raise TypeError(f'schedule must be a jaxpar.pipeline.Schedule (e.g. '
-                    f'jaxpar.pipeline.one_f_one_b(p, m)), got '
-                    f'{type(schedule).__name__}.')
-  size = axis_size(mesh, axis)
-  if size != schedule.num_ranks:
-    raise ValueError(
-        f'mesh axis {axis!r} has size {size} but schedule {schedule.name!r} '
-        f'has num_ranks={schedule.num_ranks}: build the schedule for {size} '
-        f'ranks or a mesh with {axis}={schedule.num_ranks}.')
-  return lower(schedule, forward_only=not training)
 
 
 # ---------------------------------------------------------------- public
@@ -583,24 +337,24 @@ def pipeline_step_local(
     >>> dw.shape
     (4, 1, 16, 16)
   """
-  lowered = _check_lowered(lowered)
-  _check_fn(stage_fn, 'stage_fn')
-  _check_fn(loss_fn, 'loss_fn')
+  lowered = check_lowered(lowered)
+  check_fn(stage_fn, 'stage_fn')
+  check_fn(loss_fn, 'loss_fn')
   if not lowered.training:
     raise ValueError(f'lowered schedule {lowered.schedule.name!r} has no '
                      'backward actions; use pipeline_apply_local.')
   schedule = lowered.schedule
-  _check_axis(axis, schedule)
+  check_axis(axis, schedule)
   for tree, name in ((local_params, 'local_params'),
                      (loss_params, 'loss_params'), (inputs, 'inputs')):
-    _check_float(tree, name)
-  _check_leading(local_params, schedule.num_stages // schedule.num_ranks,
+    check_float(tree, name)
+  check_leading(local_params, schedule.num_stages // schedule.num_ranks,
                  'local_params', 'num_stages // num_ranks')
-  xs, ts = _microbatched(inputs, targets, schedule.num_microbatches)
-  _check_stage_fn(stage_fn, local_params, xs)
+  xs, ts = microbatched(inputs, targets, schedule.num_microbatches)
+  check_stage_fn(stage_fn, local_params, xs)
   loss, grads, dlp, dx = _run(
       stage_fn, loss_fn, lowered, local_params, loss_params, xs, ts,
-      axis=axis, remat=bool(remat), bubble_fill=_check_fill(bubble_fill))
+      axis=axis, remat=bool(remat), bubble_fill=check_fill(bubble_fill))
   return loss, PipelineGrads(grads, dlp, dx.reshape(np.shape(inputs)))
 
 
@@ -616,20 +370,20 @@ def pipeline_apply_local(
   Returns:
     ``[batch, ...]``, the last stage's outputs, reduced over ``axis``.
   """
-  lowered = _check_lowered(lowered)
-  _check_fn(stage_fn, 'stage_fn')
+  lowered = check_lowered(lowered)
+  check_fn(stage_fn, 'stage_fn')
   if lowered.training:
     raise ValueError(f'lowered schedule {lowered.schedule.name!r} has '
                      'backward actions; lower its F actions only for '
                      'pipeline_apply_local.')
   schedule = lowered.schedule
-  _check_axis(axis, schedule)
-  _check_leading(local_params, schedule.num_stages // schedule.num_ranks,
+  check_axis(axis, schedule)
+  check_leading(local_params, schedule.num_stages // schedule.num_ranks,
                  'local_params', 'num_stages // num_ranks')
-  xs, _ = _microbatched(inputs, (), schedule.num_microbatches)
-  _check_stage_fn(stage_fn, local_params, xs)
+  xs, _ = microbatched(inputs, (), schedule.num_microbatches)
+  check_stage_fn(stage_fn, local_params, xs)
   out = _run(stage_fn, None, lowered, local_params, (), xs, (), axis=axis,
-             remat=True, bubble_fill=_check_fill(bubble_fill))
+             remat=True, bubble_fill=check_fill(bubble_fill))
   return out.reshape(np.shape(inputs))
 
 
@@ -695,10 +449,10 @@ def pipeline_step(
     >>> grads.stages['w'].shape, grads.inputs.shape
     ((4, 16, 16), (32, 16))
   """
-  _check_fn(stage_fn, 'stage_fn')
-  _check_fn(loss_fn, 'loss_fn')
-  lowered = _lowered_for(schedule, mesh, axis, training=True)
-  bubble_fill = _check_fill(bubble_fill)
+  check_fn(stage_fn, 'stage_fn')
+  check_fn(loss_fn, 'loss_fn')
+  lowered = lowered_for(schedule, mesh, axis, training=True)
+  bubble_fill = check_fill(bubble_fill)
 
   def local(params, loss_params, inputs, targets):
     loss, grads = pipeline_step_local(
@@ -715,7 +469,7 @@ def pipeline_step(
 
   @jax.jit
   def step(stage_params, loss_params, inputs, targets):
-    _check_leading(stage_params, schedule.num_stages, 'stage_params',
+    check_leading(stage_params, schedule.num_stages, 'stage_params',
                    'schedule.num_stages')
     # Replicated on every device (a no-op unless the caller sharded them).
     loss_params, inputs, targets = jax.reshard(
@@ -733,8 +487,8 @@ def pipeline_step(
 def _apply(stage_fn, stage_params, inputs, *, schedule, mesh, axis,
            bubble_fill):
   bubble_fill = float(bubble_fill)  # passed as a str: nan == nan for the cache
-  lowered = _lowered_for(schedule, mesh, axis, training=False)
-  _check_leading(stage_params, schedule.num_stages, 'stage_params',
+  lowered = lowered_for(schedule, mesh, axis, training=False)
+  check_leading(stage_params, schedule.num_stages, 'stage_params',
                  'schedule.num_stages')
   local = lambda params, x: pipeline_apply_local(
       stage_fn, jax.tree.map(lambda a: a[0], params), x, lowered=lowered,
@@ -776,6 +530,6 @@ def pipeline_apply(stage_fn: StageFn, stage_params: PyTree,
     >>> y.shape
     (32, 16)
   """
-  _check_fn(stage_fn, 'stage_fn')
+  check_fn(stage_fn, 'stage_fn')
   return _apply(stage_fn, stage_params, inputs, schedule=schedule, mesh=mesh,
-                axis=axis, bubble_fill=str(_check_fill(bubble_fill)))
+                axis=axis, bubble_fill=str(check_fill(bubble_fill)))

@@ -1,0 +1,186 @@
+"""A pipeline stage cut into the blocks the executor runs: ``F``, ``I``, ``W``.
+
+``StageVJP(stage_fn, remat)`` turns ``stage_fn(params, x) -> y`` into
+
+* ``forward(params, x) -> (y, stash)``: the output and the VJP residuals
+  that depend on ``x`` -- the **stash holds activations only**. Residuals
+  that depend on the parameters alone (a layer sliced out of a stacked
+  leaf, a transposed or cast weight, the weights themselves) are found by a
+  dataflow pass over the forward's jaxpr and recomputed from the parameters
+  in the backward, where XLA keeps only the (cheap) operations that produce
+  them. With ``remat`` the stash is ``x`` and the backward recomputes the
+  forward.
+* ``input_grad(params, stash, dy) -> (dx, kept)`` and
+  ``weight_grad(params, stash, dy, kept) -> dparams``: the backward's jaxpr
+  (``(dparams, dx)`` from ``(params, stash, dy)``) cut in two. ``I`` runs the
+  operations ``dx`` needs; ``W`` runs the rest of what ``dparams`` needs and
+  reads the values of ``I`` it would otherwise recompute -- the cotangents at
+  the parameter-consuming operations -- from ``kept``. Each operation of
+  the backward runs once (``I + W = B`` in FLOPs); values that depend on the
+  parameters alone are recomputed in ``W`` rather than kept, so ``kept``
+  holds activation-sized values. Operations that compute both (one
+  ``lax.scan`` over all layers) run in ``I`` and ``kept`` carries their
+  parameter cotangents.
+
+Example:
+  >>> stage = StageVJP(lambda w, x: jnp.tanh(x @ w[0]), remat=False)
+  >>> w, x = jnp.ones((2, 4, 4)), jnp.ones((3, 4))
+  >>> _ = stage.trace(w, x)
+  >>> y, stash = stage.forward(w, x)
+  >>> [a.shape for a in stash]     # x and activations; w[0] is not stashed
+  [(3, 4), (3, 4), (3, 4)]
+  >>> _ = stage.split(w, stash, y)
+  >>> dx, kept = stage.input_grad(w, stash, jnp.ones((3, 4)))
+  >>> dw = stage.weight_grad(w, stash, jnp.ones((3, 4)), kept)
+  >>> dw.shape, dx.shape
+  ((2, 4, 4), (3, 4))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+from jaxpar.pipeline import _vma
+
+PyTree = Any
+
+
+def _is_var(v: Any) -> bool:
+  return not isinstance(v, jex.Literal)
+
+
+def _depends_on(jaxpr: jex.Jaxpr, sources: Sequence[Any]) -> set:
+  """Vars of ``jaxpr`` computed (transitively) from any of ``sources``."""
+  found = set(sources)
+  for eqn in jaxpr.eqns:
+    if any(_is_var(v) and v in found for v in eqn.invars):
+      found.update(eqn.outvars)
+  return found
+
+
+def _needed(eqns: Sequence[Any], targets: Sequence[Any],
+            stop: set) -> list[int]:
+  """Indices of the ``eqns`` that ``targets`` need, not looking past ``stop``."""
+  need = {v for v in targets if _is_var(v) and v not in stop}
+  keep = []
+  for k in reversed(range(len(eqns))):
+    if any(o in need for o in eqns[k].outvars):
+      keep.append(k)
+      need.update(v for v in eqns[k].invars if _is_var(v) and v not in stop)
+  return keep[::-1]
+
+
+def _function(closed: jex.ClosedJaxpr, eqns: list[int], invars: list,
+              outvars: list) -> Callable[..., list]:
+  """The sub-computation of ``closed`` with the given eqns, ins and outs."""
+  jaxpr = closed.jaxpr
+  sub = jex.Jaxpr(jaxpr.constvars, invars, outvars,
+                  [jaxpr.eqns[k] for k in eqns], jaxpr.effects,
+                  jaxpr.debug_info)
+  return jex.jaxpr_as_fun(jex.ClosedJaxpr(sub, closed.consts))
+
+
+class StageVJP:
+  """``stage_fn`` split into the forward and backward blocks; see module doc.
+
+  Call ``trace(params, x)`` once (with the avals the blocks will see) before
+  the blocks; it fixes the residual structure and the ``I``/``W`` cut.
+  """
+
+  def __init__(self, stage_fn: Callable[[PyTree, jax.Array], jax.Array],
+               remat: bool):
+    self.stage_fn = stage_fn
+    self.remat = remat
+    self._treedef = None     # of the VJP closure
+    self._from_x = None      # per closure leaf: depends on x (is stashed)
+    self._x = None           # aval of x
+    self._input = self._weight = None
+    self._params_def = None
+
+  def _closure(self, params, x):
+    y, vjp = jax.vjp(self.stage_fn, params, x)
+    leaves, treedef = jax.tree.flatten(vjp)
+    return y, leaves, treedef
+
+  def trace(self, params: PyTree, x: jax.Array):
+    """Records the residual structure; returns ``(y, stash)`` avals."""
+    self._x = jax.typeof(x)
+    if self.remat:
+      return jax.eval_shape(self.stage_fn, params, x), self._x
+    out = {}
+
+    def probe(params, x):
+      y, leaves, out['treedef'] = self._closure(params, x)
+      return y, leaves
+    closed = jax.make_jaxpr(probe)(params, x)
+    jaxpr = closed.jaxpr
+    from_x = _depends_on(jaxpr, jaxpr.invars[len(jax.tree.leaves(params)):])
+    self._treedef = out['treedef']
+    self._from_x = tuple(_is_var(v) and v in from_x
+                         for v in jaxpr.outvars[1:])
+    y, leaves = closed.out_avals[0], closed.out_avals[1:]
+    return y, [a for a, keep in zip(leaves, self._from_x) if keep]
+
+  def forward(self, params: PyTree, x: jax.Array):
+    """``(y, stash)`` for the ``F`` block."""
+    if self.remat:
+      return self.stage_fn(params, x), x
+    y, leaves, _ = self._closure(params, x)
+    if len(leaves) != len(self._from_x):
+      raise RuntimeError('stage_fn traced to a different VJP structure twice; '
+                         'it must be a pure function of (params, x).')
+    return y, [a for a, keep in zip(leaves, self._from_x) if keep]
+
+  def backward(self, params: PyTree, stash: Any, dy: jax.Array):
+    """``(dparams, dx)`` in one piece (the ``I`` and ``W`` blocks together)."""
+    if self.remat:
+      return jax.vjp(self.stage_fn, params, stash)[1](dy)
+    zeros = _vma.full(self._x, 0.0)
+    _, from_params, _ = self._closure(params, zeros)  # x-parts: dead code
+    stashed = iter(stash)
+    leaves = [next(stashed) if keep else leaf
+              for leaf, keep in zip(from_params, self._from_x)]
+    return jax.tree.unflatten(self._treedef, leaves)(dy)
+
+  def split(self, params: PyTree, stash: Any, dy: jax.Array) -> PyTree:
+    """Cuts the backward into ``I`` and ``W``; returns the ``kept`` avals."""
+    args, self._params_def = jax.tree.flatten((params, stash, dy))
+    num_params = len(jax.tree.leaves(params))
+
+    def flat(*args):
+      dparams, dx = self.backward(*jax.tree.unflatten(self._params_def, args))
+      return jax.tree.leaves(dparams) + [dx]
+    with jax.disable_jit():  # inline jitted helpers: cut at their operations
+      closed = jax.make_jaxpr(flat)(*args)
+    jaxpr = closed.jaxpr
+    *dparams, dx = jaxpr.outvars
+    in_i = _needed(jaxpr.eqns, [dx], set())
+    params_only = set(jaxpr.invars) - _depends_on(
+        jaxpr, jaxpr.invars[num_params:])
+    params_only |= set(jaxpr.constvars)
+    for eqn in jaxpr.eqns:
+      if all(not _is_var(v) or v in params_only for v in eqn.invars):
+        params_only.update(eqn.outvars)
+    from_i = {o for k in in_i for o in jaxpr.eqns[k].outvars
+              if o not in params_only}
+    in_w = _needed(jaxpr.eqns, dparams, from_i)
+    used = [v for k in in_w for v in jaxpr.eqns[k].invars] + dparams
+    kept = list(dict.fromkeys(v for v in used if _is_var(v) and v in from_i))
+    self._input = _function(closed, in_i, jaxpr.invars, [dx] + kept)
+    self._weight = _function(closed, in_w, jaxpr.invars + kept, dparams)
+    self._dparams_def = jax.tree.structure(params)
+    return [v.aval for v in kept]
+
+  def input_grad(self, params: PyTree, stash: Any, dy: jax.Array):
+    """The ``I`` block: ``(dx, kept)``."""
+    dx, *kept = self._input(*jax.tree.leaves((params, stash, dy)))
+    return dx, kept
+
+  def weight_grad(self, params: PyTree, stash: Any, dy: jax.Array,
+                  kept: list) -> PyTree:
+    """The ``W`` block: ``dparams`` from what ``I`` kept."""
+    dparams = self._weight(*jax.tree.leaves((params, stash, dy)), *kept)
+    return jax.tree.unflatten(self._dparams_def, dparams)
