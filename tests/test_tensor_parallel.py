@@ -302,6 +302,26 @@ def test_variants(x64, variant):
               tol=1e-10, x_spec=x_spec, out_spec=out_spec)
 
 
+@pytest.mark.parametrize('causal', [False, True])
+def test_dot_product_attention_core(x64, causal):
+  """float64: exact einsum path; float32: jax.nn.dot_product_attention, any
+  number of leading dims."""
+  rng = np.random.default_rng(21)
+  q, k, v = (rand(rng, 2, 3, S, H, 4) for _ in range(3))
+  s = np.einsum('...qhd,...khd->...hqk', q, k) / 2.0
+  if causal:
+    s = np.where(np.tril(np.ones((S, S), bool)), s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  want = np.einsum('...hqk,...khd->...qhd', p / p.sum(-1, keepdims=True), v)
+  got64 = tp.dot_product_attention(*map(jnp.asarray, (q, k, v)), causal=causal)
+  assert got64.dtype == jnp.float64
+  np.testing.assert_allclose(got64, want, rtol=1e-10, atol=1e-12)
+  q32, k32, v32 = (jnp.asarray(a, jnp.float32) for a in (q, k, v))
+  got32 = tp.dot_product_attention(q32, k32, v32, causal=causal)
+  assert got32.dtype == jnp.float32 and got32.shape == want.shape
+  np.testing.assert_allclose(got32, want, rtol=1e-5, atol=1e-5)
+
+
 def test_grad_outside_shard_map_is_not_scaled(x64):
   """jax.grad of jit(shard_map(...)): replicated-input grads are not N x."""
   rng = np.random.default_rng(9)
@@ -593,11 +613,20 @@ def test_param_specs_rejects_unknown_leaf_and_layout():
   with pytest.raises(ValueError, match="layer 'fc_in' has layout 'column'.*"
                      "not 'scale'"):
     tp.param_specs({'fc_in': {'scale': np.zeros(3)}})
-  with pytest.raises(ValueError, match="'diagonal' is not one of"):
+  with pytest.raises(ValueError, match="layout\\['fc_in'\\] = 'diagonal' is "
+                     'not one of'):
     tp.param_specs({'fc_in': {'kernel': np.zeros((3, 3))}},
                    layout={'fc_in': 'diagonal'})
+  with pytest.raises(TypeError, match='layout must map layer names'):
+    tp.param_specs({}, layout=['fc_in'])
   with pytest.raises(ValueError, match='fewer than the 2 dims'):
     tp.param_specs({'fc_in': {'kernel': np.zeros(3)}})
+  # Every bad leaf is listed, not just the first.
+  with pytest.raises(ValueError) as err:
+    tp.param_specs({'fc_in': {'scale': np.zeros(3)},
+                    'attn': {'out': {'kernel': np.zeros(3)}}})
+  assert "'fc_in.scale'" in str(err.value)
+  assert "'attn.out.kernel' of shape (3,)" in str(err.value)
 
 
 def test_layer_outside_shard_map_names_the_fix():
@@ -651,18 +680,23 @@ def test_sequence_parallel_errors():
                       specs=[P(None, None, 'tensor'), P('tensor', None)])
 
 
-def test_attention_shape_errors():
+def test_attention_shape_errors_list_every_mismatch():
   params = attention_params(np.random.default_rng(18))
   params['out']['kernel'] = params['out']['kernel'][:, :1]   # head_dim 1 != 2
+  params['key']['bias'] = params['key']['bias'][:, :1]
   mesh = mesh_of(4)
   specs = tp.param_specs(params)
   attn = jax.shard_map(tp.parallel_self_attention, mesh=mesh,
                        in_specs=(specs, REP), out_specs=REP)
-  with pytest.raises(ValueError, match=r"params\['out'\]\['kernel'\] has shape "
-                     r'\(2, 1, 16\), expected \(2, 2, 16\) for 2 local heads '
-                     r'\(of 8 over 4 devices\)'):
+  with pytest.raises(ValueError) as err:
     attn(tp.shard_params(params, mesh=mesh), put(mesh, np.ones((B, S, D)),
                                                  REP))
+  msg = str(err.value)
+  for part in ('for 2 local heads (of 8 over 4 devices) of size 2',
+               "params['key']['bias'] has shape (2, 1), expected (2, 2)",
+               "params['out']['kernel'] has shape (2, 1, 16), expected "
+               '(2, 2, 16)'):
+    assert part in msg, msg
 
 
 def test_vocab_errors():
@@ -676,6 +710,17 @@ def test_vocab_errors():
   with pytest.raises(TypeError, match='ids must be integers'):
     run_in_tensor_map(tp.vocab_parallel_embed, np.ones(2), np.ones((V, D)),
                       specs=[REP, P('tensor', None)])
+
+
+def test_nnx_module_sizes_are_ints():
+  layer = tp.ColumnParallelLinear(np.int64(4), np.int32(8), rngs=nnx.Rngs(0))
+  assert layer.kernel.shape == (4, 8) and type(layer.in_features) is int
+  with pytest.raises(TypeError, match='out_features=True must be an int'):
+    tp.RowParallelLinear(4, True, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r'num_heads=2.0 must be an int'):
+    tp.ParallelSelfAttention(D, 2.0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match='hidden_features=0 must be an int >= 1'):
+    tp.ParallelMLP(D, 0, rngs=nnx.Rngs(0))
 
 
 def test_nnx_module_errors():

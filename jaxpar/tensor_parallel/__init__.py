@@ -1,0 +1,65 @@
+"""Tensor (Megatron) parallelism: layers sharded over the ``tensor`` mesh axis.
+
+Three parts, one module each:
+
+* ``layers``, ``attention``, ``vocab``: pure functions that run *inside*
+  ``jax.shard_map`` on the local shards of their parameters, with the
+  minimum communication (one all-reduce per MLP or attention forward; with
+  sequence parallelism an all-gather + a reduce-scatter instead) and exact
+  gradients through ``shard_map``'s ``check_vma`` types;
+* ``layout``: dense parameter pytrees (Flax's names) -> ``PartitionSpec``
+  trees, placed on a mesh and back (``param_specs``, ``shard_params``,
+  ``unshard_params``);
+* ``modules``: the layers as Flax NNX modules.
+
+Example:
+  >>> tp = jaxpar.tensor_parallel
+  >>> dense = jaxpar.models.MLP(16, 64, rngs=nnx.Rngs(0))
+  >>> params = nnx.to_pure_dict(nnx.state(dense, nnx.Param))
+  >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
+  >>> mlp = jax.shard_map(tp.parallel_mlp, mesh=mesh,
+  ...                     in_specs=(tp.param_specs(params), P()),
+  ...                     out_specs=P())
+  >>> x = jnp.ones((2, 16))
+  >>> y = jax.jit(mlp)(tp.shard_params(params, mesh=mesh), x)
+  >>> bool(jnp.allclose(y, dense(x), atol=1e-6))      # == the dense MLP
+  True
+"""
+
+from jaxpar.tensor_parallel.attention import (
+    dot_product_attention as dot_product_attention)
+from jaxpar.tensor_parallel.attention import (
+    parallel_self_attention as parallel_self_attention)
+from jaxpar.tensor_parallel.attention import (
+    transformer_block as transformer_block)
+from jaxpar.tensor_parallel.layers import (
+    column_parallel_linear as column_parallel_linear)
+from jaxpar.tensor_parallel.layers import layer_norm as layer_norm
+from jaxpar.tensor_parallel.layers import parallel_mlp as parallel_mlp
+from jaxpar.tensor_parallel.layers import (
+    row_parallel_linear as row_parallel_linear)
+from jaxpar.tensor_parallel.layout import DEFAULT_LAYOUT as DEFAULT_LAYOUT
+from jaxpar.tensor_parallel.layout import check_divisible as check_divisible
+from jaxpar.tensor_parallel.layout import param_specs as param_specs
+from jaxpar.tensor_parallel.layout import shard_params as shard_params
+from jaxpar.tensor_parallel.layout import unshard_params as unshard_params
+from jaxpar.tensor_parallel.modules import (
+    ColumnParallelLinear as ColumnParallelLinear)
+from jaxpar.tensor_parallel.modules import ParallelMLP as ParallelMLP
+from jaxpar.tensor_parallel.modules import (
+    ParallelSelfAttention as ParallelSelfAttention)
+from jaxpar.tensor_parallel.modules import (
+    RowParallelLinear as RowParallelLinear)
+from jaxpar.tensor_parallel.vocab import (
+    vocab_parallel_cross_entropy as vocab_parallel_cross_entropy)
+from jaxpar.tensor_parallel.vocab import (
+    vocab_parallel_embed as vocab_parallel_embed)
+
+__all__ = [
+    'ColumnParallelLinear', 'DEFAULT_LAYOUT', 'ParallelMLP',
+    'ParallelSelfAttention', 'RowParallelLinear', 'check_divisible',
+    'column_parallel_linear', 'dot_product_attention', 'layer_norm',
+    'param_specs', 'parallel_mlp', 'parallel_self_attention',
+    'row_parallel_linear', 'shard_params', 'transformer_block',
+    'unshard_params', 'vocab_parallel_cross_entropy', 'vocab_parallel_embed',
+]

@@ -1,0 +1,95 @@
+"""Checks shared by the tensor-parallel layers and modules.
+
+They run while tracing (shapes and ``check_vma`` types are static), before
+any compute, and name the value, the rule and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flax import nnx
+import jax
+import numpy as np
+
+from jaxpar import _compat
+
+Params = Mapping[str, Any]
+
+
+def bound_axis_size(axis: str, fn: str) -> int:
+  """Size of the mesh axis ``axis`` of the enclosing ``shard_map``."""
+  try:
+    return jax.lax.axis_size(axis)
+  except NameError:
+    raise ValueError(
+        f'{fn}: mesh axis {axis!r} is not bound here. Call it inside '
+        f'jax.shard_map over a mesh with that axis (e.g. '
+        f"jaxpar.make_mesh(tensor=N)), or pass axis=<the mesh's tensor axis "
+        'name>.') from None
+
+
+def check_int(fn: str, name: str, value: Any, minimum: int = 1) -> int:
+  """``value`` as an int: NumPy ints are accepted, ``True`` is not."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f'{fn}: {name}={value!r} must be an int >= {minimum}, '
+                    f'got a {type(value).__name__}.')
+  if value < minimum:
+    raise ValueError(f'{fn}: {name}={value!r} must be an int >= {minimum}.')
+  return int(value)
+
+
+def check_sharded(a: jax.Array, axis: str, fn: str, what: str,
+                  spec: str) -> None:
+  """A parameter shard must vary over ``axis`` (else every device holds the
+  same slice, or shard_map runs with check_vma=False and grads go wrong)."""
+  if axis not in _compat.varying_axes(a):
+    raise ValueError(
+        f'{fn}: {what} {tuple(a.shape)} is not sharded over {axis!r}. Pass it '
+        f'through jax.shard_map with in_specs {spec} (see '
+        'tensor_parallel.param_specs), and keep check_vma=True (the default): '
+        'the layers need it for exact gradients.')
+
+
+def check_sequence_sharded(x: jax.Array, axis: str, n: int, fn: str) -> None:
+  if x.ndim < 2:
+    raise ValueError(
+        f'{fn}: sequence_parallel=True needs x of shape [..., S/{n}, d], got '
+        f'{tuple(x.shape)}.')
+  if axis not in _compat.varying_axes(x):
+    raise ValueError(
+        f'{fn}: sequence_parallel=True needs x {tuple(x.shape)} sharded along '
+        f'the sequence (dim -2) over {axis!r}, e.g. in_specs P(None, {axis!r}, '
+        'None) for [B, S, d]; it is replicated. Pass sequence_parallel=False '
+        'for replicated activations.')
+
+
+def check_scatter(y: jax.Array, n: int, fn: str) -> None:
+  if y.ndim < 2:
+    raise ValueError(
+        f'{fn}: sequence_parallel=True needs outputs [..., S, d] to scatter '
+        f'along the sequence, got {tuple(y.shape)}.')
+  if y.shape[-2] % n:
+    raise ValueError(
+        f'{fn}: sequence_parallel=True reduce-scatters the sequence (dim -2 of '
+        f'{tuple(y.shape)}) over {n} devices; sequence length {y.shape[-2]} '
+        f'is not divisible by {n}. Pad the sequence to a multiple of {n}.')
+
+
+def check_bias(bias: jax.Array | None, size: int, fn: str, hint: str) -> None:
+  if bias is not None and tuple(bias.shape) != (size,):
+    raise ValueError(
+        f'{fn}: bias shape {tuple(bias.shape)} does not match the {size} '
+        f'output features of the kernel; {hint}.')
+
+
+def as_arrays(params: Params, fn: str) -> Params:
+  """An ``nnx.State`` (from ``nnx.split``) as nested dicts of arrays."""
+  if isinstance(params, nnx.State):
+    return nnx.to_pure_dict(params)
+  if not isinstance(params, Mapping):
+    raise TypeError(
+        f'{fn}: params must be a dict of arrays or an nnx.State (e.g. '
+        f'nnx.split(module)[1]), got a {type(params).__name__}.')
+  return params

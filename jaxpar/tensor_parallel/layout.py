@@ -1,0 +1,266 @@
+"""Dense parameter pytrees <-> their tensor-parallel shards.
+
+``param_specs`` maps a dense params pytree (e.g. ``nnx.split`` of a Flax
+model) to the ``PartitionSpec`` of every leaf, ``shard_params`` places it on
+a mesh, ``unshard_params`` replicates it again. Parameter pytrees use Flax's
+names: ``{'kernel', 'bias'}`` per linear, ``{'scale', 'bias'}`` per norm,
+``{'query', 'key', 'value', 'out'}`` projections laid out like
+``nnx.MultiHeadAttention``, ``{'embedding'}`` for ``nnx.Embed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar.mesh import axis_size
+
+PyTree = Any
+
+# How each kind of layer is split: leaf name -> spec of its trailing dims
+# (`TP` stands for the axis), and the size being split, for error messages.
+_TP = object()
+_LAYOUTS = {
+    'column': {'kernel': (None, _TP), 'bias': (_TP,)},
+    'row': {'kernel': (_TP, None), 'bias': ()},
+    'heads_in': {'kernel': (None, _TP, None), 'bias': (_TP, None)},
+    'heads_out': {'kernel': (_TP, None, None), 'bias': ()},
+    'vocab': {'embedding': (_TP, None)},
+}
+_SPLIT_SIZE = {'column': 'output features', 'row': 'input features',
+               'heads_in': 'heads', 'heads_out': 'heads', 'vocab': 'vocab size'}
+# Layer names -> layout, for the names used by this module, nnx.Embed and
+# nnx.MultiHeadAttention. Leaves under no listed layer are replicated.
+DEFAULT_LAYOUT = {
+    'fc_in': 'column', 'fc_out': 'row', 'lm_head': 'column',
+    'query': 'heads_in', 'key': 'heads_in', 'value': 'heads_in',
+    'out': 'heads_out', 'embed': 'vocab',
+}
+
+
+def _path_names(path: tuple[Any, ...]) -> list[str]:
+  """The names along a key path, e.g. ``['attn', 'query', 'kernel']``."""
+  names = [jax.tree_util.keystr((k,), simple=True, separator='.')
+           for k in path]
+  # nnx.Variable leaves (nnx.split states) add a trailing `.value`.
+  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and (
+      path[-1].name == 'value'):
+    names.pop()
+  return names
+
+
+def _check_layout(layout: Mapping[str, str] | None) -> Mapping[str, str]:
+  if layout is None:
+    return DEFAULT_LAYOUT
+  if not isinstance(layout, Mapping):
+    raise TypeError(f'layout must map layer names to kinds, e.g. '
+                    f"{{**DEFAULT_LAYOUT, 'wte': 'vocab'}}, got a "
+                    f'{type(layout).__name__}.')
+  bad = [f'layout[{name!r}] = {kind!r}' for name, kind in layout.items()
+         if kind not in _LAYOUTS]
+  if bad:
+    raise ValueError(f"{'; '.join(bad)} is not one of {sorted(_LAYOUTS)}.")
+  return layout
+
+
+def _leaf_rule(names: list[str], leaf: Any, layout: Mapping[str, str]
+               ) -> tuple[tuple[Any, ...], str | None, str | None]:
+  """(spec template aligned to the leaf's trailing dims, layout kind, problem).
+
+  The template is ``()`` (replicated) under no laid-out layer; ``problem``
+  says why the leaf cannot be laid out, else ``None``.
+  """
+  where = '.'.join(names)
+  for name in reversed(names[:-1]):
+    if name in layout:
+      kind = layout[name]
+      rule = _LAYOUTS[kind].get(names[-1])
+      if rule is None:
+        return (), kind, (
+            f'param {where!r}: layer {name!r} has layout {kind!r}, whose '
+            f'leaves are {sorted(_LAYOUTS[kind])}, not {names[-1]!r}. Rename '
+            'the layer or pass layout= mapping it to the right kind.')
+      ndim = len(getattr(leaf, 'shape', ()))
+      if ndim < len(rule):
+        return (), kind, (
+            f'param {where!r} of shape {tuple(leaf.shape)} has fewer than the '
+            f'{len(rule)} dims of a {kind!r} {names[-1]}.')
+      return (None,) * (ndim - len(rule)) + rule, kind, None
+  return (), None, None
+
+
+def _rules(params: PyTree, layout: Mapping[str, str] | None
+           ) -> tuple[list[tuple[list[str], Any, tuple[Any, ...], str | None]],
+                      Any]:
+  """``[(names, leaf, template, kind)]`` of every leaf, and the treedef.
+
+  Raises one ``ValueError`` listing every leaf that cannot be laid out.
+  """
+  layout = _check_layout(layout)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  rules, problems = [], []
+  for path, leaf in leaves:
+    names = _path_names(path)
+    rule, kind, problem = _leaf_rule(names, leaf, layout)
+    rules.append((names, leaf, rule, kind))
+    if problem is not None:
+      problems.append(problem)
+  if problems:
+    raise ValueError('\n'.join(problems))
+  return rules, treedef
+
+
+def param_specs(params: PyTree, *, axis: str = 'tensor',
+                layout: Mapping[str, str] | None = None) -> PyTree:
+  """The ``PartitionSpec`` of every leaf of a dense params pytree.
+
+  A leaf is split according to the nearest enclosing layer whose name is in
+  ``layout`` (``DEFAULT_LAYOUT``: ``fc_in``/``lm_head`` column, ``fc_out``
+  row, ``query``/``key``/``value``/``out`` attention heads, ``embed``
+  vocabulary); everything else (norms, ...) is replicated, ``P()``. The
+  split dims count from the end, so stacked layers (extra leading dims) work:
+
+  * ``column``: kernel ``[in, out]`` ``P(None, axis)``, bias ``P(axis)``;
+  * ``row``: kernel ``[in, out]`` ``P(axis, None)``, bias ``P()``;
+  * ``heads_in``: kernel ``[d, H, k]`` ``P(None, axis, None)``, bias
+    ``[H, k]`` ``P(axis, None)``;
+  * ``heads_out``: kernel ``[H, k, d]`` ``P(axis, None, None)``, bias ``P()``;
+  * ``vocab``: embedding ``[V, d]`` ``P(axis, None)``.
+
+  Args:
+    params: dense params: nested dicts of arrays, or an ``nnx.State`` from
+      ``nnx.split``.
+    axis: the tensor-parallel mesh axis.
+    layout: layer name -> one of the kinds above; default
+      ``DEFAULT_LAYOUT``. Extend it for other names, e.g.
+      ``{**DEFAULT_LAYOUT, 'wte': 'vocab'}``.
+
+  Returns:
+    a pytree of ``PartitionSpec`` with the structure of ``params``: the
+    ``in_specs`` (and gradient ``out_specs``) for ``jax.shard_map``.
+
+  Raises:
+    TypeError: ``layout`` is not a mapping.
+    ValueError: leaves under a laid-out layer that its layout does not know,
+      or a kind not in the list above; every such leaf is listed.
+
+  Example:
+    >>> mlp = jaxpar.models.MLP(8, 32, rngs=nnx.Rngs(0))
+    >>> params = nnx.to_pure_dict(nnx.state(mlp, nnx.Param))
+    >>> jaxpar.tensor_parallel.param_specs(params)
+    {'fc_in': {'bias': P('tensor',), 'kernel': P(None, 'tensor')},
+     'fc_out': {'bias': P(), 'kernel': P('tensor', None)}}
+  """
+  rules, treedef = _rules(params, layout)
+  return treedef.unflatten(
+      P(*(axis if d is _TP else None for d in rule)) if _TP in rule else P()
+      for _, _, rule, _ in rules)
+
+
+def check_divisible(params: PyTree, *, mesh: jax.sharding.Mesh,
+                    axis: str = 'tensor',
+                    layout: Mapping[str, str] | None = None) -> None:
+  """``ValueError`` unless every split size of ``params`` divides by ``axis``.
+
+  The sizes ``param_specs`` splits (hidden size, heads, vocabulary) must be
+  multiples of the ``axis`` size; all offending leaves are listed.
+
+  Raises:
+    TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
+    ValueError: ``mesh`` has no ``axis``, or a split size does not divide.
+
+  Example:
+    >>> params = {'fc_in': {'kernel': jnp.ones((8, 12))}}
+    >>> jaxpar.tensor_parallel.check_divisible(
+    ...     params, mesh=jaxpar.make_mesh(tensor=8))
+    Traceback (most recent call last):
+    ...
+    ValueError: cannot split these params over 8 devices:
+      fc_in.kernel (8, 12): output features 12 (dim 1) is not divisible by
+      the 'tensor' axis size 8
+    Choose sizes divisible by 8, or a 'tensor' axis size that divides them.
+  """
+  n = axis_size(mesh, axis)
+  rules, _ = _rules(params, layout)
+  errors = [
+      f"  {'.'.join(names)} {tuple(leaf.shape)}: {_SPLIT_SIZE[kind]} "
+      f'{leaf.shape[dim]} (dim {dim}) is not divisible by the {axis!r} axis '
+      f'size {n}'
+      for names, leaf, rule, kind in rules
+      for dim, d in enumerate(rule) if d is _TP and leaf.shape[dim] % n]
+  if errors:
+    raise ValueError(
+        f'cannot split these params over {n} devices:\n'
+        + '\n'.join(errors) + f'\nChoose sizes divisible by {n}, or a '
+        f'{axis!r} axis size that divides them.')
+
+
+def shard_params(params: PyTree, *, mesh: jax.sharding.Mesh,
+                 axis: str = 'tensor',
+                 layout: Mapping[str, str] | None = None) -> PyTree:
+  """Places dense params on ``mesh`` with the specs of ``param_specs``.
+
+  The result has the same (dense, global) shapes; each device stores only
+  its shard, which ``jax.shard_map`` with ``in_specs=param_specs(params)``
+  hands to the layers.
+
+  Args:
+    params: dense params (dicts of arrays or an ``nnx.State``).
+    mesh: the mesh, e.g. ``jaxpar.make_mesh(tensor=4)``.
+    axis: the tensor-parallel mesh axis.
+    layout: as in ``param_specs``.
+
+  Returns:
+    params with every leaf a ``jax.Array`` sharded as ``param_specs`` says.
+
+  Raises:
+    ValueError: a split size (hidden size, heads, vocabulary) not divisible
+      by the axis size; all offending leaves are listed.
+
+  Example:
+    >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
+    >>> mlp = jaxpar.models.MLP(8, 32, rngs=nnx.Rngs(0))
+    >>> params = jaxpar.tensor_parallel.shard_params(
+    ...     nnx.state(mlp, nnx.Param), mesh=mesh)
+    >>> kernel = params['fc_in']['kernel'][...]
+    >>> kernel.shape, kernel.sharding.shard_shape(kernel.shape)
+    ((8, 32), (8, 8))
+  """
+  check_divisible(params, mesh=mesh, axis=axis, layout=layout)
+  specs = param_specs(params, axis=axis, layout=layout)
+  return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
+                      params, specs)
+
+
+def unshard_params(params: PyTree) -> PyTree:
+  """Replicates every leaf (``P()``) on its mesh: the dense params again.
+
+  Use it to leave tensor parallelism, e.g. to ``nnx.update`` a dense model
+  or to save a checkpoint; ``np.asarray`` of a leaf also gives its dense
+  value.
+
+  Args:
+    params: params placed by ``shard_params`` (or gradients returned by
+      ``shard_map`` with ``out_specs=param_specs(...)``).
+
+  Returns:
+    the same pytree, every ``NamedSharding`` leaf fully replicated.
+
+  Example:
+    >>> tp = jaxpar.tensor_parallel
+    >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
+    >>> params = {'fc_in': {'kernel': jnp.ones((8, 32))}}
+    >>> dense = tp.unshard_params(tp.shard_params(params, mesh=mesh))
+    >>> dense['fc_in']['kernel'].sharding.spec
+    P()
+  """
+  def replicate(x):
+    sharding = getattr(x, 'sharding', None)
+    if isinstance(sharding, NamedSharding):
+      return jax.device_put(x, NamedSharding(sharding.mesh, P()))
+    return x
+
+  return jax.tree.map(replicate, params)
