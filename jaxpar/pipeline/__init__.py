@@ -11,6 +11,10 @@ from jaxpar.pipeline.constructors import zero_bubble_h1 as zero_bubble_h1
 from jaxpar.pipeline.simulate import DEFAULT_COSTS as DEFAULT_COSTS
 from jaxpar.pipeline.simulate import SimResult as SimResult
 from jaxpar.pipeline.simulate import check_costs as check_costs
+from jaxpar.pipeline.simulate import peak_memory as peak_memory
+from jaxpar.pipeline.vshape import dualpipev as dualpipev
+from jaxpar.pipeline.vshape import v_half as v_half
+from jaxpar.pipeline.vshape import v_min as v_min
 from jaxpar.pipeline.lower import LoweredSchedule as LoweredSchedule
 from jaxpar.pipeline.lower import lower as lower
 from jaxpar.pipeline.executor import PipelineGrads as PipelineGrads

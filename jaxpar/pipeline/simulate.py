@@ -162,6 +162,26 @@ def _peak(row, plus: str, minus: tuple[str, ...]) -> int:
   return peak
 
 
+def peak_memory(schedule: ScheduleLike) -> tuple[float, ...]:
+  """Per rank, the most activation stashes held at once, in 1F1B stages.
+
+  A forward's stash is held until its backward has fully run: ``B``, or
+  ``W`` when split (the weight gradient needs the stage's inputs too; a
+  rank of ZB-H1 holds as much as 1F1B's rank 0). A logical stage is
+  ``num_ranks / num_stages`` of a 1F1B stage, so the unit is one 1F1B
+  stage's activations for one microbatch: 1F1B, ZB-H1 and ZB-V hold ``p``,
+  GPipe ``m``. ``search``'s ``memory_limit`` is in this unit.
+
+  Example:
+    >>> peak_memory(jaxpar.pipeline.one_f_one_b(4, 8))
+    (4.0, 3.0, 2.0, 1.0)
+    >>> peak_memory(jaxpar.pipeline.zbv(4, 8))
+    (4.0, 4.0, 4.0, 4.0)
+  """
+  unit = schedule.num_ranks / schedule.num_stages
+  return tuple(unit * _peak(row, 'F', ('B', 'W')) for row in schedule.actions)
+
+
 def simulate(schedule: ScheduleLike, costs: Mapping[str, float] | None = None,
              comm: float = 0.0) -> SimResult:
   """Times ``schedule``: each rank runs its actions in order, as early as possible.

@@ -1,0 +1,113 @@
+"""DualPipeV, V-Half, V-Min: orders, the papers' formulas, executor exactness."""
+
+import doctest
+
+import pytest
+
+import jaxpar
+from jaxpar import pipeline as pp
+from jaxpar.pipeline import vshape
+from test_executor import (MB, NAN, assert_exact, loss_fn, mesh_for, model,
+                           reference, stage_fn)
+
+UNIFORM = {'F': 1, 'I': 1, 'W': 1, 'B': 2}  # per logical stage
+
+
+def v(p):
+  return tuple(list(range(p)) + list(range(p - 1, -1, -1)))
+
+
+@pytest.mark.parametrize('build', [pp.dualpipev, pp.v_half, pp.v_min])
+@pytest.mark.parametrize('p, m', [(1, 1), (1, 3), (2, 1), (2, 4), (3, 5),
+                                  (4, 8), (5, 13)])
+def test_v_schedules_validate_on_a_v(build, p, m):
+  s = build(p, m).validate()
+  assert (s.num_ranks, s.num_stages, s.num_microbatches) == (p, 2 * p, m)
+  assert s.placement == v(p)
+  assert {a.kind for row in s.actions for a in row} <= set('FBIW')
+
+
+def test_dualpipev_follows_deepseeks_eight_steps():
+  # p=2, m=4, rank 0 (stages 0 and 3): 2(p-r-1)=2 F0; r+1=1 pair F0 F1;
+  # p-r-1=1 triple I1 W1 F1; m-2p+r+1=1 round F0 B1 F1 B0; 1 round B1 F1 B0;
+  # r+1=1 pair B1 B0 (rank 0 even: B0 split); 1 pair W I0; the last W.
+  s = pp.dualpipev(2, 4)
+  assert [str(a) for a in s.actions[0]] == (
+      '0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 '
+      '0W2 0I3 0W3').split()
+  # Rank 1 (the turn of the V) has no step 1, 3, 5 or 7.
+  assert [str(a) for a in s.actions[1]] == (
+      '1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 '
+      '1W3').split()
+
+
+@pytest.mark.parametrize('p, m', [(2, 4), (3, 6), (4, 8), (4, 13), (6, 12)])
+def test_dualpipev_bubble_and_memory_formulas(p, m):
+  s = pp.dualpipev(p, m)
+  # Bubble: the V sends microbatch 0 through 2p stages before rank 0 can
+  # start a backward; every rank is busy 6m (2 F, 2 I, 2 W per microbatch at
+  # F = I = W = 1) and idles exactly the p-1 forward hops its V-partner does
+  # not cover: makespan 6m + p - 1 (as ZB-V).
+  r = s.simulate(UNIFORM)
+  assert r.busy == (6.0 * m,) * p
+  assert r.bubble == (p - 1.0,) * p
+  assert r.makespan == 6 * m + p - 1
+  # 1F1B on the same model (a 1F1B stage = two logical stages: F=2, B=4)
+  # idles (p-1)(F+B) = 6(p-1) per rank: DualPipeV cuts it 6x.
+  one = pp.one_f_one_b(p, m).simulate({'F': 2, 'B': 4})
+  assert one.bubble[0] == 6 * (p - 1) == 6 * r.bubble[0]
+  # Memory: DualPipe's PP+1 activations with PP = 2p logical stages: rank r
+  # stashes its 2(p-r-1) + 2(r+1) warm-up forwards plus one main-step F0.
+  assert pp.peak_memory(s) == ((2 * p + 1) / 2,) * p
+
+
+@pytest.mark.parametrize('p', [2, 3, 4, 5, 6, 8])
+def test_v_half_and_v_min_memory_budgets(p):
+  m = 4 * p
+  # Qi et al. 2024, table 1: V-Half (p+2)//2, V-Min (p+4)//3 microbatches of
+  # 1F1B-stage activations, against p for 1F1B (stashes held until W).
+  assert max(pp.peak_memory(pp.v_half(p, m))) <= (p + 2) // 2
+  assert max(pp.peak_memory(pp.v_min(p, m))) <= (p + 4) // 3
+  assert max(pp.peak_memory(pp.one_f_one_b(p, m))) == p
+
+
+@pytest.mark.parametrize('p, m', [(2, 8), (4, 8), (4, 16), (6, 24), (8, 32)])
+def test_v_half_bubble_is_no_larger_than_1f1bs(p, m):
+  one = pp.one_f_one_b(p, m).simulate({'F': 1, 'B': 2})
+  half = pp.v_half(p, m).simulate({'F': 0.5, 'I': 0.5, 'W': 0.5})
+  assert half.makespan <= one.makespan
+  # Qi et al.: V-Half's bubble ~ p/(2m) of the busy time 3m (1F1B's p/m).
+  assert half.makespan - 3 * m <= 3 * p / 2
+
+
+def test_v_min_holds_a_third_and_costs_some_bubble():
+  # Stashes held until W: V-Min's budget (p+4)//3 stays within 1F1B's time
+  # for small p; beyond, the list scheduler pays bubble for the memory.
+  for p, m in [(2, 8), (3, 6), (5, 10)]:
+    one = pp.one_f_one_b(p, m).simulate({'F': 1, 'B': 2}).makespan
+    assert pp.v_min(p, m).simulate({'F': .5, 'I': .5, 'W': .5}).makespan <= one
+
+
+@pytest.mark.parametrize('build, p, m', [
+    (pp.dualpipev, 2, 4), (pp.dualpipev, 2, 3), (pp.v_half, 2, 4),
+    (pp.v_min, 2, 3), (pp.dualpipev, 4, 8)])
+def test_exact_in_the_executor(x64, build, p, m):
+  schedule = build(p, m)
+  args = model(schedule.num_stages, m * MB)
+  step = pp.pipeline_step(stage_fn, loss_fn, schedule=schedule,
+                          mesh=mesh_for(p), bubble_fill=NAN)
+  assert_exact(step(*args), reference(*args, m), rtol=1e-10)
+
+
+def test_bad_sizes():
+  with pytest.raises(ValueError, match=r'dualpipev\(.*num_ranks=0 must be'):
+    pp.dualpipev(0, 4)
+  with pytest.raises(TypeError, match='must be an int'):
+    pp.v_half(2.0, 4)
+  with pytest.raises(ValueError, match='num_microbatches=0'):
+    pp.v_min(2, 0)
+
+
+def test_docstring_examples():
+  result = doctest.testmod(vshape, extraglobs={'jaxpar': jaxpar})
+  assert result.failed == 0 and result.attempted > 0
