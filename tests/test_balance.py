@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar.pipeline import balance as balance_module
-from jaxpar.pipeline.balance import balance, stage_costs
+from jaxpar.pipeline import stage_balance as balance_module
+from jaxpar.pipeline.stage_balance import balance, stage_costs
 
 
 def brute_force(costs, num_stages, first, last):

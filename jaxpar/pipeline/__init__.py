@@ -13,6 +13,8 @@ from jaxpar.pipeline.simulate import SimResult as SimResult
 from jaxpar.pipeline.simulate import check_costs as check_costs
 from jaxpar.pipeline.simulate import peak_memory as peak_memory
 from jaxpar.pipeline.vshape import dualpipev as dualpipev
+from jaxpar.pipeline.stage_balance import balance as balance
+from jaxpar.pipeline.schedule_search import search as search
 from jaxpar.pipeline.vshape import v_half as v_half
 from jaxpar.pipeline.vshape import v_min as v_min
 from jaxpar.pipeline.lower import LoweredSchedule as LoweredSchedule

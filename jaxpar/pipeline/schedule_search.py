@@ -1,0 +1,154 @@
+"""The fastest schedule under a memory cap (the zero-bubble paper's search).
+
+``search`` runs jaxpar's memory-capped list scheduler (``_greedy``, the
+zero-bubble paper's heuristic: warm up with as many forwards as memory
+allows, then backward first, weight gradients ``W`` into the bubbles and
+whenever memory is full) with every combination of its knobs, on the
+one-stage-per-rank placement and on the V placement, and keeps the fastest
+order whose stashes fit; the built-in constructors compete too, so the result
+is never slower than any of them that fits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+from jaxpar.pipeline import _greedy
+from jaxpar.pipeline import constructors as _constructors
+from jaxpar.pipeline import simulate as _simulate
+from jaxpar.pipeline import vshape as _vshape
+from jaxpar.pipeline._action import check_sizes
+from jaxpar.pipeline.schedule import Schedule
+
+# Built-in schedules that compete, by placement: (name, build(p, m)).
+_SINGLE: tuple[tuple[str, Callable[[int, int], Schedule]], ...] = (
+    ('1f1b', _constructors.one_f_one_b), ('zb_h1', _constructors.zero_bubble_h1),
+    ('gpipe', _constructors.gpipe))
+_V = (('zbv', _constructors.zbv), ('dualpipev', _vshape.dualpipev),
+      ('v_half', _vshape.v_half), ('v_min', _vshape.v_min))
+
+
+def action_costs(schedule: Schedule,
+                costs: Mapping[str, float] | None = None) -> dict[str, float]:
+  """Per-action costs of ``schedule`` from costs per 1F1B stage.
+
+  A schedule with ``S`` logical stages on ``p`` ranks cuts the model ``S/p``
+  times finer than 1F1B, so each of its actions costs ``p/S`` of a 1F1B
+  stage's: ZB-V's forward costs half of 1F1B's. ``costs`` default to
+  ``simulate.DEFAULT_COSTS``.
+
+  Example:
+    >>> action_costs(jaxpar.pipeline.zbv(2, 4))
+    {'F': 0.5, 'B': 1.0, 'I': 0.5, 'W': 0.5}
+  """
+  scale = schedule.num_ranks / schedule.num_stages
+  return {k: c * scale for k, c in _simulate.check_costs(costs).items()}
+
+
+def makespan(schedule: Schedule,
+             costs: Mapping[str, float] | None = None, comm: float = 0.0
+             ) -> float:
+  """``schedule.simulate`` time with costs per 1F1B stage (``action_costs``).
+
+  Comparable across placements: 1F1B and ZB-V of the same model, e.g.
+
+  Example:
+    >>> makespan(jaxpar.pipeline.one_f_one_b(4, 8)), makespan(jaxpar.pipeline.zbv(4, 8))
+    (33.0, 25.5)
+  """
+  return schedule.simulate(action_costs(schedule, costs), comm).makespan
+
+
+def search(num_ranks: int, num_microbatches: int, *, memory_limit: float,
+           costs: Mapping[str, float] | None = None,
+           v_shape: bool | None = None, comm: float = 0.0) -> Schedule:
+  """The fastest schedule whose stashes stay within ``memory_limit`` per rank.
+
+  Candidates: the list-scheduled orders (see the module docstring) and every
+  built-in constructor of the allowed placements (1F1B, ZB-H1, GPipe; ZB-V,
+  DualPipeV, V-Half, V-Min). Each is timed by ``makespan(s, costs, comm)``
+  and measured by ``simulate.peak_memory`` (a stash is held from its forward
+  until its backward has fully run, ``W`` included); the fastest that fits
+  wins, ties going to the built-in constructor.
+
+  With ``F = I = W`` ZB-H1 is already optimal for ``p <= limit``; the search
+  gains where the paper says: with unequal ``F``/``I``/``W`` and with memory
+  between ZB-H1's (``p``) and ZB-H2's (``2p``), and under caps below ``p``
+  where 1F1B does not fit at all.
+
+  Args:
+    num_ranks: ``p >= 1``.
+    num_microbatches: ``m >= 1``.
+    memory_limit: stashes per rank in units of one 1F1B stage's activations
+      for one microbatch (1F1B and ZB-V need ``p``, GPipe ``m``); ``>= 1``.
+    costs: time per kind for one 1F1B stage, merged into
+      ``{'F': 1, 'B': 2, 'I': 1, 'W': 1}``; V schedules pay half per action.
+    v_shape: ``True``: only V placements (``2p`` stages); ``False``: only one
+      stage per rank; ``None``: both.
+    comm: latency between ranks, as in ``simulate``.
+
+  Returns:
+    The validated fastest ``Schedule``: a constructor's (with its name) or a
+    searched one named ``'Search(memory=...)'``.
+
+  Raises:
+    ValueError: for ``memory_limit`` below the minimum feasible memory (one
+      1F1B stage: each rank must hold at least one stash of each of its
+      stages), bad sizes or costs.
+
+  Example:
+    >>> s = search(4, 8, memory_limit=2)
+    >>> max(jaxpar.pipeline.peak_memory(s)) <= 2
+    True
+  """
+  check_sizes('search', num_ranks=num_ranks, num_microbatches=num_microbatches)
+  p, m = int(num_ranks), int(num_microbatches)
+  limit = _check_limit(memory_limit, p, m, v_shape)
+  _simulate.check_costs(costs)
+  layouts = [] if v_shape is True else [(tuple(range(p)), _SINGLE)]
+  if v_shape is not False:
+    layouts.append((_vshape.v_placement(p), _V))
+  best = None
+  for placement, builtins in layouts:
+    for _, build in builtins:
+      best = _better(best, build(p, m), limit, costs, comm)
+    scale = len(placement) / p
+    per_action = {k: c / scale for k, c in _simulate.check_costs(costs).items()}
+    cap = math.floor(limit * scale + 1e-9)
+    for policy in _greedy.POLICIES:
+      for inflight in sorted({cap // 2, cap - 1} - {0}) + [None]:
+        s = _greedy.schedule(p, m, placement, cap, per_action,
+                             policy._replace(max_inflight=inflight), comm,
+                             name=f'Search(memory={memory_limit:g})')
+        if s is not None:
+          best = _better(best, s, limit, costs, comm)
+  return best[1].validate()
+
+
+def _better(best, schedule: Schedule, limit: float, costs, comm):
+  """``best`` or ``(time, schedule)`` if this one fits and is faster."""
+  if max(_simulate.peak_memory(schedule)) > limit + 1e-9:
+    return best
+  time = makespan(schedule, costs, comm)
+  return (time, schedule) if best is None or time < best[0] else best
+
+
+def _check_limit(memory_limit: object, p: int, m: int,
+                 v_shape: bool | None) -> float:
+  call = (f'search(num_ranks={p}, num_microbatches={m}, '
+          f'memory_limit={memory_limit!r})')
+  if v_shape not in (None, True, False):
+    raise TypeError(f'{call}: v_shape={v_shape!r} must be True, False or '
+                    'None (both placements).')
+  if (isinstance(memory_limit, bool)
+      or not isinstance(memory_limit, (int, float))):
+    raise TypeError(f'{call}: memory_limit must be a number of 1F1B-stage '
+                    'activations, e.g. memory_limit=2.')
+  if not math.isfinite(memory_limit) or memory_limit < 1:
+    raise ValueError(
+        f'{call}: the minimum feasible memory is 1 (one 1F1B stage\'s '
+        'activations for one microbatch: a rank must hold the stash of its '
+        'stage while the microbatch runs downstream); 1F1B needs '
+        f'{min(p, m)}. Use memory_limit >= 1.')
+  return float(memory_limit)

@@ -1,0 +1,141 @@
+"""search: the fastest schedule under a memory cap, checked by brute force."""
+
+import doctest
+import itertools
+import math
+
+import pytest
+
+import jaxpar
+from jaxpar import pipeline as pp
+from jaxpar.pipeline import schedule_search as search_module
+from jaxpar.pipeline.schedule import Action, Schedule, ScheduleError
+from jaxpar.pipeline.schedule_search import makespan, search
+from test_executor import (MB, NAN, assert_exact, loss_fn, mesh_for, model,
+                           reference, stage_fn)
+
+UNEQUAL = {'F': 1, 'I': 1.5, 'W': 0.5}  # I > W: ZB-H1's tail has a bubble
+
+
+def rank_orders(rank, m):
+  """Every order of a rank's F/I/W with each kind in microbatch order and
+  F(i) < I(i) < W(i)."""
+  out = []
+
+  def extend(nf, ni, nw, row):
+    if nw == m:
+      out.append(tuple(row))
+    if nf < m:
+      extend(nf + 1, ni, nw, row + [Action(rank, 'F', nf)])
+    if ni < nf:
+      extend(nf, ni + 1, nw, row + [Action(rank, 'I', ni)])
+    if nw < ni:
+      extend(nf, ni, nw + 1, row + [Action(rank, 'W', nw)])
+  extend(0, 0, 0, [])
+  return out
+
+
+def exhaustive(p, m, limit, costs):
+  """The fastest split one-stage-per-rank schedule within ``limit``."""
+  best = math.inf
+  for rows in itertools.product(*(rank_orders(r, m) for r in range(p))):
+    s = Schedule(p, p, m, tuple(range(p)), rows)
+    if max(pp.peak_memory(s)) <= limit:
+      try:
+        best = min(best, makespan(s, costs))
+      except ScheduleError:  # deadlocks
+        pass
+  return best
+
+
+def test_exhaustive_counts_every_order():
+  # Standard Young tableaux of a 3 x m rectangle: 5 for m=2, 42 for m=3.
+  assert len(rank_orders(0, 2)) == 5 and len(rank_orders(0, 3)) == 42
+
+
+@pytest.mark.parametrize('p, m', [(2, 2), (3, 2), (2, 3)])
+@pytest.mark.parametrize('costs', [None, UNEQUAL, {'F': 1, 'I': 1, 'W': 2},
+                                   {'F': 2, 'I': 1, 'W': 1}])
+def test_as_fast_as_exhaustive_search(p, m, costs):
+  for limit in range(1, p + 2):
+    s = search(p, m, memory_limit=limit, costs=costs, v_shape=False)
+    assert max(pp.peak_memory(s)) <= limit
+    assert makespan(s, costs) <= exhaustive(p, m, limit, costs)
+
+
+@pytest.mark.parametrize('p, m', [(2, 4), (4, 8)])
+@pytest.mark.parametrize('costs', [None, UNEQUAL, {'F': 1, 'I': 1, 'W': 2}])
+def test_never_slower_than_a_constructor_that_fits(p, m, costs):
+  built = [pp.gpipe(p, m), pp.one_f_one_b(p, m), pp.zero_bubble_h1(p, m),
+           pp.zbv(p, m), pp.dualpipev(p, m), pp.v_half(p, m), pp.v_min(p, m),
+           pp.interleaved_1f1b(p, m, 2)]
+  for limit in (1, 1.5, p / 2, p, p + 0.5, 2 * p):
+    s = search(p, m, memory_limit=limit, costs=costs)
+    assert max(pp.peak_memory(s)) <= limit
+    for b in built:
+      if b.name.startswith('Interleaved'):
+        continue  # neither placement: not searched, reported for reference
+      if max(pp.peak_memory(b)) <= limit:
+        assert makespan(s, costs) <= makespan(b, costs), (limit, b.name)
+
+
+@pytest.mark.parametrize('p, m', [(3, 6), (4, 8)])
+def test_strictly_faster_between_zb_h1_and_zb_h2_memory(p, m):
+  # The zero-bubble paper's case: one stage per rank, memory between ZB-H1's
+  # p and ZB-H2's 2p, I > W so ZB-H1's cool-down idles.
+  zb_h1 = makespan(pp.zero_bubble_h1(p, m), UNEQUAL)
+  for limit in (p + 1, 2 * p - 1):
+    s = search(p, m, memory_limit=limit, costs=UNEQUAL, v_shape=False)
+    assert makespan(s, UNEQUAL) < zb_h1
+    assert makespan(s, UNEQUAL) < makespan(pp.one_f_one_b(p, m), UNEQUAL)
+
+
+def test_strictly_faster_with_unequal_costs_on_a_v():
+  costs = {'F': 1, 'I': 1, 'W': 2, 'B': 3}  # B = I + W: no fused discount
+  s = search(4, 8, memory_limit=4, costs=costs)
+  fits = [pp.zbv(4, 8), pp.v_half(4, 8), pp.one_f_one_b(4, 8),
+          pp.zero_bubble_h1(4, 8)]
+  assert makespan(s, costs) < min(makespan(b, costs) for b in fits)
+
+
+def test_below_1f1b_memory_it_still_finds_a_schedule():
+  s = search(4, 8, memory_limit=1)
+  assert max(pp.peak_memory(s)) == 1 and s.validate() is s
+
+
+def test_time_model_of_the_lowered_table_agrees():
+  for limit in (1.5, 2, 3):
+    s = search(4, 8, memory_limit=limit)
+    costs = search_module.action_costs(s)
+    assert pp.lower(s).makespan(costs) == s.simulate(costs).makespan
+
+
+@pytest.mark.parametrize('v_shape, p, m, limit', [(False, 2, 3, 1.5),
+                                                  (True, 2, 3, 1.5)])
+def test_exact_in_the_executor(x64, v_shape, p, m, limit):
+  schedule = search(p, m, memory_limit=limit, v_shape=v_shape)
+  assert schedule.name.startswith('Search')
+  args = model(schedule.num_stages, m * MB)
+  step = pp.pipeline_step(stage_fn, loss_fn, schedule=schedule,
+                          mesh=mesh_for(p), bubble_fill=NAN)
+  assert_exact(step(*args), reference(*args, m), rtol=1e-10)
+
+
+@pytest.mark.parametrize('kwargs, error, message', [
+    (dict(memory_limit=0.5), ValueError, 'minimum feasible memory is 1'),
+    (dict(memory_limit=float('inf')), ValueError, 'minimum feasible memory'),
+    (dict(memory_limit='2'), TypeError, 'memory_limit must be a number'),
+    (dict(memory_limit=True), TypeError, 'memory_limit must be a number'),
+    (dict(memory_limit=2, v_shape='v'), TypeError, 'v_shape=.v. must be'),
+    (dict(memory_limit=2, costs={'X': 1}), ValueError, "unknown kind 'X'"),
+])
+def test_errors(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    search(4, 8, **kwargs)
+  with pytest.raises(ValueError, match='num_ranks=0 must be >= 1'):
+    search(0, 8, memory_limit=2)
+
+
+def test_docstring_examples():
+  result = doctest.testmod(search_module, extraglobs={'jaxpar': jaxpar})
+  assert result.failed == 0 and result.attempted > 0
