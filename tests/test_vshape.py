@@ -1,4 +1,4 @@
-"""DualPipeV, V-Half, V-Min: orders, the papers' formulas, executor exactness."""
+"""DualPipeV, V-Half, V-Min: orders, the papers' formulas, exactness."""
 
 import doctest
 
@@ -6,6 +6,7 @@ import pytest
 
 import jaxpar
 from jaxpar import pipeline as pp
+from jaxpar.pipeline import plot as plot_module
 from jaxpar.pipeline import vshape
 from test_executor import (MB, NAN, assert_exact, loss_fn, mesh_for, model,
                            reference, stage_fn)
@@ -111,3 +112,20 @@ def test_bad_sizes():
 def test_docstring_examples():
   result = doctest.testmod(vshape, extraglobs={'jaxpar': jaxpar})
   assert result.failed == 0 and result.attempted > 0
+
+
+def test_plot_frames_the_f_and_b_pairs():
+  import matplotlib
+  matplotlib.use('Agg')
+  s = pp.dualpipev(2, 4)
+  pairs = plot_module.fb_pairs(s)
+  # Steps 4 and 5 of each rank: F0&B1, F1&B0 per main-step round, F1&B0
+  # per step-5 round: rank 0 has 2 + 1, rank 1 has 2 * 2 + 0.
+  assert len(pairs) == 7
+  assert all(f.kind == 'F' and b.kind == 'B' and f.stage != b.stage
+             for f, b in pairs)
+  ax = s.plot().axes[0]
+  assert len(ax.collections) == sum(map(len, s.actions)) + len(pairs)
+  labels = [t.get_text() for t in ax.get_legend().get_texts()]
+  assert labels == ['F', 'B', 'I', 'W', 'F&B']
+  assert plot_module.fb_pairs(pp.one_f_one_b(4, 8)) == []  # one stage a rank

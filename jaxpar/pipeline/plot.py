@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from jaxpar.pipeline import simulate as _simulate
-from jaxpar.pipeline._action import ScheduleLike
+from jaxpar.pipeline._action import Action, ScheduleLike
 
 if TYPE_CHECKING:
   from matplotlib.axes import Axes
@@ -30,7 +30,7 @@ def format_grid(rows: Sequence[Sequence[str]],
 
   Example:
     >>> print(format_grid([['0F0', '0B0'], ['', '1F0']], marks=[(1, 1)]))
-    step      0     1
+    step       0     1
     rank 0   0F0   0B0
     rank 1       [1F0]
   """
@@ -106,6 +106,26 @@ def render(schedule: ScheduleLike, costs: Mapping[str, int] | None = None, *,
           f'{result.bubble_fraction:.1%}\n' + format_grid(rows, column='t'))
 
 
+def fb_pairs(schedule: ScheduleLike) -> list[tuple[Action, Action]]:
+  """``(F, B)`` actions adjacent on a rank, of different stages.
+
+  These are the pairs DualPipe overlaps (a forward of one chunk with the
+  full backward of the other); jaxpar's executor runs them one after the
+  other.
+
+  Example:
+    >>> [f'{f}&{b}' for f, b in fb_pairs(jaxpar.pipeline.dualpipev(2, 4))][:2]
+    ['0F3&3B1', '3F2&0B0']
+  """
+  pairs = []
+  for row in schedule.actions:
+    done = [a for a in row if a is not None]
+    for f, b in zip(done, done[1:]):
+      if f.kind == 'F' and b.kind == 'B' and f.stage != b.stage:
+        pairs.append((f, b))
+  return pairs
+
+
 def plot(schedule: ScheduleLike, ax: Axes | None = None,
          costs: Mapping[str, float] | None = None,
          comm: float = 0.0) -> Figure:
@@ -113,7 +133,10 @@ def plot(schedule: ScheduleLike, ax: Axes | None = None,
 
   Boxes are coloured by kind (F blue, B green, I orange, W purple), labelled
   with the microbatch; when a rank holds several stages, later stages are
-  drawn lighter. The title gives the name, ``p``, ``m`` and bubble fraction.
+  drawn lighter. A forward directly followed on its rank by a full backward
+  of another stage (DualPipe's ``F & B`` pairs, which its kernels overlap;
+  also interleaved 1F1B's steady state) is framed in black. The title gives
+  the name, ``p``, ``m`` and bubble fraction.
 
   Args:
     schedule: the schedule.
@@ -158,10 +181,18 @@ def plot(schedule: ScheduleLike, ax: Axes | None = None,
                      alpha=1.0 / (1 + 0.6 * local[a.stage]))
       ax.text((t0 + t1) / 2, rank, str(a.microbatch), ha='center',
               va='center', fontsize=7, color='white')
+  pairs = fb_pairs(schedule)
+  for f, b in pairs:
+    t0, t1 = result.start[f], result.end[b]
+    ax.broken_barh([(t0, t1 - t0)], (schedule.placement[f.stage] - 0.45, 0.9),
+                   facecolors='none', edgecolor='black', linewidth=1.2)
   kinds = sorted({a.kind for row in schedule.actions for a in row if a},
                  key='FBIW'.index)
-  ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in kinds],
-            loc='upper left', bbox_to_anchor=(1.0, 1.0), fontsize=8)
+  handles = [Patch(color=COLORS[k], label=k) for k in kinds]
+  if pairs:
+    handles.append(Patch(facecolor='none', edgecolor='black', label='F&B'))
+  ax.legend(handles=handles, loc='upper left', bbox_to_anchor=(1.0, 1.0),
+            fontsize=8)
   ax.set_yticks(range(schedule.num_ranks),
                 [f'rank {r}' for r in range(schedule.num_ranks)])
   ax.set_ylim(schedule.num_ranks - 0.5, -0.5)

@@ -21,12 +21,11 @@ from jaxpar.pipeline import vshape as _vshape
 from jaxpar.pipeline._action import check_sizes
 from jaxpar.pipeline.schedule import Schedule
 
-# Built-in schedules that compete, by placement: (name, build(p, m)).
-_SINGLE: tuple[tuple[str, Callable[[int, int], Schedule]], ...] = (
-    ('1f1b', _constructors.one_f_one_b), ('zb_h1', _constructors.zero_bubble_h1),
-    ('gpipe', _constructors.gpipe))
-_V = (('zbv', _constructors.zbv), ('dualpipev', _vshape.dualpipev),
-      ('v_half', _vshape.v_half), ('v_min', _vshape.v_min))
+# Built-in schedules that compete, by placement: build(p, m).
+_SINGLE: tuple[Callable[[int, int], Schedule], ...] = (
+    _constructors.one_f_one_b, _constructors.zero_bubble_h1,
+    _constructors.gpipe)
+_V = (_constructors.zbv, _vshape.dualpipev, _vshape.v_half, _vshape.v_min)
 
 
 def action_costs(schedule: Schedule,
@@ -54,7 +53,8 @@ def makespan(schedule: Schedule,
   Comparable across placements: 1F1B and ZB-V of the same model, e.g.
 
   Example:
-    >>> makespan(jaxpar.pipeline.one_f_one_b(4, 8)), makespan(jaxpar.pipeline.zbv(4, 8))
+    >>> pp = jaxpar.pipeline
+    >>> makespan(pp.one_f_one_b(4, 8)), makespan(pp.zbv(4, 8))
     (33.0, 25.5)
   """
   return schedule.simulate(action_costs(schedule, costs), comm).makespan
@@ -111,7 +111,7 @@ def search(num_ranks: int, num_microbatches: int, *, memory_limit: float,
     layouts.append((_vshape.v_placement(p), _V))
   best = None
   for placement, builtins in layouts:
-    for _, build in builtins:
+    for build in builtins:
       best = _better(best, build(p, m), limit, costs, comm)
     scale = len(placement) / p
     per_action = {k: c / scale for k, c in _simulate.check_costs(costs).items()}

@@ -33,7 +33,7 @@ def v_placement(num_ranks: int) -> tuple[int, ...]:
 
 
 def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
-  """DualPipeV: DeepSeek's DualPipe cut in half (``torch``'s ``ScheduleDualPipeV``).
+  """DualPipeV: DeepSeek's DualPipe cut in half (torch's ``ScheduleDualPipeV``).
 
   Rank ``r`` holds stage ``r`` (phase 0, on the way down) and stage
   ``2p-1-r`` (phase 1, on the way up) and runs DeepSeek's eight steps for
@@ -184,7 +184,7 @@ def v_half(num_ranks: int, num_microbatches: int) -> Schedule:
 
 
 def v_min(num_ranks: int, num_microbatches: int) -> Schedule:
-  """V-Min (Qi et al. 2024): a V schedule holding about a third of 1F1B's memory.
+  """V-Min (Qi et al. 2024): a V schedule holding a third of 1F1B's memory.
 
   The paper's budget for V-Min is ``(p+4)//3`` 1F1B-stage activations per
   rank, i.e. ``2((p+4)//3)`` logical-stage stashes held from forward to
