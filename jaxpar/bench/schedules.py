@@ -1,19 +1,36 @@
-"""Pipeline schedules: simulated bubble fraction against the closed forms.
+"""Pipeline schedules: bubbles, the memory-time frontier, V memory compiled.
 
-Section ``bubble``: for each schedule and a few ``(p, m)``, the event-driven
-simulation with the default costs ``F = 1, B = 2, I = W = 1`` next to its
-closed form (all exact here: GPipe/1F1B ``(p-1)/(m+p-1)``, interleaved
-``(p-1)/(v m+p-1)``, ZB-H1 ``(p-1)/(3m+p-1)`` for ``m >= p``, ZB-V
-``(p-1)/(6m+p-1)`` for ``m >= 2p-1``), the peak stashes, and the time the
-``O(actions)`` simulation takes.
+Sections:
+
+* ``bubble``: for each schedule and a few ``(p, m)``, the event-driven
+  simulation with the default costs ``F = 1, B = 2, I = W = 1`` (per action)
+  next to its closed form (all exact here: GPipe/1F1B ``(p-1)/(m+p-1)``,
+  interleaved ``(p-1)/(v m+p-1)``, ZB-H1 ``(p-1)/(3m+p-1)`` for ``m >= p``,
+  ZB-V and DualPipeV ``(p-1)/(6m+p-1)`` for ``m >= 2p``), the peak stashes,
+  and the time the ``O(actions)`` simulation takes.
+* ``frontier``: ``search`` against every constructor at a sweep of memory
+  limits (in 1F1B-stage activations): the makespan of each (costs per 1F1B
+  stage, V schedules paying half per action), ``None`` where it does not fit.
+* ``v_memory``: compiled ``temp_size_in_bytes`` of ``pipeline_step`` for
+  1F1B, ZB-V, V-Half and V-Min on the same ``2p``-layer model (1F1B runs two
+  layers a stage, the V schedules one): V-Min <= V-Half < 1F1B.
 """
 
 from __future__ import annotations
 
-from jaxpar.bench._timing import median_seconds
+import jax
+import jax.numpy as jnp
+
+from jaxpar.bench._timing import compile_stats, median_seconds
+from jaxpar.mesh import make_mesh
 from jaxpar.pipeline import constructors as sched
+from jaxpar.pipeline import vshape
+from jaxpar.pipeline.executor import pipeline_step
+from jaxpar.pipeline.schedule_search import makespan, search
+from jaxpar.pipeline.simulate import peak_memory
 
 V = 2  # interleaved chunks per rank
+UNEQUAL = {'F': 1.0, 'I': 1.5, 'W': 0.5, 'B': 2.0}  # I > W
 
 
 def _cases(p: int, m: int):
@@ -23,10 +40,10 @@ def _cases(p: int, m: int):
   yield sched.interleaved_1f1b(p, m, V), (p - 1) / (V * m + p - 1)
   yield sched.zero_bubble_h1(p, m), (p - 1) / (3 * m + p - 1)
   yield sched.zbv(p, m), (p - 1) / (6 * m + p - 1)
+  yield vshape.dualpipev(p, m), (p - 1) / (6 * m + p - 1)
 
 
-def run(*, quick: bool) -> dict[str, list[dict]]:
-  """Rows of the ``bubble`` section (``m`` a multiple of ``p``, ``>= 2p``)."""
+def _bubble(quick: bool) -> list[dict]:
   sizes = ([(4, 8), (4, 32), (8, 16)] if quick else
            [(2, 4), (2, 16), (4, 8), (4, 32), (8, 16), (8, 64), (16, 32),
             (16, 128)])
@@ -45,4 +62,66 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
           'simulate_ms': 1e3 * median_seconds(
               lambda s=s: s.simulate().makespan, repeats=3),
       })
-  return {'bubble': rows}
+  return rows
+
+
+def _frontier(quick: bool) -> list[dict]:
+  """Makespan of ``search`` and of each constructor per memory limit."""
+  rows = []
+  for costs_name, costs in (('default', None), ('I=1.5,W=0.5', UNEQUAL)):
+    for p, m in ([(4, 8)] if quick else [(4, 8), (4, 16), (8, 16)]):
+      built = [sched.gpipe(p, m), sched.one_f_one_b(p, m),
+               sched.interleaved_1f1b(p, m, V), sched.zero_bubble_h1(p, m),
+               sched.zbv(p, m), vshape.dualpipev(p, m), vshape.v_half(p, m),
+               vshape.v_min(p, m)]
+      for limit in (1, 1.5, 2, 3, p, p + 1, 1.5 * p, 2 * p):
+        s = search(p, m, memory_limit=limit, costs=costs)
+        row = {'costs': costs_name, 'p': p, 'm': m, 'memory_limit': limit,
+               'search': makespan(s, costs), 'search_is': s.name}
+        for b in built:
+          fits = max(peak_memory(b)) <= limit
+          row[b.name] = makespan(b, costs) if fits else None
+        rows.append(row)
+  return rows
+
+
+def _stage(params, x):
+  """``layers`` residual MLP blocks (``params`` leaves ``[layers, ...]``)."""
+  for k in range(params['w1'].shape[0]):
+    x = x + jnp.tanh(x @ params['w1'][k]) @ params['w2'][k]
+  return x
+
+
+def _loss(params, y, target):
+  return jnp.mean((y @ params['head'] - target) ** 2)
+
+
+def _model(num_stages: int, layers: int, batch: int, width: int):
+  """Float32 args; the same ``layers`` blocks cut into ``num_stages``."""
+  k = jax.random.split(jax.random.key(0), 4)
+  per = layers // num_stages
+  w = lambda key, shape: jax.random.normal(key, shape) / shape[-2] ** 0.5
+  stages = {'w1': w(k[0], (num_stages, per, width, 2 * width)),
+            'w2': w(k[1], (num_stages, per, 2 * width, width))}
+  return (stages, {'head': w(k[2], (width, 8))},
+          jax.random.normal(k[3], (batch, width)), jnp.zeros((batch, 8)))
+
+
+def _v_memory(quick: bool) -> list[dict]:
+  p, m, mb, width = 4, 8, 16, (64 if quick else 256)
+  mesh = make_mesh(stage=p, devices=jax.devices()[:p])
+  rows = []
+  for s in (sched.one_f_one_b(p, m), sched.zbv(p, m), vshape.v_half(p, m),
+            vshape.v_min(p, m)):
+    step = pipeline_step(_stage, _loss, schedule=s, mesh=mesh)
+    stats = compile_stats(step, *_model(s.num_stages, 2 * p, m * mb, width))
+    rows.append({'schedule': s.name, 'p': p, 'm': m, 'layers': 2 * p,
+                 'width': width, 'peak_memory': max(peak_memory(s)),
+                 'temp_bytes': stats['temp_bytes']})
+  return rows
+
+
+def run(*, quick: bool) -> dict[str, list[dict]]:
+  """The ``bubble``, ``frontier`` and ``v_memory`` sections."""
+  return {'bubble': _bubble(quick), 'frontier': _frontier(quick),
+          'v_memory': _v_memory(quick)}
