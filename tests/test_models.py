@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -45,27 +46,68 @@ def test_pipeline_split_round_trips():
   assert layout.counts == (2, 2, 1) and layout.slots == 2
   assert jax.tree.leaves(pp.stages)[0].shape[:2] == (3, 2)
   chex.assert_trees_all_equal(gpt.merge_from_pipeline(pp, layout), params)
+  assert gpt.split_for_pipeline(params, num_stages=np.int64(5))[1].slots == 1
 
 
-def test_parallel_gpt_functions_equal_the_dense_model(x64):
-  """embed -> stages -> head on tensor=2 (one stage) == gpt_loss."""
+def test_pipeline_split_errors():
+  params = gpt.gpt_params(gpt.GPT(gpt.GPTConfig(num_layers=2),
+                                  rngs=nnx.Rngs(0)))
+  with pytest.raises(TypeError, match='num_stages=True must be an int'):
+    gpt.split_for_pipeline(params, num_stages=True)
+  with pytest.raises(ValueError, match=r'num_stages=3: the GPT has 2 layers; '
+                     r'use 1 <= num_stages <= 2'):
+    gpt.split_for_pipeline(params, num_stages=3)
+
+
+@pytest.mark.parametrize('dtype, tol', [(jnp.float64, 1e-10),
+                                        (jnp.float32, 2e-5)])
+def test_parallel_gpt_functions_equal_the_dense_model(dtype, tol):
+  """embed -> stages (3 layers on 2 stages: one identity slot) -> head on
+  tensor=2 == gpt_loss, value and gradients (float32: jax.nn attention)."""
   config = gpt.GPTConfig(vocab_size=16, seq_len=8, d_model=16, num_heads=4,
-                         num_layers=2)
-  params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0),
-                                  param_dtype=jnp.float64))
-  ids = np.random.default_rng(0).integers(0, 16, (2, 8))
-  pp, _ = gpt.split_for_pipeline(params, num_stages=1)
+                         num_layers=3)
+  with jax.enable_x64(dtype == jnp.float64):
+    params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0),
+                                    param_dtype=dtype))
+    ids = np.random.default_rng(0).integers(0, 16, (2, 8))
+    targets = np.roll(ids, -1, axis=1)
+    pp, layout = gpt.split_for_pipeline(params, num_stages=2)
+    assert layout.counts == (2, 1)
+    mesh = jaxpar.make_mesh(tensor=2, devices=jax.devices()[:2])
+
+    def loss(pp, ids, targets):
+      x = gpt.embed_fn(pp.embed, ids)
+      for k in range(2):
+        x = gpt.stage_fn(jax.tree.map(lambda a: a[k], pp.stages), x)
+      return gpt.head_loss_fn(pp.head, x, targets)
+
+    specs = type(pp)(*(tp.param_specs(part) for part in pp))
+    fn = jax.shard_map(jax.value_and_grad(loss), mesh=mesh,
+                       in_specs=(specs, P(), P()), out_specs=(P(), specs))
+    placed = type(pp)(*(tp.shard_params(part, mesh=mesh) for part in pp))
+    got, grads = jax.jit(fn)(placed, ids, targets)
+    want, want_grads = jax.value_and_grad(gpt.gpt_loss)(
+        params, (ids, targets), config=config)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(got, want, rtol=tol)
+    chex.assert_trees_all_close(gpt.merge_from_pipeline(grads, layout),
+                                want_grads, rtol=tol, atol=tol)
+
+
+def test_gpt_stage_identity_slots_are_exact():
+  """A stage's zero (identity) slot returns its input bit for bit."""
+  config = gpt.GPTConfig(vocab_size=16, seq_len=8, d_model=16, num_layers=3)
+  pp, _ = gpt.split_for_pipeline(
+      gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0))), num_stages=2)
   mesh = jaxpar.make_mesh(tensor=2, devices=jax.devices()[:2])
+  real = jax.tree.map(lambda a: a[1, :1], pp.stages)    # stage 1: 1 real
+  padded = jax.tree.map(lambda a: a[1], pp.stages)      # + 1 identity slot
+  x = jax.random.normal(jax.random.key(0), (2, 8, 16))
 
-  def loss(embed, stages, head, ids, targets):
-    x = gpt.embed_fn(embed, ids)
-    y = gpt.stage_fn(jax.tree.map(lambda a: a[0], stages), x)
-    return gpt.head_loss_fn(head, y, targets)
+  def run(stage):
+    spec = tp.param_specs(stage)
+    return jax.jit(jax.shard_map(gpt.stage_fn, mesh=mesh,
+                                 in_specs=(spec, P()), out_specs=P()))(
+                                     tp.shard_params(stage, mesh=mesh), x)
 
-  specs = [tp.param_specs(part) for part in pp]
-  fn = jax.shard_map(loss, mesh=mesh, in_specs=(*specs, P(), P()),
-                     out_specs=P())
-  placed = [tp.shard_params(part, mesh=mesh) for part in pp]
-  got = jax.jit(fn)(*placed, ids, ids)
-  want = gpt.gpt_loss(params, (ids, ids), config=config)
-  np.testing.assert_allclose(got, want, rtol=1e-12)
+  np.testing.assert_array_equal(run(padded), run(real))

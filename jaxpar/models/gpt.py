@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from flax.nnx.nn import attention
 
+from jaxpar import _compat
 from jaxpar import tensor_parallel as tp
 from jaxpar.models.mlp import MLP
 from jaxpar.pipeline_params import PipelineParams
@@ -47,14 +47,19 @@ class GPTConfig(NamedTuple):
   mlp_ratio: int = 4
 
 
-def _attention(query, key, value, mask=None, **unused_kwargs):
-  """Flax's dot-product attention, softmax in the inputs' dtype.
+def _causal_attention(query, key, value, mask=None, **unused_kwargs):
+  """``nnx.MultiHeadAttention``'s ``attention_fn``: the causal core.
 
-  (``nnx.dot_product_attention``'s fast path runs the softmax in float32;
-  the reference must stay float64 under ``jax_enable_x64``.)
+  The core of the tensor-parallel attention too
+  (``tensor_parallel.dot_product_attention``: ``jax.nn.dot_product_attention``,
+  exact einsums in float64), so the dense and parallel models run the same
+  maths. Causality is built in (``is_causal``); the model has no dropout.
   """
-  weights = attention.dot_product_attention_weights(query, key, mask=mask)
-  return jnp.einsum('...hqk,...khd->...qhd', weights, value)
+  if mask is not None:
+    raise ValueError('the GPT block is causal by construction; call it '
+                     'without mask=.')
+  del unused_kwargs   # dropout arguments: this model has no dropout
+  return tp.dot_product_attention(query, key, value, causal=True)
 
 
 class Block(nnx.Module):
@@ -66,13 +71,12 @@ class Block(nnx.Module):
     self.ln1 = nnx.LayerNorm(d, **kw)
     self.attn = nnx.MultiHeadAttention(num_heads=config.num_heads,
                                        in_features=d, decode=False,
-                                       attention_fn=_attention, **kw)
+                                       attention_fn=_causal_attention, **kw)
     self.ln2 = nnx.LayerNorm(d, **kw)
     self.mlp = MLP(d, config.mlp_ratio * d, **kw)
 
   def __call__(self, x):
-    mask = nnx.make_causal_mask(jnp.ones(x.shape[:-1]), dtype=jnp.bool_)
-    h = x + self.attn(self.ln1(x), mask=mask)
+    h = x + self.attn(self.ln1(x))
     return h + self.mlp(self.ln2(h))
 
 
@@ -80,9 +84,11 @@ class GPT(nnx.Module):
   """Decoder-only transformer: ``ids [B, S] -> logits [B, S, V]``.
 
   Example:
-    >>> model = GPT(GPTConfig(), rngs=nnx.Rngs(0))
-    >>> params = gpt_params(model)               # pure dict of arrays
-    >>> loss = gpt_loss(params, ids, targets)    # == model's mean cross-entropy
+    >>> from jaxpar.models import gpt
+    >>> model = gpt.GPT(gpt.GPTConfig(), rngs=nnx.Rngs(0))
+    >>> ids = jnp.zeros((2, 16), jnp.int32)                  # [B, S]
+    >>> model(ids).shape                                      # [B, S, V]
+    (2, 16, 32)
   """
 
   def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs,
@@ -108,7 +114,14 @@ class GPT(nnx.Module):
 
 
 def gpt_params(model: GPT) -> dict:
-  """The model's parameters as a pure dict of arrays (``blocks`` keyed 0..L-1)."""
+  """The model's parameters as a pure dict of arrays (``blocks`` keyed 0..L-1).
+
+  Example:
+    >>> from jaxpar.models import gpt
+    >>> params = gpt.gpt_params(gpt.GPT(gpt.GPTConfig(), rngs=nnx.Rngs(0)))
+    >>> sorted(params), sorted(params['blocks'])
+    (['blocks', 'embed', 'lm_head', 'ln_f', 'pos'], [0, 1, 2, 3])
+  """
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
@@ -119,7 +132,17 @@ def _abstract_model(config: GPTConfig, dtype: np.dtype):
 
 
 def gpt_apply(params: dict, ids: jax.Array, *, config: GPTConfig) -> jax.Array:
-  """Dense forward ``ids [B, S] -> logits [B, S, V]`` from ``gpt_params``."""
+  """Dense forward ``ids [B, S] -> logits [B, S, V]`` from ``gpt_params``.
+
+  Example:
+    >>> from jaxpar.models import gpt
+    >>> model = gpt.GPT(gpt.GPTConfig(), rngs=nnx.Rngs(0))
+    >>> ids = jnp.arange(16)[None] % 32
+    >>> logits = gpt.gpt_apply(gpt.gpt_params(model), ids,
+    ...                        config=gpt.GPTConfig())
+    >>> bool(jnp.array_equal(logits, model(ids)))
+    True
+  """
   graphdef, state = _abstract_model(config, params['pos'].dtype)
   state = jax.tree.map(lambda x: x, state)   # a fresh State to fill in
   nnx.replace_by_pure_dict(state, params)
@@ -138,6 +161,15 @@ def gpt_loss(params: dict, batch: tuple[jax.Array, jax.Array], *,
   Returns:
     scalar, ``optax.losses.softmax_cross_entropy_with_integer_labels``
     averaged over batch and positions.
+
+  Example:
+    >>> from jaxpar.models import gpt
+    >>> config = gpt.GPTConfig()
+    >>> params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0)))
+    >>> ids = jnp.arange(32).reshape(2, 16)
+    >>> loss = gpt.gpt_loss(params, (ids, (ids + 1) % 32), config=config)
+    >>> loss.shape, bool(loss > 0)
+    ((), True)
   """
   ids, targets = batch
   return optax.losses.softmax_cross_entropy_with_integer_labels(
@@ -181,20 +213,30 @@ def split_for_pipeline(params: dict, *, num_stages: int):
   zeros. ``merge_from_pipeline`` inverts it.
 
   Raises:
-    ValueError: fewer layers than stages.
+    TypeError: ``num_stages`` is not an int (NumPy ints are; ``True`` is not).
+    ValueError: ``num_stages < 1`` or more stages than layers.
 
   Example:
-    >>> pp, layout = split_for_pipeline(gpt_params(model), num_stages=4)
-    >>> layout.counts          # 6 layers on 4 stages
-    (2, 2, 1, 1)
+    >>> from jaxpar.models import gpt
+    >>> model = gpt.GPT(gpt.GPTConfig(num_layers=6), rngs=nnx.Rngs(0))
+    >>> pp, layout = gpt.split_for_pipeline(gpt.gpt_params(model),
+    ...                                     num_stages=4)
+    >>> layout.counts, layout.slots          # 6 layers on 4 stages
+    ((2, 2, 1, 1), 2)
+    >>> pp.stages['ln1']['scale'].shape      # [stages, slots, d]
+    (4, 2, 64)
   """
   blocks = [params['blocks'][i] for i in sorted(params['blocks'])]
-  if not isinstance(num_stages, int) or not 1 <= num_stages <= len(blocks):
+  if isinstance(num_stages, bool) or not isinstance(num_stages,
+                                                    (int, np.integer)):
+    raise TypeError(f'num_stages={num_stages!r} must be an int, got a '
+                    f'{type(num_stages).__name__}.')
+  if not 1 <= num_stages <= len(blocks):
     raise ValueError(
         f'num_stages={num_stages!r}: the GPT has {len(blocks)} layers; use '
         f'1 <= num_stages <= {len(blocks)} (every stage needs a layer), or '
         f'more layers.')
-  layout = PipelineLayout(len(blocks), num_stages)
+  layout = PipelineLayout(len(blocks), int(num_stages))
   zero = jax.tree.map(jnp.zeros_like, blocks[0])
   slots, i = [], 0
   for count in layout.counts:
@@ -208,7 +250,16 @@ def split_for_pipeline(params: dict, *, num_stages: int):
 
 
 def merge_from_pipeline(pipeline_params, layout: PipelineLayout) -> dict:
-  """Inverse of ``split_for_pipeline``: back to dense ``gpt_params``."""
+  """Inverse of ``split_for_pipeline``: back to dense ``gpt_params``.
+
+  Example:
+    >>> from jaxpar.models import gpt
+    >>> params = gpt.gpt_params(gpt.GPT(gpt.GPTConfig(), rngs=nnx.Rngs(0)))
+    >>> back = gpt.merge_from_pipeline(*gpt.split_for_pipeline(
+    ...     params, num_stages=3))
+    >>> jax.tree.all(jax.tree.map(jnp.array_equal, back, params))
+    True
+  """
   embed, stages, head = pipeline_params
   blocks = {}
   for k, count in enumerate(layout.counts):
@@ -231,13 +282,38 @@ def stage_fn(params: dict, x: jax.Array, *, axis: str = 'tensor') -> jax.Array:
   """One pipeline stage: its ``slots`` blocks in order, ``[B, S, d] -> same``.
 
   ``params`` leaves are ``[slots, ...]`` (one stage of ``split_for_pipeline``
-  's ``stages``), tensor-parallel shards, applied in order. Two
-  all-reduces over ``axis`` per block forward.
+  's ``stages``), tensor-parallel shards, applied in order by one
+  ``lax.scan`` (one block's program, however many slots). Identity slots
+  (zeros) return their input exactly. Two all-reduces over ``axis`` per
+  block forward.
+
+  Example:
+    >>> from jaxpar.models import gpt
+    >>> tp = jaxpar.tensor_parallel
+    >>> model = gpt.GPT(gpt.GPTConfig(num_layers=2), rngs=nnx.Rngs(0))
+    >>> pp, _ = gpt.split_for_pipeline(gpt.gpt_params(model), num_stages=1)
+    >>> stage = jax.tree.map(lambda a: a[0], pp.stages)    # [slots, ...]
+    >>> mesh = jaxpar.make_mesh(tensor=2, devices=jax.devices()[:2])
+    >>> run = jax.shard_map(gpt.stage_fn, mesh=mesh,
+    ...                     in_specs=(tp.param_specs(stage), P()),
+    ...                     out_specs=P())
+    >>> x = jax.random.normal(jax.random.key(0), (2, 16, 64))
+    >>> y = run(tp.shard_params(stage, mesh=mesh), x)
+    >>> bool(jnp.allclose(y, model.blocks[1](model.blocks[0](x)), atol=1e-4))
+    True
   """
-  for j in range(jax.tree.leaves(params)[0].shape[0]):
-    x = tp.transformer_block(jax.tree.map(lambda a: a[j], params), x,
-                             axis=axis, causal=True)
-  return x
+  def block(x, block_params):
+    return tp.transformer_block(block_params, x, axis=axis, causal=True), None
+
+  # A scan carry keeps its check_vma type: make x vary over the mesh axes the
+  # blocks' output will (those of the params, e.g. 'stage', but not `axis`,
+  # which the blocks' psums remove), as the first block would implicitly.
+  params_vary = frozenset().union(
+      *(_compat.varying_axes(a) for a in jax.tree.leaves(params)))
+  missing = params_vary - {axis} - _compat.varying_axes(x)
+  if missing:
+    x = jax.lax.pcast(x, tuple(sorted(missing)), to='varying')
+  return jax.lax.scan(block, x, params)[0]
 
 
 def head_loss_fn(params: dict, y: jax.Array, targets: jax.Array, *,
