@@ -18,9 +18,9 @@
   the parameter-consuming operations -- from ``kept``. Each operation of
   the backward runs once (``I + W = B`` in FLOPs); values that depend on the
   parameters alone are recomputed in ``W`` rather than kept, so ``kept``
-  holds activation-sized values. Operations that compute both (one
-  ``lax.scan`` over all layers) run in ``I`` and ``kept`` carries their
-  parameter cotangents.
+  holds activation-sized values. The cut sees through ``jax.jit`` calls and
+  unrolls ``lax.scan`` (a stage that scans over its layers is cut layer by
+  layer); the compiled blocks are then as long as a Python loop's.
 
 Example:
   >>> stage = StageVJP(lambda w, x: jnp.tanh(x @ w[0]), remat=False)
@@ -38,49 +38,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.extend.core as jex
-from jaxpar.pipeline import _vma
+
+from jaxpar.pipeline import _jaxpr, _vma
 
 PyTree = Any
-
-
-def _is_var(v: Any) -> bool:
-  return not isinstance(v, jex.Literal)
-
-
-def _depends_on(jaxpr: jex.Jaxpr, sources: Sequence[Any]) -> set:
-  """Vars of ``jaxpr`` computed (transitively) from any of ``sources``."""
-  found = set(sources)
-  for eqn in jaxpr.eqns:
-    if any(_is_var(v) and v in found for v in eqn.invars):
-      found.update(eqn.outvars)
-  return found
-
-
-def _needed(eqns: Sequence[Any], targets: Sequence[Any],
-            stop: set) -> list[int]:
-  """Indices of the ``eqns`` that ``targets`` need, not looking past ``stop``."""
-  need = {v for v in targets if _is_var(v) and v not in stop}
-  keep = []
-  for k in reversed(range(len(eqns))):
-    if any(o in need for o in eqns[k].outvars):
-      keep.append(k)
-      need.update(v for v in eqns[k].invars if _is_var(v) and v not in stop)
-  return keep[::-1]
-
-
-def _function(closed: jex.ClosedJaxpr, eqns: list[int], invars: list,
-              outvars: list) -> Callable[..., list]:
-  """The sub-computation of ``closed`` with the given eqns, ins and outs."""
-  jaxpr = closed.jaxpr
-  sub = jex.Jaxpr(jaxpr.constvars, invars, outvars,
-                  [jaxpr.eqns[k] for k in eqns], jaxpr.effects,
-                  jaxpr.debug_info)
-  return jex.jaxpr_as_fun(jex.ClosedJaxpr(sub, closed.consts))
 
 
 class StageVJP:
@@ -94,7 +59,6 @@ class StageVJP:
                remat: bool):
     self.stage_fn = stage_fn
     self.remat = remat
-    self._treedef = None     # of the VJP closure
     self._from_x = None      # per closure leaf: depends on x (is stashed)
     self._x = None           # aval of x
     self._input = self._weight = None
@@ -110,22 +74,17 @@ class StageVJP:
     self._x = jax.typeof(x)
     if self.remat:
       return jax.eval_shape(self.stage_fn, params, x), self._x
-    out = {}
-
-    def probe(params, x):
-      y, leaves, out['treedef'] = self._closure(params, x)
-      return y, leaves
-    closed = jax.make_jaxpr(probe)(params, x)
+    closed = jax.make_jaxpr(lambda p, x: self._closure(p, x)[:2])(params, x)
     jaxpr = closed.jaxpr
-    from_x = _depends_on(jaxpr, jaxpr.invars[len(jax.tree.leaves(params)):])
-    self._treedef = out['treedef']
-    self._from_x = tuple(_is_var(v) and v in from_x
+    from_x = _jaxpr.depends_on(jaxpr,
+                               jaxpr.invars[len(jax.tree.leaves(params)):])
+    self._from_x = tuple(_jaxpr.is_var(v) and v in from_x
                          for v in jaxpr.outvars[1:])
     y, leaves = closed.out_avals[0], closed.out_avals[1:]
     return y, [a for a, keep in zip(leaves, self._from_x) if keep]
 
   def forward(self, params: PyTree, x: jax.Array):
-    """``(y, stash)`` for the ``F`` block."""
+    """``(y, stash)`` for the ``F`` block (traced, as in the executor)."""
     if self.remat:
       return self.stage_fn(params, x), x
     y, leaves, _ = self._closure(params, x)
@@ -139,11 +98,16 @@ class StageVJP:
     if self.remat:
       return jax.vjp(self.stage_fn, params, stash)[1](dy)
     zeros = _vma.full(self._x, 0.0)
-    _, from_params, _ = self._closure(params, zeros)  # x-parts: dead code
+    # The closure at x = 0: its x-dependent parts are dead code, the rest
+    # are the residuals that depend on the parameters alone.
+    _, from_params, treedef = self._closure(params, zeros)
+    if len(from_params) != len(self._from_x):
+      raise RuntimeError('stage_fn traced to a different VJP structure twice; '
+                         'call the blocks under jit, as the executor does.')
     stashed = iter(stash)
     leaves = [next(stashed) if keep else leaf
               for leaf, keep in zip(from_params, self._from_x)]
-    return jax.tree.unflatten(self._treedef, leaves)(dy)
+    return jax.tree.unflatten(treedef, leaves)(dy)
 
   def split(self, params: PyTree, stash: Any, dy: jax.Array) -> PyTree:
     """Cuts the backward into ``I`` and ``W``; returns the ``kept`` avals."""
@@ -153,24 +117,25 @@ class StageVJP:
     def flat(*args):
       dparams, dx = self.backward(*jax.tree.unflatten(self._params_def, args))
       return jax.tree.leaves(dparams) + [dx]
-    with jax.disable_jit():  # inline jitted helpers: cut at their operations
-      closed = jax.make_jaxpr(flat)(*args)
+    closed = _jaxpr.flatten(flat, *args)  # every operation its own eqn
     jaxpr = closed.jaxpr
     *dparams, dx = jaxpr.outvars
-    in_i = _needed(jaxpr.eqns, [dx], set())
-    params_only = set(jaxpr.invars) - _depends_on(
-        jaxpr, jaxpr.invars[num_params:])
-    params_only |= set(jaxpr.constvars)
+    in_i = _jaxpr.needed(jaxpr, [dx])
+    # Values from the parameters alone: W recomputes them rather than keep.
+    params_only = set(jaxpr.constvars) | (set(jaxpr.invars) - _jaxpr.depends_on(
+        jaxpr, jaxpr.invars[num_params:]))
     for eqn in jaxpr.eqns:
-      if all(not _is_var(v) or v in params_only for v in eqn.invars):
+      if all(not _jaxpr.is_var(v) or v in params_only for v in eqn.invars):
         params_only.update(eqn.outvars)
     from_i = {o for k in in_i for o in jaxpr.eqns[k].outvars
               if o not in params_only}
-    in_w = _needed(jaxpr.eqns, dparams, from_i)
+    in_w = _jaxpr.needed(jaxpr, dparams, from_i)
     used = [v for k in in_w for v in jaxpr.eqns[k].invars] + dparams
-    kept = list(dict.fromkeys(v for v in used if _is_var(v) and v in from_i))
-    self._input = _function(closed, in_i, jaxpr.invars, [dx] + kept)
-    self._weight = _function(closed, in_w, jaxpr.invars + kept, dparams)
+    kept = list(dict.fromkeys(
+        v for v in used if _jaxpr.is_var(v) and v in from_i))
+    self._input = _jaxpr.subfunction(closed, in_i, jaxpr.invars, [dx] + kept)
+    self._weight = _jaxpr.subfunction(closed, in_w, jaxpr.invars + kept,
+                                      dparams)
     self._dparams_def = jax.tree.structure(params)
     return [v.aval for v in kept]
 
