@@ -16,7 +16,8 @@ import os
 import sys
 import time
 
-SCHEDULES = ('gpipe', '1f1b', 'interleaved', 'zb_h1', 'zbv')
+SCHEDULES = ('gpipe', '1f1b', 'interleaved', 'zb_h1', 'zbv', 'dualpipev',
+             'v_half', 'v_min', 'auto')
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument('--microbatches', type=int, default=4)
   p.add_argument('--virtual-stages', type=int, default=2,
                  help='stages per rank for --schedule interleaved')
+  p.add_argument('--memory-limit', type=float, metavar='X',
+                 help='--schedule auto: the fastest schedule holding at most '
+                 'X stages of activations per rank (1F1B needs stage=S)')
   p.add_argument('--steps', type=int, default=150)
   p.add_argument('--layers', type=int, default=4)
   p.add_argument('--batch', type=int, default=32, help='sequences per step')
@@ -72,6 +76,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                'devices', 'max_skipped'):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       p.error(f'--{name.replace("_", "-")} must be >= 1, got {getattr(args, name)}')
+  if (args.schedule == 'auto') != (args.memory_limit is not None):
+    p.error('--schedule auto needs --memory-limit X and --memory-limit needs '
+            '--schedule auto, e.g. --schedule auto --memory-limit 1.5')
+  if args.memory_limit is not None and not args.memory_limit >= 1:
+    p.error(f'--memory-limit {args.memory_limit}: the minimum feasible memory '
+            'is 1 (one stage of activations per rank); use 1 or more')
   stages = num_stages(args)
   if args.layers < stages:
     p.error(f'--layers {args.layers} is fewer than the {stages} pipeline '
@@ -93,8 +103,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def num_stages(args) -> int:
   p = args.mesh['stage']
-  return {'interleaved': p * args.virtual_stages, 'zbv': 2 * p}.get(
-      args.schedule, p)
+  if args.schedule == 'auto':
+    return make_schedule(args).num_stages
+  return {'interleaved': p * args.virtual_stages, 'zbv': 2 * p,
+          'dualpipev': 2 * p, 'v_half': 2 * p, 'v_min': 2 * p}.get(
+              args.schedule, p)
 
 
 def make_schedule(args):
@@ -102,9 +115,12 @@ def make_schedule(args):
   p, m = args.mesh['stage'], args.microbatches
   if args.schedule == 'interleaved':
     return pipeline.interleaved_1f1b(p, m, args.virtual_stages)
+  if args.schedule == 'auto':
+    return pipeline.search(p, m, memory_limit=args.memory_limit)
   return {'gpipe': pipeline.gpipe, '1f1b': pipeline.one_f_one_b,
-          'zb_h1': pipeline.zero_bubble_h1, 'zbv': pipeline.zbv}[
-              args.schedule](p, m)
+          'zb_h1': pipeline.zero_bubble_h1, 'zbv': pipeline.zbv,
+          'dualpipev': pipeline.dualpipev, 'v_half': pipeline.v_half,
+          'v_min': pipeline.v_min}[args.schedule](p, m)
 
 
 def make_batch(seed: int, step: int, batch: int, seq_len: int, vocab: int):
