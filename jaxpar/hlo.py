@@ -135,9 +135,14 @@ def collectives(program: Any) -> list[Collective]:
     TypeError: for a ``Lowered`` (not yet compiled) program or other objects.
 
   Example:
-    >>> compiled = jax.jit(shard_map(f, ...)).lower(x).compile()
-    >>> [c.kind for c in jaxpar.hlo.collectives(compiled)]
-    ['all-reduce']
+    >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
+    >>> total = jax.shard_map(lambda x: jax.lax.psum(x, 'tensor'), mesh=mesh,
+    ...                       in_specs=P('tensor'), out_specs=P())
+    >>> x = jax.ShapeDtypeStruct((8,), jnp.float32,
+    ...                          sharding=jax.NamedSharding(mesh, P('tensor')))
+    >>> compiled = jax.jit(total).lower(x).compile()
+    >>> [(c.kind, c.bytes) for c in jaxpar.hlo.collectives(compiled)]
+    [('all-reduce', 8)]
   """
   text = _hlo_text(program)
   shapes: dict[str, str] = {}
@@ -186,8 +191,14 @@ def collective_counts(program: Any) -> dict[str, int]:
     collective counts once, a loop body's ops once.
 
   Example:
-    >>> jaxpar.hlo.collective_counts(compiled)['all-reduce']
-    1
+    >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
+    >>> total = jax.shard_map(lambda x: jax.lax.psum(x, 'tensor'), mesh=mesh,
+    ...                       in_specs=P('tensor'), out_specs=P())
+    >>> x = jax.ShapeDtypeStruct((8,), jnp.float32,
+    ...                          sharding=jax.NamedSharding(mesh, P('tensor')))
+    >>> jaxpar.hlo.collective_counts(jax.jit(total).lower(x).compile())
+    {'all-reduce': 1, 'all-gather': 0, 'reduce-scatter': 0,
+     'collective-permute': 0, 'all-to-all': 0}
   """
   counts = dict.fromkeys(KINDS, 0)
   for c in collectives(program):
@@ -207,7 +218,14 @@ def collective_bytes(program: Any) -> dict[str, int]:
     ``f32[4]`` shard over 4 devices counts its ``f32[16]`` result, 64 bytes.
 
   Example:
-    >>> jaxpar.hlo.collective_bytes(compiled)['all-gather']
+    >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
+    >>> gather = jax.shard_map(
+    ...     lambda x: jax.lax.all_gather(x, 'tensor', tiled=True), mesh=mesh,
+    ...     in_specs=P('tensor'), out_specs=P(), check_vma=False)
+    >>> x = jax.ShapeDtypeStruct((16,), jnp.float32,
+    ...                          sharding=jax.NamedSharding(mesh, P('tensor')))
+    >>> jaxpar.hlo.collective_bytes(jax.jit(gather).lower(x).compile())[
+    ...     'all-gather']                          # the gathered f32[16]
     64
   """
   total = dict.fromkeys(KINDS, 0)
