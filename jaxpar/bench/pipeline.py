@@ -10,11 +10,18 @@ Sections:
   over the pipeline iterations as MaxText and Praxis do (grows with ``m``).
 * ``compile_time``: seconds to lower and compile the same steps.
 * ``cpu_overhead``: median step time of ``pipeline_step`` on simulated CPU
-  devices against the plain single-device ``jax.value_and_grad`` step of the
-  same model and batch, measured in one process (ratio of medians):
-  ``vs_single_device`` of wall time, ``cpu_ratio`` of process CPU time (all
-  threads), which counts extra work even where the simulated devices share
-  too few cores.
+  devices against one device running the same microbatches in turn
+  (``sequential_step``), measured in one process (ratio of medians):
+  ``vs_sequential`` of wall time, ``cpu_ratio`` of process CPU time (all
+  threads), which counts the work added by pipelining even where the
+  simulated devices share too few cores; ``cpu_vs_1f1b`` is what GPipe's
+  ``m`` live stashes cost over 1F1B's ``p`` (the same blocks otherwise).
+* ``zero_bubble_blocks``: XLA ``cost_analysis`` FLOPs of one stage's ``F``,
+  ``I``, ``W`` and one-piece ``B`` blocks: ``I + W = B``, no recomputation.
+
+The model is ``LAYERS`` residual tanh layers sliced from a stacked leaf.
+Parallel speed is not measured here (simulated devices share the cores): see
+``jaxpar.bench.real_parallel``.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from jaxpar.bench._timing import compile_stats, wall_and_cpu_seconds
 from jaxpar.mesh import axis_size, make_mesh
 from jaxpar.pipeline import constructors as sched
 from jaxpar.pipeline.executor import LossFn, StageFn, pipeline_step
+from jaxpar.pipeline.stage import StageVJP
 
 
 def gpipe_autodiff_step(stage_fn: StageFn, loss_fn: LossFn, *,
@@ -84,10 +92,18 @@ def gpipe_autodiff_step(stage_fn: StageFn, loss_fn: LossFn, *,
 
 # ---------------------------------------------------------------- the model
 
+LAYERS = 8  # in the whole model, split evenly over the stages
+
 
 def _stage(params, x):
-  """A residual MLP block: ``x + tanh(x @ w1) @ w2``."""
-  return x + jnp.tanh(x @ params['w1']) @ params['w2']
+  """Residual tanh layers ``x + tanh(x @ w[k])``, sliced from a stacked leaf.
+
+  The layers of a stage are one ``[layers, D, D]`` leaf indexed inside the
+  function, as a GPT stage does (the stash must still hold activations only).
+  """
+  for k in range(params['w'].shape[0]):
+    x = x + jnp.tanh(x @ params['w'][k])
+  return x
 
 
 def _loss(params, y, target):
@@ -96,22 +112,45 @@ def _loss(params, y, target):
 
 def _model(num_stages: int, batch: int, width: int, seed: int = 0):
   """Float32 ``(stage_params, loss_params, inputs, targets)``."""
-  k = jax.random.split(jax.random.key(seed), 5)
+  k = jax.random.split(jax.random.key(seed), 4)
   normal = lambda key, shape, fan_in: (
       jax.random.normal(key, shape, jnp.float32) / fan_in**0.5)
-  stages = {'w1': normal(k[0], (num_stages, width, 2 * width), width),
-            'w2': normal(k[1], (num_stages, 2 * width, width), 2 * width)}
-  head = {'head': normal(k[2], (width, 8), width)}
-  return (stages, head, normal(k[3], (batch, width), 1.0),
-          normal(k[4], (batch, 8), 1.0))
+  stages = {'w': normal(k[0], (num_stages, LAYERS // num_stages, width, width),
+                        width)}
+  head = {'head': normal(k[1], (width, 8), width)}
+  return (stages, head, normal(k[2], (batch, width), 1.0),
+          normal(k[3], (batch, 8), 1.0))
 
 
-def _sequential_loss(stages, head, inputs, targets):
-  """The plain single-device model on the whole batch."""
-  x = inputs
-  for k in range(jax.tree.leaves(stages)[0].shape[0]):
-    x = _stage(jax.tree.map(lambda a, k=k: a[k], stages), x)
-  return _loss(head, x, targets)
+def sequential_step(num_microbatches: int) -> Callable:
+  """One device, the microbatches in turn: ``lax.scan`` of ``value_and_grad``.
+
+  The reference a pipeline must not add work to: the whole model on each
+  microbatch (forward and backward fused), gradients accumulated.
+
+  Returns:
+    jitted ``step(stage_params, loss_params, inputs, targets) -> (loss,
+    (dstage_params, dloss_params, dinputs))``, the maths of ``pipeline_step``.
+  """
+  m = num_microbatches
+
+  def loss(stages, head, x, t):
+    for k in range(jax.tree.leaves(stages)[0].shape[0]):
+      x = _stage(jax.tree.map(lambda a, k=k: a[k], stages), x)
+    return _loss(head, x, t) / m
+
+  @jax.jit
+  def step(stages, head, inputs, targets):
+    split = lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:])
+
+    def one(acc, xt):
+      l, (ds, dh, dx) = jax.value_and_grad(loss, argnums=(0, 1, 2))(
+          stages, head, *xt)
+      return jax.tree.map(jnp.add, acc, (l, ds, dh)), dx
+    zero = jax.tree.map(jnp.zeros_like, (jnp.zeros(()), stages, head))
+    (l, ds, dh), dx = jax.lax.scan(one, zero, (split(inputs), split(targets)))
+    return l, (ds, dh, dx.reshape(inputs.shape))
+  return step
 
 
 # ---------------------------------------------------------------- sections
@@ -149,27 +188,65 @@ def _memory_and_compile(quick: bool) -> tuple[list[dict], list[dict]]:
 
 def _cpu_overhead(quick: bool) -> list[dict]:
   p, m = 4, 8
-  width, mb = (256, 128) if quick else (512, 256)
+  width, mb = (256, 64) if quick else (512, 128)
   mesh = make_mesh(stage=p, devices=jax.devices()[:p])
-  args = _model(p, m * mb, width)
-  reference = 'single device value_and_grad'
-  steps = {reference: jax.jit(
-      jax.value_and_grad(_sequential_loss, argnums=(0, 1, 2)))}
+  reference = 'sequential microbatches, one device'
+  steps = {reference: (sequential_step(m), 1)}
   for name, schedule in (('1F1B', sched.one_f_one_b(p, m)),
+                         ('interleaved (v=2)', sched.interleaved_1f1b(p, m, 2)),
                          ('ZB-H1', sched.zero_bubble_h1(p, m)),
                          ('GPipe', sched.gpipe(p, m))):
-    steps[name] = pipeline_step(_stage, _loss, schedule=schedule, mesh=mesh)
-  seconds = wall_and_cpu_seconds(steps, args, repeats=7 if quick else 11)
-  ref_wall, ref_cpu = seconds[reference]
-  return [{'step': name, 'p': 1 if name == reference else p, 'm': m,
-           'batch': m * mb, 'width': width, 'median_ms': 1e3 * wall,
-           'vs_single_device': wall / ref_wall, 'cpu_ms': 1e3 * cpu,
-           'cpu_ratio': cpu / ref_cpu}
+    steps[name] = (pipeline_step(_stage, _loss, schedule=schedule, mesh=mesh),
+                   schedule.num_stages)
+  # One set of arguments, in p stages; a step with more stages regroups the
+  # same layers (model order is kept by the reshape).
+  regroup = lambda step, n: jax.jit(lambda w, *a: step(jax.tree.map(
+      lambda x: x.reshape((n, -1) + x.shape[2:]), w), *a))
+  seconds = wall_and_cpu_seconds(
+      {name: regroup(step, n) for name, (step, n) in steps.items()},
+      _model(p, m * mb, width), repeats=7 if quick else 11)
+  rows = [{'step': name, 'p': 1 if name == reference else p, 'm': m,
+           'microbatch': mb, 'width': width, 'layers': LAYERS,
+           'median_ms': 1e3 * wall, 'cpu_ms': 1e3 * cpu}
           for name, (wall, cpu) in seconds.items()]
+  ref = rows[0]
+  one_f_one_b = next(r for r in rows if r['step'] == '1F1B')
+  for row in rows:
+    row['vs_sequential'] = row['median_ms'] / ref['median_ms']
+    row['cpu_ratio'] = row['cpu_ms'] / ref['cpu_ms']
+  # GPipe's extra over 1F1B is what its m live stashes cost (same blocks,
+  # other order): reported apart.
+  rows[-1]['cpu_vs_1f1b'] = rows[-1]['cpu_ms'] / one_f_one_b['cpu_ms']
+  return rows
+
+
+def _block_flops(quick: bool) -> list[dict]:
+  """XLA ``cost_analysis`` FLOPs of one stage's F, I, W and fused B blocks."""
+  width, mb = (256, 64) if quick else (512, 128)
+  stages, _, inputs, _ = _model(2, mb, width)
+  w = jax.tree.map(lambda a: a[0], stages)
+  x = inputs
+  stage = StageVJP(_stage, remat=False)
+  no_output = lambda method: lambda *a: [method(*a)][:0]
+  jax.eval_shape(no_output(stage.trace), w, x)
+  _, stash = jax.jit(stage.forward)(w, x)
+  jax.eval_shape(no_output(stage.split), w, stash, x)
+  _, kept = jax.jit(stage.input_grad)(w, stash, x)
+  flops = lambda fn, *a: float(
+      jax.jit(fn).lower(*a).compile().cost_analysis()['flops'])
+  blocks = {'F': flops(stage.forward, w, x),
+            'I': flops(stage.input_grad, w, stash, x),
+            'W': flops(stage.weight_grad, w, stash, x, kept),
+            'B (one piece)': flops(stage.backward, w, stash, x)}
+  return [{'block': name, 'layers': LAYERS // 2, 'width': width,
+           'microbatch': mb, 'gflops': f / 1e9,
+           'vs_B': f / blocks['B (one piece)']}
+          for name, f in blocks.items()]
 
 
 def run(*, quick: bool) -> dict[str, list[dict]]:
-  """The ``pipeline_memory``, ``compile_time`` and ``cpu_overhead`` sections."""
+  """The memory, compile-time, CPU-overhead and block-FLOPs sections."""
   memory, compile_time = _memory_and_compile(quick)
   return {'pipeline_memory': memory, 'compile_time': compile_time,
-          'cpu_overhead': _cpu_overhead(quick)}
+          'cpu_overhead': _cpu_overhead(quick),
+          'zero_bubble_blocks': _block_flops(quick)}
