@@ -30,10 +30,9 @@ interleaved 1F1B with 2 ranks x 2 stages alike) and any mesh. Without
 model split and needs the model's own re-split (e.g.
 ``gpt.merge_from_pipeline`` / ``split_for_pipeline`` on the params).
 
-**ZeRO.** A ``jaxpar.zero`` state saves and restores like any other; its
-``FlatLeaf`` arrays are padded to a multiple of the data size, so restore it
-onto the same data size, or save ``zero.unshard_state(state)``, which
-restores anywhere and is re-sharded with ``zero.shard_state``.
+**ZeRO.** A ``jaxpar.zero`` state saves and restores like any other: its
+leaves keep their shapes (ZeRO is only their sharding), so it restores onto
+any data size and any ``zero_stage``.
 
 Example:
   >>> state = trainer.init(pp)

@@ -1,14 +1,19 @@
 """Data parallelism: the replica step, placed on a mesh with ``jax.shard_map``.
 
-Every device of the ``axis`` mesh axis holds the full params and ``1/N`` of
-the batch; gradients are averaged with one all-reduce (``pmean``), so one step
-is exactly single-device optax training on the global batch::
+Every device of the ``axis`` mesh axis holds the params (or, with ZeRO,
+``1/N`` of them) and ``1/N`` of the batch; gradients are averaged with one
+all-reduce (``pmean``; ZeRO: a reduce-scatter), so one step is exactly
+single-device optax training on the global batch::
 
   g = 1/N * sum_d grad(loss_fn)(params, batch_d)      (batch_d: shard d)
 
 With ``num_microbatches=k`` each device further splits its shard into ``k``
 microbatches and accumulates gradients with ``lax.scan``: activation memory
 is that of one microbatch, the result that of the whole batch.
+
+The gradients come out of the ``shard_map`` as global arrays; the optimizer
+update then runs on them under ``jit`` (``train_state.sharded_update``), so
+any optax transform gives single-device numbers in any ZeRO stage.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import zero
 from jaxpar.mesh import axis_size
-from jaxpar.train_state import (PyTree, StepStats, TrainState, apply_gradients,
-                                check_optimizer)
+from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
+                                apply_gradients, check_max_grad_norm,
+                                check_optimizer, placed_init, sharded_update,
+                                shardings)
 
 BACKENDS = ('shard_map', 'pmap')
 
@@ -132,6 +139,272 @@ def check_loss_fn(loss_fn, params, batch, *, has_aux: bool) -> None:
     raise TypeError(f'loss_fn must return a float scalar, got {out.dtype}.')
 
 
+def check_count(name: str, value: Any) -> int:
+  """``value`` as an int >= 1 (NumPy ints too); ``TypeError``/``ValueError``.
+
+  Example:
+    >>> jaxpar.data_parallel.check_count('num_microbatches', np.int32(2))
+    2
+  """
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+      value, (int, np.integer)):
+    raise TypeError(f'{name} must be an int >= 1, got '
+                    f'{type(value).__name__}: {value!r}.')
+  if value < 1:
+    raise ValueError(f'{name}={value!r} must be >= 1.')
+  return int(value)
+
+
+def _check_options(loss_fn, optimizer, max_grad_norm, backend, zero_stage
+                   ) -> tuple[optax.GradientTransformation, int]:
+  if not callable(loss_fn):
+    raise TypeError(f'loss_fn must be callable, got {loss_fn!r}.')
+  optimizer = check_optimizer(optimizer)
+  check_max_grad_norm(max_grad_norm)
+  if backend not in BACKENDS:
+    raise ValueError(f'backend={backend!r}; choose one of {BACKENDS}.')
+  zero_stage = zero.check_zero_stage(zero_stage)
+  if zero_stage and backend != 'shard_map':
+    raise ValueError(f'zero_stage={zero_stage} needs backend=\'shard_map\' '
+                     f'(got {backend!r}; pmap is the legacy replicated path).')
+  return optimizer, zero_stage
+
+
+def _signature(tree: PyTree) -> tuple:
+  return (jax.tree.structure(tree),
+          tuple((np.shape(x), _dtype(x)) for x in jax.tree.leaves(tree)))
+
+
+def train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    *,
+    mesh: Mesh,
+    axis: str = 'data',
+    max_grad_norm: float | None = None,
+    num_microbatches: int = 1,
+    zero_stage: int = 0,
+    has_aux: bool = False,
+    backend: str = 'shard_map',
+) -> Trainer:
+  """Data-parallel training, exactly single-device optax on the global batch.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over the
+      examples of ``batch`` (``(scalar, aux)`` with ``has_aux``; aux leaves are
+      float and are averaged like the loss).
+    optimizer: any optax ``GradientTransformation`` (chains, ``lamb``,
+      ``adafactor``, ``MultiSteps``, ...): it runs on global arrays.
+    mesh: a mesh from ``jaxpar.make_mesh``; the batch is split over ``axis``,
+      params are replicated over every axis (ZeRO-3: split over ``axis``).
+    axis: the data-parallel mesh axis, size ``N``.
+    max_grad_norm: clip the gradient to this global L2 norm, exactly as
+      ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)``;
+      ``None``: no clipping.
+    num_microbatches: ``k``; each device accumulates gradients over ``k``
+      microbatches with ``lax.scan``. The global batch size must be divisible
+      by ``N * k``.
+    zero_stage: 0 (replicated optimizer state); 1 splits the optimizer state
+      over ``axis``, 3 the params too (FSDP); see ``jaxpar.zero``. Needs
+      ``backend='shard_map'``.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``.
+    backend: ``'shard_map'`` or ``'pmap'`` (legacy; same results).
+
+  Returns:
+    ``Trainer(init, step, params)``: ``init(params)`` gives a placed
+    ``TrainState`` in the ``zero_stage`` layout; ``step(state, batch) ->
+    (state, StepStats)`` takes a batch pytree of numpy or jax arrays with
+    leading size ``B`` (placed on the mesh by the step; any state is placed
+    into the step's layout); ``stats.loss`` is the global mean before the
+    update, ``stats.grad_norm`` the global norm before clipping;
+    non-finite loss or gradients skip the update (``stats.skipped``).
+    ``params(state)`` returns ``state.params`` as they are sharded.
+
+  Example:
+    >>> loss_fn = lambda p, b: jnp.mean((b['x'] @ p['w'] - b['y']) ** 2)
+    >>> trainer = jaxpar.data_parallel.train_step(
+    ...     loss_fn, optax.lamb(1e-2), mesh=jaxpar.make_mesh(data=8),
+    ...     zero_stage=3, max_grad_norm=1.0)
+    >>> state = trainer.init({'w': jnp.ones((8, 2))})
+    >>> state.params['w'].sharding.shard_shape((8, 2))   # 1/8 per device
+    (1, 2)
+    >>> batch = {'x': np.ones((16, 8), np.float32),
+    ...          'y': np.zeros((16, 2), np.float32)}
+    >>> state, stats = trainer.step(state, batch)
+    >>> round(float(stats.loss), 4), bool(stats.skipped)
+    (64.0, False)
+  """
+  optimizer, zero_stage = _check_options(loss_fn, optimizer, max_grad_norm,
+                                         backend, zero_stage)
+  num_microbatches = check_count('num_microbatches', num_microbatches)
+  n = axis_size(mesh, axis)
+  if backend == 'pmap':
+    step, init = _pmap_step(loss_fn, optimizer, mesh=mesh, axis=axis,
+                            max_grad_norm=max_grad_norm,
+                            num_microbatches=num_microbatches,
+                            has_aux=has_aux)
+  else:
+    step, init = _shard_map_step(loss_fn, optimizer, mesh=mesh, axis=axis,
+                                 max_grad_norm=max_grad_norm,
+                                 num_microbatches=num_microbatches,
+                                 zero_stage=zero_stage, has_aux=has_aux)
+  checked = set()
+
+  def validate(state, batch):
+    if not isinstance(state, TrainState):
+      raise TypeError(f'state must be a jaxpar.TrainState (see '
+                      f'Trainer.init or TrainState.create), got '
+                      f'{type(state).__name__}.')
+    size = batch_size_of(batch)
+    if size % (n * num_microbatches):
+      raise ValueError(
+          f'batch size {size} is not divisible by {axis} size {n} x '
+          f'num_microbatches {num_microbatches} = {n * num_microbatches}; use '
+          f'a batch size that is a multiple of {n * num_microbatches} (e.g. '
+          f'{max(1, size // (n * num_microbatches)) * n * num_microbatches}).')
+    key = _signature((state, batch))
+    if key not in checked:
+      # Unsharded shapes: user code need not be valid under sharding types.
+      params = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), state.params)
+      check_opt_state(state._replace(params=params), optimizer)
+      micro = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(
+              (size // (n * num_microbatches), *np.shape(x)[1:]),
+              _dtype(x)), batch)
+      check_loss_fn(loss_fn, params, micro, has_aux=has_aux)
+      checked.add(key)
+
+  def checked_step(state: TrainState, batch: PyTree
+                   ) -> tuple[TrainState, StepStats]:
+    validate(state, batch)
+    return step(state, batch)
+
+  def lower(state: TrainState, batch: PyTree):
+    validate(state, batch)
+    return step.lower(state, batch)
+
+  checked_step.lower = lower
+  return Trainer(init, checked_step, lambda state: state.params)
+
+
+def check_opt_state(state: TrainState,
+                    optimizer: optax.GradientTransformation) -> None:
+  """``ValueError`` unless ``state.opt_state`` is ``optimizer.init``-shaped.
+
+  Abstract evaluation only; the message says how to make a fitting state.
+  """
+  want = jax.eval_shape(optimizer.init, state.params)
+  shapes = lambda tree: (jax.tree.structure(tree),
+                         [np.shape(x) for x in jax.tree.leaves(tree)])
+  if shapes(want) != shapes(state.opt_state):
+    raise ValueError(
+        'state.opt_state does not have the structure and shapes of '
+        'optimizer.init(state.params) (got '
+        f'{jax.tree.structure(state.opt_state)}, want '
+        f'{jax.tree.structure(want)}); create the state with this optimizer: '
+        'trainer.init(params) or TrainState.create(params, optimizer).')
+
+
+def _shard_map_step(loss_fn, optimizer, *, mesh, axis, max_grad_norm,
+                    num_microbatches, zero_stage, has_aux):
+  """The jitted ``shard_map`` step and ``init`` of ``train_step``."""
+  layouts = {}
+
+  def layout(state: TrainState) -> tuple[TrainState, PyTree]:
+    """(specs of the state, params specs with the data axis): cached."""
+    key = _signature(state)
+    if key not in layouts:
+      base = jax.tree.map(lambda _: P(), state.params)
+      split = zero.data_specs(state.params, mesh=mesh, axis=axis)
+      layouts[key] = (zero.state_specs(state, zero_stage=zero_stage,
+                                       param_specs=base, zero_specs=split),
+                      split)
+    return layouts[key]
+
+  def local_grads(params, batch, *, specs, split):
+    fn = zero.gathered(loss_fn, split, axis=axis) if zero_stage == 3 else loss_fn
+    params = zero.vary(params, specs, axis=axis)
+    loss, grads, aux = microbatched_value_and_grad(
+        fn, params, batch, num_microbatches=num_microbatches,
+        has_aux=has_aux, axis=axis)
+    loss, aux = jax.lax.pmean((loss, aux), axis)
+    grads = zero.reduce_gradients(grads, split if zero_stage else specs,
+                                  axis=axis, summed=zero_stage == 3)
+    return loss, grads, aux
+
+  def program(state: TrainState, batch: PyTree):
+    specs, split = layout(state)
+    loss, grads, aux = jax.shard_map(
+        lambda p, b: local_grads(p, b, specs=specs.params, split=split),
+        mesh=mesh, in_specs=(specs.params, P(axis)),
+        out_specs=(P(), split if zero_stage else specs.params, P()))(
+            state.params, batch)
+    state, stats = sharded_update(
+        state, grads, loss=loss, optimizer=optimizer, mesh=mesh,
+        state_specs=specs, max_grad_norm=max_grad_norm,
+        update_specs=split if zero_stage == 1 else None)
+    return state, stats._replace(aux=aux)
+
+  compiled = jax.jit(program)
+  batch_sharding = NamedSharding(mesh, P(axis))
+
+  def place(state, batch):
+    return (jax.device_put(state, shardings(mesh, layout(state)[0])),
+            jax.device_put(batch, batch_sharding))
+
+  def step(state, batch):
+    with jax.set_mesh(mesh):
+      return compiled(*place(state, batch))
+
+  def lower(state, batch):
+    with jax.set_mesh(mesh):
+      return compiled.lower(*place(state, batch))
+
+  def init(params: PyTree) -> TrainState:
+    return placed_init(params, optimizer, mesh=mesh,
+                       specs=lambda state: layout(state)[0])
+
+  step.lower = lower
+  return step, init
+
+
+def _pmap_step(loss_fn, optimizer, *, mesh, axis, max_grad_norm,
+               num_microbatches, has_aux):
+  """The legacy ``jax.pmap`` step (replicated state) and ``init``."""
+  n = axis_size(mesh, axis)
+
+  def replica_step(state: TrainState, batch: PyTree):
+    params = jax.lax.pcast(state.params, axis, to='varying')
+    loss, grads, aux = microbatched_value_and_grad(
+        loss_fn, params, batch, num_microbatches=num_microbatches,
+        has_aux=has_aux, axis=axis)
+    loss, grads, aux = jax.lax.pmean((loss, grads, aux), axis)
+    state, stats = apply_gradients(state, grads, loss=loss,
+                                   optimizer=optimizer,
+                                   max_grad_norm=max_grad_norm)
+    return state, stats._replace(aux=aux)
+
+  devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0)
+  devices = list(devices.reshape(n, -1)[:, 0])
+  compiled = jax.jit(jax.pmap(
+      replica_step, axis_name=axis, in_axes=(None, 0), out_axes=None,
+      devices=devices))
+
+  def split(batch):
+    return jax.tree.map(
+        lambda x: jnp.reshape(x, (n, x.shape[0] // n, *x.shape[1:])), batch)
+
+  def step(state, batch):
+    return compiled(state, split(batch))
+
+  def init(params: PyTree) -> TrainState:
+    return TrainState.create(params, optimizer)
+
+  step.lower = lambda state, batch: compiled.lower(state, split(batch))
+  return step, init
+
+
 def data_parallel_step(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -144,147 +417,26 @@ def data_parallel_step(
     has_aux: bool = False,
     backend: str = 'shard_map',
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, StepStats]]:
-  """A data-parallel train step, exactly single-device optax on the global batch.
+  """``train_step(...).step``: the data-parallel step on its own.
 
-  Args:
-    loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over the
-      examples of ``batch`` (``(scalar, aux)`` with ``has_aux``; aux leaves are
-      float and are averaged like the loss).
-    optimizer: an optax ``GradientTransformation``.
-    mesh: a mesh from ``jaxpar.make_mesh``; the batch is split over ``axis``,
-      params are replicated over every axis.
-    axis: the data-parallel mesh axis, size ``N``.
-    max_grad_norm: clip the gradient to this global L2 norm (as
-      ``optax.clip_by_global_norm`` on one device); ``None``: no clipping.
-    num_microbatches: ``k``; each device accumulates gradients over ``k``
-      microbatches with ``lax.scan``. The global batch size must be divisible
-      by ``N * k``.
-    zero_stage: 0 (replicated optimizer state); 1 shards the optimizer state
-      over ``axis``, 3 the params too (``jaxpar.zero``; the state must come
-      from ``jaxpar.zero.shard_state(state, mesh=mesh, stage=zero_stage)``;
-      needs ``backend='shard_map'``).
-    has_aux: ``loss_fn`` returns ``(loss, aux)``.
-    backend: ``'shard_map'`` or ``'pmap'`` (legacy; same results).
-
-  Returns:
-    ``step(state, batch) -> (state, stats)``: ``state`` a ``TrainState``,
-    ``batch`` a pytree of numpy or jax arrays with leading size ``B`` (placed
-    on the mesh by the step), ``stats`` a ``StepStats`` whose ``loss`` is the
-    global mean before the update and ``grad_norm`` the global norm before
-    clipping. ``step.lower(state, batch)`` gives the lowered program (for
-    ``.compile().memory_analysis()``). Non-finite loss or gradients skip the
-    update (``stats.skipped``).
+  Same arguments as ``jaxpar.data_parallel.train_step``. The state comes
+  from ``TrainState.create(params, optimizer)`` (optionally placed with
+  ``jaxpar.zero.shard_state``) or from the trainer's ``init``; the step
+  places it in its layout.
 
   Example:
-    >>> mesh = jaxpar.make_mesh(data=8)
-    >>> step = jaxpar.data_parallel_step(loss_fn, optax.adam(1e-3), mesh=mesh)
-    >>> state = jaxpar.TrainState.create(params, optax.adam(1e-3))
-    >>> state, stats = step(state, {'x': x, 'y': y})   # x: [B, ...], B % 8 == 0
+    >>> loss_fn = lambda p, b: jnp.mean((b['x'] @ p['w'] - b['y']) ** 2)
+    >>> step = jaxpar.data_parallel_step(loss_fn, optax.adam(1e-3),
+    ...                                  mesh=jaxpar.make_mesh(data=8))
+    >>> state = jaxpar.TrainState.create({'w': jnp.ones((3, 1))},
+    ...                                  optax.adam(1e-3))
+    >>> batch = {'x': np.ones((16, 3), np.float32),
+    ...          'y': np.zeros((16, 1), np.float32)}
+    >>> state, stats = step(state, batch)
+    >>> float(stats.loss)
+    9.0
   """
-  if not callable(loss_fn):
-    raise TypeError(f'loss_fn must be callable, got {loss_fn!r}.')
-  check_optimizer(optimizer)
-  n = axis_size(mesh, axis)
-  if isinstance(num_microbatches, bool) or not isinstance(
-      num_microbatches, int) or num_microbatches < 1:
-    raise ValueError(
-        f'num_microbatches={num_microbatches!r} must be an int >= 1.')
-  if max_grad_norm is not None and not max_grad_norm > 0:
-    raise ValueError(
-        f'max_grad_norm={max_grad_norm!r} must be > 0, or None for no clipping.')
-  if backend not in BACKENDS:
-    raise ValueError(f'backend={backend!r}; choose one of {BACKENDS}.')
-  if zero_stage not in (0, 1, 3):
-    raise ValueError(f'zero_stage={zero_stage!r}; choose 0, 1 or 3.')
-  if zero_stage and backend != 'shard_map':
-    raise ValueError(f'zero_stage={zero_stage} needs backend=\'shard_map\' '
-                     f'(got {backend!r}; pmap is the legacy replicated path).')
-
-  def replica_step(state: TrainState, batch: PyTree):
-    if zero_stage == 3:  # params are 1/N flat slices, gathered inside the loss
-      params, fn = state.params, zero.gathered_loss(loss_fn, axis=axis)
-    else:
-      params, fn = jax.lax.pcast(state.params, axis, to='varying'), loss_fn
-    loss, grads, aux = microbatched_value_and_grad(
-        fn, params, batch, num_microbatches=num_microbatches,
-        has_aux=has_aux, axis=axis)
-    if zero_stage:
-      # Reduce-scatter instead of all-reduce: each device gets the 1/N slice
-      # of the mean gradient that it updates (see jaxpar.zero).
-      loss, aux = jax.lax.pmean((loss, aux), axis)
-      grads = zero.reduce_gradients(grads, axis=axis)
-      grad_norm = zero.global_norm(grads, axis=axis)
-      state, skipped = zero.apply_gradients(
-          state, grads, loss=loss, grad_norm=grad_norm, optimizer=optimizer,
-          max_grad_norm=max_grad_norm, axis=axis)
-      return state, StepStats(loss, grad_norm, skipped, aux)
-    # One all-reduce: the gradient of the global mean is the mean of the
-    # per-device gradients (equal shard sizes).
-    loss, grads, aux = jax.lax.pmean((loss, grads, aux), axis)
-    grad_norm = optax.tree.norm(grads)
-    state, skipped = apply_gradients(
-        state, grads, loss=loss, grad_norm=grad_norm, optimizer=optimizer,
-        max_grad_norm=max_grad_norm)
-    return state, StepStats(loss, grad_norm, skipped, aux)
-
-  if backend == 'shard_map':
-    def sharded_step(state, batch):
-      # ZeRO's FlatLeaf arrays are sharded over axis, everything else (all of
-      # a zero_stage=0 state) is replicated.
-      specs = zero.state_specs(state, axis=axis)
-      return jax.shard_map(replica_step, mesh=mesh, in_specs=(specs, P(axis)),
-                           out_specs=(specs, P()))(state, batch)
-
-    compiled = jax.jit(sharded_step)
-    sharded = NamedSharding(mesh, P(axis))
-
-    def place(state, batch):
-      return (jax.device_put(state, jax.tree.map(
-          lambda s: NamedSharding(mesh, s), zero.state_specs(state, axis=axis))),
-              jax.device_put(batch, sharded))
-  else:
-    devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0)
-    devices = list(devices.reshape(n, -1)[:, 0])
-    compiled = jax.jit(jax.pmap(
-        replica_step, axis_name=axis, in_axes=(None, 0), out_axes=None,
-        devices=devices))
-
-    def place(state, batch):
-      return state, jax.tree.map(
-          lambda x: jnp.reshape(x, (n, x.shape[0] // n, *x.shape[1:])), batch)
-
-  checked = set()
-
-  def validate(state, batch):
-    if not isinstance(state, TrainState):
-      raise TypeError(f'state must be a jaxpar.TrainState (see '
-                      f'TrainState.create), got {type(state).__name__}.')
-    size = batch_size_of(batch)
-    if size % (n * num_microbatches):
-      raise ValueError(
-          f'batch size {size} is not divisible by {axis} size {n} x '
-          f'num_microbatches {num_microbatches} = {n * num_microbatches}; use '
-          f'a batch size that is a multiple of {n * num_microbatches} (e.g. '
-          f'{max(1, size // (n * num_microbatches)) * n * num_microbatches}).')
-    key = (jax.tree.structure((state, batch)), tuple(
-        (np.shape(x), _dtype(x)) for x in jax.tree.leaves((state, batch))))
-    if key not in checked:
-      zero.check_state(state, optimizer, stage=zero_stage, mesh=mesh, axis=axis)
-      micro = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(
-              (size // (n * num_microbatches), *np.shape(x)[1:]),
-              _dtype(x)), batch)
-      check_loss_fn(loss_fn, zero.logical_shapes(state.params), micro,
-                    has_aux=has_aux)
-      checked.add(key)
-
-  def step(state: TrainState, batch: PyTree) -> tuple[TrainState, StepStats]:
-    validate(state, batch)
-    return compiled(*place(state, batch))
-
-  def lower(state: TrainState, batch: PyTree):
-    validate(state, batch)
-    return compiled.lower(*place(state, batch))
-
-  step.lower = lower
-  return step
+  return train_step(loss_fn, optimizer, mesh=mesh, axis=axis,
+                    max_grad_norm=max_grad_norm,
+                    num_microbatches=num_microbatches, zero_stage=zero_stage,
+                    has_aux=has_aux, backend=backend).step

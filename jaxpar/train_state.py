@@ -1,22 +1,62 @@
-"""Training state and per-step statistics as NamedTuple pytrees."""
+"""Training state, per-step statistics, the ``Trainer`` triple and the update.
+
+Every jaxpar train step has one shape, like optax's ``(init, update)`` pair:
+``Trainer(init, step, params)``. Every step also ends in the same update,
+``apply_gradients``: ``optimizer.update`` on the *global* (sharded) arrays,
+under ``jit``, so that XLA's partitioner inserts whatever collectives an
+optax transform needs (a global norm, LAMB's per-leaf trust ratios,
+Adafactor's factored moments, Muon's matrix products). Any optax
+``GradientTransformation`` therefore gives single-device results under any
+layout; the layout only decides where the bytes live.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 PyTree = Any
 
 
-def check_optimizer(optimizer: Any) -> None:
-  """``TypeError`` unless ``optimizer`` is an optax ``GradientTransformation``."""
+def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
+  """``optimizer`` as an optax ``GradientTransformation``, else ``TypeError``.
+
+  ``optax.MultiSteps`` (a wrapper class) gives its
+  ``gradient_transformation()``.
+
+  Example:
+    >>> opt = jaxpar.train_state.check_optimizer(
+    ...     optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
+    >>> isinstance(opt, optax.GradientTransformation)
+    True
+  """
+  if isinstance(optimizer, optax.MultiSteps):
+    optimizer = optimizer.gradient_transformation()
   if not isinstance(optimizer, optax.GradientTransformation):
     raise TypeError(
         f'optimizer must be an optax.GradientTransformation (e.g. '
         f'optax.adam(1e-3)), got {type(optimizer).__name__}: {optimizer!r}.')
+  return optimizer
+
+
+def check_max_grad_norm(max_grad_norm: Any) -> None:
+  """``TypeError``/``ValueError`` unless ``max_grad_norm`` is ``None`` or > 0."""
+  if max_grad_norm is None:
+    return
+  if isinstance(max_grad_norm, bool) or not isinstance(
+      max_grad_norm, (int, float)) and not (
+          hasattr(max_grad_norm, 'dtype') and jnp.ndim(max_grad_norm) == 0):
+    raise TypeError(f'max_grad_norm must be a number or None, got '
+                    f'{type(max_grad_norm).__name__}: {max_grad_norm!r}.')
+  if not max_grad_norm > 0:
+    raise ValueError(
+        f'max_grad_norm={max_grad_norm!r} must be > 0, or None for no clipping.')
 
 
 class TrainState(NamedTuple):
@@ -42,7 +82,7 @@ class TrainState(NamedTuple):
       >>> int(state.step)
       0
     """
-    check_optimizer(optimizer)
+    optimizer = check_optimizer(optimizer)
     return cls(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
 
@@ -63,39 +103,162 @@ class StepStats(NamedTuple):
   aux: PyTree = None
 
 
+class Trainer(NamedTuple):
+  """The pure functions of a training run, the one shape of every train step.
+
+  Returned by ``jaxpar.data_parallel.train_step`` and
+  ``jaxpar.parallel.train_step``.
+
+  Attributes:
+    init: ``init(params) -> TrainState``, placed and sharded on the mesh in
+      the step's layout (ZeRO layouts included).
+    step: ``step(state, batch) -> (state, StepStats)``, jitted; accepts plain
+      (numpy or unplaced) arrays and places them; ``step.lower(state, batch)``
+      gives the lowered program (for ``.compile().memory_analysis()``).
+    params: ``params(state)`` -> the params in model order, as global arrays
+      that keep their sharding (nothing is replicated: ``np.asarray(leaf)``
+      gathers one leaf to the host, a jitted function uses them in place).
+
+  Example:
+    >>> loss_fn = lambda p, b: jnp.mean((b['x'] @ p['w'] - b['y']) ** 2)
+    >>> trainer = jaxpar.data_parallel.train_step(
+    ...     loss_fn, optax.adam(1e-3), mesh=jaxpar.make_mesh(data=8))
+    >>> state = trainer.init({'w': jnp.zeros((4, 2))})
+    >>> batch = {'x': np.ones((16, 4), np.float32),
+    ...          'y': np.ones((16, 2), np.float32)}
+    >>> state, stats = trainer.step(state, batch)
+    >>> trainer.params(state)['w'].shape, int(state.step)
+    ((4, 2), 1)
+  """
+  init: Callable[[PyTree], TrainState]
+  step: Callable[[TrainState, PyTree], tuple[TrainState, StepStats]]
+  params: Callable[[TrainState], PyTree]
+
+
+def global_norm(tree: PyTree) -> jax.Array:
+  """L2 norm over all leaves, accumulated in float32 or wider.
+
+  ``sqrt(sum_leaves sum(x^2))``, each leaf cast to
+  ``promote_types(dtype, float32)`` first, so bfloat16 gradients do not lose
+  the sum. On global sharded arrays under ``jit`` XLA adds the all-reduce:
+  the norm is over all shards. Equals ``optax.tree.norm`` in float32/64.
+
+  Example:
+    >>> float(jaxpar.train_state.global_norm({'a': jnp.array([3.0, 4.0])}))
+    5.0
+  """
+  squares = [jnp.sum(jnp.square(x.astype(jnp.promote_types(x.dtype,
+                                                            jnp.float32))))
+             for x in jax.tree.leaves(tree)]
+  return jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32)))
+
+
 def apply_gradients(state: TrainState, grads: PyTree, *, loss: jax.Array,
-                    grad_norm: jax.Array,
                     optimizer: optax.GradientTransformation,
-                    max_grad_norm: float | None = None
-                    ) -> tuple[TrainState, jax.Array]:
+                    max_grad_norm: float | None = None,
+                    update_specs: PyTree | None = None
+                    ) -> tuple[TrainState, StepStats]:
   """One optimizer update with global-norm clipping and non-finite skipping.
 
-  The one update rule every jaxpar train step shares. ``grad_norm`` is the
-  global L2 norm of ``grads`` over *all* shards, computed by the caller
-  (inside ``shard_map`` each device sees only its shard, so the caller
-  ``psum``s the squared norms over sharded axes first). Clipping then follows
-  ``optax.clip_by_global_norm`` exactly::
+  The one update rule every jaxpar train step shares, on global arrays
+  (``grads`` of the global mean loss)::
 
-    g <- g                          if ||g|| < max_grad_norm
-    g <- g / ||g|| * max_grad_norm  otherwise
+    |g| = global_norm(g)                      before clipping (StepStats)
+    g  <- optax.clip_by_global_norm(max_grad_norm)(g)      if max_grad_norm
+    params, opt_state <- optimizer.update(g, opt_state, params) ...
 
-  If ``loss`` or ``grad_norm`` is not finite the update is skipped: params,
-  optimizer state and step are returned unchanged.
+  so ``max_grad_norm=c`` equals ``optax.chain(optax.clip_by_global_norm(c),
+  optimizer)``. If ``loss`` or ``|g|`` is not finite the update is skipped:
+  params, optimizer state and step come back unchanged.
+
+  Args:
+    state: the ``TrainState`` before the step.
+    grads: gradient of the mean loss, shaped like ``state.params``.
+    loss: the mean loss (only its finiteness is used).
+    optimizer: any optax ``GradientTransformation``.
+    max_grad_norm: clip to this global norm; ``None``: no clipping.
+    update_specs: optional ``PartitionSpec`` tree for ``state.params`` under
+      which the update runs (ZeRO-1: each device updates the ``1/N`` of the
+      params whose optimizer state it holds); only inside ``auto_axes``.
 
   Returns:
-    ``(new_state, skipped)`` with ``skipped`` a bool scalar.
+    ``(new_state, StepStats(loss, grad_norm, skipped))``.
+
+  Example:
+    >>> state = jaxpar.TrainState.create({'w': jnp.ones(2)}, optax.sgd(0.5))
+    >>> new, stats = jaxpar.train_state.apply_gradients(
+    ...     state, {'w': jnp.ones(2)}, loss=jnp.float32(1.0),
+    ...     optimizer=optax.sgd(0.5))
+    >>> new.params['w'].tolist(), int(new.step)
+    ([0.5, 0.5], 1)
   """
+  grad_norm = global_norm(grads)
   if max_grad_norm is not None:
+    # optax.clip_by_global_norm's rule, with the norm computed once.
     grads = jax.tree.map(
         lambda g: jnp.where(grad_norm < max_grad_norm, g,
-                            g / grad_norm * max_grad_norm).astype(g.dtype),
-        grads)
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+                            g / grad_norm.astype(g.dtype) * max_grad_norm
+                            ).astype(g.dtype), grads)
+  params = state.params
+  if update_specs is not None:
+    params = jax.lax.with_sharding_constraint(params, update_specs)
+  updates, opt_state = optimizer.update(grads, state.opt_state, params)
+  new_params = optax.apply_updates(params, updates)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  # Same dtypes out as in, never weakly typed: the next step hits the cache.
   keep = lambda new, old: jax.tree.map(
-      lambda n, o: jnp.where(ok, n, o), new, old)
-  new_state = TrainState(state.step + ok.astype(state.step.dtype),
-                         keep(params, state.params),
+      lambda n, o: jax.lax.convert_element_type(jnp.where(ok, n, o), o.dtype),
+      new, old)
+  new_params = keep(new_params, params)
+  if update_specs is not None:  # select on the slices, then gather once
+    new_params = jax.lax.with_sharding_constraint(new_params, update_specs)
+  new_state = TrainState(state.step + ok.astype(state.step.dtype), new_params,
                          keep(opt_state, state.opt_state))
-  return new_state, ~ok
+  return new_state, StepStats(loss, grad_norm, ~ok)
+
+
+def shardings(mesh: Mesh, specs: PyTree) -> PyTree:
+  """``NamedSharding(mesh, spec)`` for every ``PartitionSpec`` of ``specs``."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda s: isinstance(s, P))
+
+
+def sharded_update(state: TrainState, grads: PyTree, *, loss: jax.Array,
+                   optimizer: optax.GradientTransformation, mesh: Mesh,
+                   state_specs: TrainState,
+                   max_grad_norm: float | None = None,
+                   update_specs: PyTree | None = None
+                   ) -> tuple[TrainState, StepStats]:
+  """``apply_gradients`` on global arrays, partitioned by XLA (inside ``jit``).
+
+  Runs under ``jax.sharding.auto_axes``: inside, the mesh axes are ``Auto``
+  and XLA's SPMD partitioner inserts the collectives every transform needs;
+  the new state comes out with ``state_specs`` (the layout it went in with).
+  Call it inside ``jax.set_mesh(mesh)``.
+  """
+  def update(state, grads, loss):
+    return apply_gradients(state, grads, loss=loss, optimizer=optimizer,
+                           max_grad_norm=max_grad_norm,
+                           update_specs=update_specs)
+  replicated = NamedSharding(mesh, P())
+  out = (shardings(mesh, state_specs),
+         StepStats(replicated, replicated, replicated))
+  return jax.sharding.auto_axes(update, out_sharding=out)(state, grads, loss)
+
+
+def placed_init(params: PyTree, optimizer: optax.GradientTransformation, *,
+                mesh: Mesh, specs: Callable[[TrainState], TrainState]
+                ) -> TrainState:
+  """A fresh ``TrainState`` built on the mesh with ``specs(state)`` shardings.
+
+  ``optimizer.init`` runs jitted on the sharded params, so the optimizer
+  state is born sharded (never whole on one device).
+  """
+  def create(params):
+    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    return jax.tree.map(lambda x: jax.lax.convert_element_type(x, x.dtype),
+                        state)  # not weakly typed, as the step's output
+  out = shardings(mesh, specs(jax.eval_shape(create, params)))
+  with jax.set_mesh(mesh):
+    params = jax.device_put(params, out.params)
+    return jax.jit(jax.sharding.auto_axes(create, out_sharding=out))(params)

@@ -1,152 +1,187 @@
-"""ZeRO: optimizer state (stage 1) and params (stage 3) sharded over ``data``.
+"""ZeRO: optimizer state (``zero_stage=1``) and params (``3``) split over ``data``.
 
 Plain data parallelism keeps the params and the optimizer state on every
 device: for Adam in float32 that is 16 bytes per parameter on each of the
 ``N`` devices. ZeRO (Rajbhandari et al., 2020) keeps ``1/N`` of them per
 device instead, with the same maths.
 
-**Layout.** Every sharded leaf of shape ``s`` (``size = prod(s)``) becomes a
-``FlatLeaf``: the leaf raveled and zero-padded to ``L = N * c`` elements,
-``c = max(1, ceil(size / N))``, stored as one global ``[L]`` array sharded
-``P(axis)``: device ``d`` holds elements ``[d*c, (d+1)*c)``. The original shape
-is static pytree metadata, so a ZeRO state is still an ordinary
-``TrainState`` pytree (jit, ``device_put``, orbax checkpoints), and
-``x.sharding`` says what is sharded.
+**Layout = shardings.** A ZeRO state is an ordinary ``TrainState`` of global
+``jax.Array``s with their original shapes; only their ``NamedSharding`` says
+what is split. ``data_spec`` adds the ``data`` axis to one dim of each leaf's
+``PartitionSpec`` (on top of any tensor/stage split): the largest dim not yet
+split whose size divides by ``N``, else the largest split one that still
+divides; a leaf with no such dim (an odd-sized bias) stays replicated over
+``data``, which costs at most its own bytes. So a ZeRO state saves and
+restores with orbax onto any mesh and any ``zero_stage``: the shapes never
+change.
 
-* stage 1: ``params`` stay replicated; every params-shaped subtree of
-  ``opt_state`` (Adam's ``mu`` and ``nu``, momentum traces...) is flat and
-  sharded; scalars (Adam's ``count``) stay replicated.
-* stage 3: ``params`` are flat and sharded too.
+* ``zero_stage=1``: the params-shaped subtrees of ``opt_state`` (Adam's
+  ``mu`` and ``nu``, momentum traces, ``MultiSteps``' accumulator: subtrees
+  with the structure and leaf shapes of ``params``) get ``data_spec``;
+  params and every other leaf stay as they are.
+* ``zero_stage=3``: the params too.
 
-**One step** (``data_parallel_step(..., zero_stage=1|3)``), per device::
+**One step**, the building blocks below inside ``jax.shard_map``, then the
+update on global arrays (``jaxpar.train_state.sharded_update``)::
 
-  stage 1: g_d = grad(loss_fn)(params, batch_d)           full, local batch
-           g   = reduce_scatter(pad(g_d)) / N             my 1/N slice of mean
-           |g| = sqrt(psum(sum(g**2)))                    global, unclipped
-           p, opt = optimizer.update(clip(g), opt, my slice of params)
-           params = all_gather(p)[:size].reshape(s)       replicated again
-  stage 3: params_full = all_gather(p)[:size].reshape(s)  inside the loss,
-           g = grad(loss_fn o gather)(p, batch_d) / N     transpose of the
-                                                          gather: reduce-scatter
-           |g|, update as stage 1 on the slice; no final gather.
+  stage 1: g_d = grad(loss)(params, batch_d)            full, local batch
+           g   = psum_scatter(g_d, data, dim) / N       my 1/N of the mean
+  stage 3: g   = grad(loss o all_gather)(p_d, batch_d) / N   (the gather's
+                                                        transpose scatters)
+  then, on global arrays under jit:
+           params, opt = optimizer.update(g, opt, params)  XLA partitions it:
+           norms and trust ratios get their all-reduce, elementwise maths
+           runs on each device's 1/N; stage 1 all-gathers the new params.
 
-Communication per step (whole buffers, ``P`` = padded params bytes): DP
-all-reduces ``P``; stage 1 reduce-scatters ``P`` and all-gathers ``P`` (the
-same ring traffic as one all-reduce); stage 3 all-gathers ``P`` in the forward
-and again in the backward pass and reduce-scatters ``P``, per microbatch.
+Because the update sees global arrays, *every* optax transform is exact in
+every stage -- clipping, ``lamb``, ``lars``, ``adafactor``, ``muon``,
+``MultiSteps``, ``inject_hyperparams`` -- and communication stays at ZeRO's
+bytes (``P`` = params bytes): stage 1 reduce-scatters ``P`` and all-gathers
+``P`` (one all-reduce's worth); stage 3 all-gathers ``P`` per microbatch in
+the forward pass (and again in the backward, where XLA does not reuse it)
+and reduce-scatters ``P``; the norms add a few scalars.
 
-**Stage 3 gathering.** ``gathered_loss`` all-gathers each leaf (one
-all-gather per leaf, all of them issued before ``loss_fn`` runs; XLA schedules
-them) and wraps gather + ``loss_fn`` in ``jax.checkpoint`` with the
-``dots_saveable`` policy: matmul outputs are kept for the backward pass,
-everything else -- in particular the gathered params -- is recomputed, so the
-backward pass re-gathers each leaf instead of keeping the gathered copy. (A
-matmul of two params, e.g. ``w1 @ w2``, is a matmul output and is kept.)
-jaxpar does not know the model's layers, so gathering is per leaf, not per
-layer. ``jax.ad_checkpoint.print_saved_residuals`` shows that only the
-slices are kept; XLA:CPU, however, removes ``jax.checkpoint``'s barriers and
-reuses the forward gather (its HLO has one all-gather per leaf).
-
-**Optimizers.** Any optax optimizer whose update is elementwise (``sgd``,
-momentum, ``adam``, ``adamw``, ``lion``, ...) works exactly on flat padded
-slices. Transforms that look at whole leaves (``adafactor``'s factored
-moments, per-leaf norms as in LARS/LAMB, ``optax.clip_by_global_norm``, which
-would see only the local slice) are not supported: pass ``max_grad_norm`` to
-the step for clipping, which jaxpar computes over all shards. The padding
-never leaks: its gradient is exactly zero (the gather drops it), so for these
-optimizers its params and moments stay zero (weight decay of zero is zero),
-and ``gather_params`` drops it anyway.
-
-**Building blocks** (inside ``jax.shard_map`` over ``axis``, for composed
-train steps): ``local_slice``, ``all_gather``, ``gathered_loss``,
-``reduce_gradients``, ``global_norm``, ``apply_gradients``. Outside:
-``shard_state``, ``unshard_state``, ``gather_params``, ``state_specs``,
-``logical_shapes``, ``check_state``.
+**Stage 3 gathering.** ``gathered`` all-gathers each leaf just before the
+function that uses it and wraps gather + function in ``jax.checkpoint`` with
+the ``dots_saveable`` policy: matmul outputs are kept for the backward pass,
+the gathered params are not (they are re-gathered), so only the ``1/N``
+slices stay alive between forward and backward.
 
 Example:
   >>> mesh = jaxpar.make_mesh(data=8)
-  >>> state = jaxpar.TrainState.create(params, optax.adam(1e-3))
-  >>> state = jaxpar.zero.shard_state(state, mesh=mesh, stage=3)
-  >>> step = jaxpar.data_parallel_step(loss_fn, optax.adam(1e-3), mesh=mesh,
-  ...                                  zero_stage=3)
-  >>> state, stats = step(state, batch)
-  >>> params = jaxpar.zero.gather_params(state)   # original shapes
+  >>> params = {'w': jnp.ones((16, 3)), 'b': jnp.zeros(3)}
+  >>> state = jaxpar.TrainState.create(params, optax.adam(0.1))
+  >>> state = jaxpar.zero.shard_state(state, mesh=mesh, zero_stage=3)
+  >>> state.params['w'].sharding.spec, state.params['b'].sharding.spec
+  (P('data',), P())
+  >>> state.params['w'].addressable_shards[0].data.shape
+  (2, 3)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import train_state
 from jaxpar.mesh import axis_size
-from jaxpar.train_state import PyTree, TrainState
+from jaxpar.train_state import PyTree, TrainState, shardings
 
-STAGES = (1, 3)
+ZERO_STAGES = (0, 1, 3)
 
 
-@dataclasses.dataclass(frozen=True)
-class FlatLeaf:
-  """One pytree leaf raveled and zero-padded to a multiple of ``N`` elements.
+def check_zero_stage(zero_stage: Any) -> int:
+  """``zero_stage`` as an int; ``TypeError``/``ValueError`` unless 0, 1 or 3.
 
-  Attributes:
-    flat: ``[N * c]`` array, ``c = max(1, ceil(size / N))``: the leaf's
-      elements in row-major order, then zeros. Outside ``shard_map`` it is the
-      global array sharded ``P(axis)``; inside, a device's ``[c]`` slice.
-    shape: the original leaf shape (static pytree metadata).
+  NumPy integers are accepted, ``True``/``False`` are not.
 
   Example:
-    >>> leaf = state.params['w']              # a stage-3 state on data=8
-    >>> leaf.shape, leaf.flat.shape, leaf.flat.sharding.spec
-    ((5, 7), (40,), PartitionSpec('data',))
+    >>> jaxpar.zero.check_zero_stage(np.int64(3))
+    3
   """
-  flat: jax.Array
-  shape: tuple[int, ...]
-
-  @property
-  def size(self) -> int:
-    """Number of real (unpadded) elements, ``prod(shape)``."""
-    return math.prod(self.shape)
-
-
-jax.tree_util.register_dataclass(FlatLeaf, data_fields=['flat'],
-                                 meta_fields=['shape'])
+  if isinstance(zero_stage, (bool, np.bool_)) or not isinstance(
+      zero_stage, (int, np.integer)):
+    raise TypeError(f'zero_stage must be an int (0, 1 or 3), got '
+                    f'{type(zero_stage).__name__}: {zero_stage!r}.')
+  if int(zero_stage) not in ZERO_STAGES:
+    raise ValueError(
+        f'zero_stage={zero_stage!r}; choose 0 (no ZeRO), 1 (optimizer state '
+        'split over the data axis) or 3 (params split too, FSDP).')
+  return int(zero_stage)
 
 
-def _is_flat(x: Any) -> bool:
-  return isinstance(x, FlatLeaf)
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, P)
 
 
-def _flat_leaves(tree: PyTree) -> list[FlatLeaf]:
-  return [x for x in jax.tree.leaves(tree, is_leaf=_is_flat) if _is_flat(x)]
+def _entry_axes(entry: Any) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def padded_size(size: int, n: int) -> int:
-  """``N * max(1, ceil(size / N))``: a leaf's flat length, sharded ``N`` ways.
+def _normalized(entries: list) -> P:
+  while entries and entries[-1] is None:
+    entries = entries[:-1]
+  return P(*entries)
+
+
+def data_spec(shape: tuple[int, ...], spec: P = P(), *, mesh: Mesh,
+              axis: str = 'data', skip: int = 0) -> P:
+  """``spec`` with ``axis`` added to the dim ZeRO splits a leaf along.
+
+  The dim is the largest one (from ``skip`` on) that no mesh axis splits yet
+  and whose size divides by ``N = mesh.shape[axis]``; failing that, the
+  largest split dim whose size divides by (its split) ``x N``, where
+  ``axis`` goes after the axes already there; failing that, none:
+  the leaf stays replicated over ``axis``. Ties go to the first dim.
+
+  Args:
+    shape: the leaf's global shape.
+    spec: its ``PartitionSpec`` without ZeRO.
+    mesh: the mesh; ``axis`` must be one of its axes.
+    axis: the data axis.
+    skip: leading dims never split (a pipeline stage leaf's ``[p, v]``).
 
   Example:
-    >>> jaxpar.zero.padded_size(35, 8)
-    40
+    >>> mesh = jaxpar.make_mesh(data=2, tensor=4)
+    >>> jaxpar.zero.data_spec((8, 6), mesh=mesh)
+    P('data',)
+    >>> jaxpar.zero.data_spec((8, 6), P(None, 'tensor'), mesh=mesh)
+    P('data', 'tensor')
+    >>> jaxpar.zero.data_spec((3, 8), P(None, 'tensor'), mesh=mesh)
+    P(None, ('tensor', 'data'))
   """
-  return n * max(1, -(-size // n))
+  n = axis_size(mesh, axis)
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  if n == 1 or any(axis in _entry_axes(e) for e in entries):
+    return _normalized(entries)
+  best = None
+  for dim in range(skip, len(shape)):
+    split = math.prod(mesh.shape[a] for a in _entry_axes(entries[dim]))
+    if shape[dim] % (split * n) == 0:
+      key = (entries[dim] is None, shape[dim] // split)
+      if best is None or key > best[0]:
+        best = (key, dim)
+  if best is not None:
+    dim = best[1]
+    old = _entry_axes(entries[dim])
+    entries[dim] = (*old, axis) if old else axis
+  return _normalized(entries)
 
 
-def _pad_flat(x: jax.Array, n: int) -> jax.Array:
-  flat = jnp.ravel(x)
-  return jnp.pad(flat, (0, padded_size(flat.size, n) - flat.size))
+def data_dim(spec: P, axis: str = 'data') -> int | None:
+  """The dim of ``spec`` that ``axis`` splits, or ``None``.
+
+  Example:
+    >>> jaxpar.zero.data_dim(P(None, ('tensor', 'data')))
+    1
+  """
+  for dim, entry in enumerate(spec):
+    if axis in _entry_axes(entry):
+      return dim
+  return None
 
 
-def _unpad(flat: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  return flat[:math.prod(shape)].reshape(shape)
+def data_specs(params: PyTree, specs: PyTree | None = None, *, mesh: Mesh,
+               axis: str = 'data', skip: int = 0) -> PyTree:
+  """``data_spec`` of every leaf of ``params`` (``specs``: default all ``P()``).
+
+  Example:
+    >>> jaxpar.zero.data_specs({'w': jnp.ones((16, 3)), 'b': jnp.ones(3)},
+    ...                        mesh=jaxpar.make_mesh(data=8))
+    {'b': P(), 'w': P('data',)}
+  """
+  if specs is None:
+    specs = jax.tree.map(lambda _: P(), params)
+  return jax.tree.map(
+      lambda x, s: data_spec(np.shape(x), s, mesh=mesh, axis=axis, skip=skip),
+      params, specs)
 
 
 def _mirrors(params: PyTree) -> Callable[[Any], bool]:
@@ -160,40 +195,84 @@ def _mirrors(params: PyTree) -> Callable[[Any], bool]:
   return mirrors
 
 
-# -- Outside shard_map: converting states ----------------------------------
+def state_specs(state: TrainState, *, zero_stage: int, param_specs: PyTree,
+                zero_specs: PyTree) -> TrainState:
+  """``PartitionSpec``s of a ``TrainState`` in ``zero_stage``'s layout.
 
-
-def state_specs(state: PyTree, *, axis: str = 'data') -> PyTree:
-  """``PartitionSpec`` tree of a (ZeRO or plain) state: what is sharded.
+  Args:
+    state: a ``TrainState`` (arrays or ``jax.ShapeDtypeStruct``s).
+    zero_stage: 0, 1 or 3.
+    param_specs: the params' specs without ZeRO (``P()`` for pure DP).
+    zero_specs: the same with the data axis added (``data_specs``).
 
   Returns:
-    ``state`` with every ``FlatLeaf``'s ``flat`` replaced by ``P(axis)`` and
-    every other leaf by ``P()`` (replicated); usable as ``shard_map``
-    ``in_specs``/``out_specs`` and, mapped to ``NamedSharding``, for
-    ``jax.device_put``.
+    a ``TrainState`` of specs: ``step`` replicated; ``params``
+    ``zero_specs`` for stage 3, else ``param_specs``; every params-shaped
+    subtree of ``opt_state`` ``zero_specs`` for stages 1 and 3, else
+    ``param_specs``; other optimizer leaves (counts, Adafactor's factored
+    moments) replicated.
 
   Example:
-    >>> specs = jaxpar.zero.state_specs(state)        # a stage-3 state
-    >>> specs.params['w'].flat, specs.step
-    (PartitionSpec('data',), PartitionSpec())
+    >>> mesh = jaxpar.make_mesh(data=8)
+    >>> params = {'w': jnp.ones((16, 3))}
+    >>> state = jaxpar.TrainState.create(params, optax.adam(0.1))
+    >>> specs = jaxpar.zero.state_specs(
+    ...     state, zero_stage=1, param_specs={'w': P()},
+    ...     zero_specs=jaxpar.zero.data_specs(params, mesh=mesh))
+    >>> specs.params['w'], specs.opt_state[0].mu['w'], specs.opt_state[0].count
+    (P(), P('data',), P())
   """
-  return jax.tree.map(
-      lambda x: FlatLeaf(P(axis), x.shape) if _is_flat(x) else P(), state,
-      is_leaf=_is_flat)
+  mirrors = _mirrors(state.params)
+  opt = zero_specs if zero_stage else param_specs
+  opt_state = jax.tree.map(
+      lambda node: opt if mirrors(node) else jax.tree.map(lambda _: P(), node),
+      state.opt_state, is_leaf=mirrors)
+  return TrainState(P(), zero_specs if zero_stage == 3 else param_specs,
+                    opt_state)
 
 
-def logical_shapes(tree: PyTree) -> PyTree:
-  """``jax.ShapeDtypeStruct`` of every leaf; ``FlatLeaf``s at their own shape.
+def shard_state(state: TrainState, *, mesh: Mesh, axis: str = 'data',
+                zero_stage: int | None = None,
+                stage: int | None = None) -> TrainState:
+  """``state`` placed on ``mesh`` in the ZeRO layout of ``zero_stage``.
+
+  The state ``jaxpar.data_parallel_step(..., zero_stage=zero_stage)``
+  keeps (the step also places any state itself; this is for looking at the
+  layout, or placing once ahead of time). Works on any state: plain, or in
+  another stage's or mesh's layout.
+
+  Args:
+    state: a ``TrainState`` (e.g. from ``TrainState.create``).
+    mesh: the mesh the step runs on.
+    axis: the mesh axis to split over, size ``N``.
+    zero_stage: 0, 1 or 3 (default 1).
+    stage: the old name of ``zero_stage``.
+
+  Returns:
+    the ``TrainState`` with the same shapes, sharded as ``state_specs``
+    says: each device holds ``1/N`` of every split leaf
+    (``x.sharding.shard_shape(x.shape)``).
 
   Example:
-    >>> jaxpar.zero.logical_shapes(state.params)['w']   # a stage-3 state
-    ShapeDtypeStruct(shape=(5, 7), dtype=float32)
+    >>> state = jaxpar.TrainState.create({'w': jnp.ones((16, 3))},
+    ...                                  optax.adam(0.1))
+    >>> state = jaxpar.zero.shard_state(state, mesh=jaxpar.make_mesh(data=8),
+    ...                                 zero_stage=1)
+    >>> mu = state.opt_state[0].mu['w']
+    >>> mu.shape, mu.sharding.shard_shape(mu.shape)
+    ((16, 3), (2, 3))
   """
-  def one(x):
-    if _is_flat(x):
-      return jax.ShapeDtypeStruct(x.shape, x.flat.dtype)
-    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
-  return jax.tree.map(one, tree, is_leaf=_is_flat)
+  _check_train_state(state, 'zero.shard_state')
+  if stage is not None and zero_stage is not None:
+    raise TypeError('pass zero_stage= only (stage= is its old name).')
+  zero_stage = check_zero_stage(1 if zero_stage is None and stage is None
+                                else stage if zero_stage is None
+                                else zero_stage)
+  base = jax.tree.map(lambda _: P(), state.params)
+  specs = state_specs(state, zero_stage=zero_stage, param_specs=base,
+                      zero_specs=data_specs(state.params, mesh=mesh,
+                                            axis=axis))
+  return jax.device_put(state, shardings(mesh, specs))
 
 
 def _check_train_state(state: Any, fn: str) -> None:
@@ -202,299 +281,119 @@ def _check_train_state(state: Any, fn: str) -> None:
                     f'got {type(state).__name__}.')
 
 
-def shard_state(state: TrainState, *, mesh: Mesh, axis: str = 'data',
-                stage: int = 1) -> TrainState:
-  """A plain ``TrainState`` in the ZeRO layout of ``stage``, placed on ``mesh``.
-
-  The state to pass to ``data_parallel_step(..., zero_stage=stage)``. The
-  params-shaped subtrees of ``opt_state`` (same tree structure and leaf shapes
-  as ``params``) and, for stage 3, ``params`` become ``FlatLeaf``s sharded
-  ``P(axis)``; every other leaf is replicated.
-
-  Args:
-    state: a plain (unsharded) ``TrainState``, e.g. from
-      ``TrainState.create`` or ``unshard_state``; float params.
-    mesh: the mesh the step runs on.
-    axis: the mesh axis to shard over, size ``N``.
-    stage: 1 (optimizer state sharded) or 3 (params sharded too).
-
-  Returns:
-    the sharded ``TrainState``; each device holds ``c = ceil(size / N)``
-    elements of every sharded leaf (``x.sharding.shard_shape(x.shape) ==
-    (c,)``).
-
-  Example:
-    >>> state = jaxpar.TrainState.create({'w': jnp.ones((5, 7))},
-    ...                                  optax.adam(0.1))
-    >>> state = jaxpar.zero.shard_state(state, mesh=jaxpar.make_mesh(data=8),
-    ...                                 stage=3)
-    >>> state.params['w'].flat.shape, state.params['w'].shape
-    ((40,), (5, 7))
-  """
-  _check_train_state(state, 'zero.shard_state')
-  n = axis_size(mesh, axis)
-  if stage not in STAGES:
-    raise ValueError(f'stage={stage!r}; ZeRO stages are {STAGES} (stage 0 is '
-                     'the plain replicated state: no sharding needed).')
-  if _flat_leaves(state):
-    raise ValueError(
-        'state is already ZeRO-sharded (it holds FlatLeaf arrays); to change '
-        'the stage or the mesh, shard_state(unshard_state(state), ...).')
-  for path, leaf in jax.tree_util.tree_leaves_with_path(state.params):
-    if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-      raise TypeError(
-          f'params leaf {jax.tree_util.keystr(path)} has dtype '
-          f'{jnp.result_type(leaf)}; ZeRO shards trainable float params only.')
-  mirrors_params = _mirrors(state.params)
-
-  def flatten(tree):
-    return jax.tree.map(
-        lambda x: FlatLeaf(_pad_flat(jnp.asarray(x), n), np.shape(x)), tree)
-
-  opt_state = jax.tree.map(
-      lambda x: flatten(x) if mirrors_params(x) else x, state.opt_state,
-      is_leaf=mirrors_params)
-  params = flatten(state.params) if stage == 3 else state.params
-  sharded = TrainState(state.step, params, opt_state)
-  return jax.device_put(sharded, jax.tree.map(
-      lambda s: NamedSharding(mesh, s), state_specs(sharded, axis=axis)))
-
-
-def _unshard(tree: PyTree) -> PyTree:
+def _replicated(tree: PyTree) -> PyTree:
   def one(x):
-    if not _is_flat(x):
-      return x
-    flat = x.flat
-    if isinstance(flat.sharding, NamedSharding):  # replicate, then drop padding
-      flat = jax.device_put(flat, NamedSharding(flat.sharding.mesh, P()))
-    return _unpad(flat, x.shape)
-  return jax.tree.map(one, tree, is_leaf=_is_flat)
+    sharding = getattr(x, 'sharding', None)
+    if isinstance(sharding, NamedSharding):
+      return jax.device_put(x, NamedSharding(sharding.mesh, P()))
+    return x
+  return jax.tree.map(one, tree)
 
 
 def unshard_state(state: TrainState) -> TrainState:
-  """The plain ``TrainState`` of a ZeRO state: original shapes, padding dropped.
-
-  Inverse of ``shard_state`` (exactly: the padding is only dropped); the
-  result equals what zero-stage-0 training would hold, replicated on the mesh.
-  Use it to re-shard for another mesh or stage, or to train without ZeRO.
+  """``state`` replicated over its mesh: the layout of ``zero_stage=0``.
 
   Example:
-    >>> plain = jaxpar.zero.unshard_state(state)
-    >>> state = jaxpar.zero.shard_state(plain, mesh=mesh4, stage=1)
+    >>> state = jaxpar.TrainState.create({'w': jnp.ones((16, 3))},
+    ...                                  optax.adam(0.1))
+    >>> mesh = jaxpar.make_mesh(data=8)
+    >>> plain = jaxpar.zero.unshard_state(
+    ...     jaxpar.zero.shard_state(state, mesh=mesh, zero_stage=3))
+    >>> plain.params['w'].sharding.spec
+    P()
   """
   _check_train_state(state, 'zero.unshard_state')
-  return _unshard(state)
+  return _replicated(state)
 
 
 def gather_params(state: TrainState) -> PyTree:
-  """The params of a (ZeRO or plain) ``TrainState`` at their original shapes.
+  """The params of a ``TrainState`` replicated on every device of its mesh.
+
+  ``state.params`` already hold the original shapes (sharded), which is
+  what evaluation should use for a model too big for one device; this is
+  for small models and tests.
 
   Example:
-    >>> loss = loss_fn(jaxpar.zero.gather_params(state), batch)
+    >>> state = jaxpar.zero.shard_state(
+    ...     jaxpar.TrainState.create({'w': jnp.ones((16, 3))}, optax.sgd(0.1)),
+    ...     mesh=jaxpar.make_mesh(data=8), zero_stage=3)
+    >>> jaxpar.zero.gather_params(state)['w'].sharding.spec
+    P()
   """
   _check_train_state(state, 'zero.gather_params')
-  return _unshard(state.params)
-
-
-def check_state(state: TrainState, optimizer: optax.GradientTransformation, *,
-                stage: int, mesh: Mesh, axis: str = 'data') -> None:
-  """``ValueError`` unless ``state`` has ``stage``'s ZeRO layout for ``mesh``.
-
-  Stage 0 (no ZeRO) accepts only plain states. For stages 1 and 3 the flat
-  lengths must fit ``N = mesh.shape[axis]`` and ``opt_state`` must have the
-  structure and shapes of ``optimizer.init`` of the flattened params (which
-  also rejects optimizers that are not elementwise, e.g. ``adafactor``).
-  Abstract evaluation only (``jax.eval_shape``); ``data_parallel_step`` calls
-  it before compiling.
-
-  Example:
-    >>> jaxpar.zero.check_state(state, optax.adam(1e-3), stage=3, mesh=mesh)
-  """
-  fix = f'jaxpar.zero.shard_state(state, mesh=mesh, stage={stage})'
-  flat = _flat_leaves(state)
-  if stage == 0:
-    if flat:
-      raise ValueError(
-          'state is ZeRO-sharded (it holds FlatLeaf arrays) but zero_stage=0; '
-          'pass the zero_stage it was sharded for, or '
-          'jaxpar.zero.unshard_state(state).')
-    return
-  n = axis_size(mesh, axis)
-  params_flat = _flat_leaves(state.params)
-  num_params = len(jax.tree.leaves(state.params, is_leaf=_is_flat))
-  if stage == 3 and len(params_flat) != num_params:
-    raise ValueError(
-        f'zero_stage=3 needs params sharded by zero.shard_state(..., stage=3), '
-        f'but {num_params - len(params_flat)} of {num_params} params leaves '
-        f'are plain arrays; call {fix}.')
-  if stage == 1 and params_flat:
-    raise ValueError(
-        'zero_stage=1 needs replicated params, but state.params are sharded '
-        '(a stage-3 state); use zero_stage=3, or shard_state(unshard_state('
-        'state), mesh=mesh, stage=1).')
-  for leaf in flat:
-    length = leaf.flat.shape[0] if np.ndim(leaf.flat) == 1 else None
-    if length != padded_size(leaf.size, n):
-      raise ValueError(
-          f'state holds a FlatLeaf of shape {leaf.shape} with flat shape '
-          f'{np.shape(leaf.flat)}, but {axis} size {n} needs '
-          f'({padded_size(leaf.size, n)},): it was sharded for another mesh. '
-          'Re-shard: zero.shard_state(zero.unshard_state(state), mesh=mesh, '
-          f'stage={stage}).')
-  abstract = jax.tree.map(
-      lambda x: FlatLeaf(jax.ShapeDtypeStruct(
-          (padded_size(math.prod(x.shape), n),), x.dtype), x.shape),
-      logical_shapes(state.params))
-  want = jax.eval_shape(optimizer.init, abstract)
-  shapes = lambda tree: (jax.tree.structure(tree),
-                         [np.shape(x) for x in jax.tree.leaves(tree)])
-  if shapes(want) != shapes(state.opt_state):
-    mirrors = _mirrors(logical_shapes(state.params))
-    if any(map(mirrors, jax.tree.leaves(state.opt_state, is_leaf=mirrors))):
-      raise ValueError(f'zero_stage={stage} needs the optimizer state sharded '
-                       '(state.opt_state holds unsharded params-shaped '
-                       f'subtrees); call {fix}.')
-    raise ValueError(
-        f'state.opt_state does not match optimizer.init of the flattened '
-        f'params (got {jax.tree.structure(state.opt_state)}, want '
-        f'{jax.tree.structure(want)}). Create the state with this optimizer; '
-        'ZeRO supports elementwise optimizers only (sgd, adam, adamw, ...; '
-        'not e.g. adafactor).')
+  return _replicated(state.params)
 
 
 # -- Inside shard_map: the building blocks of a ZeRO step ------------------
 
 
-def local_slice(params: PyTree, *, axis: str) -> PyTree:
-  """This device's ``1/N`` flat slice of replicated (full) params.
+def vary(params: PyTree, specs: PyTree, *, axis: str) -> PyTree:
+  """Leaves not split over ``axis`` made varying over it (``lax.pcast``).
 
-  Inside ``shard_map`` over ``axis`` (size ``N``, index ``d``): each leaf
-  ``x`` becomes ``FlatLeaf(pad(ravel(x))[d*c:(d+1)*c], x.shape)``.
-
-  Example:
-    >>> mine = jaxpar.zero.local_slice(params, axis='data')   # in shard_map
+  Inside ``shard_map``: then ``jax.grad`` gives each device its own gradient
+  instead of summing over ``axis`` (see ``reduce_gradients``).
   """
-  n, d = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-
-  def one(x):
-    flat = _pad_flat(x, n)
-    c = flat.size // n
-    return FlatLeaf(jax.lax.dynamic_slice_in_dim(flat, d * c, c), x.shape)
-  return jax.tree.map(one, params)
-
-
-def all_gather(params: PyTree, *, axis: str, invariant: bool = False) -> PyTree:
-  """Full params from every device's ``FlatLeaf`` slice (padding dropped).
-
-  Inside ``shard_map`` over ``axis``: each ``FlatLeaf`` ``[c]`` is
-  all-gathered to ``[N*c]``, cut to ``prod(shape)`` and reshaped; other leaves
-  pass through.
-
-  Args:
-    params: pytree with ``FlatLeaf`` slices.
-    axis: the mesh axis they are sharded over.
-    invariant: ``False``: the result is typed varying over ``axis`` and its
-      transpose is a reduce-scatter (sum over ``axis``): use inside a loss.
-      ``True``: typed invariant, e.g. for outputs with ``out_specs=P()``.
-
-  Example:
-    >>> full = jaxpar.zero.all_gather(state.params, axis='data')  # in shard_map
-  """
-  to = 'invarying' if invariant else 'varying'
   return jax.tree.map(
-      lambda x: _unpad(jax.lax.all_gather(x.flat, axis, tiled=True, to=to),
-                       x.shape) if _is_flat(x) else x,
-      params, is_leaf=_is_flat)
+      lambda x, s: x if data_dim(s, axis) is not None
+      else jax.lax.pcast(x, axis, to='varying'), params, specs)
 
 
-def gathered_loss(loss_fn: Callable[..., Any], *,
-                  axis: str) -> Callable[..., Any]:
-  """``loss_fn`` on ``FlatLeaf`` slices, gathering params just before use.
+def gather(params: PyTree, specs: PyTree, *, axis: str,
+           skip: int = 0) -> PyTree:
+  """Full leaves from every device's slice: ``all_gather`` along the data dim.
 
-  ``fn(slices, *args) = loss_fn(all_gather(slices), *args)`` under
-  ``jax.checkpoint(policy=dots_saveable)``: matmul outputs are saved for the
-  backward pass, the gathered params are not (they are re-gathered), see the
-  module docstring. The gradient w.r.t. ``slices`` is this device's slice of
-  the gradient summed over ``axis`` (the all-gather's transpose is a
-  reduce-scatter); ``reduce_gradients`` turns it into the mean.
-
-  Example:
-    >>> fn = jaxpar.zero.gathered_loss(loss_fn, axis='data')      # in shard_map
-    >>> loss, grads = jax.value_and_grad(fn)(state.params, local_batch)
+  Inside ``shard_map``. ``specs`` are the leaves' global specs; ``skip``
+  leading dims of the global leaf are not in ``params`` (a stage's slice of
+  ``[p, v, ...]`` stage leaves: ``skip=2``). The result is typed varying, so
+  its transpose is a reduce-scatter (a sum over ``axis``).
   """
-  def fn(params, *args):
-    return loss_fn(all_gather(params, axis=axis), *args)
-  return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_saveable)
+  def one(x, spec):
+    dim = data_dim(spec, axis)
+    if dim is None:
+      return x
+    return jax.lax.all_gather(x, axis, axis=dim - skip, tiled=True,
+                              to='varying')
+  return jax.tree.map(one, params, specs)
 
 
-def reduce_gradients(grads: PyTree, *, axis: str) -> PyTree:
-  """This device's ``FlatLeaf`` slice of the per-device grads' mean over ``axis``.
+def gathered(fn: Callable[..., Any], specs: PyTree, *, axis: str,
+             skip: int = 0) -> Callable[..., Any]:
+  """``fn(params, *args)`` on ZeRO-3 slices, gathering the params just in time.
 
-  Inside ``shard_map`` over ``axis`` (size ``N``):
+  ``g(slices, *args) = fn(gather(slices), *args)`` under
+  ``jax.checkpoint(policy=dots_saveable)``: the backward pass re-gathers
+  instead of keeping the gathered params. The gradient w.r.t. ``slices`` is
+  this device's slice of the gradient *summed* over ``axis``.
+  """
+  def fn_of_slices(params, *args):
+    return fn(gather(params, specs, axis=axis, skip=skip), *args)
+  return jax.checkpoint(fn_of_slices,
+                        policy=jax.checkpoint_policies.dots_saveable)
 
-  * a plain leaf is a device's full gradient ``g_d`` (stage 1): it is padded,
-    raveled and reduce-scattered, ``sum_d g_d / N``, one ``psum_scatter``;
-  * a ``FlatLeaf`` is the gradient w.r.t. this device's slice from
-    ``gathered_loss`` (stage 3), already summed over ``axis`` by the
-    reduce-scatter of the gather's transpose: it is divided by ``N``.
 
-  Example:
-    >>> grads = jaxpar.zero.reduce_gradients(jax.grad(loss_fn)(params, b),
-    ...                                      axis='data')   # in shard_map
+def reduce_gradients(grads: PyTree, specs: PyTree, *, axis: str,
+                     summed: bool = False) -> PyTree:
+  """Mean over ``axis`` of per-device gradients, in the layout of ``specs``.
+
+  Inside ``shard_map`` over ``axis`` (size ``N``). A leaf whose spec splits
+  a dim over ``axis`` is reduce-scattered along it (``psum_scatter / N``);
+  with ``summed=True`` (ZeRO-3 gradients of ``gathered``: already summed and
+  scattered) it is only divided by ``N``. All other leaves are averaged with
+  one ``pmean``.
   """
   n = jax.lax.axis_size(axis)
-
-  def one(g):
-    if _is_flat(g):
-      return FlatLeaf(g.flat / n, g.shape)
-    summed = jax.lax.psum_scatter(_pad_flat(g, n), axis, tiled=True)
-    return FlatLeaf(summed / n, np.shape(g))
-  return jax.tree.map(one, grads, is_leaf=_is_flat)
-
-
-def global_norm(grads: PyTree, *, axis: str | Sequence[str]) -> jax.Array:
-  """Global L2 norm of a gradient sharded over ``axis``: ``sqrt(psum(sum g^2))``.
-
-  Inside ``shard_map``; ``axis`` is one mesh axis or a tuple of all axes the
-  leaves are sharded over. Padding zeros add nothing. Equals
-  ``optax.tree.norm`` of the unsharded gradient.
-
-  Example:
-    >>> norm = jaxpar.zero.global_norm(grads, axis='data')   # in shard_map
-  """
-  local = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
-  return jnp.sqrt(jax.lax.psum(local, (axis,) if isinstance(axis, str)
-                               else tuple(axis)))
-
-
-def apply_gradients(state: TrainState, grads: PyTree, *, loss: jax.Array,
-                    grad_norm: jax.Array,
-                    optimizer: optax.GradientTransformation, axis: str,
-                    max_grad_norm: float | None = None
-                    ) -> tuple[TrainState, jax.Array]:
-  """The ZeRO update: ``jaxpar.train_state.apply_gradients`` on ``1/N`` slices.
-
-  Inside ``shard_map`` over ``axis``. ``grads`` are ``FlatLeaf`` slices of the
-  mean gradient (``reduce_gradients``), ``grad_norm`` their global norm
-  (``global_norm``). Stage 1 (replicated ``state.params``): this device
-  updates its ``local_slice`` of the params with its slice of the optimizer
-  state, then the params are all-gathered (invariant, original shapes).
-  Stage 3 (``FlatLeaf`` params): the slices are updated in place. Clipping
-  and non-finite skipping are those of ``train_state.apply_gradients``.
-
-  Returns:
-    ``(new_state, skipped)``, the state in the same layout as ``state``.
-
-  Example:
-    >>> state, skipped = jaxpar.zero.apply_gradients(
-    ...     state, grads, loss=loss, grad_norm=norm, optimizer=opt,
-    ...     axis='data')   # in shard_map
-  """
-  stage3 = bool(_flat_leaves(state.params))
-  params = state.params if stage3 else local_slice(state.params, axis=axis)
-  new, skipped = train_state.apply_gradients(
-      state._replace(params=params), grads, loss=loss, grad_norm=grad_norm,
-      optimizer=optimizer, max_grad_norm=max_grad_norm)
-  if not stage3:
-    new = new._replace(params=all_gather(new.params, axis=axis, invariant=True))
-  return new, skipped
+  leaves, treedef = jax.tree.flatten(grads)
+  spec_leaves = treedef.flatten_up_to(specs)
+  dims = [data_dim(s, axis) for s in spec_leaves]
+  means = iter(jax.lax.pmean([g for g, d in zip(leaves, dims) if d is None],
+                             axis))
+  out = []
+  for g, dim in zip(leaves, dims):
+    if dim is None:
+      out.append(next(means))
+    elif summed:
+      out.append(g / n)
+    else:
+      out.append(jax.lax.psum_scatter(g, axis, scatter_dimension=dim,
+                                      tiled=True) / n)
+  return treedef.unflatten(out)

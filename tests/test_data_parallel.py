@@ -42,14 +42,15 @@ def make_batches(num_steps, batch_size, seed=1, dtype=np.float32):
           for _ in range(num_steps)]
 
 
-def reference_run(params, batches, optimizer, max_grad_norm=None):
+def reference_run(params, batches, optimizer, max_grad_norm=None, *,
+                  loss_of=loss_fn):
   """Plain single-device optax training: the ground truth."""
   if max_grad_norm is not None:
     optimizer = optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)
   opt_state = optimizer.init(params)
   history = []
   for batch in batches:
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    loss, grads = jax.value_and_grad(loss_of)(params, batch)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     history.append((loss, optax.tree.norm(grads), params))
