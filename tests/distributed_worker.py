@@ -5,12 +5,19 @@
 run, trains in float64 on a global 8-device mesh (``train_dp``,
 ``train_gpt``) and process 0 writes the results to ``OUT.json``; the test
 compares them with single-process runs.
+
+``python -m distributed_worker drill OUT_DIR CKPT_DIR [kill]`` is the failure
+drill (``drill``): 3D GPT training from the latest checkpoint, saved every
+``DRILL_EVERY`` steps; with ``kill``, process 1 dies by SIGKILL mid-training.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 import jaxpar
 
 STEPS = 2
+DRILL_STEPS, DRILL_EVERY, DRILL_KILL_AT = 5, 2, 3
 
 
 def dp_setup():
@@ -109,9 +117,66 @@ def train_gpt(ckpt_dir: str) -> dict:
                                                 np.asarray(replicated)))}
 
 
+def _record(path: str, value: dict) -> None:
+  with open(path, 'a') as f:
+    f.write(json.dumps(value) + '\n')
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _recorded_steps(path: str) -> list[int]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line).get('step') for line in f if line.strip()]
+
+
+def drill(out_dir: str, ckpt_dir: str, kill: bool) -> int:
+  """Steps ``first..DRILL_STEPS-1`` of the GPT, ``first`` from the checkpoint.
+
+  Process 0 appends ``{"step", "loss"}`` per step to ``OUT_DIR/losses.jsonl``
+  (``resumed_from`` first). With ``kill``, process 1 SIGKILLs itself after
+  step ``DRILL_KILL_AT`` (once process 0 has recorded its loss), before the
+  checkpoint that would follow it; process 0 is then stuck in a collective
+  until the launcher stops it.
+  """
+  from jaxpar.models import gpt  # pylint: disable=g-import-not-at-top
+  _, params, _, opt = gpt_setup()
+  pp, layout = gpt.split_for_pipeline(params, num_stages=2)
+  schedule = jaxpar.pipeline.one_f_one_b(2, 2)
+  trainer = jaxpar.parallel.train_step(
+      gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, opt, schedule=schedule,
+      mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
+      stage_mask=layout.mask, max_grad_norm=1.0)
+  state = trainer.init(pp)
+  if jaxpar.checkpoint.latest_step(ckpt_dir) is not None:
+    state = jaxpar.checkpoint.restore(ckpt_dir, state, schedule=schedule)
+  losses = os.path.join(out_dir, 'losses.jsonl')
+  main_process = jaxpar.distributed.is_main_process()
+  if main_process:
+    _record(losses, {'resumed_from': int(state.step)})
+  for i in range(int(state.step), DRILL_STEPS):
+    rng = np.random.default_rng([2, i])   # batch i, the same in every run
+    batch = tuple(rng.integers(0, 16, (8, 4)) for _ in range(2))
+    state, stats = trainer.step(state, batch)
+    loss = float(stats.loss)
+    if main_process:
+      _record(losses, {'step': i, 'loss': loss})
+    if kill and i == DRILL_KILL_AT and jax.process_index() == 1:
+      while i not in _recorded_steps(losses):
+        time.sleep(0.01)
+      _record(os.path.join(out_dir, 'killed.jsonl'), {'time': time.time()})
+      os.kill(os.getpid(), signal.SIGKILL)
+    if int(state.step) % DRILL_EVERY == 0:
+      jaxpar.checkpoint.save(ckpt_dir, state, schedule=schedule)
+  return 0
+
+
 def main(argv: list[str]) -> int:
   jaxpar.distributed.initialize()
   jax.config.update('jax_enable_x64', True)
+  if argv[0] == 'drill':
+    return drill(argv[1], argv[2], kill=argv[3:] == ['kill'])
   result = {'process_count': jax.process_count(),
             'local_device_count': jax.local_device_count(),
             'dp': train_dp(), 'gpt': train_gpt(argv[1])}

@@ -3,6 +3,8 @@
 import functools
 import json
 import os
+import signal
+import time
 
 import jax
 import numpy as np
@@ -14,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import distributed_worker as worker
 import launch_probe
 import jaxpar
+from jaxpar import checkpoint
 from jaxpar import distributed
 from jaxpar.models import gpt
 
@@ -84,6 +87,41 @@ def test_two_processes_match_one_process(tmp_path, worker_path, clean_env,
                              _leaves(params), rtol=1e-10, atol=1e-9)
   assert result['gpt']['restored_equal']
   assert result['gpt']['gathered_equal']
+
+
+def _losses(path):
+  lines = [json.loads(line) for line in path.read_text().splitlines()]
+  return lines[0]['resumed_from'], {r['step']: r['loss'] for r in lines[1:]}
+
+
+def test_kill_one_process_then_resume_bit_exactly(tmp_path, worker_path,
+                                                  clean_env, x64):
+  """SIGKILL process 1 of 2 mid-training: the launcher stops process 0 within
+  seconds and returns -9; both resume from the last checkpoint (step 2) and
+  repeat steps 2, 3 with bit-identical losses."""
+  killed, resumed, ckpt = tmp_path / 'killed', tmp_path / 'resumed', str(
+      tmp_path / 'ckpt')
+  killed.mkdir()
+  resumed.mkdir()
+  code = distributed.launch(2, ['drill', str(killed), ckpt, 'kill'],
+                            devices_per_process=4, module='distributed_worker',
+                            timeout=400)
+  returned = time.time()
+  assert code == -signal.SIGKILL
+  kill_time = json.loads((killed / 'killed.jsonl').read_text())['time']
+  assert returned - kill_time < 10.0   # SIGTERM, or SIGKILL after 5 s grace
+  start, before = _losses(killed / 'losses.jsonl')
+  assert start == 0 and sorted(before) == [0, 1, 2, 3]
+  assert checkpoint.latest_step(ckpt) == 2
+
+  code = distributed.launch(2, ['drill', str(resumed), ckpt],
+                            devices_per_process=4, module='distributed_worker',
+                            timeout=400)
+  assert code == 0
+  start, after = _losses(resumed / 'losses.jsonl')
+  assert start == 2 and sorted(after) == [2, 3, 4]
+  assert [after[2], after[3]] == [before[2], before[3]]   # bit for bit
+  assert np.isfinite(after[4]) and checkpoint.latest_step(ckpt) == 4
 
 
 def test_launch_sets_the_environment(tmp_path, worker_path):
