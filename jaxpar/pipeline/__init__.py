@@ -24,5 +24,6 @@ from jaxpar.pipeline.executor import pipeline_apply as pipeline_apply
 from jaxpar.pipeline.executor import pipeline_apply_local as pipeline_apply_local
 from jaxpar.pipeline.executor import pipeline_step as pipeline_step
 from jaxpar.pipeline.executor import pipeline_step_local as pipeline_step_local
-from jaxpar.pipeline.executor import ranks_to_stages as ranks_to_stages
-from jaxpar.pipeline.executor import stages_to_ranks as stages_to_ranks
+from jaxpar.pipeline.executor import pipeline_value_and_grad as pipeline_value_and_grad
+from jaxpar.pipeline.layout import ranks_to_stages as ranks_to_stages
+from jaxpar.pipeline.layout import stages_to_ranks as stages_to_ranks

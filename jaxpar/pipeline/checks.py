@@ -109,7 +109,7 @@ def check_fill(bubble_fill: Any) -> float:
 
 
 def lowered_for(schedule: Any, mesh: Mesh, axis: str,
-                 training: bool) -> LoweredSchedule:
+                training: bool) -> LoweredSchedule:
   """Lowers ``schedule`` after checking it against ``mesh`` and the mode."""
   if not isinstance(schedule, Schedule):
     raise TypeError(f'schedule must be a jaxpar.pipeline.Schedule (e.g. '

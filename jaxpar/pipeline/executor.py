@@ -1,7 +1,7 @@
 """The pipeline executor: any lowered ``Schedule`` as one SPMD program.
 
-``pipeline_step`` runs a training step of a pipelined model, ``pipeline_apply``
-its forward pass. Both are one ``jax.shard_map`` over the pipeline axis around
+``pipeline_value_and_grad`` (alias ``pipeline_step``) computes the loss and
+gradients of a pipelined model, ``pipeline_apply`` its forward pass. Both are one ``jax.shard_map`` over the pipeline axis around
 one ``lax.scan`` over the ticks of the lowered schedule
 (``jaxpar.pipeline.lower``; ``docs/executor.md`` draws a tick). Per tick,
 every rank
@@ -349,7 +349,7 @@ def pipeline_step_local(
                      (loss_params, 'loss_params'), (inputs, 'inputs')):
     check_float(tree, name)
   check_leading(local_params, schedule.num_stages // schedule.num_ranks,
-                 'local_params', 'num_stages // num_ranks')
+                'local_params', 'num_stages // num_ranks')
   xs, ts = microbatched(inputs, targets, schedule.num_microbatches)
   check_stage_fn(stage_fn, local_params, xs)
   loss, grads, dlp, dx = _run(
@@ -379,7 +379,7 @@ def pipeline_apply_local(
   schedule = lowered.schedule
   check_axis(axis, schedule)
   check_leading(local_params, schedule.num_stages // schedule.num_ranks,
-                 'local_params', 'num_stages // num_ranks')
+                'local_params', 'num_stages // num_ranks')
   xs, _ = microbatched(inputs, (), schedule.num_microbatches)
   check_stage_fn(stage_fn, local_params, xs)
   out = _run(stage_fn, None, lowered, local_params, (), xs, (), axis=axis,
@@ -387,12 +387,16 @@ def pipeline_apply_local(
   return out.reshape(np.shape(inputs))
 
 
-def pipeline_step(
+def pipeline_value_and_grad(
     stage_fn: StageFn, loss_fn: LossFn, *, schedule: Schedule, mesh: Mesh,
     axis: str = 'stage', remat: bool = False, bubble_fill: float = 0.0
 ) -> Callable[[PyTree, PyTree, jax.Array, PyTree],
               tuple[jax.Array, PipelineGrads]]:
-  """A jitted pipelined training step: loss and gradients of the batch mean.
+  """A jitted pipelined step: the loss and gradients of the batch mean.
+
+  Like ``jax.value_and_grad`` of the sequential model (no optimizer: plug
+  the gradients into optax, or use ``jaxpar.parallel.train_step``).
+  ``pipeline_step`` is the same function under its first name.
 
   The batch is split into ``m = schedule.num_microbatches`` equal
   microbatches that flow through ``S = schedule.num_stages`` logical stages
@@ -440,7 +444,7 @@ def pipeline_step(
   Example:
     >>> stage_fn = lambda p, x: jnp.tanh(x @ p['w'] + p['b'])
     >>> loss_fn = lambda scale, y, t: jnp.mean((scale * y - t) ** 2)
-    >>> step = jaxpar.pipeline.pipeline_step(
+    >>> step = jaxpar.pipeline.pipeline_value_and_grad(
     ...     stage_fn, loss_fn, mesh=jaxpar.make_mesh(stage=4, data=2),
     ...     schedule=jaxpar.pipeline.one_f_one_b(4, 8))
     >>> params = {'w': np.full((4, 16, 16), 1 / 16, np.float32),
@@ -470,7 +474,7 @@ def pipeline_step(
   @jax.jit
   def step(stage_params, loss_params, inputs, targets):
     check_leading(stage_params, schedule.num_stages, 'stage_params',
-                   'schedule.num_stages')
+                  'schedule.num_stages')
     # Replicated on every device (a no-op unless the caller sharded them).
     loss_params, inputs, targets = jax.reshard(
         (loss_params, inputs, targets), NamedSharding(mesh, P()))
@@ -489,7 +493,7 @@ def _apply(stage_fn, stage_params, inputs, *, schedule, mesh, axis,
   bubble_fill = float(bubble_fill)  # passed as a str: nan == nan for the cache
   lowered = lowered_for(schedule, mesh, axis, training=False)
   check_leading(stage_params, schedule.num_stages, 'stage_params',
-                 'schedule.num_stages')
+                'schedule.num_stages')
   local = lambda params, x: pipeline_apply_local(
       stage_fn, jax.tree.map(lambda a: a[0], params), x, lowered=lowered,
       axis=axis, bubble_fill=bubble_fill)
@@ -500,18 +504,19 @@ def _apply(stage_fn, stage_params, inputs, *, schedule, mesh, axis,
                        out_specs=P(), axis_names={axis})(params, inputs)
 
 
-def pipeline_apply(stage_fn: StageFn, stage_params: PyTree,
-                   inputs: jax.Array, *, schedule: Schedule, mesh: Mesh,
-                   axis: str = 'stage', bubble_fill: float = 0.0) -> jax.Array:
+def pipeline_apply(stage_fn: StageFn, stage_params: PyTree | None = None,
+                   inputs: jax.Array | None = None, *, schedule: Schedule,
+                   mesh: Mesh, axis: str = 'stage', bubble_fill: float = 0.0):
   """The pipelined forward pass (inference): all stages on every microbatch.
 
   Runs the ``F`` actions of ``schedule`` (any schedule; its backward actions
-  are dropped) and returns ``stage_{S-1}(... stage_0(x))`` for the whole
+  are dropped) and computes ``stage_{S-1}(... stage_0(x))`` for the whole
   batch. Compiled once per ``(stage_fn, schedule, mesh, axis)`` and shapes.
 
   Args:
     stage_fn: ``stage_fn(one_stage_params, x) -> y``, ``y`` like ``x``.
-    stage_params: pytree stacked ``[num_stages, ...]`` in model order.
+    stage_params: pytree stacked ``[num_stages, ...]`` in model order; give it
+      with ``inputs`` to run at once (the first call form).
     inputs: ``[batch, ...]`` with ``batch`` divisible by
       ``schedule.num_microbatches``.
     schedule: a ``Schedule`` whose ``num_ranks`` is ``mesh.shape[axis]``.
@@ -520,16 +525,31 @@ def pipeline_apply(stage_fn: StageFn, stage_params: PyTree,
     bubble_fill: value of unwritten buffer slots and of what idle ranks send.
 
   Returns:
-    ``[batch, ...]``, replicated over ``axis``.
+    Without ``stage_params`` and ``inputs``: ``apply(stage_params, inputs) ->
+    [batch, ...]``, like every other step; with them, that result directly.
+    Outputs are replicated over ``axis``.
 
   Example:
-    >>> y = jaxpar.pipeline.pipeline_apply(
-    ...     lambda w, x: jnp.tanh(x @ w), np.ones((4, 16, 16), np.float32),
-    ...     np.ones((32, 16), np.float32), mesh=jaxpar.make_mesh(stage=4, data=2),
+    >>> apply = jaxpar.pipeline.pipeline_apply(
+    ...     lambda w, x: jnp.tanh(x @ w), mesh=jaxpar.make_mesh(stage=4, data=2),
     ...     schedule=jaxpar.pipeline.one_f_one_b(4, 8))
-    >>> y.shape
+    >>> apply(np.ones((4, 16, 16), np.float32), np.ones((32, 16), np.float32)).shape
     (32, 16)
   """
   check_fn(stage_fn, 'stage_fn')
-  return _apply(stage_fn, stage_params, inputs, schedule=schedule, mesh=mesh,
-                axis=axis, bubble_fill=str(check_fill(bubble_fill)))
+  fill = str(check_fill(bubble_fill))  # a str: nan == nan for the jit cache
+  lowered_for(schedule, mesh, axis, training=False)
+
+  def apply(stage_params: PyTree, inputs: jax.Array) -> jax.Array:
+    return _apply(stage_fn, stage_params, inputs, schedule=schedule,
+                  mesh=mesh, axis=axis, bubble_fill=fill)
+  if stage_params is None and inputs is None:
+    return apply
+  if stage_params is None or inputs is None:
+    raise TypeError('pipeline_apply takes stage_params and inputs together '
+                    '(to run now) or neither (to get apply(stage_params, '
+                    'inputs)).')
+  return apply(stage_params, inputs)
+
+
+pipeline_step = pipeline_value_and_grad
