@@ -345,3 +345,16 @@ def test_docstring_examples():
   result = doctest.testmod(executor, extraglobs={
       'jaxpar': jaxpar, 'jax': jax, 'jnp': jnp, 'np': np, 'P': P})
   assert result.attempted >= 10 and not result.failed
+
+
+def test_apply_and_value_and_grad_have_the_step_shape():
+  p, m = 2, 4
+  stages, _, x, _ = model(p, m * MB, np.float32)
+  schedule = sch.one_f_one_b(p, m)
+  apply = pipeline_apply(stage_fn, schedule=schedule, mesh=mesh_for(p))
+  np.testing.assert_array_equal(
+      apply(stages, x),
+      pipeline_apply(stage_fn, stages, x, schedule=schedule, mesh=mesh_for(p)))
+  with pytest.raises(TypeError, match='together'):
+    pipeline_apply(stage_fn, stages, schedule=schedule, mesh=mesh_for(p))
+  assert sch.pipeline_step is sch.pipeline_value_and_grad
