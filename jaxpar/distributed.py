@@ -257,7 +257,8 @@ def launch(num_processes: int, argv: Sequence[str], *,
     0
   """
   _check_int(num_processes, 'num_processes', 1)
-  if isinstance(argv, str) or not all(isinstance(a, str) for a in argv):
+  if isinstance(argv, str) or not isinstance(argv, Sequence) or not all(
+      isinstance(a, str) for a in argv):
     raise TypeError(f'argv must be a list of str (e.g. ["demo", "--steps", '
                     f'"10"]), got {argv!r}.')
   _check_int(devices_per_process, 'devices_per_process', 1)
