@@ -1,0 +1,66 @@
+"""pytest setup for the tests and the doctests of every jaxpar module.
+
+Eight simulated CPU devices, fixed before JAX starts (this file is imported
+before any test or jaxpar module), and the names every ``>>>`` example may
+use without importing them: ``jax, jnp, np, jaxpar, P, optax, nnx``.
+"""
+
+import os
+
+os.environ.setdefault('XLA_FLAGS', '')  # no GPU flags leak into CPU tests
+import jax  # noqa: E402
+
+jax.config.update('jax_num_cpu_devices', 8)
+jax.config.update('jax_platforms', 'cpu')
+
+from flax import nnx  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+
+import jaxpar  # noqa: E402
+
+if jax.device_count() < 8:
+  raise RuntimeError(
+      f'jaxpar tests need 8 simulated CPU devices, got {jax.device_count()}: '
+      'something started JAX before conftest.py ran.')
+
+
+@pytest.fixture(autouse=True)
+def _doctest_names(doctest_namespace):
+  doctest_namespace.update(jax=jax, jnp=jnp, np=np, jaxpar=jaxpar, P=P,
+                           optax=optax, nnx=nnx)
+
+
+def pytest_ignore_collect(collection_path, config):
+  """Under tests/ only ``test_*.py`` are modules to import: the other scripts
+  there (process workers, data exporters) are programs, and
+  ``--doctest-modules`` would import them."""
+  try:
+    rel = collection_path.relative_to(config.rootpath)
+  except ValueError:
+    return None
+  if (rel.suffix == '.py' and rel.parts[0] == 'tests'
+      and not rel.name.startswith(('test_', 'conftest'))):
+    return True
+  return None
+
+
+# TODO(issue 16): these modules' `>>>` examples still use undefined names
+# (`state`, `stats`, `loss_fn`, ...) or need a fresh process
+# (`distributed.initialize`, `distributed.launch`: mark those +SKIP). Their
+# owners are rewriting them; delete each name here once its examples run.
+_DOCTESTS_NOT_YET_RUNNABLE = frozenset({
+    'jaxpar.checkpoint', 'jaxpar.data_parallel', 'jaxpar.distributed',
+    'jaxpar.parallel', 'jaxpar.zero',
+})
+
+
+def pytest_collection_modifyitems(items):
+  for item in items:
+    if (isinstance(item, pytest.DoctestItem)
+        and item.dtest.globs['__name__'] in _DOCTESTS_NOT_YET_RUNNABLE):
+      item.add_marker(pytest.mark.skip(
+          reason='TODO(issue 16): examples not yet runnable (conftest.py)'))
