@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
@@ -63,8 +63,7 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
   n = jax.device_count()
   mesh = jaxpar.make_mesh(tensor=n)
   # GSPMD propagates shardings only through Auto axes: same devices and names.
-  auto_mesh = Mesh(mesh.devices, mesh.axis_names,
-                   axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+  auto_mesh = mesh.update(axis_types=(AxisType.Auto,) * len(mesh.axis_names))
   sizes = [(256, 256)] if quick else [(256, 512), (1024, 2048)]
   rows = []
   for d, tokens in sizes:
