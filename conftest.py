@@ -49,13 +49,11 @@ def pytest_ignore_collect(collection_path, config):
 
 
 # TODO(issue 16): these modules' `>>>` examples still use undefined names
-# (`state`, `stats`, `loss_fn`, ...) or need a fresh process
-# (`distributed.initialize`, `distributed.launch`: mark those +SKIP). Their
-# owners are rewriting them; delete each name here once its examples run.
-_DOCTESTS_NOT_YET_RUNNABLE = frozenset({
-    'jaxpar.checkpoint', 'jaxpar.data_parallel', 'jaxpar.distributed',
-    'jaxpar.parallel', 'jaxpar.zero',
-})
+# (`state`, `stats`, `ckpt`, ...) or need a fresh process
+# (`distributed.initialize`; `distributed.launch` runs two demo processes:
+# mark those +SKIP). Delete each name here once its examples run.
+_DOCTESTS_NOT_YET_RUNNABLE = frozenset({'jaxpar.checkpoint',
+                                        'jaxpar.distributed'})
 
 
 def pytest_collection_modifyitems(items):
