@@ -1,4 +1,4 @@
-"""Device meshes with jaxpar's three named axes: ``('data', 'stage', 'tensor')``.
+"""Device meshes with jaxpar's three named axes ``('data', 'stage', 'tensor')``.
 
 Every jaxpar function takes its axis name as a keyword with these defaults, so
 one mesh serves data, pipeline and tensor parallelism at once.
@@ -108,7 +108,7 @@ def make_mesh(*, data: int = 1, stage: int = 1, tensor: int = 1,
 
 
 def axis_size(mesh: Mesh, axis: str) -> int:
-  """Size of ``axis`` in ``mesh``; a ``ValueError`` naming the axes if absent."""
+  """Size of ``axis`` in ``mesh``; ``ValueError`` naming the axes if absent."""
   if not isinstance(mesh, Mesh):
     raise TypeError(f'mesh must be a jax.sharding.Mesh (see jaxpar.make_mesh), '
                     f'got {type(mesh).__name__}.')
