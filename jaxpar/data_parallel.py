@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import zero
 from jaxpar.mesh import axis_size
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
-                                apply_gradients, check_max_grad_norm,
+                                apply_gradients, auto_view, check_max_grad_norm,
                                 check_optimizer, placed_init, sharded_update,
                                 shardings)
 
@@ -218,7 +218,8 @@ def train_step(
     into the step's layout); ``stats.loss`` is the global mean before the
     update, ``stats.grad_norm`` the global norm before clipping;
     non-finite loss or gradients skip the update (``stats.skipped``).
-    ``params(state)`` returns ``state.params`` as they are sharded.
+    ``params(state)`` returns ``state.params`` as they are sharded
+    (``train_state.auto_view``: nothing is replicated).
 
   Example:
     >>> loss_fn = lambda p, b: jnp.mean((b['x'] @ p['w'] - b['y']) ** 2)
@@ -285,7 +286,7 @@ def train_step(
     return step.lower(state, batch)
 
   checked_step.lower = lower
-  return Trainer(init, checked_step, lambda state: state.params)
+  return Trainer(init, checked_step, lambda state: auto_view(state.params))
 
 
 def check_opt_state(state: TrainState,

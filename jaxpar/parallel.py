@@ -67,7 +67,7 @@ from jaxpar.pipeline.lower import lower
 from jaxpar.pipeline.schedule import Schedule
 from jaxpar.pipeline_params import PipelineParams
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
-                                check_max_grad_norm, check_optimizer,
+                                auto_view, check_max_grad_norm, check_optimizer,
                                 placed_init, sharded_update, shardings)
 
 __all__ = ['PipelineParams', 'Trainer', 'train_step']
@@ -247,12 +247,12 @@ def train_step(
     return placed_init(params, optimizer, mesh=mesh, specs=state_specs)
 
   def to_model_order(state: TrainState) -> PipelineParams:
-    """Stages back in model order ``[num_stages, ...]``, sharding kept."""
+    """Stages back in model order ``[num_stages, ...]``, shards kept."""
     stages = jax.tree.map(
         lambda a: executor.ranks_to_stages(a, schedule,
                                            out_sharding=_model_sharding(a)),
         state.params.stages)
-    return state.params._replace(stages=stages)
+    return auto_view(state.params._replace(stages=stages))
 
   def masked(stage_grads: PyTree) -> PyTree:
     if stage_mask is None:

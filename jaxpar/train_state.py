@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 PyTree = Any
@@ -221,6 +221,33 @@ def shardings(mesh: Mesh, specs: PyTree) -> PyTree:
   """``NamedSharding(mesh, spec)`` for every ``PartitionSpec`` of ``specs``."""
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                       is_leaf=lambda s: isinstance(s, P))
+
+
+def auto_view(tree: PyTree) -> PyTree:
+  """``tree``'s arrays with the same shards on their mesh's ``Auto``-axes twin.
+
+  Arrays on ``Explicit`` axes carry their sharding in their type, and
+  ``jnp`` code that slices a sharded dim must then say where the result
+  goes. The same shards on ``Auto`` axes let any code run (XLA's
+  partitioner decides), and nothing is replicated: this is what
+  ``Trainer.params`` returns for evaluation and checkpoints.
+
+  Example:
+    >>> x = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(
+    ...     jaxpar.make_mesh(data=8), P('data')))
+    >>> y = jaxpar.train_state.auto_view(x)
+    >>> y.sharding.spec, float(y[3])
+    (P('data',), 3.0)
+  """
+  def one(x):
+    sharding = getattr(x, 'sharding', None)
+    if not isinstance(sharding, NamedSharding):
+      return x
+    mesh = sharding.mesh
+    auto = Mesh(mesh.devices, mesh.axis_names,
+                axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    return jax.device_put(x, NamedSharding(auto, sharding.spec))
+  return jax.tree.map(one, tree)
 
 
 def sharded_update(state: TrainState, grads: PyTree, *, loss: jax.Array,

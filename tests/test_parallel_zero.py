@@ -1,4 +1,4 @@
-"""ZeRO-1 in the 3D train step: exact, ~1/N optimizer state, checkpointable."""
+"""ZeRO-1/3 in the 3D train step: exact, ~1/N state per device, checkpointable."""
 
 import functools
 
@@ -11,6 +11,7 @@ import pytest
 from test_parallel import batches, dense_params, reference
 
 import jaxpar
+import jaxpar.hlo
 from jaxpar.models import gpt
 
 
@@ -32,6 +33,12 @@ def opt_state_bytes(state):
              for x in jax.tree.leaves(state.opt_state))
 
 
+def param_bytes(state):
+  """Bytes of the params on one device."""
+  return sum(x.addressable_shards[0].data.nbytes
+             for x in jax.tree.leaves(state.params))
+
+
 @functools.cache
 def reference_run():
   """3 steps of one-device sgd+momentum, clipped at 0.5 (inside x64 tests)."""
@@ -41,23 +48,24 @@ def reference_run():
 
 
 CASES = {
-    '2x2x2-1f1b': (dict(data=2, stage=2, tensor=2),
-                   lambda: jaxpar.pipeline.one_f_one_b(2, 2)),
-    '4x2x1-interleaved': (dict(data=4, stage=2, tensor=1),
-                          lambda: jaxpar.pipeline.interleaved_1f1b(2, 2, 2)),
+    '4x2x1-interleaved-zero3': (dict(data=4, stage=2, tensor=1),
+                                lambda: jaxpar.pipeline.interleaved_1f1b(2, 2, 2),
+                                3),
+    '2x2x2-zbv-zero3': (dict(data=2, stage=2, tensor=2),
+                        lambda: jaxpar.pipeline.zbv(2, 2), 3),
 }
 
 
 @pytest.mark.parametrize('case', list(CASES))
 def test_matches_single_device_float64(x64, case, tmp_path):
   """Same losses, norms, params as one-device optax; checkpoint round trip."""
-  mesh_sizes, make_schedule = CASES[case]
+  mesh_sizes, make_schedule, zero_stage = CASES[case]
   schedule = make_schedule()
   params, data = dense_params(jnp.float64), batches(3)
   # sgd + momentum: linear in the gradient (see test_parallel.py on adam).
   optimizer, want = reference_run()
-  trainer, layout = make_trainer(mesh_sizes, schedule, optimizer, zero_stage=1,
-                                 max_grad_norm=0.5)
+  trainer, layout = make_trainer(mesh_sizes, schedule, optimizer,
+                                 zero_stage=zero_stage, max_grad_norm=0.5)
   assert float(want[0][1]) > 0.5   # clipping is exercised
   pp, _ = gpt.split_for_pipeline(params, num_stages=schedule.num_stages)
   state = trainer.init(pp)
@@ -69,6 +77,8 @@ def test_matches_single_device_float64(x64, case, tmp_path):
     chex.assert_trees_all_close(
         gpt.merge_from_pipeline(trainer.params(state), layout), ref_p,
         rtol=1e-9, atol=1e-11)
+  kernel = state.params.stages['mlp']['fc_in']['kernel']
+  assert 'data' in str(kernel.sharding.spec) if zero_stage == 3 else True
   # Momentum traces are non-zero now; a restored state is bit-identical and
   # its next step equals the reference's third step.
   jaxpar.checkpoint.save(tmp_path, state)
@@ -79,6 +89,25 @@ def test_matches_single_device_float64(x64, case, tmp_path):
       state)))
   _, stats = trainer.step(restored, data[2])
   np.testing.assert_allclose(stats.loss, want[2][0], rtol=1e-10)
+
+
+def test_zero3_checkpoint_restores_onto_another_mesh_and_stage(tmp_path, x64):
+  """ZeRO-3 on data=2 -> zero_stage=0 on data=1 x tensor=4, same numbers."""
+  optimizer, want = reference_run()
+  params, data = dense_params(jnp.float64), batches(3)
+  schedule = jaxpar.pipeline.one_f_one_b(2, 2)
+  pp, layout = gpt.split_for_pipeline(params, num_stages=2)
+  zero3, _ = make_trainer(dict(data=2, stage=2, tensor=2), schedule,
+                          optimizer, zero_stage=3, max_grad_norm=0.5)
+  state, _ = zero3.step(zero3.init(pp), data[0])
+  jaxpar.checkpoint.save(tmp_path, state, schedule=schedule)
+  other = jaxpar.pipeline.zero_bubble_h1(2, 2)
+  plain, _ = make_trainer(dict(data=1, stage=2, tensor=4), other, optimizer,
+                          zero_stage=0, max_grad_norm=0.5)
+  restored = jaxpar.checkpoint.restore(tmp_path, plain.init(pp),
+                                       schedule=other)
+  _, stats = plain.step(restored, data[1])
+  np.testing.assert_allclose(stats.loss, want[1][0], rtol=1e-10)
 
 
 def test_checkpoint_with_schedule_moves_the_moments_too(tmp_path):
@@ -112,47 +141,82 @@ def test_checkpoint_with_schedule_moves_the_moments_too(tmp_path):
 
 @pytest.mark.parametrize('sizes', [dict(data=4, stage=2, tensor=1),
                                    dict(data=2, stage=2, tensor=2)])
-def test_optimizer_state_is_split_over_data(sizes):
-  """Per-device adam state is ~1/N of zero_stage=0's; same values gathered."""
+def test_state_is_split_over_data(sizes):
+  """Per device: ZeRO-1 adam state ~1/N of zero_stage=0's, ZeRO-3 params too."""
   schedule = jaxpar.pipeline.one_f_one_b(2, 2)
   pp, _ = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=2)
   n = sizes['data']
-  plain, _ = make_trainer(sizes, schedule, optax.adam(0.1), zero_stage=0)
-  zero1, _ = make_trainer(sizes, schedule, optax.adam(0.1), zero_stage=1)
-  dense, sharded = plain.init(pp), zero1.init(pp)
-  ratio = opt_state_bytes(sharded) / opt_state_bytes(dense)
-  # Padding (< N elements per leaf) and adam's replicated count aside.
+  states = {}
+  for zero_stage in (0, 1, 3):
+    trainer, _ = make_trainer(sizes, schedule, optax.adam(0.1),
+                              zero_stage=zero_stage)
+    states[zero_stage] = trainer, trainer.init(pp)
+  plain = states[0][1]
+  for zero_stage in (1, 3):
+    trainer, state = states[zero_stage]
+    ratio = opt_state_bytes(state) / opt_state_bytes(plain)
+    # Leaves with no dim divisible by N (and adam's count) stay whole.
+    assert 1 / n <= ratio < 1.1 / n, ratio
+    chex.assert_trees_all_equal(trainer.params(state), states[0][0].params(
+        plain))
+    mu = state.opt_state[0].mu.stages['mlp']['fc_in']['kernel']
+    assert 'data' in str(mu.sharding.spec)
+  ratio = param_bytes(states[3][1]) / param_bytes(plain)
   assert 1 / n <= ratio < 1.1 / n, ratio
-  chex.assert_trees_all_equal(zero1.params(sharded), plain.params(dense))
-  mu = sharded.opt_state[0].mu.stages['mlp']['fc_in']['kernel']
-  assert mu.sharding.spec[-1] == 'data'
-  assert mu.sharding.shard_shape(mu.shape)[-1] * n == mu.shape[-1]
+  assert param_bytes(states[1][1]) == param_bytes(plain)
+
+
+def test_zero3_memory_and_collectives():
+  """Compiled: ~1/N argument bytes for params; gathers and reduce-scatters."""
+  sizes, schedule = dict(data=4, stage=2, tensor=1), \
+      jaxpar.pipeline.one_f_one_b(2, 2)
+  pp, _ = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=2)
+  batch = batches(1)[0]
+  out = {}
+  for zero_stage in (1, 3):
+    trainer, _ = make_trainer(sizes, schedule, optax.sgd(0.1),
+                              zero_stage=zero_stage)
+    state = trainer.init(pp)
+    compiled = trainer.step.lower(state, batch).compile()
+    out[zero_stage] = (param_bytes(state), compiled.memory_analysis(),
+                       jaxpar.hlo.collective_bytes(compiled))
+  (p1, mem1, moved1), (p3, mem3, moved3) = out[1], out[3]
+  # sgd has no state: the arguments are the params (and the batch).
+  assert mem1.argument_size_in_bytes - mem3.argument_size_in_bytes == p1 - p3
+  assert p3 < 0.3 * p1
+  # ZeRO-1: params gathered once after the update; ZeRO-3: gathered inside
+  # the stages (per microbatch), gradients reduce-scattered in both.
+  assert moved1['reduce-scatter'] > 0 and moved3['reduce-scatter'] > 0
+  assert moved1['all-gather'] > 0 and moved3['all-gather'] > 0
 
 
 class TestErrors:
 
-  @pytest.mark.parametrize('stage', [2, -1, True, '1', None])
-  def test_bad_zero_stage(self, stage):
-    with pytest.raises(ValueError, match=r'zero_stage=.*choose 0 \(no ZeRO\) '
-                       r'or 1'):
+  @pytest.mark.parametrize('stage,error', [(2, ValueError), (-1, ValueError),
+                                           (True, TypeError), ('1', TypeError),
+                                           (None, TypeError)])
+  def test_bad_zero_stage(self, stage, error):
+    with pytest.raises(error, match=r'zero_stage'):
       make_trainer(dict(data=2, stage=2, tensor=2),
                    jaxpar.pipeline.one_f_one_b(2, 2), optax.sgd(0.1),
                    zero_stage=stage)
 
-  def test_zero_stage_3_not_implemented(self):
-    with pytest.raises(NotImplementedError, match='zero_stage=3 .* use '
-                       'zero_stage=1'):
-      make_trainer(dict(data=2, stage=2, tensor=2),
-                   jaxpar.pipeline.one_f_one_b(2, 2), optax.sgd(0.1),
-                   zero_stage=3)
-
-  @pytest.mark.parametrize('made, used', [(0, 1), (1, 0)])
-  def test_state_of_other_zero_stage(self, made, used):
+  def test_state_of_other_zero_stage_is_placed(self):
+    """ZeRO layouts keep the shapes: another trainer's state just fits."""
     sizes, schedule = dict(data=2, stage=2, tensor=1), \
         jaxpar.pipeline.one_f_one_b(2, 2)
     pp, _ = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=2)
-    maker, _ = make_trainer(sizes, schedule, optax.adam(0.1), zero_stage=made)
-    user, _ = make_trainer(sizes, schedule, optax.adam(0.1), zero_stage=used)
-    with pytest.raises(ValueError, match=f'this Trainer \\(zero_stage={used}\\)'
-                       '.*create the state with this trainer'):
+    maker, _ = make_trainer(sizes, schedule, optax.adam(0.1), zero_stage=0)
+    user, _ = make_trainer(sizes, schedule, optax.adam(0.1), zero_stage=3)
+    state, _ = user.step(maker.init(pp), batches(1)[0])
+    assert 'data' in str(state.params.stages['mlp']['fc_in'][
+        'kernel'].sharding.spec)
+
+  def test_state_of_other_optimizer(self):
+    sizes, schedule = dict(data=2, stage=2, tensor=1), \
+        jaxpar.pipeline.one_f_one_b(2, 2)
+    pp, _ = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=2)
+    maker, _ = make_trainer(sizes, schedule, optax.sgd(0.1), zero_stage=1)
+    user, _ = make_trainer(sizes, schedule, optax.adam(0.1), zero_stage=1)
+    with pytest.raises(ValueError, match=r'optimizer.init\(state.params\)'):
       user.step(maker.init(pp), batches(1)[0])
