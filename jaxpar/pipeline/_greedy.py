@@ -33,20 +33,28 @@ class Policy(NamedTuple):
     split: backwards as ``I`` + ``W`` (``True``) or one ``B``.
     forward_first: when a forward and a backward are both ready, run the
       forward (fills the pipeline sooner) instead of the backward.
-    fill: run a pending ``W`` while waiting ``'always'``, or only when it
-      ends before the earliest known arrival (``'fit'``).
+    fill: run a pending ``W`` while waiting ``'always'``, only when it ends
+      before the earliest known arrival (``'fit'``), or before any forward
+      (``'eager'``: stashes freed soonest, for tight caps).
     max_inflight: at most this many microbatches admitted and not yet fully
       backwarded per rank (``None``: as many as the cap allows).
+    reserve_all: admit a microbatch only with room for the later-stage
+      forwards of every admitted one (never deadlocks), or with room for one
+      (``False``: the next such forward always fits, as they run in
+      microbatch order; far more microbatches in flight on a V, and a cap
+      that deadlocks is reported as ``None``).
   """
   split: bool = True
   forward_first: bool = False
   fill: str = 'always'
   max_inflight: int | None = None
+  reserve_all: bool = True
 
 
-POLICIES = tuple(Policy(split, forward_first, fill)
+POLICIES = tuple(Policy(split, forward_first, fill, None, reserve_all)
                  for split in (True, False) for forward_first in (False, True)
-                 for fill in ('always', 'fit'))
+                 for fill in ('always', 'fit', 'eager')
+                 for reserve_all in (True, False))
 
 
 def schedule(num_ranks: int, num_microbatches: int,
@@ -118,8 +126,11 @@ def schedule(num_ranks: int, num_microbatches: int,
         out.append((arrival(a, rank), a))
       if f_next[s] < m:
         a = Action(s, 'F', f_next[s])
+        if live[rank] >= cap:
+          continue
         if s == mine[rank][0]:
-          room = live[rank] + len(mine[rank]) + future_forwards(rank)
+          room = live[rank] + len(mine[rank]) + (
+              future_forwards(rank) if policy.reserve_all else 0)
           if room > cap or admitted[rank] - retired[rank] >= inflight_cap:
             continue
         out.append((arrival(a, rank), a))
@@ -163,7 +174,10 @@ def schedule(num_ranks: int, num_microbatches: int,
     cands = candidates(rank)
     ready = [a for at, a in cands if at is not None and at <= t]
     known = [at for at, _ in cands if at is not None]
-    if ready:
+    if pending_w[rank] and policy.fill == 'eager' and not any(
+        a.kind in 'BI' for a in ready):
+      run(rank, pending_w[rank].popleft(), t)
+    elif ready:
       order = ('F', 'B', 'I') if policy.forward_first else ('B', 'I', 'F')
       ready.sort(key=lambda a: (order.index(a.kind), -a.stage))
       run(rank, ready[0], t)
