@@ -46,19 +46,3 @@ def pytest_ignore_collect(collection_path, config):
       and not rel.name.startswith(('test_', 'conftest'))):
     return True
   return None
-
-
-# TODO(issue 16): these modules' `>>>` examples still use undefined names
-# (`state`, `stats`, `ckpt`, ...) or need a fresh process
-# (`distributed.initialize`; `distributed.launch` runs two demo processes:
-# mark those +SKIP). Delete each name here once its examples run.
-_DOCTESTS_NOT_YET_RUNNABLE = frozenset({'jaxpar.checkpoint',
-                                        'jaxpar.distributed'})
-
-
-def pytest_collection_modifyitems(items):
-  for item in items:
-    if (isinstance(item, pytest.DoctestItem)
-        and item.dtest.globs['__name__'] in _DOCTESTS_NOT_YET_RUNNABLE):
-      item.add_marker(pytest.mark.skip(
-          reason='TODO(issue 16): examples not yet runnable (conftest.py)'))

@@ -35,11 +35,29 @@ leaves keep their shapes (ZeRO is only their sharding), so it restores onto
 any data size and any ``zero_stage``.
 
 Example:
-  >>> state = trainer.init(pp)
+  >>> import tempfile
+  >>> ckpt = tempfile.mkdtemp()
+  >>> loss_fn = lambda p, b: jnp.mean((b['x'] @ p['w'] - b['y']) ** 2)
+  >>> trainer = jaxpar.data_parallel.train_step(
+  ...     loss_fn, optax.adam(1e-2), mesh=jaxpar.make_mesh(data=8))
+  >>> state = trainer.init({'w': jnp.zeros((4, 1))})
+  >>> batch = {'x': np.ones((8, 4), np.float32),
+  ...          'y': np.ones((8, 1), np.float32)}
   >>> state, stats = trainer.step(state, batch)
-  >>> jaxpar.checkpoint.save('ckpt', state, schedule=schedule)  # at state.step
-  >>> like = other_trainer.init(pp)               # any mesh, same num_stages
-  >>> state = jaxpar.checkpoint.restore('ckpt', like, schedule=other_schedule)
+  >>> jaxpar.checkpoint.save(ckpt, state)          # at state.step
+  1
+  >>> other = jaxpar.data_parallel.train_step(     # another mesh
+  ...     loss_fn, optax.adam(1e-2),
+  ...     mesh=jaxpar.make_mesh(data=4, devices=jax.devices()[:4]))
+  >>> like = other.init({'w': jnp.zeros((4, 1))})
+  >>> restored = jaxpar.checkpoint.restore(ckpt, like)
+  >>> restored.params['w'].sharding.mesh.shape['data']
+  4
+  >>> int(restored.step), bool(np.array_equal(restored.params['w'],
+  ...                                         state.params['w']))
+  (1, True)
+
+  For a ``jaxpar.parallel`` trainer pass ``schedule=`` to both calls.
 """
 
 from __future__ import annotations
@@ -202,8 +220,11 @@ def save(directory: str | os.PathLike, state: PyTree, *,
     TypeError: a leaf that is not an array or scalar, or a bad ``schedule``.
 
   Example:
-    >>> jaxpar.checkpoint.save('ckpt', state, keep=3)   # ckpt/<state.step>/
-    10
+    >>> import tempfile
+    >>> ckpt = tempfile.mkdtemp()
+    >>> state = jaxpar.TrainState.create({'w': jnp.ones(3)}, optax.sgd(0.1))
+    >>> jaxpar.checkpoint.save(ckpt, state, keep=3)   # ckpt/<state.step>/
+    0
   """
   path = _path(directory)
   _check_schedule(schedule)
@@ -275,8 +296,15 @@ def latest_step(directory: str | os.PathLike, *,
       ``False``: the highest step on disk, unchecked.
 
   Example:
-    >>> if jaxpar.checkpoint.latest_step('ckpt') is not None:
-    ...   state = jaxpar.checkpoint.restore('ckpt', state)
+    >>> import tempfile
+    >>> ckpt = tempfile.mkdtemp()
+    >>> jaxpar.checkpoint.latest_step(ckpt) is None      # a fresh run
+    True
+    >>> state = jaxpar.TrainState.create({'w': jnp.ones(3)}, optax.sgd(0.1))
+    >>> jaxpar.checkpoint.save(ckpt, state, step=5)
+    5
+    >>> jaxpar.checkpoint.latest_step(ckpt)              # resume from here
+    5
   """
   path = _path(directory)
   for step in reversed(_steps(path)):
@@ -404,8 +432,15 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
       ``ShapeDtypeStruct``.
 
   Example:
-    >>> like = trainer.init(pp)       # the target mesh and shardings
-    >>> state = jaxpar.checkpoint.restore('ckpt', like, schedule=schedule)
+    >>> import tempfile
+    >>> ckpt = tempfile.mkdtemp()
+    >>> state = jaxpar.TrainState.create({'w': jnp.arange(3.0)},
+    ...                                  optax.sgd(0.1))
+    >>> jaxpar.checkpoint.save(ckpt, state)
+    0
+    >>> like = jax.tree.map(jnp.zeros_like, state)   # the target layout
+    >>> jaxpar.checkpoint.restore(ckpt, like).params['w']
+    Array([0., 1., 2.], dtype=float32)
   """
   path = _path(directory)
   _check_schedule(schedule)

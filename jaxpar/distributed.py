@@ -112,10 +112,10 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
       layout; call ``initialize`` first thing in the program.
 
   Example:
-    >>> import jaxpar
+    >>> # First thing in each process (it cannot run here: JAX has started).
     >>> jaxpar.distributed.initialize('10.0.0.1:1234', 2, 0,
-    ...                               local_device_count=4)
-    >>> jax.device_count(), jax.local_device_count()
+    ...                               local_device_count=4)  # doctest: +SKIP
+    >>> jax.device_count(), jax.local_device_count()         # doctest: +SKIP
     (8, 4)
   """
   if coordinator is None:
@@ -172,8 +172,9 @@ def is_main_process() -> bool:
   """``True`` in process 0 (the one that should print, plot, write reports).
 
   Example:
-    >>> if jaxpar.distributed.is_main_process():
-    ...   print(f'loss {float(stats.loss):.4f}')
+    >>> if jaxpar.distributed.is_main_process():   # process 0 of 1 here
+    ...   print('only process 0 prints')
+    only process 0 prints
   """
   return jax.process_index() == 0
 
@@ -188,7 +189,11 @@ def to_host(tree: PyTree) -> PyTree:
   Other leaves are returned as they are. Single-process: ``np.asarray``.
 
   Example:
-    >>> params = jaxpar.distributed.to_host(state.params)   # numpy, global
+    >>> mesh = jaxpar.make_mesh(data=8)
+    >>> w = jax.device_put(jnp.arange(8.0),
+    ...                    jax.NamedSharding(mesh, P('data')))
+    >>> jaxpar.distributed.to_host({'w': w, 'step': 3})   # numpy, global
+    {'step': 3, 'w': array([0., 1., 2., 3., 4., 5., 6., 7.], dtype=float32)}
   """
   def one(x):
     if not isinstance(x, jax.Array):
@@ -252,8 +257,9 @@ def launch(num_processes: int, argv: Sequence[str], *,
     TimeoutError: ``timeout`` expired (all processes are killed first).
 
   Example:
+    >>> # Two demo processes take a minute: not run as a doctest.
     >>> jaxpar.distributed.launch(2, ['demo', '--steps', '20'],
-    ...                           devices_per_process=4)
+    ...                           devices_per_process=4)  # doctest: +SKIP
     0
   """
   _check_int(num_processes, 'num_processes', 1)
