@@ -4,10 +4,13 @@ import doctest
 import itertools
 import math
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxpar
+from jaxpar.models import gpt
 from jaxpar.pipeline import stage_balance as balance_module
 from jaxpar.pipeline.stage_balance import balance, stage_costs
 
@@ -75,3 +78,18 @@ def test_first_and_last_are_checked():
 def test_docstring_examples():
   result = doctest.testmod(balance_module, extraglobs={'jaxpar': jaxpar})
   assert result.failed == 0 and result.attempted > 0
+
+
+def test_gpt_split_accepts_balanced_counts():
+  model = gpt.GPT(gpt.GPTConfig(num_layers=5, d_model=16, num_heads=2,
+                                vocab_size=8, seq_len=8), rngs=nnx.Rngs(0))
+  params = gpt.gpt_params(model)
+  counts = balance([1.0] * 5, 3, first=1.0, last=1.0)
+  assert counts == (2, 2, 1)  # stage costs 3, 2, 2 (embed, head: 1 each)
+  pipe, layout = gpt.split_for_pipeline(params, num_stages=3, counts=counts)
+  assert layout.counts == counts and layout.slots == max(counts)
+  assert jax.tree.leaves(pipe.stages)[0].shape[:2] == (3, max(counts))
+  back = gpt.merge_from_pipeline(pipe, layout)
+  assert jax.tree.all(jax.tree.map(np.array_equal, back, params))
+  with pytest.raises(ValueError, match=r'counts=\(2, 2\): need 3 positive'):
+    gpt.split_for_pipeline(params, num_stages=3, counts=(2, 2))

@@ -21,6 +21,7 @@ they stay identity and the maths is that of the ``L``-layer model.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -184,15 +185,19 @@ def gpt_loss(params: dict, batch: tuple[jax.Array, jax.Array], *,
 class PipelineLayout(NamedTuple):
   """How ``num_layers`` blocks sit on ``num_stages`` pipeline stages.
 
-  Stage ``k`` holds ``counts[k]`` real blocks (balanced, the first
+  Stage ``k`` holds ``counts[k]`` real blocks (``stage_counts`` if given,
+  e.g. from ``jaxpar.pipeline.balance``; else balanced, the first
   ``num_layers % num_stages`` stages one more) in ``slots`` slots; the rest
   are identity. ``mask[k, j]``: slot ``j`` of stage ``k`` is real.
   """
   num_layers: int
   num_stages: int
+  stage_counts: tuple[int, ...] | None = None
 
   @property
   def counts(self) -> tuple[int, ...]:
+    if self.stage_counts is not None:
+      return self.stage_counts
     q, r = divmod(self.num_layers, self.num_stages)
     return tuple(q + (k < r) for k in range(self.num_stages))
 
@@ -205,8 +210,13 @@ class PipelineLayout(NamedTuple):
     return np.arange(self.slots)[None, :] < np.array(self.counts)[:, None]
 
 
-def split_for_pipeline(params: dict, *, num_stages: int):
+def split_for_pipeline(params: dict, *, num_stages: int,
+                       counts: Sequence[int] | None = None):
   """Dense ``gpt_params`` -> (``PipelineParams(embed, stages, head)``, layout).
+
+  ``counts`` (optional): layers per stage in model order, positive, summing
+  to the number of layers, e.g. ``jaxpar.pipeline.balance(layer_costs,
+  num_stages, first=embed_cost, last=head_cost)``; default balanced.
 
   ``stages`` leaves are ``[num_stages, slots, ...]``: block ``i`` of the
   dense model is slot ``j`` of stage ``k`` in model order; identity slots are
@@ -236,7 +246,15 @@ def split_for_pipeline(params: dict, *, num_stages: int):
         f'num_stages={num_stages!r}: the GPT has {len(blocks)} layers; use '
         f'1 <= num_stages <= {len(blocks)} (every stage needs a layer), or '
         f'more layers.')
-  layout = PipelineLayout(len(blocks), int(num_stages))
+  if counts is not None:
+    counts = tuple(int(c) for c in counts)
+    if (len(counts) != num_stages or min(counts) < 1
+        or sum(counts) != len(blocks)):
+      raise ValueError(
+          f'counts={counts}: need {num_stages} positive layer counts summing '
+          f'to the {len(blocks)} layers, e.g. jaxpar.pipeline.balance('
+          f'layer_costs, {num_stages}).')
+  layout = PipelineLayout(len(blocks), int(num_stages), counts)
   zero = jax.tree.map(jnp.zeros_like, blocks[0])
   slots, i = [], 0
   for count in layout.counts:

@@ -53,7 +53,8 @@ def balance(layer_costs: Sequence[float], num_stages: int, *,
   Returns:
     ``counts``, a tuple of ``S`` positive ints summing to ``L``: stage ``k``
     holds layers ``sum(counts[:k]) .. sum(counts[:k+1]) - 1``. Pass it to
-    ``jaxpar.models.gpt.split_for_pipeline(params, counts=counts)``.
+    ``jaxpar.models.gpt.split_for_pipeline(params, num_stages=S,
+    counts=counts)``.
 
   Raises:
     TypeError: for a non-int ``num_stages`` or non-numeric costs.
