@@ -29,9 +29,14 @@ if jax.device_count() < 8:
 
 
 @pytest.fixture(autouse=True)
-def _doctest_names(doctest_namespace):
-  doctest_namespace.update(jax=jax, jnp=jnp, np=np, jaxpar=jaxpar, P=P,
-                           optax=optax, nnx=nnx)
+def _doctest_names(request, doctest_namespace):
+  """Doctests get the names, and run in a fresh directory: examples that
+  write files (``to_csv('1f1b.csv')``, ``savefig``) leave the tree clean."""
+  if isinstance(request.node, pytest.DoctestItem):
+    doctest_namespace.update(jax=jax, jnp=jnp, np=np, jaxpar=jaxpar, P=P,
+                             optax=optax, nnx=nnx)
+    request.getfixturevalue('monkeypatch').chdir(
+        request.getfixturevalue('tmp_path'))
 
 
 def pytest_ignore_collect(collection_path, config):
