@@ -13,8 +13,8 @@ gathers all at once).
 
 ``zero_communication``: every collective of the compiled step (from its
 optimized HLO, ``jaxpar.hlo``; whole buffers per device) against the theory,
-with ``P`` the float32 gradient bytes and ``P_pad`` the same padded to
-multiples of ``N`` per leaf: DP all-reduces ``P`` (and the loss); ZeRO-1
+with ``P`` the float32 gradient bytes and ``P_pad`` those of the leaves
+ZeRO splits (a dim divisible by ``N``; here all): DP all-reduces ``P`` (and the loss); ZeRO-1
 reduce-scatters ``P_pad`` and all-gathers ``P_pad``; ZeRO-3 all-gathers
 ``P_pad`` in the forward pass, again in the backward pass, and
 reduce-scatters ``P_pad``; ZeRO's all-reduces carry two scalars (loss and
@@ -56,8 +56,7 @@ def _device_bytes(tree) -> int:
 
 
 def _total_bytes(tree) -> int:
-  return sum(math.prod(x.shape) * x.dtype.itemsize
-             for x in jax.tree.leaves(zero.logical_shapes(tree)))
+  return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def _theory(stage: int, grads: int, padded: int) -> dict[str, tuple[int, str]]:
@@ -80,14 +79,16 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
            'y': rng.normal(size=(n * per_device, width)).astype(np.float32)}
   sizes = [x.size for x in jax.tree.leaves(params)]
   grads = 4 * sum(sizes)
-  padded = 4 * sum(zero.padded_size(s, n) for s in sizes)
+  # Leaves ZeRO splits: those with a dim divisible by N (all of them here).
+  padded = 4 * sum(s for x, s in zip(jax.tree.leaves(params), sizes)
+                   if any(d % n == 0 for d in x.shape))
   memory, communication = [], []
   for stage in (0, 1, 3):
     step = jaxpar.data_parallel_step(_loss, optimizer, mesh=mesh,
                                      zero_stage=stage)
     state = jaxpar.TrainState.create(params, optimizer)
     if stage:
-      state = zero.shard_state(state, mesh=mesh, stage=stage)
+      state = zero.shard_state(state, mesh=mesh, zero_stage=stage)
     after, _ = step(state, batch)
     compiled = step.lower(after, batch).compile()
     analysis = compiled.memory_analysis()
