@@ -11,6 +11,7 @@ rank ``p-1`` without communication. Costs below are per logical stage (half a
 from __future__ import annotations
 
 import collections
+import functools
 
 from jaxpar.pipeline import _greedy
 from jaxpar.pipeline._action import Action, check_sizes
@@ -142,7 +143,11 @@ def _capped_v(fn: str, num_ranks: int, num_microbatches: int, divisor: int,
               name: str) -> Schedule:
   """The fastest greedy V order within ``(p + 2(d-1)) // d`` stage units."""
   check_sizes(fn, num_ranks=num_ranks, num_microbatches=num_microbatches)
-  p, m = int(num_ranks), int(num_microbatches)
+  return _fastest_v(int(num_ranks), int(num_microbatches), divisor, name)
+
+
+@functools.lru_cache(maxsize=64)  # Schedules are immutable; search reuses
+def _fastest_v(p: int, m: int, divisor: int, name: str) -> Schedule:
   units = (p + 2 * (divisor - 1)) // divisor
   best = None
   for policy in _greedy.POLICIES:
