@@ -17,13 +17,15 @@ SETTINGS = settings(max_examples=40, deadline=None)
 def schedules(draw):
   """Any constructor's output for random p, m, v."""
   p = draw(st.integers(1, 6))
-  kind = draw(st.sampled_from(['gpipe', '1f1b', 'interleaved', 'zbh1', 'zbv']))
+  kind = draw(st.sampled_from(['gpipe', '1f1b', 'interleaved', 'zbh1', 'zbv',
+                               'dualpipev', 'v_half', 'v_min']))
   if kind == 'interleaved':
     return pp.interleaved_1f1b(p, p * draw(st.integers(1, 3)),
                                draw(st.integers(1, 3)))
   m = draw(st.integers(1, 12))
   return {'gpipe': pp.gpipe, '1f1b': pp.one_f_one_b, 'zbh1': pp.zero_bubble_h1,
-          'zbv': pp.zbv}[kind](p, m)
+          'zbv': pp.zbv, 'dualpipev': pp.dualpipev, 'v_half': pp.v_half,
+          'v_min': pp.v_min}[kind](p, m)
 
 
 def replace_row(s, rank, row):
@@ -45,10 +47,12 @@ def rule_of(s):
 @given(schedules())
 def test_constructors_validate_with_every_action_once(s):
   assert s.validate() is s
-  split = any(a.kind == 'I' for row in s.actions for a in row)
   flat = [a for row in s.actions for a in row]
   assert None not in flat and len(set(flat)) == len(flat)
-  assert len(flat) == s.num_stages * s.num_microbatches * (3 if split else 2)
+  # F and B, or F, I and W, per (stage, microbatch) (DualPipeV mixes both).
+  splits = sum(a.kind == 'W' for a in flat)
+  assert splits == sum(a.kind == 'I' for a in flat)
+  assert len(flat) == 2 * s.num_stages * s.num_microbatches + splits
   for rank, row in enumerate(s.actions):
     assert all(s.placement[a.stage] == rank for a in row)
 
@@ -110,8 +114,8 @@ def test_simulation_bounds(s, costs, comm):
                                        for a in row))
   assert r.makespan >= max(r.busy)
   # Each microbatch's forward and backward chain is a lower bound.
-  split = any(a.kind == 'I' for row in s.actions for a in row)
-  back = costs['I'] if split else costs['B']
+  back = min(costs[a.kind] for row in s.actions for a in row
+             if a.kind in 'BI')
   assert r.makespan >= s.num_stages * (costs['F'] + back) - 1e-9
   assert all(0 < n <= s.num_microbatches * s.num_stages
              for n in r.peak_activations)
