@@ -4,6 +4,7 @@ import doctest
 import itertools
 import math
 
+import numpy as np
 import pytest
 
 import jaxpar
@@ -97,6 +98,12 @@ def test_strictly_faster_with_unequal_costs_on_a_v():
   fits = [pp.zbv(4, 8), pp.v_half(4, 8), pp.one_f_one_b(4, 8),
           pp.zero_bubble_h1(4, 8)]
   assert makespan(s, costs) < min(makespan(b, costs) for b in fits)
+
+
+def test_numpy_sizes_and_limits():
+  s = search(np.int64(2), np.int32(3), memory_limit=np.int64(2))
+  assert (s.num_ranks, s.num_microbatches) == (2, 3)
+  assert max(pp.peak_memory(search(2, 3, memory_limit=np.float32(1.5)))) <= 1.5
 
 
 def test_below_1f1b_memory_it_still_finds_a_schedule():

@@ -12,6 +12,7 @@ is never slower than any of them that fits.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 
 from jaxpar.pipeline import _greedy
@@ -72,10 +73,12 @@ def search(num_ranks: int, num_microbatches: int, *, memory_limit: float,
   until its backward has fully run, ``W`` included); the fastest that fits
   wins, ties going to the built-in constructor.
 
-  With ``F = I = W`` ZB-H1 is already optimal for ``p <= limit``; the search
-  gains where the paper says: with unequal ``F``/``I``/``W`` and with memory
-  between ZB-H1's (``p``) and ZB-H2's (``2p``), and under caps below ``p``
-  where 1F1B does not fit at all.
+  With ``F = I = W`` ZB-H1 and ZB-V already reach the lower bounds of their
+  placements, ``m(F+I+W)`` plus the last rank's wait for its first input,
+  ``(p-1)F`` (one stage per rank) or ``(p-1)F/2`` (V); the search gains
+  where the zero-bubble paper says, with unequal ``F``/``I``/``W`` and
+  memory between ZB-H1's (``p``) and ZB-H2's (``2p``), and under caps below
+  ``p`` where only V-Half and V-Min, or nothing built in, fit.
 
   Args:
     num_ranks: ``p >= 1``.
@@ -142,7 +145,7 @@ def _check_limit(memory_limit: object, p: int, m: int,
     raise TypeError(f'{call}: v_shape={v_shape!r} must be True, False or '
                     'None (both placements).')
   if (isinstance(memory_limit, bool)
-      or not isinstance(memory_limit, (int, float))):
+      or not isinstance(memory_limit, numbers.Real)):
     raise TypeError(f'{call}: memory_limit must be a number of 1F1B-stage '
                     'activations, e.g. memory_limit=2.')
   if not math.isfinite(memory_limit) or memory_limit < 1:
