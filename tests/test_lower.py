@@ -1,13 +1,10 @@
 """lower(): the tick table, replayed symbolically against the schedule."""
 
 import dataclasses
-import doctest
-import importlib
 
 import numpy as np
 import pytest
 
-import jaxpar
 from jaxpar import pipeline as sch
 from jaxpar.pipeline.lower import F, I, IDLE, W, local_stages, lower
 
@@ -206,9 +203,3 @@ def test_errors():
   with pytest.raises(ValueError, match=r'\[2, 1\] stages'):
     lower(uneven)
 
-
-def test_docstring_examples():
-  # The module, not the function that jaxpar.pipeline re-exports as ``lower``.
-  module = importlib.import_module('jaxpar.pipeline.lower')
-  result = doctest.testmod(module, extraglobs={'jaxpar': jaxpar})
-  assert result.attempted >= 3 and not result.failed
