@@ -16,6 +16,16 @@ import os
 import sys
 import time
 
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+import jaxpar
+from jaxpar import pipeline
+from jaxpar.models import gpt
+
 SCHEDULES = ('gpipe', '1f1b', 'interleaved', 'zb_h1', 'zbv', 'dualpipev',
              'v_half', 'v_min', 'auto')
 
@@ -111,7 +121,6 @@ def num_stages(args) -> int:
 
 
 def make_schedule(args):
-  from jaxpar import pipeline  # pylint: disable=g-import-not-at-top
   p, m = args.mesh['stage'], args.microbatches
   if args.schedule == 'interleaved':
     return pipeline.interleaved_1f1b(p, m, args.virtual_stages)
@@ -125,7 +134,6 @@ def make_schedule(args):
 
 def make_batch(seed: int, step: int, batch: int, seq_len: int, vocab: int):
   """The batch of ``step``: a pure function of ``(seed, step)`` (resumable)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng([seed, step])
   start = rng.integers(0, vocab, (batch, 1))
   stride = rng.integers(1, vocab, (batch, 1))
@@ -135,7 +143,6 @@ def make_batch(seed: int, step: int, batch: int, seq_len: int, vocab: int):
 
 def main(argv: list[str] | None = None) -> int:
   args, parser = parse_args(argv)
-  import jaxpar  # pylint: disable=g-import-not-at-top
   # One process, or one of several (flags, `launch`'s environment, or what
   # jax.distributed detects); 8 simulated CPU devices unless told otherwise.
   local_devices = args.devices or (
@@ -143,12 +150,6 @@ def main(argv: list[str] | None = None) -> int:
   jaxpar.distributed.initialize(args.coordinator, args.num_processes,
                                 args.process_id,
                                 local_device_count=local_devices)
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-  from jaxpar.models import gpt  # pylint: disable=g-import-not-at-top
 
   main_process = jaxpar.distributed.is_main_process()
   n = math.prod(args.mesh.values())

@@ -250,16 +250,22 @@ def compiled(step, num_stages, m, mb=4, width=32):
 
 @pytest.mark.parametrize('name', ['1f1b', 'interleaved', 'zb_h1'])
 def test_memory_and_program_flat_in_m(name):
-  """Fixed microbatch size, 8x the microbatches: same scratch, same program."""
+  """Fixed microbatch size, 8x the microbatches: same stashes, same program.
+
+  The scratch memory grows by the batch's cotangent alone (``inputs``-sized,
+  collected on each rank and summed over the pipeline axis once, after the
+  scan); stashes and messages stay the schedule's.
+  """
   p = 4
   small, large = (compiled(
       pipeline_step(stage_fn, loss_fn, schedule=SCHEDULES[name](p, m),
                     mesh=mesh_for(p)), SCHEDULES[name](p, m).num_stages, m)
       for m in (8, 64))
   mem_s, mem_l = small.memory_analysis(), large.memory_analysis()
-  assert mem_l.temp_size_in_bytes <= 1.15 * mem_s.temp_size_in_bytes
-  # The batch and its gradient scale with m, as arguments and outputs.
   batch_bytes = (64 - 8) * 4 * 32 * 4  # extra microbatches x mb x width x f32
+  grown = mem_l.temp_size_in_bytes - mem_s.temp_size_in_bytes
+  assert 0 <= grown - batch_bytes <= 0.15 * mem_s.temp_size_in_bytes
+  # The batch and its gradient scale with m, as arguments and outputs.
   assert mem_l.argument_size_in_bytes - mem_s.argument_size_in_bytes == (
       batch_bytes * (32 + OUT) // 32)
   assert mem_l.output_size_in_bytes - mem_s.output_size_in_bytes == batch_bytes

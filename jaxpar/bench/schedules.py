@@ -11,21 +11,25 @@ Sections:
 * ``frontier``: ``search`` against every constructor at a sweep of memory
   limits (in 1F1B-stage activations): the makespan of each (costs per 1F1B
   stage, V schedules paying half per action), ``None`` where it does not fit.
-* ``v_memory``: compiled ``temp_size_in_bytes`` of ``pipeline_step`` for
-  1F1B, ZB-V, V-Half and V-Min on the same ``2p``-layer model (1F1B runs two
-  layers a stage, the V schedules one): V-Min <= V-Half < 1F1B.
+* ``v_memory``: compiled ``temp_size_in_bytes`` of the pipelined step
+  (``pipeline_step_local``, params in the rank layout) for 1F1B, ZB-V,
+  V-Half and V-Min on the same ``2p``-layer model (1F1B runs two layers a
+  stage, the V schedules one): V-Min <= V-Half < 1F1B.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.bench._timing import compile_stats, median_seconds
 from jaxpar.mesh import make_mesh
 from jaxpar.pipeline import constructors as sched
 from jaxpar.pipeline import vshape
-from jaxpar.pipeline.executor import pipeline_step
+from jaxpar.pipeline.executor import pipeline_step_local
+from jaxpar.pipeline.layout import stages_to_ranks
+from jaxpar.pipeline.lower import lower
 from jaxpar.pipeline.schedule_search import makespan, search
 from jaxpar.pipeline.simulate import peak_memory
 
@@ -108,15 +112,31 @@ def _model(num_stages: int, layers: int, batch: int, width: int):
 
 
 def _v_memory(quick: bool) -> list[dict]:
-  p, m, mb, width = 4, 8, 16, (64 if quick else 256)
+  """Compiled temp bytes: the stage params stay in the rank layout.
+
+  ``pipeline_step_local`` in a ``shard_map``, the params rearranged once
+  outside (``stages_to_ranks``), so the step's scratch is the schedule's
+  stashes and messages, not a per-step permutation of the params; a large
+  microbatch against a narrow model makes activations the bulk of it.
+  """
+  p, m, mb, width = 4, 8, (128 if quick else 512), 64
   mesh = make_mesh(stage=p, devices=jax.devices()[:p])
   rows = []
   for s in (sched.one_f_one_b(p, m), sched.zbv(p, m), vshape.v_half(p, m),
             vshape.v_min(p, m)):
-    step = pipeline_step(_stage, _loss, schedule=s, mesh=mesh)
-    stats = compile_stats(step, *_model(s.num_stages, 2 * p, m * mb, width))
+    def body(w, head, x, t, low=lower(s)):
+      loss, g = pipeline_step_local(_stage, _loss, jax.tree.map(
+          lambda a: a[0], w), head, x, t, lowered=low)
+      return loss, jax.tree.map(lambda a: a[None], g.stages)
+    step = jax.jit(jax.shard_map(
+        body, mesh=mesh, in_specs=(P('stage'), P(), P(), P()),
+        out_specs=(P(), P('stage')), axis_names={'stage'}))
+    stages, *rest = _model(s.num_stages, 2 * p, m * mb, width)
+    stats = compile_stats(step, stages_to_ranks(stages, s), *rest)
     rows.append({'schedule': s.name, 'p': p, 'm': m, 'layers': 2 * p,
-                 'width': width, 'peak_memory': max(peak_memory(s)),
+                 'width': width, 'microbatch': mb,
+                 'peak_memory': max(peak_memory(s)),
+                 'stash_slots': lower(s).num_stash_slots,
                  'temp_bytes': stats['temp_bytes']})
   return rows
 

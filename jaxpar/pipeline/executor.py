@@ -25,21 +25,25 @@ every rank
 4. sends the block's output (``W`` sends the input cotangent its ``I``
    computed, as a ``B`` would when it ends) with one ``ppermute`` per distinct
    rank offset of the schedule (every rank takes part every tick); receivers
-   store it in the mailbox slot the table names. On the ``m`` ticks on which
-   stage 0 finishes a microbatch's input cotangent (forward only: the last
-   stage its output), a ``psum`` over the pipeline axis hands that
-   microbatch to every rank, so the batch-sized result is written in place
-   (an ``O(m)`` buffer summed once at the end would double it).
+   store it in the mailbox slot the table names; a tick on which no rank
+   sends over an offset skips that ``ppermute`` (the table says so, the same
+   on every rank). No other collective runs inside the scan: the rank of
+   stage 0 writes each microbatch's input cotangent (forward only: the last
+   stage its output) into a batch-sized buffer, which one ``psum`` over the
+   pipeline axis hands to every rank after the scan. (A ``psum`` per
+   microbatch would keep that buffer in place, but an all-reduce couples all
+   ranks and, over gloo, costs several times a ``ppermute``.)
 
 **Dispatch.** The block of a tick is chosen by a zero-or-one-trip
 ``while_loop`` per kind (``_when``) rather than a ``lax.switch``: XLA updates
 loop carries in place, while a ``switch`` copies every buffer a branch passes
 through unchanged (gradient accumulators, stashes) on every tick. Each
 ``_when`` tests one predicate. On XLA:GPU a predicate of a ``while`` is read
-back to the host, so a training tick costs 6 host round-trips: ``F``, the
-last stage's ``F`` with the loss, the stash read shared by ``I`` and ``W``,
-``I`` and ``W`` inside it, and the result ``psum`` (the messages need none);
-a forward-only tick costs 2.
+back to the host, so a training tick costs ``6 + K`` host round-trips:
+``F``, the last stage's ``F`` with the loss, the stash read shared by ``I``
+and ``W``, ``I`` and ``W`` inside it, one per message offset ``K`` (one for
+``p = 2``, two for 1F1B on more ranks) and the result write; a forward-only
+tick costs ``2 + K``.
 
 Buffer updates are selects or writes to a spare slot, never masks multiplied
 in, so whatever a bubble produces (``bubble_fill``, NaN in the tests) never
@@ -198,18 +202,16 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
              if code in present}
 
   # The batch-sized result (input cotangents, or the outputs when not
-  # training) is produced on one rank, one microbatch at a time. It is kept
-  # replicated over ``axis`` by a psum of that microbatch on the ticks that
-  # produce one (the same ticks on every rank), so that the scan writes the
-  # output buffer in place: no O(m) temporary, no O(m) psum at the end.
+  # training) is produced on one rank, one microbatch at a time, into that
+  # rank's buffer (zeros elsewhere); one psum after the scan replicates it.
   edge_kind, edge_stage = (I, 0) if train else (F, last)
-  produces = (lowered.kind == edge_kind) & (lowered.stage == edge_stage)
-  edge_rows = (produces.any(1),
-               np.where(produces, lowered.microbatch, 0).max(1))
+  # Whether any rank receives over offset k at tick t: ticks without a
+  # message skip that ppermute (the same on every rank, from the table).
+  sends = (lowered.recv_slot >= 0).any(1)
 
   def tick(carry, row):
     mailbox, stash, wstash, grads, loss, dlp, edge = carry
-    row, (edge_now, edge_mb) = row
+    row, send = row
     kind, stg, mb, j, read, slot, wslot, recv = (a[rank] for a in row)
     mb, j = jnp.maximum(mb, 0), jnp.maximum(j, 0)
     slot, wslot = jnp.maximum(slot, 0), jnp.maximum(wslot, 0)
@@ -236,14 +238,15 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
     payload = state[0]
     if train:
       _, grads, loss, dlp = state
-    mine = (kind == edge_kind) & (stg == edge_stage)
-    edge = _when(edge_now, lambda e: jax.lax.dynamic_update_index_in_dim(
-        e, jax.lax.psum(jnp.where(mine, payload, 0), axis), edge_mb, 0), edge)
+    edge = _when((kind == edge_kind) & (stg == edge_stage),
+                 lambda e: put(e, mb, payload), edge)
     for k, offset in enumerate(lowered.offsets):
-      msg = payload if offset == 0 else jax.lax.ppermute(
-          payload, axis, [(r, (r + offset) % p) for r in range(p)])
-      # No message: write into the spare last slot, which nothing reads.
-      mailbox = put(mailbox, jnp.where(recv[k] >= 0, recv[k], spare), msg)
+      def deliver(mailbox, k=k, offset=offset):
+        msg = payload if offset == 0 else jax.lax.ppermute(
+            payload, axis, [(r, (r + offset) % p) for r in range(p)])
+        # No message for this rank: the spare last slot, which nothing reads.
+        return put(mailbox, jnp.where(recv[k] >= 0, recv[k], spare), msg)
+      mailbox = _when(send[k], deliver, mailbox)
     return (mailbox, stash, wstash, grads, loss, dlp, edge), None
 
   stash = wstash = grads = loss = dlp = None
@@ -255,17 +258,17 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
                   max(lowered.num_weight_slots, 1))
   spare = lowered.num_mailbox_slots
   mailbox = full(act_aval, bubble_fill, spare + 1)
-  edge = vary(jnp.zeros((m,) + act_aval.shape, act_aval.dtype),
-              act_vma - {axis})
+  edge = vary(jnp.zeros((m,) + act_aval.shape, act_aval.dtype), act_vma)
   rows = (lowered.kind, lowered.stage, lowered.microbatch, lowered.local_stage,
           lowered.read_slot, lowered.stash_slot, lowered.weight_slot,
           lowered.recv_slot)
   (_, _, _, grads, loss, dlp, edge), _ = jax.lax.scan(
       tick, (mailbox, stash, wstash, grads, loss, dlp, edge),
-      (rows, edge_rows))
+      (rows, sends))
   if not train:
-    return edge
-  return jax.lax.psum(loss, axis), grads, jax.lax.psum(dlp, axis), edge
+    return jax.lax.psum(edge, axis)
+  loss, dlp, edge = jax.lax.psum((loss, dlp, edge), axis)  # one collective
+  return loss, grads, dlp, edge
 
 
 def _when(pred: jax.Array, fn: Callable[[PyTree], PyTree],
