@@ -5,9 +5,12 @@ Sections:
 * ``pipeline_memory``: compiled ``temp_size_in_bytes`` (the scratch memory
   of one device; arguments and outputs are reported apart) of a training step
   with a fixed microbatch size as the number of microbatches ``m`` grows:
-  ``pipeline_step`` with 1F1B, interleaved 1F1B and ZB-H1 (flat in ``m``)
-  against GPipe-by-autodiff, ``jax.value_and_grad`` through a ``lax.scan``
-  over the pipeline iterations as MaxText and Praxis do (grows with ``m``).
+  ``pipeline_step`` with 1F1B, interleaved 1F1B and ZB-H1 against
+  GPipe-by-autodiff, ``jax.value_and_grad`` through a ``lax.scan`` over the
+  pipeline iterations as MaxText and Praxis do (grows with ``m``). The
+  executor's scratch holds the batch's input cotangent once
+  (``batch_grad_bytes``, like the inputs); the rest, its stashes and
+  messages, is flat in ``m`` (``rest_vs_m8``).
 * ``compile_time``: seconds to lower and compile the same steps.
 * ``cpu_overhead``: median step time of ``pipeline_step`` on simulated CPU
   devices against one device running the same microbatches in turn
@@ -173,11 +176,15 @@ def _memory_and_compile(quick: bool) -> tuple[list[dict], list[dict]]:
     for m in ms:
       num_stages = 2 * p if name.startswith('interleaved') else p
       stats = compile_stats(make(m), *_model(num_stages, m * mb, width))
+      # The executor's scratch holds the batch's cotangent once (summed
+      # after the scan); the rest is the schedule's stashes and messages.
+      grad_bytes = 0 if name.startswith('GPipe') else m * mb * width * 4
+      stats['rest'] = stats['temp_bytes'] - grad_bytes
       base = base or stats
       memory.append({
           'step': name, 'p': p, 'm': m, 'microbatch': mb, 'width': width,
-          'temp_bytes': stats['temp_bytes'],
-          'temp_vs_m8': stats['temp_bytes'] / base['temp_bytes'],
+          'temp_bytes': stats['temp_bytes'], 'batch_grad_bytes': grad_bytes,
+          'rest_vs_m8': stats['rest'] / base['rest'],
           'argument_bytes': stats['argument_bytes'],
           'output_bytes': stats['output_bytes']})
       compile_time.append({
