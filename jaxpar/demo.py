@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument('--checkpoint', metavar='DIR', help='save the state here at the end')
   p.add_argument('--resume', action='store_true',
                  help='continue from the latest checkpoint in --checkpoint')
+  p.add_argument('--zero', type=int, choices=(0, 1, 3), default=0,
+                 help='ZeRO stage: 1 shards the optimizer state over data, '
+                 '3 the params too (FSDP)')
   p.add_argument('--max-skipped', type=int, default=5, metavar='K',
                  help='stop (exit code 3) after K consecutive steps skipped '
                  'for non-finite loss or gradients')
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
   trainer = jaxpar.parallel.train_step(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn,
       optax.adam(args.lr), schedule=schedule, mesh=mesh,
-      stage_mask=layout.mask, max_grad_norm=1.0)
+      stage_mask=layout.mask, max_grad_norm=1.0, zero_stage=args.zero)
   try:
     state = trainer.init(pipeline_params)
   except ValueError as e:   # e.g. heads not divisible by the tensor size

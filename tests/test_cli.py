@@ -33,12 +33,12 @@ def test_default_demo_learns(tmp_path):
 SMALL = ('--steps', '3', '--layers', '4')
 
 
-@pytest.mark.parametrize('schedule', ['1f1b', 'zbv'])
-def test_any_mesh_gives_the_losses_of_one_device(tmp_path, schedule):
+@pytest.mark.parametrize('schedule,zero', [('1f1b', '1'), ('zbv', '3')])
+def test_any_mesh_gives_the_losses_of_one_device(tmp_path, schedule, zero):
   one = demo_losses(tmp_path, *SMALL, '--mesh', 'data=1,stage=1,tensor=1',
                     '--schedule', '1f1b')
   three_d = demo_losses(tmp_path, *SMALL, '--mesh', 'data=2,stage=2,tensor=2',
-                        '--schedule', schedule)
+                        '--schedule', schedule, '--zero', zero)
   np.testing.assert_allclose(three_d, one, rtol=1e-4)
   assert one[-1] < one[0]
 
@@ -127,6 +127,7 @@ def test_damaged_checkpoint_is_refused_in_one_line(tmp_path, good_checkpoint,
     ['demo', '--schedule', 'pipedream'],               # unknown schedule
     ['demo', '--steps', '0'],
     ['demo', '--max-skipped', '0'],
+    ['demo', '--zero', '2'],                           # ZeRO stages 0, 1, 3
     ['demo', '--lr', 'nan'],
     ['demo', '--lr', '-1'],
     ['nonsense'],

@@ -95,10 +95,12 @@ def test_matches_single_device_float64(x64, case):
 
 
 def test_float32_2x2x2_interleaved():
+  """v = 2 stages per rank (4 stages of one layer) on a 2x2x2 mesh, float32."""
   config_params = dense_params(jnp.float32)
   data = batches(2)
   optimizer = optax.sgd(0.1, momentum=0.9)  # adam would amplify rounding
-  schedule = jaxpar.pipeline.interleaved_1f1b(2, 2, 1)
+  schedule = jaxpar.pipeline.interleaved_1f1b(2, 2, 2)
+  assert schedule.num_stages == 4
   got = run(dict(data=2, stage=2, tensor=2), schedule, config_params, data,
             optimizer, 1.0)
   want = reference(config_params, data, optimizer, 1.0)
