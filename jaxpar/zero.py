@@ -66,10 +66,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.mesh import axis_size
+from jaxpar.tensor_parallel.layout import unshard_params
 from jaxpar.train_state import PyTree, TrainState, shardings
 
 ZERO_STAGES = (0, 1, 3)
@@ -281,15 +282,6 @@ def _check_train_state(state: Any, fn: str) -> None:
                     f'got {type(state).__name__}.')
 
 
-def _replicated(tree: PyTree) -> PyTree:
-  def one(x):
-    sharding = getattr(x, 'sharding', None)
-    if isinstance(sharding, NamedSharding):
-      return jax.device_put(x, NamedSharding(sharding.mesh, P()))
-    return x
-  return jax.tree.map(one, tree)
-
-
 def unshard_state(state: TrainState) -> TrainState:
   """``state`` replicated over its mesh: the layout of ``zero_stage=0``.
 
@@ -303,7 +295,7 @@ def unshard_state(state: TrainState) -> TrainState:
     P()
   """
   _check_train_state(state, 'zero.unshard_state')
-  return _replicated(state)
+  return unshard_params(state)
 
 
 def gather_params(state: TrainState) -> PyTree:
@@ -321,7 +313,7 @@ def gather_params(state: TrainState) -> PyTree:
     P()
   """
   _check_train_state(state, 'zero.gather_params')
-  return _replicated(state.params)
+  return unshard_params(state.params)
 
 
 # -- Inside shard_map: the building blocks of a ZeRO step ------------------
