@@ -57,15 +57,7 @@ class CheckpointError(ValueError):
 
 def leaf_name(path: tuple) -> str:
   """Dotted leaf name as orbax stores it: ``opt_state.0.mu.stages.w``."""
-  parts = []
-  for key in path:
-    for attr in ('name', 'key', 'idx'):
-      if hasattr(key, attr):
-        parts.append(str(getattr(key, attr)))
-        break
-    else:
-      parts.append(str(key))
-  return '.'.join(parts)
+  return jax.tree_util.keystr(path, simple=True, separator='.')
 
 
 def _words(x, xp):

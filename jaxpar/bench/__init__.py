@@ -15,6 +15,10 @@ import platform
 import sys
 import time
 
+import jax
+
+from jaxpar import mesh
+
 
 def markdown_table(rows: list[dict]) -> str:
   """Rows of flat dicts as a markdown table (columns in first-seen order)."""
@@ -39,9 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                       help='simulated CPU devices (default 8)')
   args = parser.parse_args(argv)
 
-  import jaxpar  # pylint: disable=g-import-not-at-top
-  jaxpar.simulate_cpu_devices(args.devices)
-  import jax  # pylint: disable=g-import-not-at-top
+  mesh.simulate_cpu_devices(args.devices)
 
   topics = sorted(m.name for m in pkgutil.iter_modules(__path__)
                   if not m.name.startswith('_'))
