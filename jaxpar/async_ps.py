@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxpar._validate import check_int
 from jaxpar.train_state import TrainState, check_optimizer
 
 PyTree = Any
@@ -133,13 +134,6 @@ def _compiled(loss_fn: Callable, optimizer: optax.GradientTransformation
   except TypeError:  # an unhashable callable: jit it without caching
     return _build(loss_fn, optimizer)
   return _build_cached(loss_fn, optimizer)
-
-
-def _check_int(name: str, value: Any, minimum: int, fix: str) -> int:
-  if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-      or value < minimum):
-    raise ValueError(f'{name}={value!r} must be an int >= {minimum}; {fix}')
-  return int(value)
 
 
 def _check_staleness(staleness: Any) -> np.ndarray:
@@ -307,12 +301,12 @@ class AsyncParameterServer:
                num_workers: int, max_staleness: int,
                devices: Sequence[jax.Device] | None = None):
     self._compiled = _compiled(loss_fn, optimizer)
-    self.num_workers = _check_int(
-        'num_workers', num_workers, 1,
-        'use at least one worker (one worker thread per device).')
-    self.max_staleness = _check_int(
-        'max_staleness', max_staleness, 0,
-        'use 0 for sequential training or a small bound such as 4.')
+    self.num_workers = check_int(
+        'num_workers', num_workers, fix=
+        'Use at least one worker (one worker thread per device).')
+    self.max_staleness = check_int(
+        'max_staleness', max_staleness, minimum=0, fix=
+        'Use 0 for sequential training or a small bound such as 4.')
     devices = list(jax.devices() if devices is None else devices)
     if len(set(devices)) != len(devices):
       raise ValueError(f'devices contains a device twice: {devices}; each '
@@ -355,8 +349,8 @@ class AsyncParameterServer:
       Exception: the first exception raised in a worker, re-raised unchanged
         (same type and message, its traceback from the worker) with a note.
     """
-    num_updates = _check_int('num_updates', num_updates, 1,
-                             'ask for at least one update.')
+    num_updates = check_int('num_updates', num_updates,
+                            fix='Ask for at least one update.')
     batch_iter = _iterate(batches)
     if hasattr(batches, '__len__') and len(batches) < num_updates:
       raise ValueError(

@@ -73,6 +73,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import integrity
+from jaxpar._validate import check_int
 from jaxpar.integrity import CheckpointError, leaf_name
 from jaxpar.parallel import PipelineParams
 from jaxpar.pipeline import executor
@@ -228,10 +229,8 @@ def save(directory: str | os.PathLike, state: PyTree, *,
   """
   path = _path(directory)
   _check_schedule(schedule)
-  if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
-                           or keep < 1):
-    raise ValueError(f'keep={keep!r} must be an int >= 1, or None to keep all '
-                     'steps.')
+  if keep is not None:
+    check_int('keep', keep, fix='Or None to keep all steps.')
   if step is None:
     if not isinstance(state, TrainState):
       raise ValueError(

@@ -43,6 +43,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxpar import _compat
+from jaxpar._validate import check_int
 from jaxpar.train_state import PyTree
 
 ENV_COORDINATOR = 'JAXPAR_COORDINATOR'
@@ -67,9 +68,8 @@ def _env_int(name: str) -> int | None:
 
 
 def _check_int(value: Any, name: str, low: int) -> None:
-  if value is not None and (isinstance(value, bool) or not isinstance(
-      value, (int, np.integer)) or value < low):
-    raise ValueError(f'{name}={value!r} must be an int >= {low}.')
+  if value is not None:
+    check_int(name, value, minimum=low, fix='Or None.')
 
 
 def _check_coordinator(coordinator: str) -> None:
@@ -268,8 +268,8 @@ def launch(num_processes: int, argv: Sequence[str], *,
     raise TypeError(f'argv must be a list of str (e.g. ["demo", "--steps", '
                     f'"10"]), got {argv!r}.')
   _check_int(devices_per_process, 'devices_per_process', 1)
-  if port is not None and (isinstance(port, bool) or not isinstance(port, int)
-                           or not 0 < port < 65536):
+  _check_int(port, 'port', 1)
+  if port is not None and port > 65535:
     raise ValueError(f'port={port!r} must be an int in 1..65535, or None for '
                      'a free one.')
   if timeout is not None and not timeout > 0:

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from jaxpar._validate import check_int
 from jaxpar.train_state import StepStats
 
 
@@ -61,10 +62,8 @@ def count_skipped(count: SkipCount, skipped: StepStats | Any, *,
   if not isinstance(count, SkipCount):
     raise TypeError(f'count must be a jaxpar.guard.SkipCount (start with '
                     f'SkipCount()), got {type(count).__name__}.')
-  if (isinstance(max_skipped, bool) or not isinstance(
-      max_skipped, (int, np.integer)) or max_skipped < 1):
-    raise ValueError(f'max_skipped={max_skipped!r} must be an int >= 1 (the '
-                     'consecutive skipped steps allowed).')
+  max_skipped = check_int('max_skipped', max_skipped,
+                          fix='It counts the consecutive skipped steps allowed.')
   flag = skipped.skipped if isinstance(skipped, StepStats) else skipped
   if np.ndim(flag) != 0 or np.asarray(flag).dtype != bool:
     raise TypeError(f'skipped must be a StepStats or a bool, got '

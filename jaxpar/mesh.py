@@ -13,18 +13,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxpar import _compat
+from jaxpar._validate import check_int
 
 AXES = ('data', 'stage', 'tensor')
-
-
-def _check_size(fn: str, name: str, size: object) -> None:
-  """``TypeError`` unless an int (NumPy ints too, never a bool); ``ValueError``
-  unless ``>= 1``."""
-  if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
-    raise TypeError(f'{fn}: {name}={size!r} must be an int >= 1, got a '
-                    f'{type(size).__name__}.')
-  if size < 1:
-    raise ValueError(f'{fn}: {name}={size!r} must be an int >= 1.')
 
 
 def simulate_cpu_devices(n: int) -> None:
@@ -42,7 +33,7 @@ def simulate_cpu_devices(n: int) -> None:
     >>> import jaxpar
     >>> jaxpar.simulate_cpu_devices(8)   # first cell of a notebook
   """
-  _check_size('simulate_cpu_devices', 'n', n)
+  check_int('n', n, where='simulate_cpu_devices')
   if _compat.backends_are_initialized():
     have = jax.device_count()
     if have == n and jax.default_backend() == 'cpu':
@@ -86,7 +77,7 @@ def make_mesh(*, data: int = 1, stage: int = 1, tensor: int = 1,
     (1, 1, 4)
   """
   for name, size in (('data', data), ('stage', stage), ('tensor', tensor)):
-    _check_size('make_mesh', name, size)
+    check_int(name, size, where='make_mesh')
   data, stage, tensor = int(data), int(stage), int(tensor)
   n = data * stage * tensor
   call = f'make_mesh(data={data}, stage={stage}, tensor={tensor})'

@@ -339,8 +339,9 @@ def test_invalid_arguments():
   make = lambda **kw: jaxpar.AsyncParameterServer(
       loss_fn, kw.pop('opt', opt), p, **{'num_workers': 2, 'max_staleness': 1,
                                          **kw})
-  for bad in (0, -1, 1.5, True):
-    with pytest.raises(ValueError, match=f'num_workers={bad!r} must be an int'):
+  for bad, error in ((0, ValueError), (-1, ValueError), (1.5, TypeError),
+                     (True, TypeError)):
+    with pytest.raises(error, match=f'num_workers={bad!r} must be an int'):
       make(num_workers=bad)
   with pytest.raises(ValueError, match='max_staleness=-1 must be an int >= 0'):
     make(max_staleness=-1)

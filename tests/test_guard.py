@@ -35,7 +35,7 @@ def test_stops_at_max_skipped():
     (guard.SkipCount(), 1, 5, TypeError, 'StepStats or a bool'),
     (guard.SkipCount(), np.zeros(2, bool), 5, TypeError, 'StepStats or a bool'),
     (guard.SkipCount(), False, 0, ValueError, 'max_skipped=0'),
-    (guard.SkipCount(), False, True, ValueError, 'max_skipped=True'),
+    (guard.SkipCount(), False, True, TypeError, 'max_skipped=True'),
 ])
 def test_errors(count, skipped, max_skipped, error, match):
   with pytest.raises(error, match=match):
