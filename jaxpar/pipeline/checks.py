@@ -68,9 +68,11 @@ def microbatched(inputs: jax.Array, targets: PyTree, m: int):
   return split(inputs), jax.tree.map(split, targets)
 
 
-def check_stage_fn(stage_fn: StageFn, params: PyTree, x: jax.Array) -> None:
+def check_stage_fn(stage_fn: StageFn, params: PyTree, x: jax.Array,
+                   key: Any = None) -> None:
   """``ValueError`` unless ``stage_fn`` keeps the activation shape and dtype."""
-  out = jax.eval_shape(stage_fn, jax.tree.map(lambda a: a[0], params), x[0])
+  out = jax.eval_shape(stage_fn, jax.tree.map(lambda a: a[0], params), x[0],
+                       *with_key(key))
   if (not isinstance(out, jax.ShapeDtypeStruct) or out.shape != x.shape[1:]
       or out.dtype != x.dtype):
     got = (f'{out.dtype}{list(out.shape)}' if isinstance(
@@ -81,6 +83,75 @@ def check_stage_fn(stage_fn: StageFn, params: PyTree, x: jax.Array) -> None:
         'as its input. Move shape-changing layers (embedding, head) out of '
         'the stages: in front of the pipeline (PipelineGrads.inputs gives '
         'their cotangent) or into loss_fn.')
+
+
+def with_key(key: Any) -> tuple:
+  """The trailing arguments of a user function: ``(key,)``, or ``()``."""
+  return () if key is None else (key,)
+
+
+def check_loss_fn(loss_fn: Callable[..., Any], loss_params: PyTree,
+                  y: jax.Array, target: PyTree, key: Any,
+                  has_aux: bool) -> None:
+  """``TypeError`` unless ``loss_fn`` gives a float scalar (and float aux)."""
+  out = jax.eval_shape(loss_fn, loss_params, y, target, *with_key(key))
+  if has_aux:
+    if not (isinstance(out, tuple) and len(out) == 2):
+      raise TypeError('has_aux=True needs loss_fn to return a pair (loss, '
+                      f'aux), got {out}.')
+    out, aux = out
+    for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
+      if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+        raise TypeError(
+            f'loss_fn aux{jax.tree_util.keystr(path)} has dtype {leaf.dtype}; '
+            'aux is averaged over microbatches like the loss, so return '
+            'float metrics (e.g. accuracy as float32).')
+  if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()
+          and jnp.issubdtype(out.dtype, jnp.floating)):
+    hint = ('' if has_aux else
+            '; if it returns (loss, aux), pass has_aux=True')
+    raise TypeError(f'loss_fn must return a float scalar, the mean loss of '
+                    f'one microbatch, got {out}{hint}.')
+
+
+def check_key(key: Any) -> None:
+  """``TypeError`` unless ``key`` is ``None`` or one PRNG key."""
+  if key is None:
+    return
+  dtype, shape = getattr(key, 'dtype', None), np.shape(key)
+  typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+  raw = dtype == np.uint32 and shape == (2,)
+  if not (typed and shape == () or raw):
+    raise TypeError(
+        f'key must be one PRNG key, e.g. jax.random.key(0), got '
+        f'{type(key).__name__} {dtype}{list(shape)}: to train with a fresh '
+        'key each step pass the step key (the executor folds in the '
+        'microbatch and stage).')
+
+
+def check_offset(offset: Any) -> None:
+  """``TypeError`` unless ``offset`` is one integer (NumPy/JAX ints too)."""
+  if (isinstance(offset, bool) or np.ndim(offset)
+      or not jnp.issubdtype(jnp.result_type(offset), jnp.integer)):
+    raise TypeError(f'microbatch_offset={offset!r} must be one integer, the '
+                    "global index of this shard's first microbatch (e.g. "
+                    "jax.lax.axis_index('data') * num_microbatches).")
+
+
+def check_compute_dtype(compute_dtype: Any) -> np.dtype | None:
+  """``None`` or a floating dtype (``'bfloat16'``, ``jnp.bfloat16``, ...)."""
+  if compute_dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(compute_dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f'compute_dtype={compute_dtype!r} must be None (compute in the '
+        "params' dtype) or a floating dtype, e.g. jnp.bfloat16 or "
+        "'bfloat16'.")
+  return dtype
 
 
 def check_axis(axis: str, schedule: Schedule) -> None:

@@ -67,13 +67,16 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.pipeline._vma import full, like, vary, vma
-from jaxpar.pipeline.checks import (check_axis, check_fill, check_float,
-                                    check_fn, check_leading, check_lowered,
-                                    check_stage_fn, lowered_for, microbatched)
+from jaxpar.pipeline.checks import (check_axis, check_compute_dtype,
+                                    check_fill, check_float, check_fn,
+                                    check_key, check_leading, check_loss_fn,
+                                    check_lowered, check_offset, check_stage_fn,
+                                    lowered_for, microbatched, with_key)
 from jaxpar.pipeline.layout import ranks_to_stages, stages_to_ranks
 from jaxpar.pipeline.lower import F, I, W, LoweredSchedule
 from jaxpar.pipeline.schedule import Schedule
@@ -101,17 +104,21 @@ class PipelineGrads(NamedTuple):
 
 def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
          local_params: PyTree, loss_params: PyTree, inputs: jax.Array,
-         targets: PyTree, *, axis: str, remat: bool, bubble_fill: float):
+         targets: PyTree, *, axis: str, remat: bool, bubble_fill: float,
+         key: jax.Array | None = None, offset: Any = 0,
+         has_aux: bool = False):
   """The scan over ticks on one rank (inside ``shard_map``); see module doc.
 
   Args are one rank's view: ``local_params`` ``[v, ...]``, ``inputs``
-  ``[m, mb, ...]``, ``targets`` leaves ``[m, mb, ...]``.
+  ``[m, mb, ...]``, ``targets`` leaves ``[m, mb, ...]``; ``key`` the step's
+  key, ``offset`` the global index of this shard's first microbatch.
 
   Returns:
-    Training (``loss_fn`` given): ``(loss, dlocal_params, dloss_params,
-    dinputs)``, the loss and gradients of the mean over the ``m``
-    microbatches; forward-only: the last stage's outputs ``[m, mb, ...]``.
-    Everything but ``dlocal_params`` is reduced over ``axis``.
+    Training (``loss_fn`` given): ``((loss, aux), dlocal_params,
+    dloss_params, dinputs)``, the loss (``aux``: ``()`` without ``has_aux``)
+    and gradients of the mean over the ``m`` microbatches; forward-only: the
+    last stage's outputs ``[m, mb, ...]``. Everything but ``dlocal_params``
+    is reduced over ``axis``.
   """
   schedule = lowered.schedule
   p, m = schedule.num_ranks, schedule.num_microbatches
@@ -129,32 +136,47 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   loss_params = vary(loss_params, base)
   one_params = jax.tree.map(lambda a: a[0], local_params)
 
-  def seed(lp, y, target):
-    """This microbatch's share of the mean loss, and its grad w.r.t. (lp, y)."""
-    fn = lambda lp, y: loss_fn(lp, y, target) / m
-    return jax.value_and_grad(fn, argnums=(0, 1))(lp, y)
+  def key_of(stg, mb):
+    """The key of (logical stage ``stg``, microbatch ``mb``); the loss of
+    microbatch ``mb`` has ``stg = num_stages``. A function of the global
+    microbatch index, so of the batch rows, not of the schedule or mesh."""
+    if key is None:
+      return None
+    return jax.random.fold_in(jax.random.fold_in(key, offset + mb), stg)
+
+  def seed(lp, y, target, k):
+    """This microbatch's share of the mean loss (and aux, at least float32),
+    and the loss's grad w.r.t. (lp, y)."""
+    def fn(lp, y):
+      out = loss_fn(lp, y, target, *with_key(k))
+      loss, aux = out if has_aux else (out, ())
+      return jax.tree.map(lambda a: a.astype(jnp.promote_types(
+          a.dtype, jnp.float32)) / m, (loss, aux))
+    return jax.value_and_grad(fn, argnums=(0, 1), has_aux=True)(lp, y)
 
   # Types of everything the blocks produce. The activations' varying axes
-  # are a fixed point of x -> y (-> loss cotangent -> dx) -> x.
+  # are a fixed point of x -> y (-> loss cotangent -> dx) -> x. The key is
+  # built as in a tick (its microbatch comes from the rank's table row).
+  k0 = key_of(rank * 0, rank * 0)
   act_vma = base
   while True:
     x = vary(jnp.zeros(inputs.shape[1:], inputs.dtype), act_vma)
-    y_aval, stash_aval = stage.trace(one_params, x)
+    y_aval, stash_aval = stage.trace(one_params, x, k0)
     new = act_vma | vma(y_aval)
     if train:
       y = vary(jnp.zeros_like(x), vma(y_aval))
-      loss_aval, (dlp_aval, dy_aval) = jax.eval_shape(
-          seed, loss_params, y, jax.tree.map(lambda t: t[0], targets))
+      out_aval, (dlp_aval, dy_aval) = jax.eval_shape(
+          seed, loss_params, y, jax.tree.map(lambda t: t[0], targets), k0)
       dy = vary(jnp.zeros_like(x), new | vma(dy_aval))
       dp_aval, dx_aval = jax.eval_shape(
-          stage.backward, one_params, full(stash_aval, 0), dy)
+          stage.backward, one_params, full(stash_aval, 0), dy, k0)
       new |= vma(dy_aval) | vma(dx_aval)
     if new == act_vma:
       break
     act_vma = new
   act_aval = jax.typeof(x)
   if train:
-    kept_aval = stage.split(one_params, full(stash_aval, 0), dy)
+    kept_aval = stage.split(one_params, full(stash_aval, 0), dy, k0)
 
   def params_of(j):
     return jax.tree.map(lambda a: a[j], local_params)
@@ -165,34 +187,39 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
         b, like(v, b[0]), index, 0), buf, value)
 
   # One block per action kind; each runs in a ``_when`` and updates the tick
-  # state (payload, grads, loss, dloss_params) in place. ``F`` also carries
-  # the stash and writes its slot in place; ``I`` and ``W`` run inside one
-  # loop that reads the stash entry once and carries the weight stash.
-  def fwd(state, stash, j, slot, x, target):
+  # state (payload, grads, (loss, aux), dloss_params) in place. ``F`` also
+  # carries the stash and writes its slot in place; ``I`` and ``W`` run
+  # inside one loop that reads the stash entry once and carries the weight
+  # stash. ``at`` is the tick's (local stage j, logical stage, microbatch).
+  def fwd(state, stash, at, slot, x, target):
     del target
+    j, stg, mb = at
     if not train:
       return (like(stage_fn(params_of(j), x), act_aval),), None
-    y, new = stage.forward(params_of(j), x)
+    y, new = stage.forward(params_of(j), x, key_of(stg, mb))
     return (like(y, act_aval), *state[1:]), put(stash, slot, new)
 
-  def fwd_last(state, stash, j, slot, x, target):
-    _, grads, loss, dlp = state
-    y, new = stage.forward(params_of(j), x)
-    l, (dl, dy) = seed(loss_params, y, target)
-    return (like(dy, act_aval), grads, loss + like(l, loss),
-            jax.tree.map(lambda a, d: a + like(d, a), dlp, dl)
+  def fwd_last(state, stash, at, slot, x, target):
+    _, grads, out, dlp = state
+    j, stg, mb = at
+    y, new = stage.forward(params_of(j), x, key_of(stg, mb))
+    o, (dl, dy) = seed(loss_params, y, target, key_of(last + 1, mb))
+    add = lambda acc, d: jax.tree.map(lambda a, d: a + like(d, a), acc, d)
+    return (like(dy, act_aval), grads, add(out, o), add(dlp, dl)
             ), put(stash, slot, new)
 
-  def bwd_input(carry, st, j, wslot, dy):
+  def bwd_input(carry, st, at, wslot, dy):
     state, wstash = carry
-    dx, kept = stage.input_grad(params_of(j), st, dy)
+    j, stg, mb = at
+    dx, kept = stage.input_grad(params_of(j), st, dy, key_of(stg, mb))
     dx = like(dx, act_aval)
     return (dx, *state[1:]), put(wstash, wslot, (kept, dx))
 
-  def bwd_weight(carry, st, j, wslot, dy):
+  def bwd_weight(carry, st, at, wslot, dy):
     (_, grads, *acc), wstash = carry
+    j, stg, mb = at
     kept, dx = jax.tree.map(lambda b: b[wslot], wstash)
-    dp = stage.weight_grad(params_of(j), st, dy, kept)
+    dp = stage.weight_grad(params_of(j), st, dy, kept, key_of(stg, mb))
     grads = jax.tree.map(lambda g, d: g.at[j].add(like(d, g[j])), grads, dp)
     return (dx, grads, *acc), wstash
 
@@ -210,34 +237,35 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   sends = (lowered.recv_slot >= 0).any(1)
 
   def tick(carry, row):
-    mailbox, stash, wstash, grads, loss, dlp, edge = carry
+    mailbox, stash, wstash, grads, out, dlp, edge = carry
     row, send = row
     kind, stg, mb, j, read, slot, wslot, recv = (a[rank] for a in row)
     mb, j = jnp.maximum(mb, 0), jnp.maximum(j, 0)
     slot, wslot = jnp.maximum(slot, 0), jnp.maximum(wslot, 0)
+    at = (j, stg, mb)
     x = jnp.where(read >= 0, mailbox[jnp.maximum(read, 0)], inputs[mb])
     target = jax.tree.map(lambda t: t[mb], targets)
     branch = kind
     if train:
       branch = jnp.where((kind == F) & (stg == last), _F_LAST, kind)
-    state = (full(act_aval, bubble_fill), grads, loss, dlp)
+    state = (full(act_aval, bubble_fill), grads, out, dlp)
     if not train:
       state = state[:1]
     for code, block in writers.items():
       state, stash = _when(branch == code, lambda c, block=block: block(
-          *c, j, slot, x, target), (state, stash))
+          *c, at, slot, x, target), (state, stash))
     if readers:
       def read(carry):
         st = jax.tree.map(lambda b: b[slot], stash)
         for code, block in readers.items():
           carry = _when(branch == code, lambda c, block=block: block(
-              c, st, j, wslot, x), carry)
+              c, st, at, wslot, x), carry)
         return carry
       state, wstash = _when(jnp.isin(branch, np.array(list(readers))), read,
                             (state, wstash))
     payload = state[0]
     if train:
-      _, grads, loss, dlp = state
+      _, grads, out, dlp = state
     edge = _when((kind == edge_kind) & (stg == edge_stage),
                  lambda e: put(e, mb, payload), edge)
     for k, offset in enumerate(lowered.offsets):
@@ -247,12 +275,12 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
         # No message for this rank: the spare last slot, which nothing reads.
         return put(mailbox, jnp.where(recv[k] >= 0, recv[k], spare), msg)
       mailbox = _when(send[k], deliver, mailbox)
-    return (mailbox, stash, wstash, grads, loss, dlp, edge), None
+    return (mailbox, stash, wstash, grads, out, dlp, edge), None
 
-  stash = wstash = grads = loss = dlp = None
+  stash = wstash = grads = out = dlp = None
   if train:
     grads = full(dp_aval, 0, v)
-    loss, dlp = full(loss_aval, 0), full(dlp_aval, 0)
+    out, dlp = full(out_aval, 0), full(dlp_aval, 0)
     stash = full(stash_aval, bubble_fill, lowered.num_stash_slots)
     wstash = full((kept_aval, act_aval), bubble_fill,
                   max(lowered.num_weight_slots, 1))
@@ -262,13 +290,13 @@ def _run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   rows = (lowered.kind, lowered.stage, lowered.microbatch, lowered.local_stage,
           lowered.read_slot, lowered.stash_slot, lowered.weight_slot,
           lowered.recv_slot)
-  (_, _, _, grads, loss, dlp, edge), _ = jax.lax.scan(
-      tick, (mailbox, stash, wstash, grads, loss, dlp, edge),
+  (_, _, _, grads, out, dlp, edge), _ = jax.lax.scan(
+      tick, (mailbox, stash, wstash, grads, out, dlp, edge),
       (rows, sends))
   if not train:
     return jax.lax.psum(edge, axis)
-  loss, dlp, edge = jax.lax.psum((loss, dlp, edge), axis)  # one collective
-  return loss, grads, dlp, edge
+  out, dlp, edge = jax.lax.psum((out, dlp, edge), axis)  # one collective
+  return out, grads, dlp, edge
 
 
 def _when(pred: jax.Array, fn: Callable[[PyTree], PyTree],
@@ -291,7 +319,9 @@ def pipeline_step_local(
     stage_fn: StageFn, loss_fn: LossFn, local_params: PyTree,
     loss_params: PyTree, inputs: jax.Array, targets: PyTree, *,
     lowered: LoweredSchedule, axis: str = 'stage', remat: bool = False,
-    bubble_fill: float = 0.0) -> tuple[jax.Array, PipelineGrads]:
+    bubble_fill: float = 0.0, key: jax.Array | None = None,
+    microbatch_offset: Any = 0, has_aux: bool = False,
+    compute_dtype: Any = None) -> tuple[Any, PipelineGrads]:
   """One rank's share of ``pipeline_step``; call it inside ``jax.shard_map``.
 
   For composing pipeline parallelism with other axes: the caller's
@@ -300,9 +330,11 @@ def pipeline_step_local(
   pipeline rank and run the same blocks).
 
   Args:
-    stage_fn: ``stage_fn(one_stage_params, x) -> y``, ``y`` like ``x``.
+    stage_fn: ``stage_fn(one_stage_params, x) -> y``, ``y`` like ``x``;
+      ``stage_fn(one_stage_params, x, key)`` when ``key`` is given.
     loss_fn: ``loss_fn(loss_params, y, target) -> scalar``, the mean loss of
-      one microbatch, run after the last stage.
+      one microbatch, run after the last stage (``(scalar, aux)`` with
+      ``has_aux``; a trailing ``key`` argument when ``key`` is given).
     local_params: this rank's stages, leading axis ``v`` in the order of
       ``stages_to_ranks`` (``stages_to_ranks(params, schedule)[rank]``).
     loss_params: the loss parameters (replicated over ``axis``).
@@ -315,14 +347,28 @@ def pipeline_step_local(
       backward (and twice, in ``I`` and ``W``, for zero-bubble schedules).
     bubble_fill: value of unwritten buffer slots and of whatever idle ranks
       send; ``float('nan')`` checks that bubbles never reach the results.
+    key: the step's PRNG key, or ``None``. Stage ``k`` on microbatch ``i``
+      gets ``fold_in(fold_in(key, microbatch_offset + i), k)``, the loss
+      ``k = num_stages``: its forward, backward and recompute see one key.
+    microbatch_offset: global index of this shard's first microbatch (with a
+      batch sharded over a data axis: ``axis_index(data) * m``), so that the
+      keys follow the batch rows, not the mesh.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (float leaves) is
+      averaged over the microbatches like the loss.
+    compute_dtype: e.g. ``jnp.bfloat16``: the stages and the loss run on
+      params cast to it (inside the stage, so the stash never holds a cast
+      copy of them) and on inputs cast to it; activations, stashes and
+      messages are in it. Loss, aux and gradients stay in their dtypes
+      (float32). ``None``: the dtypes given.
 
   Returns:
-    ``(loss, PipelineGrads(stages, loss, inputs))``: the mean loss over this
-    shard's batch and its gradients; ``stages`` is this rank's ``[v, ...]``
-    (varying over ``axis``), the rest is reduced over ``axis``. Nothing is
-    reduced over other axes: with a batch sharded ``n`` ways over a data
-    axis, ``pmean`` the loss and the parameter gradients over it and divide
-    ``inputs`` (this shard's cotangent) by ``n``.
+    ``(loss, PipelineGrads(stages, loss, inputs))`` (``((loss, aux), ...)``
+    with ``has_aux``): the mean loss over this shard's batch and its
+    gradients; ``stages`` is this rank's ``[v, ...]`` (varying over
+    ``axis``), the rest is reduced over ``axis``. Nothing is reduced over
+    other axes: with a batch sharded ``n`` ways over a data axis, ``pmean``
+    the loss and the parameter gradients over it and divide ``inputs`` (this
+    shard's cotangent) by ``n``.
 
   Example:
     >>> stage_fn = lambda w, x: jnp.tanh(x @ w)
@@ -353,12 +399,35 @@ def pipeline_step_local(
     check_float(tree, name)
   check_leading(local_params, schedule.num_stages // schedule.num_ranks,
                 'local_params', 'num_stages // num_ranks')
+  check_key(key)
+  check_offset(microbatch_offset)
+  dtype = check_compute_dtype(compute_dtype)
+  if dtype is not None:
+    stage_fn, loss_fn = _cast_params(stage_fn, dtype), _cast_params(
+        loss_fn, dtype)
+    inputs_dtype, inputs = jnp.result_type(inputs), jnp.asarray(inputs, dtype)
   xs, ts = microbatched(inputs, targets, schedule.num_microbatches)
-  check_stage_fn(stage_fn, local_params, xs)
-  loss, grads, dlp, dx = _run(
+  check_stage_fn(stage_fn, local_params, xs, key)
+  check_loss_fn(loss_fn, loss_params, xs[0], jax.tree.map(lambda t: t[0], ts),
+                key, has_aux)
+  out, grads, dlp, dx = _run(
       stage_fn, loss_fn, lowered, local_params, loss_params, xs, ts,
-      axis=axis, remat=bool(remat), bubble_fill=check_fill(bubble_fill))
-  return loss, PipelineGrads(grads, dlp, dx.reshape(np.shape(inputs)))
+      axis=axis, remat=bool(remat), bubble_fill=check_fill(bubble_fill),
+      key=key, offset=microbatch_offset, has_aux=has_aux)
+  dx = dx.reshape(np.shape(inputs))
+  if dtype is not None:
+    dx = dx.astype(inputs_dtype)
+  return (out if has_aux else out[0]), PipelineGrads(grads, dlp, dx)
+
+
+def _cast_params(fn: Callable[..., Any], dtype: Any) -> Callable[..., Any]:
+  """``fn`` on its first argument (the params) cast to ``dtype``.
+
+  The cast is part of the stage, so ``StageVJP`` finds the cast params to
+  depend on the params alone and recomputes them rather than stash them;
+  its transpose casts the params' cotangents back to their dtype.
+  """
+  return lambda params, *args: fn(optax.tree.cast(params, dtype), *args)
 
 
 def pipeline_apply_local(
@@ -392,9 +461,9 @@ def pipeline_apply_local(
 
 def pipeline_value_and_grad(
     stage_fn: StageFn, loss_fn: LossFn, *, schedule: Schedule, mesh: Mesh,
-    axis: str = 'stage', remat: bool = False, bubble_fill: float = 0.0
-) -> Callable[[PyTree, PyTree, jax.Array, PyTree],
-              tuple[jax.Array, PipelineGrads]]:
+    axis: str = 'stage', remat: bool = False, bubble_fill: float = 0.0,
+    has_aux: bool = False, compute_dtype: Any = None
+) -> Callable[..., tuple[Any, PipelineGrads]]:
   """A jitted pipelined step: the loss and gradients of the batch mean.
 
   Like ``jax.value_and_grad`` of the sequential model (no optimizer: plug
@@ -408,6 +477,11 @@ def pipeline_value_and_grad(
 
     loss = mean_i loss_fn(loss_params, stage_{S-1}(... stage_0(x_i)), t_i)
 
+  With a ``key`` (dropout), stage ``k`` runs as ``stage_fn(params_k, x,
+  k_ik)`` with ``k_ik = fold_in(fold_in(key, i), k)`` and the loss gets
+  ``k_iS``: the same masks in the forward, the backward and a recompute, and
+  the same result for every schedule of ``S`` stages.
+
   Memory per rank: the parameters, the batch and its gradient, plus
   ``lower(schedule).num_stash_slots`` stashes (VJP residuals without the
   parameters; the stage input with ``remat``) and ``num_mailbox_slots``
@@ -420,9 +494,11 @@ def pipeline_value_and_grad(
 
   Args:
     stage_fn: ``stage_fn(one_stage_params, x) -> y`` with ``y`` of ``x``'s
-      shape and dtype; ``x`` is one microbatch ``[batch/m, ...]``.
+      shape and dtype; ``x`` is one microbatch ``[batch/m, ...]``. Called
+      as ``stage_fn(one_stage_params, x, key)`` when the step gets a key.
     loss_fn: ``loss_fn(loss_params, y, target) -> scalar``, the mean loss
-      over one microbatch, applied to the last stage's output.
+      over one microbatch, applied to the last stage's output (``-> (scalar,
+      aux)`` with ``has_aux``; a trailing ``key`` when the step gets one).
     schedule: a training ``Schedule`` (GPipe, 1F1B, interleaved, zero-bubble,
       or from CSV).
     mesh: a mesh with axis ``axis`` of size ``schedule.num_ranks``.
@@ -430,19 +506,30 @@ def pipeline_value_and_grad(
     remat: stash only stage inputs and recompute the forward in the backward.
     bubble_fill: value of unwritten buffer slots and of what idle ranks send;
       ``float('nan')`` checks that bubbles never reach the results.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``, aux a pytree of floats
+      averaged over microbatches like the loss.
+    compute_dtype: e.g. ``jnp.bfloat16``: stages and loss compute on params
+      and inputs cast to it, so activations, stashes and messages are in it;
+      the loss, aux and all gradients keep their dtypes (float32).
 
   Returns:
-    ``step(stage_params, loss_params, inputs, targets) -> (loss,
-    PipelineGrads(stages, loss, inputs))``, jitted. ``stage_params`` is a
-    pytree stacked ``[num_stages, ...]`` in model order; ``inputs`` is
-    ``[batch, ...]`` and ``targets`` a pytree of ``[batch, ...]`` leaves.
-    Shapes are checked when ``step`` is traced, before compiling.
+    ``step(stage_params, loss_params, inputs, targets, key=None) -> (loss,
+    PipelineGrads(stages, loss, inputs))`` (``((loss, aux), grads)`` with
+    ``has_aux``), jitted. ``stage_params`` is a pytree stacked
+    ``[num_stages, ...]`` in model order; ``inputs`` is ``[batch, ...]`` and
+    ``targets`` a pytree of ``[batch, ...]`` leaves; ``key`` a PRNG key for
+    the functions (``jax.random.key(seed)``; fold in the step number to
+    draw new masks each step). Shapes are checked when ``step`` is traced,
+    before compiling.
 
   Raises:
     TypeError / ValueError: for a non-callable function, a schedule that does
-      not fit the mesh or does not train; when called, for a leading axis
-      other than ``num_stages``, a batch not divisible by ``m``, targets of
-      another batch size or a ``stage_fn`` that changes the shape.
+      not fit the mesh or does not train, a ``compute_dtype`` that is not a
+      float dtype; when called, for a leading axis other than
+      ``num_stages``, a batch not divisible by ``m``, targets of another
+      batch size, a ``stage_fn`` that changes the shape, a ``loss_fn`` whose
+      output is not a float scalar (or ``(scalar, floats)`` with
+      ``has_aux``), or a ``key`` that is not one PRNG key.
 
   Example:
     >>> stage_fn = lambda p, x: jnp.tanh(x @ p['w'] + p['b'])
@@ -455,36 +542,57 @@ def pipeline_value_and_grad(
     >>> loss, grads = step(params, 2.0, np.ones((32, 16)), np.zeros((32, 16)))
     >>> grads.stages['w'].shape, grads.inputs.shape
     ((4, 16, 16), (32, 16))
+
+    Dropout (a key), an auxiliary metric and bfloat16 compute:
+
+    >>> def dropout_fn(p, x, key):
+    ...   keep = jax.random.bernoulli(key, 0.9, x.shape)
+    ...   return jnp.where(keep, stage_fn(p, x) / 0.9, 0)
+    >>> def loss_and_mean(scale, y, t, key):
+    ...   return loss_fn(scale, y, t), {'mean_y': jnp.mean(y).astype(float)}
+    >>> step = jaxpar.pipeline.pipeline_value_and_grad(
+    ...     dropout_fn, loss_and_mean, mesh=jaxpar.make_mesh(stage=4, data=2),
+    ...     schedule=jaxpar.pipeline.one_f_one_b(4, 8), has_aux=True,
+    ...     compute_dtype=jnp.bfloat16)
+    >>> (loss, aux), grads = step(params, 2.0, np.ones((32, 16)),
+    ...                           np.zeros((32, 16)), key=jax.random.key(0))
+    >>> loss.dtype, sorted(aux), grads.stages['w'].dtype
+    (dtype('float32'), ['mean_y'], dtype('float32'))
   """
   check_fn(stage_fn, 'stage_fn')
   check_fn(loss_fn, 'loss_fn')
   lowered = lowered_for(schedule, mesh, axis, training=True)
   bubble_fill = check_fill(bubble_fill)
+  check_compute_dtype(compute_dtype)
 
-  def local(params, loss_params, inputs, targets):
-    loss, grads = pipeline_step_local(
+  def local(params, loss_params, inputs, targets, key):
+    out, grads = pipeline_step_local(
         stage_fn, loss_fn, jax.tree.map(lambda a: a[0], params), loss_params,
         inputs, targets, lowered=lowered, axis=axis, remat=remat,
-        bubble_fill=bubble_fill)
-    return loss, grads._replace(
+        bubble_fill=bubble_fill, key=key, has_aux=has_aux,
+        compute_dtype=compute_dtype)
+    return out, grads._replace(
         stages=jax.tree.map(lambda a: a[None], grads.stages))
 
   by_stage = NamedSharding(mesh, P(axis))
+  # Manual over every mesh axis (replicated over the others): XLA:CPU 0.10
+  # aborts on a bfloat16 all-reduce in a partly manual shard_map.
   sharded = jax.shard_map(
-      local, mesh=mesh, in_specs=(P(axis), P(), P(), P()),
-      out_specs=(P(), PipelineGrads(P(axis), P(), P())), axis_names={axis})
+      local, mesh=mesh, in_specs=(P(axis), P(), P(), P(), P()),
+      out_specs=(P(), PipelineGrads(P(axis), P(), P())))
 
   @jax.jit
-  def step(stage_params, loss_params, inputs, targets):
+  def step(stage_params, loss_params, inputs, targets, key=None):
     check_leading(stage_params, schedule.num_stages, 'stage_params',
                   'schedule.num_stages')
+    check_key(key)
     # Replicated on every device (a no-op unless the caller sharded them).
-    loss_params, inputs, targets = jax.reshard(
-        (loss_params, inputs, targets), NamedSharding(mesh, P()))
-    loss, grads = sharded(
-        stages_to_ranks(stage_params, schedule, out_sharding=by_stage),
-        loss_params, inputs, targets)
-    return loss, grads._replace(stages=ranks_to_stages(
+    loss_params, inputs, targets, key = jax.reshard(
+        (loss_params, inputs, targets, key), NamedSharding(mesh, P()))
+    out, grads = sharded(jax.reshard(stages_to_ranks(
+        stage_params, schedule, out_sharding=by_stage), by_stage),
+                         loss_params, inputs, targets, key)
+    return out, grads._replace(stages=ranks_to_stages(
         grads.stages, schedule, out_sharding=by_stage))
   return step
 

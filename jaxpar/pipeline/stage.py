@@ -55,52 +55,59 @@ class StageVJP:
   the blocks; it fixes the residual structure and the ``I``/``W`` cut.
   """
 
-  def __init__(self, stage_fn: Callable[[PyTree, jax.Array], jax.Array],
-               remat: bool):
+  def __init__(self, stage_fn: Callable[..., jax.Array], remat: bool):
     self.stage_fn = stage_fn
     self.remat = remat
     self._from_x = None      # per closure leaf: depends on x (is stashed)
     self._x = None           # aval of x
     self._input = self._weight = None
-    self._params_def = None
+    self._args_def = None
 
-  def _closure(self, params, x):
-    y, vjp = jax.vjp(self.stage_fn, params, x)
+  def _fn(self, key):
+    """``stage_fn`` of ``(params, x)``, with ``key`` bound if there is one."""
+    if key is None:
+      return self.stage_fn
+    return lambda params, x: self.stage_fn(params, x, key)
+
+  def _closure(self, params, x, key):
+    y, vjp = jax.vjp(self._fn(key), params, x)
     leaves, treedef = jax.tree.flatten(vjp)
     return y, leaves, treedef
 
-  def trace(self, params: PyTree, x: jax.Array):
+  def trace(self, params: PyTree, x: jax.Array, key: Any = None):
     """Records the residual structure; returns ``(y, stash)`` avals."""
     self._x = jax.typeof(x)
     if self.remat:
-      return jax.eval_shape(self.stage_fn, params, x), self._x
-    closed = jax.make_jaxpr(lambda p, x: self._closure(p, x)[:2])(params, x)
+      return jax.eval_shape(self._fn(key), params, x), self._x
+    closed = jax.make_jaxpr(lambda p, x, k: self._closure(p, x, k)[:2])(
+        params, x, key)
     jaxpr = closed.jaxpr
-    from_x = _jaxpr.depends_on(jaxpr,
-                               jaxpr.invars[len(jax.tree.leaves(params)):])
+    at = len(jax.tree.leaves(params))
+    from_x = _jaxpr.depends_on(jaxpr, jaxpr.invars[at:at + 1])
     self._from_x = tuple(_jaxpr.is_var(v) and v in from_x
                          for v in jaxpr.outvars[1:])
     y, leaves = closed.out_avals[0], closed.out_avals[1:]
     return y, [a for a, keep in zip(leaves, self._from_x) if keep]
 
-  def forward(self, params: PyTree, x: jax.Array):
+  def forward(self, params: PyTree, x: jax.Array, key: Any = None):
     """``(y, stash)`` for the ``F`` block (traced, as in the executor)."""
     if self.remat:
-      return self.stage_fn(params, x), x
-    y, leaves, _ = self._closure(params, x)
+      return self._fn(key)(params, x), x
+    y, leaves, _ = self._closure(params, x, key)
     if len(leaves) != len(self._from_x):
       raise RuntimeError('stage_fn traced to a different VJP structure twice; '
                          'it must be a pure function of (params, x).')
     return y, [a for a, keep in zip(leaves, self._from_x) if keep]
 
-  def backward(self, params: PyTree, stash: Any, dy: jax.Array):
+  def backward(self, params: PyTree, stash: Any, dy: jax.Array,
+               key: Any = None):
     """``(dparams, dx)`` in one piece (the ``I`` and ``W`` blocks together)."""
     if self.remat:
-      return jax.vjp(self.stage_fn, params, stash)[1](dy)
+      return jax.vjp(self._fn(key), params, stash)[1](dy)
     zeros = _vma.full(self._x, 0.0)
     # The closure at x = 0: its x-dependent parts are dead code, the rest
-    # are the residuals that depend on the parameters alone.
-    _, from_params, treedef = self._closure(params, zeros)
+    # are the residuals of the parameters and the key alone (a dropout mask).
+    _, from_params, treedef = self._closure(params, zeros, key)
     if len(from_params) != len(self._from_x):
       raise RuntimeError('stage_fn traced to a different VJP structure twice; '
                          'call the blocks under jit, as the executor does.')
@@ -109,21 +116,24 @@ class StageVJP:
               for leaf, keep in zip(from_params, self._from_x)]
     return jax.tree.unflatten(treedef, leaves)(dy)
 
-  def split(self, params: PyTree, stash: Any, dy: jax.Array) -> PyTree:
+  def split(self, params: PyTree, stash: Any, dy: jax.Array,
+            key: Any = None) -> PyTree:
     """Cuts the backward into ``I`` and ``W``; returns the ``kept`` avals."""
-    args, self._params_def = jax.tree.flatten((params, stash, dy))
-    num_params = len(jax.tree.leaves(params))
+    args, self._args_def = jax.tree.flatten(((params, key), stash, dy))
+    num_consts = len(jax.tree.leaves((params, key)))
 
     def flat(*args):
-      dparams, dx = self.backward(*jax.tree.unflatten(self._params_def, args))
+      (params, key), stash, dy = jax.tree.unflatten(self._args_def, args)
+      dparams, dx = self.backward(params, stash, dy, key)
       return jax.tree.leaves(dparams) + [dx]
     closed = _jaxpr.flatten(flat, *args)  # every operation its own eqn
     jaxpr = closed.jaxpr
     *dparams, dx = jaxpr.outvars
     in_i = _jaxpr.needed(jaxpr, [dx])
-    # Values from the parameters alone: W recomputes them rather than keep.
+    # Values from the parameters and key alone: W recomputes them rather
+    # than keep.
     params_only = set(jaxpr.constvars) | (set(jaxpr.invars) - _jaxpr.depends_on(
-        jaxpr, jaxpr.invars[num_params:]))
+        jaxpr, jaxpr.invars[num_consts:]))
     for eqn in jaxpr.eqns:
       if all(not _jaxpr.is_var(v) or v in params_only for v in eqn.invars):
         params_only.update(eqn.outvars)
@@ -139,13 +149,15 @@ class StageVJP:
     self._dparams_def = jax.tree.structure(params)
     return [v.aval for v in kept]
 
-  def input_grad(self, params: PyTree, stash: Any, dy: jax.Array):
+  def input_grad(self, params: PyTree, stash: Any, dy: jax.Array,
+                 key: Any = None):
     """The ``I`` block: ``(dx, kept)``."""
-    dx, *kept = self._input(*jax.tree.leaves((params, stash, dy)))
+    dx, *kept = self._input(*jax.tree.leaves(((params, key), stash, dy)))
     return dx, kept
 
   def weight_grad(self, params: PyTree, stash: Any, dy: jax.Array,
-                  kept: list) -> PyTree:
+                  kept: list, key: Any = None) -> PyTree:
     """The ``W`` block: ``dparams`` from what ``I`` kept."""
-    dparams = self._weight(*jax.tree.leaves((params, stash, dy)), *kept)
+    dparams = self._weight(*jax.tree.leaves(((params, key), stash, dy)),
+                           *kept)
     return jax.tree.unflatten(self._dparams_def, dparams)
