@@ -1,58 +1,160 @@
-"""Section ``data_parallel_vs_gspmd``: jaxpar's DP step vs ``jax.jit`` + GSPMD.
+"""Sections ``data_parallel_vs_gspmd`` and ``parallel_vs_data_parallel``.
 
-Both train the same MLP with SGD on the same batch sharded over ``data``: the
-baseline is a plain jitted single-device step whose batch carries a
-``NamedSharding`` (XLA's partitioner inserts the gradient all-reduce); jaxpar's
-is ``data_parallel_step`` (explicit ``shard_map`` + ``pmean``).
+``data_parallel_vs_gspmd``: jaxpar's DP step (``zero_stage`` 0, 1, 3) against
+what XLA does by itself. Both train the same MLP with Adam on the same batch
+sharded over ``data``; the baseline is a plain jitted single-device step whose
+inputs carry ``NamedSharding``s on an ``Auto`` mesh -- the batch over
+``data``, and for ZeRO the optimizer state (1) and the params (3) in the ZeRO
+layout -- so XLA's partitioner inserts every collective itself. jaxpar's step
+also computes ``StepStats`` (global norm, non-finite skip); the baseline only
+the loss.
+
+``parallel_vs_data_parallel``: ``parallel.train_step`` on a mesh with only
+``data > 1`` (stage = tensor = 1, a 1-stage schedule, one microbatch) against
+``data_parallel.train_step`` for the same model written as embed / one stage
+/ head, same optimizer and ZeRO stage.
+
+Steps take turns within each repetition (``_timing.wall_and_cpu_seconds``),
+so load from other processes hits them alike; ``ratio`` is jaxpar's wall
+time over the baseline's, ``*_collectives`` count the compiled programs'
+collectives (``AR`` all-reduce, ``AG`` all-gather, ``RS`` reduce-scatter).
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar.bench._timing import median_seconds
+from jaxpar import hlo, zero
+from jaxpar.bench._timing import wall_and_cpu_seconds
+
+_SHORT = {'all-reduce': 'AR', 'all-gather': 'AG', 'reduce-scatter': 'RS',
+          'collective-permute': 'CP', 'all-to-all': 'A2A'}
 
 
-def _mlp_loss(params, batch):
-  h = jax.nn.gelu(batch['x'] @ params['w1'])
-  return optax.losses.squared_error(h @ params['w2'], batch['y']).mean()
+def _embed(w, x):
+  return x @ w
+
+
+def _stage(p, h):
+  return h + jax.nn.gelu(h @ p['w1']) @ p['w2']
+
+
+def _head(w, h, y):
+  return optax.losses.squared_error(h @ w, y).mean()
+
+
+def _loss(params, batch):
+  """The model of both sections: embed, one residual MLP block, head."""
+  x, y = batch
+  return _head(params['head'], _stage(params['block'],
+                                      _embed(params['embed'], x)), y)
+
+
+def _params(width: int) -> dict:
+  k = jax.random.split(jax.random.key(0), 4)
+  init = lambda key, shape: jax.random.normal(key, shape) / shape[0]**0.5
+  return {'embed': init(k[0], (width, width)),
+          'block': {'w1': init(k[1], (width, 4 * width)),
+                    'w2': init(k[2], (4 * width, width))},
+          'head': init(k[3], (width, width))}
+
+
+def _collectives(compiled) -> str:
+  counts = hlo.collective_counts(compiled)
+  return ' '.join(f'{c}{_SHORT[k]}' for k, c in counts.items() if c) or '-'
+
+
+def _gspmd_step(optimizer, state_shardings, batch_sharding):
+  """Plain ``jit`` of the single-device step; XLA partitions everything."""
+  def step(state, batch):
+    loss, grads = jax.value_and_grad(_loss)(state.params, batch)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    return state._replace(params=optax.apply_updates(state.params, updates),
+                          opt_state=opt_state, step=state.step + 1), loss
+  return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                 out_shardings=(state_shardings, None))
+
+
+def _batch(n: int, per_device: int, width: int) -> tuple:
+  rng = np.random.default_rng(0)
+  return tuple(rng.normal(size=(n * per_device, width)).astype(np.float32)
+               for _ in range(2))
+
+
+def _vs_gspmd(width, per_device, zero_stage, repeats) -> dict:
+  n = jax.device_count()
+  mesh = jaxpar.make_mesh(data=n)
+  auto = jax.make_mesh((n,), ('data',), axis_types=(AxisType.Auto,))
+  optimizer = optax.adam(1e-3)
+  trainer = jaxpar.data_parallel.train_step(_loss, optimizer, mesh=mesh,
+                                            zero_stage=zero_stage)
+  state = trainer.init(_params(width))
+  batch = jax.device_put(_batch(n, per_device, width),
+                         NamedSharding(mesh, P('data')))
+  # The same shards on the Auto mesh: GSPMD decides every collective.
+  auto_state = jaxpar.train_state.auto_view(state)
+  state_sh = jax.tree.map(lambda x: x.sharding, auto_state)
+  batch_sh = NamedSharding(auto, P('data'))
+  auto_batch = jax.device_put(batch, batch_sh)
+  gspmd = _gspmd_step(optimizer, state_sh, batch_sh)
+  times = wall_and_cpu_seconds(
+      {'jaxpar': lambda: trainer.step(state, batch),
+       'gspmd': lambda: gspmd(auto_state, auto_batch)}, (), repeats)
+  return {'zero_stage': zero_stage, 'devices': n, 'width': width,
+          'batch': n * per_device,
+          'jaxpar_ms': 1e3 * times['jaxpar'][0],
+          'gspmd_ms': 1e3 * times['gspmd'][0],
+          'ratio': times['jaxpar'][0] / times['gspmd'][0],
+          'jaxpar_collectives': _collectives(
+              trainer.step.lower(state, batch).compile()),
+          'gspmd_collectives': _collectives(
+              gspmd.lower(auto_state, auto_batch).compile())}
+
+
+def _parallel_vs_dp(width, per_device, zero_stage, schedule, repeats) -> dict:
+  n = jax.device_count()
+  mesh = jaxpar.make_mesh(data=n)
+  optimizer = optax.adam(1e-3)
+  params = _params(width)
+  dp = jaxpar.data_parallel.train_step(_loss, optimizer, mesh=mesh,
+                                       zero_stage=zero_stage)
+  par = jaxpar.parallel.train_step(
+      _embed, _stage, _head, optimizer, schedule=schedule, mesh=mesh,
+      zero_stage=zero_stage)
+  dp_state = dp.init(params)
+  par_state = par.init(jaxpar.parallel.PipelineParams(
+      params['embed'], jax.tree.map(lambda x: x[None], params['block']),
+      params['head']))
+  batch = jax.device_put(_batch(n, per_device, width),
+                         NamedSharding(mesh, P('data')))
+  times = wall_and_cpu_seconds(
+      {'parallel': lambda: par.step(par_state, batch),
+       'dp': lambda: dp.step(dp_state, batch)}, (), repeats)
+  return {'zero_stage': zero_stage, 'schedule': schedule.name, 'devices': n,
+          'width': width, 'batch': n * per_device,
+          'parallel_ms': 1e3 * times['parallel'][0],
+          'data_parallel_ms': 1e3 * times['dp'][0],
+          'ratio': times['parallel'][0] / times['dp'][0],
+          'parallel_collectives': _collectives(
+              par.step.lower(par_state, batch).compile()),
+          'dp_collectives': _collectives(
+              dp.step.lower(dp_state, batch).compile())}
 
 
 def run(*, quick: bool) -> dict[str, list[dict]]:
-  rows = []
-  n = jax.device_count()
   width = 256 if quick else 1024
-  for per_device in ((64, 256) if quick else (64, 256, 1024)):
-    mesh = jaxpar.make_mesh(data=n)
-    key1, key2 = jax.random.split(jax.random.key(0))
-    params = {'w1': jax.random.normal(key1, (width, 4 * width)) / width**0.5,
-              'w2': jax.random.normal(key2, (4 * width, width)) / width**0.5}
-    rng = np.random.default_rng(0)
-    batch = {'x': rng.normal(size=(n * per_device, width)).astype(np.float32),
-             'y': rng.normal(size=(n * per_device, width)).astype(np.float32)}
-    optimizer = optax.sgd(1e-3)
-    state = jaxpar.TrainState.create(params, optimizer)
-
-    dp_step = jaxpar.data_parallel_step(_mlp_loss, optimizer, mesh=mesh)
-    dp_state = jax.device_put(state, NamedSharding(mesh, P()))
-    dp_batch = jax.device_put(batch, NamedSharding(mesh, P('data')))
-    dp = median_seconds(dp_step, dp_state, dp_batch)
-
-    @jax.jit
-    def gspmd_step(state, batch):
-      loss, grads = jax.value_and_grad(_mlp_loss)(state.params, batch)
-      updates, opt_state = optimizer.update(grads, state.opt_state)
-      return state._replace(params=optax.apply_updates(state.params, updates),
-                            opt_state=opt_state, step=state.step + 1), loss
-
-    gspmd = median_seconds(gspmd_step, dp_state, dp_batch)
-    rows.append({'devices': n, 'width': width, 'batch': n * per_device,
-                 'jaxpar_dp_ms': 1e3 * dp, 'gspmd_ms': 1e3 * gspmd,
-                 'ratio': dp / gspmd})
-  return {'data_parallel_vs_gspmd': rows}
+  sizes = (64, 256) if quick else (64, 256, 1024)
+  repeats = 9 if quick else 7
+  gspmd = [_vs_gspmd(width, per_device, zero_stage, repeats)
+           for per_device in sizes for zero_stage in zero.ZERO_STAGES]
+  schedules = (jaxpar.pipeline.gpipe(1, 1), jaxpar.pipeline.one_f_one_b(1, 1))
+  parallel = [_parallel_vs_dp(width, per_device, zero_stage, schedule, repeats)
+              for per_device in sizes for zero_stage in zero.ZERO_STAGES
+              for schedule in schedules]
+  return {'data_parallel_vs_gspmd': gspmd,
+          'parallel_vs_data_parallel': parallel}

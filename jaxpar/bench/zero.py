@@ -6,20 +6,23 @@ with Adam on all devices as one ``data`` axis (size ``N``) with
 
 ``zero_memory``: bytes one device holds of the params and of the optimizer
 state after a step, read from the arrays' shards, against the totals (ZeRO:
-``~1/N``, padding aside), and the compiled step's ``memory_analysis()`` per
+``~1/N``), and the compiled step's ``memory_analysis()`` per
 device (arguments = the state and batch going in, output = the new state,
 temp = scratch; for ZeRO-3 that includes the gathered params, which XLA:CPU
 gathers all at once).
 
 ``zero_communication``: every collective of the compiled step (from its
-optimized HLO, ``jaxpar.hlo``; whole buffers per device) against the theory,
-with ``P`` the float32 gradient bytes and ``P_pad`` those of the leaves
-ZeRO splits (a dim divisible by ``N``; here all): DP all-reduces ``P`` (and the loss); ZeRO-1
-reduce-scatters ``P_pad`` and all-gathers ``P_pad``; ZeRO-3 all-gathers
-``P_pad`` in the forward pass, again in the backward pass, and
-reduce-scatters ``P_pad``; ZeRO's all-reduces carry two scalars (loss and
-squared gradient norm). ``ring_bytes`` is what a ring moves per device:
-``(N-1)/N`` of the buffer, twice for an all-reduce.
+optimized HLO, ``jaxpar.hlo``; whole buffers per device) against ``theory``,
+with ``P`` the gradient bytes, ``P_split`` those of the leaves ZeRO splits (a
+dim divisible by ``N``; here all) and ``P_whole = P - P_split``: DP
+all-reduces ``P`` and the loss; ZeRO-1/3 reduce-scatter ``P_split``,
+all-gather ``P_split`` (ZeRO-1: the updated params; ZeRO-3: the params in the
+forward pass, and XLA:CPU reuses that gather in the backward pass instead of
+gathering again), and all-reduce the loss, ``P_whole`` and one partial
+squared norm per split leaf (the global norm's sum over devices).
+``ring_bytes`` is what a ring moves per device: ``(N-1)/N`` of the buffer,
+twice for an all-reduce. The tests (tests/test_zero.py) hold the compiled
+step to ``theory`` byte for byte.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 
 import jaxpar
 from jaxpar import hlo, zero
@@ -59,13 +63,36 @@ def _total_bytes(tree) -> int:
   return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def _theory(stage: int, grads: int, padded: int) -> dict[str, tuple[int, str]]:
-  if stage == 0:
-    return {'all-reduce': (grads + 4, 'P + loss')}
-  gathers = (2 * padded, 'P_pad fwd + P_pad bwd (XLA:CPU reuses fwd)'
-             ) if stage == 3 else (padded, 'P_pad (params)')
-  return {'all-reduce': (8, 'loss, squared grad norm'),
-          'reduce-scatter': (padded, 'P_pad (grads)'), 'all-gather': gathers}
+def theory(params, *, mesh: Mesh, zero_stage: int, axis: str = 'data'
+           ) -> dict[str, tuple[int, str]]:
+  """Bytes per collective kind of a ``data_parallel_step`` on ``mesh``.
+
+  ``{kind: (bytes, what)}`` for a ``zero_stage`` step on ``params`` with all
+  of the mesh as ``axis`` (whole buffers per device, as ``jaxpar.hlo``
+  counts them, one microbatch); see the module docstring. The loss has the
+  params' dtype; the norm's partial sums are at least float32.
+
+  Example:
+    >>> mesh = jaxpar.make_mesh(data=8)
+    >>> params = {'w': jnp.ones((16, 3)), 'b': jnp.ones(3)}
+    >>> jaxpar.bench.zero.theory(params, mesh=mesh, zero_stage=3)['all-reduce']
+    (20, 'loss + P_whole + 1 partial norm per split leaf')
+  """
+  leaves = jax.tree.leaves(params)
+  specs = jax.tree.leaves(zero.data_specs(params, mesh=mesh, axis=axis))
+  split = [x for x, s in zip(leaves, specs) if zero.data_dim(s, axis) is not None]
+  total = sum(x.nbytes for x in leaves)
+  p_split = sum(x.nbytes for x in split)
+  loss = np.result_type(*leaves).itemsize
+  if zero_stage == 0:
+    return {'all-reduce': (total + loss, 'P + loss')}
+  norms = sum(np.promote_types(x.dtype, np.float32).itemsize for x in split)
+  gathered = 'P_split (params)' if zero_stage == 1 else (
+      'P_split (params in the forward; the backward reuses it)')
+  return {'all-reduce': (loss + total - p_split + norms,
+                         'loss + P_whole + 1 partial norm per split leaf'),
+          'reduce-scatter': (p_split, 'P_split (grads)'),
+          'all-gather': (p_split, gathered)}
 
 
 def run(*, quick: bool) -> dict[str, list[dict]]:
@@ -78,10 +105,6 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
   batch = {'x': rng.normal(size=(n * per_device, width)).astype(np.float32),
            'y': rng.normal(size=(n * per_device, width)).astype(np.float32)}
   sizes = [x.size for x in jax.tree.leaves(params)]
-  grads = 4 * sum(sizes)
-  # Leaves ZeRO splits: those with a dim divisible by N (all of them here).
-  padded = 4 * sum(s for x, s in zip(jax.tree.leaves(params), sizes)
-                   if any(d % n == 0 for d in x.shape))
   memory, communication = [], []
   for stage in (0, 1, 3):
     step = jaxpar.data_parallel_step(_loss, optimizer, mesh=mesh,
@@ -106,11 +129,11 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
         'step_ms': 1e3 * median_seconds(step, after, batch)})
     counts = hlo.collective_counts(compiled)
     moved = hlo.collective_bytes(compiled)
-    theory = _theory(stage, grads, padded)
+    want_bytes = theory(params, mesh=mesh, zero_stage=stage)
     for kind in hlo.KINDS:
-      if not counts[kind] and kind not in theory:
+      if not counts[kind] and kind not in want_bytes:
         continue
-      want, what = theory.get(kind, (0, '-'))
+      want, what = want_bytes.get(kind, (0, '-'))
       ring = (2 if kind == 'all-reduce' else 1) * (n - 1) / n
       communication.append({
           'stage': stage, 'collective': kind, 'ops': counts[kind],
