@@ -89,12 +89,6 @@ def _model_sharding(leaf: jax.Array) -> NamedSharding:
   return NamedSharding(leaf.sharding.mesh, P(spec[0], *spec[2:]))
 
 
-def _check_functions(**fns: Any) -> None:
-  for name, fn in fns.items():
-    if not callable(fn):
-      raise TypeError(f'{name} must be callable, got {fn!r}.')
-
-
 def _check_schedule(schedule: Any, n_stage: int, stage_axis: str) -> None:
   if not isinstance(schedule, Schedule):
     raise TypeError(f'schedule must be a jaxpar.pipeline.Schedule, got '
@@ -133,6 +127,9 @@ def train_step(
     stage_axis: str = 'stage',
     tensor_axis: str = 'tensor',
     zero_stage: int = 0,
+    key: jax.Array | None = None,
+    has_aux: bool = False,
+    compute_dtype: Any = None,
 ) -> Trainer:
   """A DP x PP x TP train step for a model given as embed / stages / head.
 
@@ -162,6 +159,23 @@ def train_step(
     zero_stage: 0 (optimizer state split like the params), 1 (also split
       over ``data_axis``) or 3 (params too, gathered just in time); see the
       module docstring. Same losses, norms and params in every stage.
+    key: a PRNG key (``jax.random.key(seed)``) for dropout, or ``None``.
+      Step ``s`` uses ``fold_in(key, s)`` (``s = state.step``), so a resumed
+      run draws the same masks. The three functions then take it as a last
+      argument: ``embed_fn`` per microbatch of global index ``g`` (with
+      ``fold_in(k_e, g)``), ``stage_fn`` and ``loss_fn`` as
+      ``pipeline_step_local`` gives it (``fold_in(fold_in(k_p, g), stage)``;
+      ``k_e, k_p = split(fold_in(key, s))``). Global indices make the result
+      the same on every mesh and schedule with the same number of logical
+      stages and the same total number of microbatches.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (float leaves) is
+      averaged over microbatches and data like the loss, in
+      ``StepStats.aux``.
+    compute_dtype: e.g. ``jnp.bfloat16``: the three functions run on params
+      cast to it (inside each function, so the pipeline's stash never holds
+      a cast copy), so activations, stashes, pipeline messages and
+      tensor-parallel all-reduces are in it; params, optimizer state, loss
+      and gradient accumulation stay float32. ``None``: the params' dtype.
 
   Returns:
     ``Trainer(init, step, params)``: ``init(PipelineParams) -> TrainState``
@@ -189,7 +203,9 @@ def train_step(
     >>> int(state.step), trainer.params(state).stages['ln1']['scale'].shape
     (1, (2, 1, 16))
   """
-  _check_functions(embed_fn=embed_fn, stage_fn=stage_fn, loss_fn=loss_fn)
+  for name, fn in (('embed_fn', embed_fn), ('stage_fn', stage_fn),
+                   ('loss_fn', loss_fn)):
+    checks.check_fn(fn, name)
   optimizer = check_optimizer(optimizer)
   zero_stage = zero.check_zero_stage(zero_stage)
   check_max_grad_norm(max_grad_norm)
@@ -198,6 +214,10 @@ def train_step(
   axis_size(mesh, tensor_axis)
   _check_schedule(schedule, n_stage, stage_axis)
   stage_mask = _check_mask(stage_mask, schedule)
+  checks.check_key(key)
+  compute_dtype = checks.check_compute_dtype(compute_dtype)
+  if key is not None:
+    key = jax.device_put(key, NamedSharding(mesh, P()))
   lowered = lower(schedule)
   m = schedule.num_microbatches
   # Leading dims ZeRO never splits: a stage leaf's [p, v] and the dims the
@@ -272,35 +292,61 @@ def train_step(
             gathered(stage_fn, split.stages, skip=2),
             gathered(loss_fn, split.head))
 
-  def local_grads(params, inputs, targets, *, base, split):
+  def embedded(embed, embed_params, inputs, key):
+    """``embed`` on this data shard (float ``[b, ...]``). With a key: per
+    microbatch, the one of global index ``g`` with ``fold_in(key, g)``, so
+    the masks follow the batch rows as the stages' do."""
+    embed_params = optax.tree.cast(embed_params, compute_dtype)
+    if key is None:
+      return embed(embed_params, inputs)
+    split = lambda a: a.reshape((m, -1) + a.shape[1:])
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, offset() + jnp.arange(m))
+    x = jax.vmap(embed, (None, 0, 0))(embed_params, jax.tree.map(split, inputs),
+                                      keys)
+    return x.reshape((-1,) + x.shape[2:])
+
+  def offset():
+    """Global index of this data shard's first microbatch."""
+    return jax.lax.axis_index(data_axis) * m
+
+  def local_grads(params, inputs, targets, key, *, base, split):
     embed, stage, head_loss = functions(split)
     params = zero.vary(params, split if zero_stage == 3 else base,
                        axis=data_axis)
-    x, embed_vjp = jax.vjp(embed, params.embed, inputs)
+    embed_key = None
+    if key is not None:
+      embed_key, key = jax.random.split(key)
+    x, embed_vjp = jax.vjp(
+        lambda p: embedded(embed, p, inputs, embed_key), params.embed)
     local_stages = jax.tree.map(lambda a: a[0], params.stages)
-    loss, grads = executor.pipeline_step_local(
+    out, grads = executor.pipeline_step_local(
         stage, head_loss, local_stages, params.head, x, targets,
-        lowered=lowered, axis=stage_axis, remat=remat)
+        lowered=lowered, axis=stage_axis, remat=remat, key=key,
+        microbatch_offset=offset(), has_aux=has_aux,
+        compute_dtype=compute_dtype)
     grads = PipelineParams(
         embed_vjp(grads.inputs)[0],
         jax.tree.map(lambda g: g[None], masked(grads.stages)), grads.loss)
-    loss = jax.lax.pmean(loss, data_axis)
+    loss, aux = jax.lax.pmean(out if has_aux else (out, None), data_axis)
     grads = zero.reduce_gradients(grads, split if zero_stage else base,
                                   axis=data_axis, summed=zero_stage == 3)
-    return loss, grads
+    return loss, aux, grads
 
-  def program(state: TrainState, inputs, targets):
+  def program(state: TrainState, inputs, targets, key):
     base, split = specs_of(state.params)
     specs = state_specs(state)
-    loss, grads = jax.shard_map(
+    if key is not None:  # a fresh key each step, a function of (key, step)
+      key = jax.random.fold_in(key, state.step)
+    loss, aux, grads = jax.shard_map(
         functools.partial(local_grads, base=base, split=split), mesh=mesh,
-        in_specs=(specs.params, P(data_axis), P(data_axis)),
-        out_specs=(P(), split if zero_stage else base))(
-            state.params, inputs, targets)
-    return sharded_update(
+        in_specs=(specs.params, P(data_axis), P(data_axis), P()),
+        out_specs=(P(), P(), split if zero_stage else base))(
+            state.params, inputs, targets, key)
+    state, stats = sharded_update(
         state, grads, loss=loss, optimizer=optimizer, mesh=mesh,
         state_specs=specs, max_grad_norm=max_grad_norm,
         update_specs=split if zero_stage == 1 else None)
+    return state, stats._replace(aux=aux)
 
   compiled = jax.jit(program)
   batch_sharding = NamedSharding(mesh, P(data_axis))
@@ -332,12 +378,12 @@ def train_step(
   def step(state: TrainState, batch: tuple) -> tuple[TrainState, StepStats]:
     validate(state, batch)
     with jax.set_mesh(mesh):
-      return compiled(*place(state, batch))
+      return compiled(*place(state, batch), key)
 
   def lower_step(state: TrainState, batch: tuple):
     validate(state, batch)
     with jax.set_mesh(mesh):
-      return compiled.lower(*place(state, batch))
+      return compiled.lower(*place(state, batch), key)
 
   step.lower = lower_step
   return Trainer(init, step, to_model_order)

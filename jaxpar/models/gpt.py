@@ -39,13 +39,20 @@ PyTree = Any
 
 
 class GPTConfig(NamedTuple):
-  """Sizes of a GPT. ``d_model`` divisible by ``num_heads``."""
+  """Sizes of a GPT. ``d_model`` divisible by ``num_heads``.
+
+  ``dropout``: rate of the parallel functions' dropout (``functions``): on
+  the embedding output and on each block's attention and MLP outputs before
+  their residual add. The dense ``GPT`` is the deterministic
+  (evaluation-mode) model.
+  """
   vocab_size: int = 32
   seq_len: int = 16
   d_model: int = 64
   num_heads: int = 4
   num_layers: int = 4
   mlp_ratio: int = 4
+  dropout: float = 0.0
 
 
 def _causal_attention(query, key, value, mask=None, **unused_kwargs):
@@ -286,24 +293,56 @@ def merge_from_pipeline(pipeline_params, layout: PipelineLayout) -> dict:
   return {'blocks': blocks, **embed, **head}
 
 
-def embed_fn(params: dict, ids: jax.Array, *, axis: str = 'tensor') -> jax.Array:
+def functions(config: GPTConfig, *, axis: str = 'tensor'):
+  """``(embed_fn, stage_fn, head_loss_fn)`` with ``config.dropout`` bound.
+
+  The three functions ``jaxpar.parallel.train_step`` takes; with a ``key``
+  there, dropout is on. ``head_loss_fn`` is ``head_loss_and_accuracy_fn``
+  for ``has_aux=True``.
+
+  Example:
+    >>> from jaxpar.models import gpt
+    >>> config = gpt.GPTConfig(vocab_size=16, seq_len=8, d_model=16,
+    ...                        num_heads=2, num_layers=2, dropout=0.1)
+    >>> params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0)))
+    >>> pp, layout = gpt.split_for_pipeline(params, num_stages=2)
+    >>> trainer = jaxpar.parallel.train_step(
+    ...     *gpt.functions(config), optax.adam(1e-3),
+    ...     schedule=jaxpar.pipeline.one_f_one_b(2, 2),
+    ...     mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
+    ...     stage_mask=layout.mask, key=jax.random.key(0))
+    >>> ids = np.zeros((4, 8), np.int32)
+    >>> state, stats = trainer.step(trainer.init(pp), (ids, ids))
+    >>> stats.loss.dtype
+    dtype('float32')
+  """
+  bind = lambda fn: functools.partial(fn, axis=axis, dropout=config.dropout)
+  return (bind(embed_fn), bind(stage_fn),
+          functools.partial(head_loss_fn, axis=axis))
+
+
+def embed_fn(params: dict, ids: jax.Array, key: jax.Array | None = None, *,
+             axis: str = 'tensor', dropout: float = 0.0) -> jax.Array:
   """Token (vocab-parallel) + position embedding: ``ids [B, S] -> [B, S, d]``.
 
   Inside ``shard_map``; ``params['embed']['embedding']`` is the ``[V/N, d]``
-  shard. One all-reduce over ``axis``.
+  shard. One all-reduce over ``axis``. With ``key``: dropout at rate
+  ``dropout`` on the sum (``tensor_parallel.dropout``).
   """
   x = tp.vocab_parallel_embed(ids, params['embed']['embedding'], axis=axis)
-  return x + params['pos'][:ids.shape[-1]]
+  return tp.dropout(x + params['pos'][:ids.shape[-1]], dropout, key, axis=axis)
 
 
-def stage_fn(params: dict, x: jax.Array, *, axis: str = 'tensor') -> jax.Array:
+def stage_fn(params: dict, x: jax.Array, key: jax.Array | None = None, *,
+             axis: str = 'tensor', dropout: float = 0.0) -> jax.Array:
   """One pipeline stage: its ``slots`` blocks in order, ``[B, S, d] -> same``.
 
   ``params`` leaves are ``[slots, ...]`` (one stage of ``split_for_pipeline``
   's ``stages``), tensor-parallel shards, applied in order by one
   ``lax.scan`` (one block's program, however many slots). Identity slots
-  (zeros) return their input exactly. Two all-reduces over ``axis`` per
-  block forward.
+  (zeros) return their input exactly, dropout or not. Two all-reduces over
+  ``axis`` per block forward. With ``key``: residual dropout at rate
+  ``dropout`` in each block, slot ``j`` drawing from ``fold_in(key, j)``.
 
   Example:
     >>> from jaxpar.models import gpt
@@ -320,28 +359,66 @@ def stage_fn(params: dict, x: jax.Array, *, axis: str = 'tensor') -> jax.Array:
     >>> bool(jnp.allclose(y, model.blocks[1](model.blocks[0](x)), atol=1e-4))
     True
   """
-  def block(x, block_params):
-    return tp.transformer_block(block_params, x, axis=axis, causal=True), None
+  def block(x, slot):
+    block_params, j = slot
+    k = None if key is None else jax.random.fold_in(key, j)
+    return tp.transformer_block(block_params, x, axis=axis, causal=True,
+                                dropout=dropout, key=k), None
 
   # A scan carry keeps its check_vma type: make x vary over the mesh axes the
-  # blocks' output will (those of the params, e.g. 'stage', but not `axis`,
-  # which the blocks' psums remove), as the first block would implicitly.
+  # blocks' output will (those of the params and the key, e.g. 'stage', but
+  # not `axis`, which the blocks' psums remove), as the first block would
+  # implicitly.
   params_vary = frozenset().union(
-      *(_compat.varying_axes(a) for a in jax.tree.leaves(params)))
+      *(_compat.varying_axes(a) for a in jax.tree.leaves((params, key))))
   missing = params_vary - {axis} - _compat.varying_axes(x)
   if missing:
     x = jax.lax.pcast(x, tuple(sorted(missing)), to='varying')
-  return jax.lax.scan(block, x, params)[0]
+  slots = jax.tree.leaves(params)[0].shape[0]
+  return jax.lax.scan(block, x, (params, jnp.arange(slots)))[0]
 
 
-def head_loss_fn(params: dict, y: jax.Array, targets: jax.Array, *,
+def _head(params: dict, y: jax.Array, axis: str) -> jax.Array:
+  """Final norm and LM head: local logits ``[B, S, V/N]``."""
+  h = tp.layer_norm(params['ln_f'], y)
+  return tp.column_parallel_linear(h, params['lm_head']['kernel'],
+                                   params['lm_head']['bias'], axis=axis)
+
+
+def head_loss_fn(params: dict, y: jax.Array, targets: jax.Array,
+                 key: jax.Array | None = None, *,
                  axis: str = 'tensor') -> jax.Array:
   """Final norm, vocab-parallel LM head and cross-entropy, mean over ``[B, S]``.
 
   The full logits ``[B, S, V]`` are never gathered
-  (``vocab_parallel_cross_entropy``).
+  (``vocab_parallel_cross_entropy``, in float32 or wider whatever the
+  compute dtype). ``key`` is accepted for the pipeline's signature; the head
+  has no dropout.
   """
-  h = tp.layer_norm(params['ln_f'], y)
-  logits = tp.column_parallel_linear(h, params['lm_head']['kernel'],
-                                     params['lm_head']['bias'], axis=axis)
+  del key  # no dropout in the head
+  logits = _head(params, y, axis)
   return tp.vocab_parallel_cross_entropy(logits, targets, axis=axis).mean()
+
+
+def head_loss_and_accuracy_fn(
+    params: dict, y: jax.Array, targets: jax.Array,
+    key: jax.Array | None = None, *, axis: str = 'tensor'
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """``(head_loss_fn, {'accuracy': ...})`` for ``has_aux=True``.
+
+  ``accuracy``: the fraction of positions whose target has the largest
+  logit, float32, from the vocabulary shards (one ``pmax`` and one ``psum``
+  of ``[B, S]`` values over ``axis``; the logits are never gathered).
+  """
+  del key  # no dropout in the head
+  logits = _head(params, y, axis)
+  loss = tp.vocab_parallel_cross_entropy(logits, targets, axis=axis).mean()
+  vocab = logits.shape[-1]
+  local = targets - jax.lax.axis_index(axis) * vocab
+  mine = (local >= 0) & (local < vocab)
+  target = jnp.take_along_axis(logits, jnp.where(mine, local, 0)[..., None],
+                               axis=-1)[..., 0]
+  target = jax.lax.psum(jnp.where(mine, target, 0), axis)
+  best = jax.lax.pmax(jnp.max(logits, axis=-1), axis)
+  hit = jax.lax.stop_gradient(target >= best)
+  return loss, {'accuracy': jnp.mean(hit.astype(jnp.float32))}

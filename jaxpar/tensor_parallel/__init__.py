@@ -34,6 +34,7 @@ from jaxpar.tensor_parallel.attention import (
     transformer_block as transformer_block)
 from jaxpar.tensor_parallel.layers import (
     column_parallel_linear as column_parallel_linear)
+from jaxpar.tensor_parallel.layers import dropout as dropout
 from jaxpar.tensor_parallel.layers import layer_norm as layer_norm
 from jaxpar.tensor_parallel.layers import parallel_mlp as parallel_mlp
 from jaxpar.tensor_parallel.layers import (
@@ -58,7 +59,8 @@ from jaxpar.tensor_parallel.vocab import (
 __all__ = [
     'ColumnParallelLinear', 'DEFAULT_LAYOUT', 'ParallelMLP',
     'ParallelSelfAttention', 'RowParallelLinear', 'check_divisible',
-    'column_parallel_linear', 'dot_product_attention', 'layer_norm',
+    'column_parallel_linear', 'dot_product_attention', 'dropout',
+    'layer_norm',
     'param_specs', 'parallel_mlp', 'parallel_self_attention',
     'row_parallel_linear', 'shard_params', 'transformer_block',
     'unshard_params', 'vocab_parallel_cross_entropy', 'vocab_parallel_embed',

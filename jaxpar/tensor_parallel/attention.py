@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxpar.tensor_parallel import _checks
 from jaxpar.tensor_parallel import _collectives
 from jaxpar.tensor_parallel._checks import Params
+from jaxpar.tensor_parallel import layers
 from jaxpar.tensor_parallel.layers import layer_norm, parallel_mlp
 
 
@@ -148,11 +149,14 @@ def parallel_self_attention(params: Params, x: jax.Array, *,
 
 
 def transformer_block(params: Params, x: jax.Array, *, axis: str = 'tensor',
-                      causal: bool = True,
-                      sequence_parallel: bool = False) -> jax.Array:
+                      causal: bool = True, sequence_parallel: bool = False,
+                      dropout: float = 0.0,
+                      key: jax.Array | None = None) -> jax.Array:
   """Pre-norm transformer block with tensor-parallel attention and MLP.
 
-  ``h = x + attn(ln1(x)); y = h + mlp(ln2(h))`` (GELU MLP). Forward
+  ``h = x + drop(attn(ln1(x))); y = h + drop(mlp(ln2(h)))`` (GELU MLP;
+  ``drop`` is ``layers.dropout`` at rate ``dropout`` with the two halves of
+  ``key``, the identity without a key). Forward
   communication: two all-reduces; with ``sequence_parallel`` two all-gathers
   and two reduce-scatters and no all-reduce (the norms and residuals run on
   sequence shards). The backward mirrors it, plus (with
@@ -168,6 +172,9 @@ def transformer_block(params: Params, x: jax.Array, *, axis: str = 'tensor',
     axis: the tensor-parallel mesh axis.
     causal: causal self-attention.
     sequence_parallel: ``x`` and the result are sequence shards.
+    dropout: residual dropout rate in ``[0, 1)``.
+    key: PRNG key of the dropout masks, the same on every device of
+      ``axis``; ``None``: no dropout.
 
   Returns:
     Same shape as ``x``.
@@ -189,8 +196,12 @@ def transformer_block(params: Params, x: jax.Array, *, axis: str = 'tensor',
     True
   """
   params = _checks.as_arrays(params, 'transformer_block')
-  h = x + parallel_self_attention(
-      params['attn'], layer_norm(params['ln1'], x), axis=axis, causal=causal,
-      sequence_parallel=sequence_parallel)
-  return h + parallel_mlp(params['mlp'], layer_norm(params['ln2'], h),
-                          axis=axis, sequence_parallel=sequence_parallel)
+  keys = (None, None) if key is None else jax.random.split(key)
+  drop = lambda y, k: layers.dropout(y, dropout, k, axis=axis,
+                                     sequence_parallel=sequence_parallel)
+  h = x + drop(parallel_self_attention(
+      params['attn'], layer_norm(params['ln1'], x), axis=axis,
+      causal=causal, sequence_parallel=sequence_parallel), keys[0])
+  return h + drop(parallel_mlp(
+      params['mlp'], layer_norm(params['ln2'], h), axis=axis,
+      sequence_parallel=sequence_parallel), keys[1])

@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar.tensor_parallel import _checks
 from jaxpar.tensor_parallel import _collectives
@@ -224,6 +225,42 @@ def parallel_mlp(params: Params, x: jax.Array, *, axis: str = 'tensor',
   return row_parallel_linear(activation(h), fc_out['kernel'],
                              fc_out.get('bias'), axis=axis,
                              sequence_parallel=sequence_parallel)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None, *,
+            axis: str = 'tensor', sequence_parallel: bool = False
+            ) -> jax.Array:
+  """Inverted dropout: ``where(keep, x / (1 - rate), 0)``, ``keep ~
+  Bernoulli(1 - rate)``, drawn from ``key``.
+
+  For activations replicated over ``axis``: give every device the same
+  ``key`` and each draws the same mask. With ``sequence_parallel`` (``x`` is
+  ``[..., S/N, d]``) each device draws the mask of the whole ``[..., S, d]``
+  and keeps its slice, so the result is that of the replicated layout.
+  ``rate == 0`` or ``key is None``: ``x`` unchanged.
+
+  Example:
+    >>> x = jnp.ones((2, 1000))
+    >>> y = jaxpar.tensor_parallel.dropout(x, 0.25, jax.random.key(0))
+    >>> sorted(set(np.unique(y).tolist())), round(float(jnp.mean(y)), 1)
+    ([0.0, 1.3333333730697632], 1.0)
+  """
+  if isinstance(rate, bool) or not isinstance(rate, (int, float, np.floating)):
+    raise TypeError(f'dropout rate={rate!r} must be a float in [0, 1).')
+  if not 0 <= rate < 1:
+    raise ValueError(f'dropout rate={rate!r} must be in [0, 1): the fraction '
+                     'of activations zeroed (0 for none).')
+  if key is None or rate == 0:
+    return x
+  shape = x.shape
+  if sequence_parallel:
+    n = _checks.bound_axis_size(axis, 'dropout')
+    shape = shape[:-2] + (n * shape[-2], shape[-1])
+  keep = jax.random.bernoulli(key, 1 - rate, shape)
+  if sequence_parallel:
+    keep = jax.lax.dynamic_slice_in_dim(
+        keep, jax.lax.axis_index(axis) * x.shape[-2], x.shape[-2], x.ndim - 2)
+  return jnp.where(keep, x / (1 - rate), jnp.zeros((), x.dtype))
 
 
 def layer_norm(params: Params, x: jax.Array, *,
