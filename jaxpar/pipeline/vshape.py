@@ -11,16 +11,10 @@ rank ``p-1`` without communication. Costs below are per logical stage (half a
 from __future__ import annotations
 
 import collections
-import functools
 
-from jaxpar.pipeline import _greedy
+from jaxpar.pipeline import _building_block
 from jaxpar.pipeline._action import Action, check_sizes
 from jaxpar.pipeline.schedule import Schedule
-
-# Per-logical-stage costs the V-Half / V-Min orders are built for: half of
-# the default 1F1B stage costs, F = I = W.
-_V_COSTS = {'F': 0.5, 'B': 1.0, 'I': 0.5, 'W': 0.5}
-
 
 def v_placement(num_ranks: int) -> tuple[int, ...]:
   """Rank of each of the ``2p`` logical stages of a V: ``0..p-1, p-1..0``.
@@ -139,38 +133,32 @@ def _dualpipev_row(r: int, p: int, m: int) -> tuple[Action, ...]:
   return tuple(a for a in row if a.microbatch < m)
 
 
-def _capped_v(fn: str, num_ranks: int, num_microbatches: int, divisor: int,
-              name: str) -> Schedule:
-  """The fastest greedy V order within ``(p + 2(d-1)) // d`` stage units."""
+def _grown(fn: str, num_ranks: int, num_microbatches: int, block, name: str
+           ) -> Schedule:
+  """The schedule grown from the building block ``block(p)``."""
   check_sizes(fn, num_ranks=num_ranks, num_microbatches=num_microbatches)
-  return _fastest_v(int(num_ranks), int(num_microbatches), divisor, name)
-
-
-@functools.lru_cache(maxsize=64)  # Schedules are immutable; search reuses
-def _fastest_v(p: int, m: int, divisor: int, name: str) -> Schedule:
-  units = (p + 2 * (divisor - 1)) // divisor
-  best = None
-  for policy in _greedy.POLICIES:
-    s = _greedy.schedule(p, m, v_placement(p), 2 * units, _V_COSTS, policy,
-                         name=name)
-    if s is not None:
-      time = s.simulate(_V_COSTS).makespan
-      if best is None or time < best[0]:
-        best = (time, s)
-  return best[1].validate()
+  p, m = int(num_ranks), int(num_microbatches)
+  rows = _building_block.rows(block(p), m)
+  return Schedule(p, 2 * p, m, v_placement(p), rows, name).validate()
 
 
 def v_half(num_ranks: int, num_microbatches: int) -> Schedule:
-  """V-Half (Qi et al. 2024): a V schedule holding about half of 1F1B's memory.
+  """V-Half (Qi et al. 2024): a V schedule holding half of 1F1B's memory.
 
-  The paper's budget for V-Half is ``(p+2)//2`` 1F1B-stage activations per
-  rank (1F1B's rank 0 holds ``p``), i.e. ``2((p+2)//2)`` logical-stage
-  stashes, each held from its forward until its weight gradient ``W`` has
-  run. This builds the V order with jaxpar's memory-capped list scheduler
-  (the engine of ``search``) at that budget, for ``F = I = W``: the paper's
-  bubble is about ``p/(2m)`` of the step, against ``p/m`` for 1F1B; the
-  simulated makespan here is no larger than 1F1B's (tested for ``p <= 8``,
-  ``m`` from ``2p`` to ``4p``).
+  Built as the paper builds it (``_building_block``): its building block
+  sends the forward down the V two slots a stage and up one slot a stage, is
+  repeated every 6 slots (``2F + 2I + 2W`` per microbatch and rank, one slot a
+  pass of one logical stage), the weight gradients ``W`` fill the empty
+  slots, and the warm-up and cool-down are squeezed without raising the
+  peak memory.
+
+  Memory (the paper's table): ``(p+2)//2`` 1F1B-stage activations per rank,
+  held from ``F`` until ``W`` (1F1B's rank 0 holds ``p``); exactly that for
+  ``m >= p``. Bubble with ``F = I = W``: the paper's ``~ p/(2m)`` of the step,
+  i.e. about ``3p`` slots (half a 1F1B stage's ``F``) per rank; the makespan
+  is ``6m + 6*ceil(p/2) - 7`` slots for ``p >= 3`` and ``m >= 2p``, against
+  1F1B's ``6m + 6(p-1)``: never larger than 1F1B's, for any ``m`` (tested for
+  ``p <= 8``).
 
   Args:
     num_ranks: ``p >= 1``.
@@ -183,20 +171,28 @@ def v_half(num_ranks: int, num_microbatches: int) -> Schedule:
     >>> s = v_half(4, 8)
     >>> max(jaxpar.pipeline.peak_memory(s)), s.num_stages   # (p+2)//2 = 3
     (3.0, 8)
+    >>> s.simulate({'F': 1, 'I': 1, 'W': 1}).makespan     # 6m + 6*2 - 7
+    53.0
   """
-  return _capped_v('v_half', num_ranks, num_microbatches, 2, 'V-Half')
+  return _grown('v_half', num_ranks, num_microbatches,
+                _building_block.v_half_block, 'V-Half')
 
 
 def v_min(num_ranks: int, num_microbatches: int) -> Schedule:
   """V-Min (Qi et al. 2024): a V schedule holding a third of 1F1B's memory.
 
-  The paper's budget for V-Min is ``(p+4)//3`` 1F1B-stage activations per
-  rank, i.e. ``2((p+4)//3)`` logical-stage stashes held from forward to
-  ``W``; built like ``v_half`` at that budget. The paper's hand-made
-  building block reaches a bubble of about ``2p/(3m)`` of the step; this
-  list-scheduled order matches 1F1B's time for ``p`` in 2, 3, 5 but pays up
-  to 15% more for others (``p = 4, m = 16``: 65 against 57 with ``F = 1,
-  B = 2`` per 1F1B stage), the price of a third of the memory.
+  Built as ``v_half`` from the paper's V-Min block: the forward goes down and
+  up the V one slot a stage and the input gradient comes straight back (after
+  2 more slots when ``3 | p``), so a microbatch lives ``4p`` slots on rank 0.
+
+  Memory (the paper's table): ``(p+4)//3`` 1F1B-stage activations per rank
+  (exactly, for ``m >= p``). Bubble with ``F = I = W``: the paper's
+  ``~ 2p/(3m)`` of the step, about ``4p`` slots per rank; the makespan is
+  ``6m + 4p - 5`` slots (``6m + 4p - 7`` when ``3 | p`` and ``m >= p``),
+  below 1F1B's ``6m + 6(p-1)`` for every ``p >= 2`` (tested for ``p <= 8``).
+  With unequal costs the steady state keeps the block's slot pattern, so a
+  slow kind stretches it (the paper's "repeating bubbles"): see the
+  ``frontier`` bench.
 
   Args:
     num_ranks: ``p >= 1``.
@@ -209,5 +205,8 @@ def v_min(num_ranks: int, num_microbatches: int) -> Schedule:
     >>> s = v_min(4, 8)
     >>> max(jaxpar.pipeline.peak_memory(s))   # (p+4)//3 = 2
     2.0
+    >>> s.simulate({'F': 1, 'I': 1, 'W': 1}).makespan   # 6m + 4p - 5
+    59.0
   """
-  return _capped_v('v_min', num_ranks, num_microbatches, 3, 'V-Min')
+  return _grown('v_min', num_ranks, num_microbatches,
+                _building_block.v_min_block, 'V-Min')
