@@ -14,6 +14,8 @@ CONSTRUCTORS = {
     'interleaved': lambda p, m: sch.interleaved_1f1b(p, m, 2),
     'zb_h1': sch.zero_bubble_h1,
     'zbv': sch.zbv,
+    'v_half': sch.v_half,
+    'v_min': sch.v_min,
 }
 CASES = [(name, p, m) for name in CONSTRUCTORS for p, m in
          [(1, 3), (2, 1), (2, 4), (4, 2), (4, 8), (3, 7), (8, 8)]

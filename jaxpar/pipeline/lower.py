@@ -59,7 +59,8 @@ import numpy as np
 
 from jaxpar.pipeline._action import Action
 from jaxpar.pipeline.schedule import Schedule
-from jaxpar.pipeline.simulate import check_costs, dependency_graph
+from jaxpar.pipeline.simulate import (check_comm, check_costs,
+                                      dependency_graph)
 
 IDLE, F, I, W = 0, 1, 3, 4
 KIND_CODES = {'F': F, 'I': I, 'W': W}
@@ -127,18 +128,25 @@ class LoweredSchedule(NamedTuple):
     """Whether the schedule has backward actions (else it is forward-only)."""
     return bool((self.kind > F).any())
 
-  def makespan(self, costs: Mapping[str, float] | None = None) -> float:
+  def makespan(self, costs: Mapping[str, float] | None = None,
+               comm: float = 0.0) -> float:
     """Lock-step time of the table: ``sum_t max_r costs[kind[t, r]]``.
+
+    Plus ``comm`` for each tick that sends a message between ranks (the
+    executor skips the ``ppermute`` of the others).
 
     Args:
       costs: time per action kind, merged into ``Schedule.simulate``'s
         defaults ``{'F': 1, 'B': 2, 'I': 1, 'W': 1}`` (``B`` runs as ``I`` and
         ``W``, so its own cost is not used).
+      comm: time of one tick's messages, ``>= 0``.
 
     Returns:
       The time the executor takes when every rank waits for the slowest one
-      at the end of each tick (communication not counted), to compare with
-      ``schedule.simulate(costs).makespan``.
+      at the end of each tick, to compare with
+      ``schedule.simulate(costs).makespan``: equal for ``F = I = W`` and
+      ``comm = 0``; with kinds of unequal cost a tick waits for its slowest
+      kind, so the lock-step time can be longer.
 
     Example:
       >>> s = jaxpar.pipeline.one_f_one_b(4, 8)
@@ -147,7 +155,10 @@ class LoweredSchedule(NamedTuple):
     """
     cost = check_costs(costs)
     table = np.array([0.0, cost['F'], 0.0, cost['I'], cost['W']])
-    return float(table[self.kind].max(axis=1).sum())
+    remote = [k for k, offset in enumerate(self.offsets) if offset]
+    sends = (self.recv_slot[:, :, remote] >= 0).any(axis=(1, 2))
+    return float(table[self.kind].max(axis=1).sum()
+                 + check_comm(comm) * sends.sum())
 
   def render(self) -> str:
     """The table as text, a row per rank and a letter per tick.

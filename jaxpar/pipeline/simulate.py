@@ -68,6 +68,16 @@ def check_costs(costs: Mapping[str, float] | None,
   return merged
 
 
+def check_comm(comm: object) -> float:
+  """``comm`` as a float; ``ValueError`` unless a finite number ``>= 0``."""
+  if (isinstance(comm, bool) or not isinstance(comm, (int, float))
+      or not math.isfinite(comm) or comm < 0):
+    raise ValueError(f'comm={comm!r} must be a finite number >= 0 (time '
+                     'between a dependency ending and its consumer starting '
+                     'on another rank).')
+  return float(comm)
+
+
 def dependency_graph(schedule: ScheduleLike) -> dict[Action, tuple[Action, ...]]:
   """What each action of ``schedule`` waits for, besides its rank's order.
 
@@ -208,13 +218,9 @@ def simulate(schedule: ScheduleLike, costs: Mapping[str, float] | None = None,
     (22.0, 0.2727)
   """
   duration = check_costs(costs)
-  if (isinstance(comm, bool) or not isinstance(comm, (int, float))
-      or not math.isfinite(comm) or comm < 0):
-    raise ValueError(f'comm={comm!r} must be a finite number >= 0 (time '
-                     'between a dependency ending and its consumer starting '
-                     'on another rank).')
+  comm = check_comm(comm)
   graph = dependency_graph(schedule.validate())
-  start, end = _run(schedule, graph, duration, float(comm))
+  start, end = _run(schedule, graph, duration, comm)
   makespan = max(end.values())
   busy = tuple(sum(duration[a.kind] for a in row if a is not None)
                for row in schedule.actions)
