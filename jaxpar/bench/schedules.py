@@ -9,8 +9,9 @@ Sections:
   ZB-V and DualPipeV ``(p-1)/(6m+p-1)`` for ``m >= 2p``), the peak stashes,
   and the time the ``O(actions)`` simulation takes.
 * ``frontier``: ``search`` against every constructor at a sweep of memory
-  limits (in 1F1B-stage activations): the makespan of each (costs per 1F1B
-  stage, V schedules paying half per action), ``None`` where it does not fit.
+  limits (in 1F1B-stage activations): the executor's lock-step time of each
+  (``schedule_search.makespan``, costs per 1F1B stage, V schedules paying
+  half per action), ``None`` where it does not fit.
 * ``v_memory``: compiled ``temp_size_in_bytes`` of the pipelined step
   (``pipeline_step_local``, params in the rank layout) for 1F1B, ZB-V,
   V-Half and V-Min on the same ``2p``-layer model (1F1B runs two layers a
