@@ -26,6 +26,11 @@ One train step is one jitted program in two parts:
    ``adafactor``, ``muon`` -- computes what it computes on one device for
    the same ``PipelineParams`` pytree. Non-finite steps are skipped.
 
+**Options.** ``key`` (dropout; masks a function of the seed, the step, the
+logical stage and the global microbatch, so the same on every mesh),
+``has_aux`` (metrics averaged like the loss, in ``StepStats.aux``) and
+``compute_dtype`` (bf16 compute on float32 params and optimizer state).
+
 **ZeRO** (``zero_stage``; ``jaxpar.zero``): on top of its stage/tensor split
 every leaf gets the ``data`` axis on one more dim (``zero.data_spec``; a
 stage leaf's ``[p, v]`` rows are never split):

@@ -176,3 +176,105 @@ class TestErrors:
         mesh=jaxpar.make_mesh(tensor=8))
     with pytest.raises(ValueError, match='not divisible'):
       trainer.init(pp)
+
+
+# ------------------------------------------------ dropout, aux, bfloat16
+
+
+def gpipe_one_rank(num_stages, m):
+  """GPipe's order with ``num_stages`` stages on one rank."""
+  row = ([jaxpar.pipeline.Action(s, 'F', i) for s in range(num_stages)
+          for i in range(m)] +
+         [jaxpar.pipeline.Action(s, 'B', i)
+          for s in reversed(range(num_stages)) for i in range(m)])
+  return jaxpar.pipeline.Schedule(1, num_stages, m, (0,) * num_stages, (row,),
+                                  'GPipe').validate()
+
+
+def trained(mesh_sizes, schedule, params, data, config, **options):
+  """(stats, merged params) after each step of ``parallel.train_step``."""
+  n = int(np.prod(list(mesh_sizes.values())))
+  mesh = jaxpar.make_mesh(**mesh_sizes, devices=jax.devices()[:n])
+  pp, layout = gpt.split_for_pipeline(params, num_stages=schedule.num_stages)
+  trainer = jaxpar.parallel.train_step(
+      *gpt.functions(config), optax.sgd(0.1), schedule=schedule, mesh=mesh,
+      stage_mask=layout.mask, **options)
+  state = trainer.init(pp)
+  out = []
+  for batch in data:
+    state, stats = trainer.step(state, batch)
+    out.append((stats, gpt.merge_from_pipeline(trainer.params(state), layout)))
+  return out, trainer, state
+
+
+def test_dropout_is_the_same_on_every_mesh_and_schedule():
+  """Same seed: 1F1B on 2x2x2 (m=4 per data shard) == GPipe on 1x1x1 (m=8).
+
+  Both have 2 logical stages (the masks are drawn per stage and global
+  microbatch); one step, loss, gradient norm and every updated param.
+  """
+  config = CONFIG._replace(dropout=0.2)
+  params = dense_params(jnp.float32)
+  data = batches(1)
+  key = jax.random.key(7)
+  got, *_ = trained(dict(data=2, stage=2, tensor=2),
+                    jaxpar.pipeline.one_f_one_b(2, 4), params, data, config,
+                    key=key)
+  want, *_ = trained(dict(data=1, stage=1, tensor=1), gpipe_one_rank(2, 8),
+                     params, data, config, key=key)
+  for (stats, p), (ref, ref_p) in zip(got, want):
+    np.testing.assert_allclose(stats.loss, ref.loss, rtol=1e-5)
+    np.testing.assert_allclose(stats.grad_norm, ref.grad_norm, rtol=1e-5)
+    chex.assert_trees_all_close(p, ref_p, rtol=1e-5, atol=1e-6)
+  # Dropout is on: the loss is not the deterministic model's.
+  plain = gpt.gpt_loss(params, data[0], config=CONFIG)
+  assert abs(float(got[0][0].loss) - float(plain)) > 1e-3
+
+
+def test_aux_accuracy_is_the_dense_models(x64):
+  """has_aux: per-token accuracy averaged over microbatches and data."""
+  params = dense_params(jnp.float64)
+  data = batches(1)
+  mesh = jaxpar.make_mesh(data=2, stage=2, tensor=2)
+  pp, layout = gpt.split_for_pipeline(params, num_stages=2)
+  trainer = jaxpar.parallel.train_step(
+      gpt.embed_fn, gpt.stage_fn, gpt.head_loss_and_accuracy_fn,
+      optax.sgd(0.1), schedule=jaxpar.pipeline.zero_bubble_h1(2, 2),
+      mesh=mesh, stage_mask=layout.mask, has_aux=True)
+  _, stats = trainer.step(trainer.init(pp), data[0])
+  ids, targets = data[0]
+  logits = gpt.gpt_apply(params, ids, config=CONFIG)
+  np.testing.assert_allclose(stats.loss, gpt.gpt_loss(params, data[0],
+                                                      config=CONFIG),
+                             rtol=1e-10)
+  want = np.mean(np.argmax(logits, -1) == targets)
+  assert 0 < want < 1
+  np.testing.assert_allclose(stats.aux['accuracy'], want, rtol=1e-6)
+
+
+def test_bf16_compute_is_close_to_float32():
+  """bf16 compute, f32 params/loss/grads: within bf16's error of float32.
+
+  bf16 keeps 8 bits of mantissa (relative rounding 2^-9 = 2e-3 per value);
+  through 4 blocks the loss moves ~1e-3 relative and the gradient ~1e-2. A
+  factor error (a gradient not averaged, a mask or stash mix-up) moves them
+  by O(1), far outside these bounds.
+  """
+  params = dense_params(jnp.float32)
+  data = batches(1)
+  sizes = dict(data=2, stage=2, tensor=2)
+  schedule = jaxpar.pipeline.one_f_one_b(2, 2)
+  f32, *_ = trained(sizes, schedule, params, data, CONFIG)
+  bf16, *_ = trained(sizes, schedule, params, data, CONFIG,
+                               compute_dtype=jnp.bfloat16)
+  (s32, p32), (s16, p16) = f32[0], bf16[0]
+  assert s16.loss.dtype == jnp.float32
+  assert jax.tree.all(jax.tree.map(lambda a: a.dtype == jnp.float32, p16))
+  assert float(s16.loss) != float(s32.loss)       # bf16 really computes
+  np.testing.assert_allclose(s16.loss, s32.loss, rtol=1e-2)
+  np.testing.assert_allclose(s16.grad_norm, s32.grad_norm, rtol=3e-2)
+  # The update (sgd: -0.1 * grad) agrees to bf16's error, as a whole (a
+  # leaf that is zero in exact arithmetic, the key bias, is noise in both).
+  diff, ref = (optax.tree.norm(jax.tree.map(f, p16, p32, params)) for f in (
+      lambda a, b, p: a - b, lambda a, b, p: b - p))
+  assert float(diff) < 3e-2 * float(ref)

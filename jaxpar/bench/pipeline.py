@@ -39,7 +39,10 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.bench._timing import compile_stats, wall_and_cpu_seconds
 from jaxpar.mesh import axis_size, make_mesh
 from jaxpar.pipeline import constructors as sched
-from jaxpar.pipeline.executor import LossFn, StageFn, pipeline_step
+from jaxpar.hlo import collective_bytes
+from jaxpar.pipeline.executor import (LossFn, StageFn, cast_params,
+                                      pipeline_step)
+from jaxpar.pipeline.lower import lower
 from jaxpar.pipeline.stage import StageVJP
 
 
@@ -251,9 +254,50 @@ def _block_flops(quick: bool) -> list[dict]:
           for name, f in blocks.items()]
 
 
+def _mixed_precision(quick: bool) -> list[dict]:
+  """1F1B in float32 and with ``compute_dtype=bfloat16``: bytes per rank.
+
+  ``temp_bytes``: compiled ``memory_analysis``. ``stash_bytes`` /
+  ``mailbox_bytes``: the executor's stash and mailbox buffers (slot count of
+  the lowered schedule x the bytes of one entry, from ``StageVJP``'s traced
+  stash avals). ``message_bytes``: ``collective-permute`` bytes in the HLO
+  jaxpar emits (XLA:CPU widens bf16 collectives to f32 when it compiles;
+  GPUs send bf16).
+  """
+  p, m, width = 4, 8, 128
+  mb = 64 if quick else 256
+  mesh = make_mesh(stage=p, devices=jax.devices()[:p])
+  schedule = sched.one_f_one_b(p, m)
+  lowered = lower(schedule)
+  args = _model(p, m * mb, width)
+  nbytes = lambda tree: sum(a.size * a.dtype.itemsize
+                            for a in jax.tree.leaves(tree))
+  rows = []
+  for name, dtype in (('float32', None), ('bfloat16', jnp.bfloat16)):
+    step = pipeline_step(_stage, _loss, schedule=schedule, mesh=mesh,
+                         compute_dtype=dtype)
+    low = step.lower(*args)
+    stage = StageVJP(_stage if dtype is None else cast_params(_stage, dtype),
+                     remat=False)
+    x = jnp.zeros((mb, width), dtype or jnp.float32)
+    _, stash = stage.trace(jax.tree.map(lambda a: a[0], args[0]), x)
+    rows.append({
+        'compute': name, 'p': p, 'm': m, 'microbatch': mb, 'width': width,
+        'temp_bytes': low.compile().memory_analysis().temp_size_in_bytes,
+        'stash_bytes': lowered.num_stash_slots * nbytes(stash),
+        'mailbox_bytes': (lowered.num_mailbox_slots + 1) * nbytes(x),
+        'message_bytes': collective_bytes(low.as_text(dialect='hlo'))[
+            'collective-permute']})
+  for row in rows:
+    for k in ('temp_bytes', 'stash_bytes', 'message_bytes'):
+      row[k.replace('_bytes', '_vs_f32')] = row[k] / rows[0][k]
+  return rows
+
+
 def run(*, quick: bool) -> dict[str, list[dict]]:
   """The memory, compile-time, CPU-overhead and block-FLOPs sections."""
   memory, compile_time = _memory_and_compile(quick)
   return {'pipeline_memory': memory, 'compile_time': compile_time,
+          'mixed_precision_memory': _mixed_precision(quick),
           'cpu_overhead': _cpu_overhead(quick),
           'zero_bubble_blocks': _block_flops(quick)}

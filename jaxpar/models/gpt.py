@@ -61,12 +61,13 @@ def _causal_attention(query, key, value, mask=None, **unused_kwargs):
   The core of the tensor-parallel attention too
   (``tensor_parallel.dot_product_attention``: ``jax.nn.dot_product_attention``,
   exact einsums in float64), so the dense and parallel models run the same
-  maths. Causality is built in (``is_causal``); the model has no dropout.
+  maths. Causality is built in (``is_causal``); no dropout on the attention
+  probabilities (the parallel functions drop residual branches).
   """
   if mask is not None:
     raise ValueError('the GPT block is causal by construction; call it '
                      'without mask=.')
-  del unused_kwargs   # dropout arguments: this model has no dropout
+  del unused_kwargs   # nnx's dropout arguments: not used
   return tp.dot_product_attention(query, key, value, causal=True)
 
 
@@ -413,6 +414,7 @@ def head_loss_and_accuracy_fn(
   del key  # no dropout in the head
   logits = _head(params, y, axis)
   loss = tp.vocab_parallel_cross_entropy(logits, targets, axis=axis).mean()
+  logits = jax.lax.stop_gradient(logits)   # a metric: no gradient
   vocab = logits.shape[-1]
   local = targets - jax.lax.axis_index(axis) * vocab
   mine = (local >= 0) & (local < vocab)
@@ -420,5 +422,4 @@ def head_loss_and_accuracy_fn(
                                axis=-1)[..., 0]
   target = jax.lax.psum(jnp.where(mine, target, 0), axis)
   best = jax.lax.pmax(jnp.max(logits, axis=-1), axis)
-  hit = jax.lax.stop_gradient(target >= best)
-  return loss, {'accuracy': jnp.mean(hit.astype(jnp.float32))}
+  return loss, {'accuracy': jnp.mean((target >= best).astype(jnp.float32))}

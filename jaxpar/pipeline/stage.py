@@ -1,6 +1,7 @@
 """A pipeline stage cut into the blocks the executor runs: ``F``, ``I``, ``W``.
 
-``StageVJP(stage_fn, remat)`` turns ``stage_fn(params, x) -> y`` into
+``StageVJP(stage_fn, remat)`` turns ``stage_fn(params, x) -> y`` (or
+``stage_fn(params, x, key)``: every block then takes the same ``key``) into
 
 * ``forward(params, x) -> (y, stash)``: the output and the VJP residuals
   that depend on ``x`` -- the **stash holds activations only**. Residuals
@@ -8,8 +9,10 @@
   leaf, a transposed or cast weight, the weights themselves) are found by a
   dataflow pass over the forward's jaxpr and recomputed from the parameters
   in the backward, where XLA keeps only the (cheap) operations that produce
-  them. With ``remat`` the stash is ``x`` and the backward recomputes the
-  forward.
+  them. The ``key`` counts as a parameter: a dropout mask, drawn from the
+  key alone, is recomputed in the backward (the forward's mask), not
+  stashed. With ``remat`` the stash is ``x`` and the backward recomputes
+  the forward.
 * ``input_grad(params, stash, dy) -> (dx, kept)`` and
   ``weight_grad(params, stash, dy, kept) -> dparams``: the backward's jaxpr
   (``(dparams, dx)`` from ``(params, stash, dy)``) cut in two. ``I`` runs the
