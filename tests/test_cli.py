@@ -154,3 +154,88 @@ def test_bad_flags_exit_2_in_one_line(capsys, args, message):
   assert err.count('\n') == 1 and err.startswith(
       'python -m jaxpar demo: error: '), err
   assert message in err, err
+
+
+TEXT = str(__import__('pathlib').Path(__file__).parent.parent / 'README.md')
+TEXT_TINY = ('--data', TEXT, '--layers', '2', '--seq-len', '16', '--d-model',
+             '16', '--heads', '2', '--batch', '4', '--microbatches', '2',
+             '--mesh', 'data=1,stage=2,tensor=1', '--eval-every', '2')
+
+
+def test_text_run_evaluates_and_writes_a_sample(tmp_path):
+  out = tmp_path / 'text.json'
+  result = jaxpar_cli('demo', *TEXT_TINY, '--steps', '4', '--sample', '24',
+                      '--prompt', 'The ', '--json', str(out))
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(out.read_text())
+  assert [e['step'] for e in report['eval']] == [0, 2, 4]
+  assert report['eval'][-1]['loss'] < report['eval'][0]['loss']
+  assert 0 < report['unigram_entropy'] < np.log(256)
+  assert report['sample'].startswith('The ')
+  speed = report['throughput']
+  # 6N + 12LdS, L=2, d=16, S=16, V=256: N = 2 * 3280 (blocks) + 32 (final
+  # LayerNorm) + 4352 (LM head) = 10944 (tests/test_text_data.py: by hand).
+  assert speed["flops_per_token"] == 6 * 10944 + 12 * 2 * 16 * 16
+  assert speed['flop_per_s'] == speed['tokens_per_s'] * speed['flops_per_token']
+  assert speed['mfu'] is None and speed['single_device_tokens_per_s'] > 0
+  for line in ('held-out      ', 'unigram entropy', 'tokens/s', 'GFLOP/s',
+               'one device    ', "sample        24 bytes (greedy) after the "
+               "prompt 'The '"):
+    assert line in result.stdout, result.stdout
+
+
+def test_resume_with_text_data_continues_bit_exactly(tmp_path):
+  ckpt = str(tmp_path / 'ckpt')
+  runs = []
+  for args in (('--steps', '4'), ('--steps', '2', '--checkpoint', ckpt),
+               ('--steps', '4', '--checkpoint', ckpt, '--resume')):
+    out = tmp_path / f'{len(runs)}.json'
+    result = jaxpar_cli('demo', *TEXT_TINY, *args, '--json', str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs.append(json.loads(out.read_text()))
+  straight, first, rest = runs
+  strip = lambda steps: [{k: s[k] for k in ('step', 'loss', 'grad_norm')}
+                         for s in steps]
+  assert strip(first['steps'] + rest['steps']) == strip(straight['steps'])
+  assert first['eval'] + rest['eval'][1:] == straight['eval']
+  assert rest['eval'][0] == first['eval'][-1]   # step 2, evaluated twice
+
+
+@pytest.mark.parametrize('case,message', [
+    ('missing', 'no such file; give the path of a text file'),
+    ('directory', 'is a directory; give the path of a text file'),
+    ('empty', 'has 0 bytes; sequences of 64 bytes need at least 650'),
+    ('short', 'has 649 bytes; sequences of 64 bytes need at least 650'),
+    ('unreadable', 'cannot be read (Not a directory)'),
+])
+def test_bad_data_exits_2_in_one_line(tmp_path, case, message):
+  path = tmp_path / case
+  if case == 'directory':
+    path.mkdir()
+  elif case in ('empty', 'short'):
+    path.write_bytes(b'x' * (649 if case == 'short' else 0))
+  elif case == 'unreadable':   # as root, a chmod would not stop a read
+    (tmp_path / 'file').write_bytes(b'x' * 1000)
+    path = tmp_path / 'file' / 'text.txt'
+  result = jaxpar_cli('demo', '--data', str(path))
+  assert result.returncode == 2
+  assert 'Traceback' not in result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+  assert f'--data {path}' in result.stderr and message in result.stderr
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--sample', '10'], '--sample needs --data PATH'),
+    (['--eval-every', '5'], '--eval-every needs --data PATH'),
+    (['--data', TEXT, '--prompt', 'x'], '--prompt and --temperature need '
+     '--sample N'),
+    (['--data', TEXT, '--sample', '5', '--temperature', '-1'],
+     '--temperature must be a finite number >= 0'),
+    (['--data', TEXT, '--sample', '0'], '--sample must be >= 1'),
+    (['--d-model', '30', '--heads', '4'], 'not divisible by --heads 4'),
+])
+def test_bad_text_flags_exit_2_in_one_line(args, message):
+  result = jaxpar_cli('demo', *args)
+  assert result.returncode == 2
+  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+  assert message in result.stderr, result.stderr
