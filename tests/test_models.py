@@ -111,3 +111,31 @@ def test_gpt_stage_identity_slots_are_exact():
                                      tp.shard_params(stage, mesh=mesh), x)
 
   np.testing.assert_array_equal(run(padded), run(real))
+
+
+def test_block_dropout_masks_match_with_sequence_parallelism():
+  """The same key gives the same masks on replicated and sequence shards."""
+  params = gpt.gpt_params(gpt.GPT(gpt.GPTConfig(d_model=16),
+                                  rngs=nnx.Rngs(0)))['blocks'][0]
+  mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
+  x = jax.random.normal(jax.random.key(0), (2, 8, 16))
+  key = jax.random.key(1)
+
+  def run(spec, **kw):
+    block = jax.shard_map(
+        lambda p, x, k: tp.transformer_block(p, x, dropout=0.5, key=k, **kw),
+        mesh=mesh, in_specs=(tp.param_specs(params), spec, P()),
+        out_specs=spec)
+    return jax.jit(block)(tp.shard_params(params, mesh=mesh),
+                          jax.device_put(x, jax.NamedSharding(mesh, spec)),
+                          key)
+
+  replicated = run(P())
+  sequence = run(P(None, 'tensor', None), sequence_parallel=True)
+  np.testing.assert_allclose(sequence, replicated, rtol=1e-5, atol=1e-5)
+  plain = jax.jit(jax.shard_map(
+      tp.transformer_block, mesh=mesh, in_specs=(tp.param_specs(params), P()),
+      out_specs=P()))(tp.shard_params(params, mesh=mesh), x)
+  assert float(jnp.max(jnp.abs(replicated - plain))) > 0.1
+  with pytest.raises(ValueError, match=r'rate=1.0 must be in \[0, 1\)'):
+    tp.dropout(x, 1.0, key)

@@ -17,9 +17,9 @@ CONFIG = gpt.GPTConfig(vocab_size=16, seq_len=8, d_model=16, num_heads=4,
                        num_layers=4)
 
 
-def dense_params(dtype):
+def dense_params(dtype, config=CONFIG):
   return jax.tree.map(lambda x: x.astype(dtype),
-                      gpt.gpt_params(gpt.GPT(CONFIG, rngs=nnx.Rngs(0))))
+                      gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0))))
 
 
 def batches(num, size=8, seed=0):
@@ -180,6 +180,8 @@ class TestErrors:
 
 # ------------------------------------------------ dropout, aux, bfloat16
 
+SMALL = CONFIG._replace(num_layers=2)   # one block per stage: fast compiles
+
 
 def gpipe_one_rank(num_stages, m):
   """GPipe's order with ``num_stages`` stages on one rank."""
@@ -213,8 +215,8 @@ def test_dropout_is_the_same_on_every_mesh_and_schedule():
   Both have 2 logical stages (the masks are drawn per stage and global
   microbatch); one step, loss, gradient norm and every updated param.
   """
-  config = CONFIG._replace(dropout=0.2)
-  params = dense_params(jnp.float32)
+  config = SMALL._replace(dropout=0.2)
+  params = dense_params(jnp.float32, SMALL)
   data = batches(1)
   key = jax.random.key(7)
   got, *_ = trained(dict(data=2, stage=2, tensor=2),
@@ -227,13 +229,13 @@ def test_dropout_is_the_same_on_every_mesh_and_schedule():
     np.testing.assert_allclose(stats.grad_norm, ref.grad_norm, rtol=1e-5)
     chex.assert_trees_all_close(p, ref_p, rtol=1e-5, atol=1e-6)
   # Dropout is on: the loss is not the deterministic model's.
-  plain = gpt.gpt_loss(params, data[0], config=CONFIG)
+  plain = gpt.gpt_loss(params, data[0], config=SMALL)
   assert abs(float(got[0][0].loss) - float(plain)) > 1e-3
 
 
 def test_aux_accuracy_is_the_dense_models(x64):
   """has_aux: per-token accuracy averaged over microbatches and data."""
-  params = dense_params(jnp.float64)
+  params = dense_params(jnp.float64, SMALL)
   data = batches(1)
   mesh = jaxpar.make_mesh(data=2, stage=2, tensor=2)
   pp, layout = gpt.split_for_pipeline(params, num_stages=2)
@@ -243,9 +245,9 @@ def test_aux_accuracy_is_the_dense_models(x64):
       mesh=mesh, stage_mask=layout.mask, has_aux=True)
   _, stats = trainer.step(trainer.init(pp), data[0])
   ids, targets = data[0]
-  logits = gpt.gpt_apply(params, ids, config=CONFIG)
+  logits = gpt.gpt_apply(params, ids, config=SMALL)
   np.testing.assert_allclose(stats.loss, gpt.gpt_loss(params, data[0],
-                                                      config=CONFIG),
+                                                      config=SMALL),
                              rtol=1e-10)
   want = np.mean(np.argmax(logits, -1) == targets)
   assert 0 < want < 1
@@ -260,12 +262,12 @@ def test_bf16_compute_is_close_to_float32():
   factor error (a gradient not averaged, a mask or stash mix-up) moves them
   by O(1), far outside these bounds.
   """
-  params = dense_params(jnp.float32)
+  params = dense_params(jnp.float32, SMALL)
   data = batches(1)
   sizes = dict(data=2, stage=2, tensor=2)
   schedule = jaxpar.pipeline.one_f_one_b(2, 2)
-  f32, *_ = trained(sizes, schedule, params, data, CONFIG)
-  bf16, *_ = trained(sizes, schedule, params, data, CONFIG,
+  f32, *_ = trained(sizes, schedule, params, data, SMALL)
+  bf16, *_ = trained(sizes, schedule, params, data, SMALL,
                                compute_dtype=jnp.bfloat16)
   (s32, p32), (s16, p16) = f32[0], bf16[0]
   assert s16.loss.dtype == jnp.float32
