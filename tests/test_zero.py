@@ -173,6 +173,23 @@ def test_each_device_holds_one_nth(adam_steps, stage):
   assert device_bytes(jax.tree.leaves(plain.opt_state[0].mu))[0] == split + odd
 
 
+@pytest.mark.parametrize('stage', [1, 3])
+def test_params_for_evaluation_stay_sharded(adam_steps, stage):
+  """Trainer.params gives every leaf in its shards: nothing is replicated."""
+  trainer, _, state = adam_steps[stage]
+  params = trainer.params(state)
+  shard = lambda x: x.sharding.shard_shape(x.shape)
+  assert jax.tree.map(shard, params) == jax.tree.map(shard, state.params)
+  w = params['hidden']['w']
+  assert shard(w) == ((5, 50) if stage == 3 else (5, 400))
+  np.testing.assert_array_equal(w, state.params['hidden']['w'])
+  # Plain jnp code evaluates them where they are (Auto axes).
+  out = jax.jit(lambda p, x: jnp.tanh(x @ p['hidden']['w']))(
+      params, np.ones((2, 5), np.float32))
+  np.testing.assert_allclose(out, np.tanh(np.ones((2, 5)) @ np.asarray(w)),
+                             rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize('stage', [0, 1, 3])
 def test_collectives_in_compiled_step(adam_steps, stage):
   """Byte for byte the theory of the zero_communication bench."""
