@@ -1,20 +1,27 @@
 """Every optax optimizer gives single-device results under every layout.
 
-Optimizers x layouts x ZeRO stages, float64, against plain optax on one
-device. The update runs on global arrays under ``jit`` (XLA partitions it),
-so transforms that look across elements -- a global norm, LAMB/LARS trust
-ratios, Adafactor's factored moments, Muon's matrix products -- see whole
-tensors. The bugs this guards against (an update on local shards or ZeRO
-slices) were off by 5e-5 to 7e-3 after 3 steps; the tolerances are 1e-9.
+Float64, against plain optax on one device, in data parallelism and in 3D
+(data x stage x tensor), each with ZeRO stages 0, 1 and 3. The update runs on
+global arrays under ``jit`` (XLA partitions it), so transforms that look
+across elements -- a global norm, LAMB/LARS trust ratios, Adafactor's
+factored moments, Muon's matrix products -- see whole tensors. The bugs this
+guards against (an update on local shards or ZeRO slices) were off by 5e-5 to
+7e-3 after 3 steps; the tolerances are 1e-9.
+
+One program per layout checks all the optimizers at once: ``optax.partition``
+gives each optimizer its own part of the model (``DP_GROUPS``,
+``GPT_GROUPS``), so a transform that sees one shard of one of its leaves
+shows up in that part's params, and the suite compiles 6 programs instead of
+one per optimizer and layout.
 
 Exactly-zero gradients: in the GPT the attention key bias has a gradient
 that is zero in exact arithmetic (softmax ignores a per-row shift), so in
 floating point it is rounding noise (~1e-17) whose value depends on the
 summation order, i.e. on the layout. Adaptive optimizers divide by
 ``sqrt(v) + eps``, which turns noise into full-sized steps when ``eps`` is
-tiny; the 3D cases use ``eps=1e-6`` (Adafactor: ``eps=1e-12`` on the squared
-gradient) so that noise stays ~1e-11 of a step, far below what a per-shard
-norm would change (1e-3).
+tiny; the optimizers here use ``eps=1e-6`` (Adafactor: ``eps=1e-12`` on the
+squared gradient) so that noise stays ~1e-11 of a step, far below what a
+per-shard norm would change (1e-3).
 """
 
 import functools
@@ -26,8 +33,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_data_parallel import make_batches, reference_run
-from test_zero import mesh_of, wide_loss, wide_params
+from test_data_parallel import make_batches
 
 import jaxpar
 from jaxpar.models import gpt
@@ -41,16 +47,23 @@ OPTIMIZERS = {
     'adafactor': lambda: optax.adafactor(0.01, min_dim_size_to_factor=16,
                                          eps=1e-12),
     'muon': lambda: optax.contrib.muon(0.01),
-    'multisteps': lambda: optax.MultiSteps(optax.adam(0.01, eps=1e-6),
-                                           every_k_schedule=2),
+    'multisteps': lambda: optax.MultiSteps(
+        optax.adam(0.01, eps=1e-6), every_k_schedule=2).gradient_transformation(),
     'inject_hyperparams': lambda: optax.inject_hyperparams(optax.adam)(
         learning_rate=0.01, eps=1e-6),
 }
 
-DP_CASES = ([(name, 'data8', z) for name in OPTIMIZERS for z in (1, 3)]
-            + [('clip_adamw', 'data8', 0), ('lamb', 'data8', 0),
-               ('lamb', 'data2_stage2_tensor2', 3),
-               ('adafactor', 'data2_stage2_tensor2', 1)])
+
+def each_optimizer(groups):
+  """``optax.partition``: ``OPTIMIZERS[groups[name]]`` for the leaves under
+  the first key path name found in ``groups``."""
+  def label(path):
+    names = [jax.tree_util.keystr((k,), simple=True) for k in path]
+    return next(groups[n] for n in names if n in groups)
+  return optax.partition(
+      {name: make() for name, make in OPTIMIZERS.items()},
+      lambda params: jax.tree_util.tree_map_with_path(
+          lambda path, _: label(path), params))
 
 
 def assert_close_history(got, want):
@@ -60,85 +73,113 @@ def assert_close_history(got, want):
     chex.assert_trees_all_close(params, ref_params, rtol=1e-9, atol=1e-10)
 
 
-@pytest.mark.parametrize('name,mesh_name,zero_stage', DP_CASES)
-def test_data_parallel(x64, name, mesh_name, zero_stage):
-  params = wide_params(dtype=jnp.float64)
-  batches = make_batches(3, 16, dtype=np.float64)
-  optimizer = OPTIMIZERS[name]()
-  trainer = jaxpar.data_parallel.train_step(
-      wide_loss, optimizer, mesh=mesh_of(mesh_name), zero_stage=zero_stage,
-      num_microbatches=2)
+def reference(loss, params, batches, optimizer, max_grad_norm=None):
+  """Plain optax on one device: [(loss, grad norm, params)] per step."""
+  if max_grad_norm is not None:
+    optimizer = optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)
+
+  @jax.jit   # one program: eager optax would compile op by op
+  def step(params, opt_state, batch):
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state,
+            (value, optax.tree.norm(grads)))
+
+  opt_state, out = jax.jit(optimizer.init)(params), []
+  for batch in batches:
+    params, opt_state, (value, norm) = step(params, opt_state, batch)
+    out.append((value, norm, params))
+  return out
+
+
+def trained(trainer, params, batches):
+  """Run ``trainer``: [(loss, grad norm, params in model order)] per step."""
   state, got = trainer.init(params), []
   for batch in batches:
     state, stats = trainer.step(state, batch)
+    assert not bool(stats.skipped)
     got.append((stats.loss, stats.grad_norm,
                 jax.tree.map(np.asarray, trainer.params(state))))
-  assert_close_history(got, reference_run(params, batches, optimizer,
-                                          loss_of=wide_loss))
+  return got
 
 
-@pytest.mark.parametrize('zero_stage', [0, 3])
-def test_max_grad_norm_is_chain_with_clip(x64, zero_stage):
-  params = wide_params(dtype=jnp.float64)
-  batches = make_batches(3, 16, dtype=np.float64)
-  optimizer = optax.adamw(0.01, weight_decay=0.1)
+# -- Data parallelism: an MLP with one layer per optimizer -----------------
+
+DP_GROUPS = {name: name for name in OPTIMIZERS} | {'out': 'lamb'}
+
+
+def mlp_params():
+  """Layers ``[5 -> 16]``, ``[16 -> 16]`` x 6, ``out [16 -> 3]``; ``out.b``
+  (3 elements) does not split 8 ways, every other leaf does."""
+  keys = iter(jax.random.split(jax.random.key(3), len(OPTIMIZERS) + 1))
+  params = {}
+  for i, name in enumerate(OPTIMIZERS):
+    d_in = 5 if i == 0 else 16
+    params[name] = {'w': jax.random.normal(next(keys), (d_in, 16),
+                                           jnp.float64) / d_in**0.5,
+                    'b': jnp.full(16, 0.1, jnp.float64)}
+  params['out'] = {'w': jax.random.normal(next(keys), (16, 3),
+                                          jnp.float64) / 4,
+                   'b': jnp.full(3, 0.1, jnp.float64)}
+  return params
+
+
+def mlp_loss(params, batch):
+  h = batch['x']
+  for name in OPTIMIZERS:
+    h = jnp.tanh(h @ params[name]['w'] + params[name]['b'])
+  y = h @ params['out']['w'] + params['out']['b']
+  return optax.losses.squared_error(y, batch['y']).mean()
+
+
+@pytest.mark.parametrize('zero_stage,max_grad_norm', [(0, None), (1, None),
+                                                      (3, 0.05)])
+def test_data_parallel(x64, zero_stage, max_grad_norm):
+  """Every optimizer in DP with ZeRO 0/1/3; ``max_grad_norm=c`` (ZeRO-3)
+  equals ``chain(clip_by_global_norm(c), optimizer)``."""
+  params, batches = mlp_params(), make_batches(3, 16, dtype=np.float64)
+  optimizer = each_optimizer(DP_GROUPS)
   trainer = jaxpar.data_parallel.train_step(
-      wide_loss, optimizer, mesh=mesh_of('data8'), zero_stage=zero_stage,
-      max_grad_norm=0.05)
-  state, got = trainer.init(params), []
-  for batch in batches:
-    state, stats = trainer.step(state, batch)
-    got.append((stats.loss, stats.grad_norm,
-                jax.tree.map(np.asarray, trainer.params(state))))
-  want = reference_run(params, batches, optimizer, 0.05, loss_of=wide_loss)
-  assert float(want[0][1]) > 0.05     # clipping is exercised
-  assert_close_history(got, want)
+      mlp_loss, optimizer, mesh=jaxpar.make_mesh(data=8),
+      zero_stage=zero_stage, num_microbatches=2, max_grad_norm=max_grad_norm)
+  want = reference(mlp_loss, params, batches, optimizer, max_grad_norm)
+  if max_grad_norm is not None:
+    assert float(want[0][1]) > max_grad_norm     # clipping is exercised
+  assert_close_history(trained(trainer, params, batches), want)
 
+
+# -- 3D: a GPT on data=2 x stage=2 x tensor=2 ------------------------------
 
 CONFIG = gpt.GPTConfig(vocab_size=16, seq_len=8, d_model=16, num_heads=2,
                        num_layers=2)
+GPT_GROUPS = {'embed': 'lamb', 'pos': 'lamb', 'attn': 'clip_adamw',
+              'fc_in': 'adafactor', 'fc_out': 'muon', 'ln1': 'lars',
+              'ln2': 'lars', 'lm_head': 'multisteps',
+              'ln_f': 'inject_hyperparams'}
 
 
 @functools.cache
 def gpt_setup():
   params = jax.tree.map(lambda x: x.astype(jnp.float64),
                         gpt.gpt_params(gpt.GPT(CONFIG, rngs=nnx.Rngs(0))))
+  pp, layout = gpt.split_for_pipeline(params, num_stages=2)
   rng = np.random.default_rng(0)
   data = [(rng.integers(0, 16, (8, 8)), rng.integers(0, 16, (8, 8)))
-          for _ in range(2)]
-  return params, data
+          for _ in range(3)]
+  return pp, layout, data
 
 
-def pipeline_reference(pp, layout, data, optimizer):
-  """Plain optax on the PipelineParams on one device (model order)."""
-  loss = lambda p, b: gpt.gpt_loss(gpt.merge_from_pipeline(p, layout), b,
-                                   config=CONFIG)
-  value_and_grad = jax.jit(jax.value_and_grad(loss))
-  opt_state, out = optimizer.init(pp), []
-  for batch in data:
-    value, grads = value_and_grad(pp, batch)
-    updates, opt_state = optimizer.update(grads, opt_state, pp)
-    pp = optax.apply_updates(pp, updates)
-    out.append((value, optax.tree.norm(grads), pp))
-  return out
-
-
-@pytest.mark.parametrize('name,zero_stage', [
-    ('clip_adamw', 0), ('clip_adamw', 3), ('lamb', 1), ('adafactor', 3),
-    ('muon', 3)])
-def test_3d_2x2x2(x64, name, zero_stage):
-  params, data = gpt_setup()
-  schedule = jaxpar.pipeline.one_f_one_b(2, 2)
-  pp, layout = gpt.split_for_pipeline(params, num_stages=2)
-  optimizer = OPTIMIZERS[name]()
+@pytest.mark.parametrize('zero_stage', [0, 1, 3])
+def test_3d_2x2x2(x64, zero_stage):
+  """Every optimizer in 3D with ZeRO 0/1/3, on the ``PipelineParams``."""
+  pp, layout, data = gpt_setup()
+  optimizer = each_optimizer(GPT_GROUPS)
   trainer = jaxpar.parallel.train_step(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optimizer,
-      schedule=schedule, mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
+      schedule=jaxpar.pipeline.one_f_one_b(2, 2),
+      mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
       stage_mask=layout.mask, zero_stage=zero_stage)
-  state, got = trainer.init(pp), []
-  for batch in data:
-    state, stats = trainer.step(state, batch)
-    assert not bool(stats.skipped)
-    got.append((stats.loss, stats.grad_norm,
-                jax.tree.map(np.asarray, trainer.params(state))))
-  assert_close_history(got, pipeline_reference(pp, layout, data, optimizer))
+  loss = lambda p, b: gpt.gpt_loss(gpt.merge_from_pipeline(p, layout), b,
+                                   config=CONFIG)
+  assert_close_history(trained(trainer, pp, data),
+                       reference(loss, pp, data, optimizer))
