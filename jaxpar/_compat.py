@@ -42,3 +42,17 @@ def varying_axes(x: Any) -> frozenset[str]:
   aval = x if is_abstract_array(x) else jax.typeof(x)
   mat = getattr(aval, 'manual_axis_type', None)
   return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+  """``(num_consts, num_carry)`` of a ``scan`` equation's params.
+
+  Up to jax 0.10 they are params of their own; jax 0.11 groups the inputs
+  in a flat tree, ``ft_in.unpack() == (consts, carry, xs)``, each of whose
+  ``len`` is its number of leaves. Public replacement: none (jaxpr params are
+  internal); switch if ``jax.extend`` documents the scan rule.
+  """
+  if 'num_consts' in params:
+    return params['num_consts'], params['num_carry']
+  consts, carry, _ = params['ft_in'].unpack()
+  return len(consts), len(carry)

@@ -16,6 +16,8 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
+from jaxpar import _compat
+
 # Primitives whose body ``flatten`` inlines: jit, remat, custom rules (in a
 # VJP these are already differentiated, their bodies are the maths).
 _CALLS = ('pjit', 'jit', 'closed_call', 'core_call', 'remat', 'checkpoint',
@@ -89,9 +91,10 @@ def _evaluate(jaxpr: jex.Jaxpr, consts: Sequence[Any], *args) -> list:
 
 def _unrolled_scan(params: dict, ins: list) -> list:
   body, length = params['jaxpr'], params['length']
-  consts = ins[:params['num_consts']]
-  carry = ins[params['num_consts']:params['num_consts'] + params['num_carry']]
-  xs = ins[params['num_consts'] + params['num_carry']:]
+  num_consts, num_carry = _compat.scan_counts(params)
+  consts = ins[:num_consts]
+  carry = ins[num_consts:num_consts + num_carry]
+  xs = ins[num_consts + num_carry:]
   steps = range(length - 1, -1, -1) if params['reverse'] else range(length)
   ys = {}
   for i in steps:
