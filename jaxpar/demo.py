@@ -107,6 +107,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument('--zero', type=int, choices=(0, 1, 3), default=0,
                  help='ZeRO stage: 1 shards the optimizer state over data, '
                  '3 the params too (FSDP)')
+  p.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32',
+                 help='compute dtype of the stages (activations, stashes, '
+                 'messages); params, optimizer state and loss stay float32')
+  p.add_argument('--dropout', type=float, default=0.0, metavar='P',
+                 help='residual and embedding dropout rate while training '
+                 '(masks from --seed and the step: resumable)')
   p.add_argument('--max-skipped', type=int, default=5, metavar='K',
                  help='stop (exit code 3) after K consecutive steps skipped '
                  'for non-finite loss or gradients')
@@ -157,6 +163,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             f'{args.temperature}')
   if not math.isfinite(args.lr) or args.lr <= 0:
     p.error(f'--lr must be a finite number > 0, got {args.lr}')
+  if not 0 <= args.dropout < 1:
+    p.error(f'--dropout must be a rate in [0, 1), got {args.dropout}')
   if args.resume and not args.checkpoint:
     p.error('--resume needs --checkpoint DIR')
   need = args.mesh['data'] * args.microbatches
@@ -306,14 +314,17 @@ def main(argv: list[str] | None = None) -> int:
   schedule = make_schedule(args)
   config = gpt.GPTConfig(
       vocab_size=32 if text is None else data.VOCAB_SIZE, seq_len=args.seq_len,
-      d_model=args.d_model, num_heads=args.heads, num_layers=args.layers)
+      d_model=args.d_model, num_heads=args.heads, num_layers=args.layers,
+      dropout=args.dropout)
   params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(args.seed)))
   pipeline_params, layout = gpt.split_for_pipeline(
       params, num_stages=schedule.num_stages)
   trainer = jaxpar.parallel.train_step(
-      gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.adam(args.lr),
-      schedule=schedule, mesh=mesh, stage_mask=layout.mask, max_grad_norm=1.0,
-      zero_stage=args.zero)
+      *gpt.functions(config), optax.adam(args.lr), schedule=schedule,
+      mesh=mesh, stage_mask=layout.mask, max_grad_norm=1.0,
+      zero_stage=args.zero,
+      compute_dtype=None if args.dtype == 'float32' else args.dtype,
+      key=jax.random.key(args.seed) if args.dropout else None)
   try:
     state = trainer.init(pipeline_params)
   except ValueError as e:   # e.g. heads not divisible by the tensor size
@@ -414,7 +425,8 @@ def summary(args, mesh, schedule, config, layout, mem, history, first, text,
       f'{jax.process_count()} process(es))',
       f'model         GPT {args.layers} layers, d={config.d_model}, '
       f'{config.num_heads} heads, seq {config.seq_len}, vocab '
-      f'{config.vocab_size}; stage slots {layout.counts}',
+      f'{config.vocab_size}, {args.dtype} compute, dropout {args.dropout}; '
+      f'stage slots {layout.counts}',
       f'schedule      {schedule.name}: p={schedule.num_ranks}, '
       f'm={schedule.num_microbatches}, {schedule.num_stages} stages; '
       f'bubble {sim.bubble_fraction:.1%} (simulated)',

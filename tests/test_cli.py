@@ -131,6 +131,9 @@ def test_mesh_larger_than_the_devices_exits_2_in_one_line():
      '3)'),
     (['--lr', 'nan'], '--lr must be a finite number > 0, got nan'),
     (['--lr', '-1'], '--lr must be a finite number > 0, got -1.0'),
+    (['--dropout', '1'], '--dropout must be a rate in [0, 1), got 1.0'),
+    (['--dropout', 'nan'], '--dropout must be a rate in [0, 1), got nan'),
+    (['--dtype', 'float16'], "argument --dtype: invalid choice: 'float16'"),
     (['--resume'], '--resume needs --checkpoint DIR'),
     (['--batch', '30'], '--batch 30 must be a multiple of data x microbatches '
      '= 8'),
@@ -155,7 +158,8 @@ TEXT_TINY = ('--data', TEXT, '--layers', '2', '--seq-len', '16', '--d-model',
 def test_text_run_evaluates_and_writes_a_sample(tmp_path):
   out = tmp_path / 'text.json'
   result = jaxpar_cli('demo', *TEXT_TINY, '--steps', '4', '--sample', '24',
-                      '--prompt', 'The ', '--json', str(out))
+                      '--prompt', 'The ', '--json', str(out),
+                      '--dtype', 'bfloat16', '--dropout', '0.1')
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(out.read_text())
   assert [e['step'] for e in report['eval']] == [0, 2, 4]
@@ -168,7 +172,8 @@ def test_text_run_evaluates_and_writes_a_sample(tmp_path):
   assert speed["flops_per_token"] == 6 * 10944 + 12 * 2 * 16 * 16
   assert speed['flop_per_s'] == speed['tokens_per_s'] * speed['flops_per_token']
   assert speed['mfu'] is None and speed['single_device_tokens_per_s'] > 0
-  for line in ('held-out      ', 'unigram entropy', 'tokens/s', 'GFLOP/s',
+  for line in ('bfloat16 compute, dropout 0.1', 'held-out      ',
+               'unigram entropy', 'tokens/s', 'GFLOP/s',
                'one device    ', "sample        24 bytes (greedy) after the "
                "prompt 'The '"):
     assert line in result.stdout, result.stdout
