@@ -305,7 +305,9 @@ def test_errors_before_compiling():
   stages, loss_params, x, t = model(p, m * MB, np.float32)
   step = pipeline_step(stage_fn, loss_fn, schedule=schedule, mesh=mesh)
   bad_stages = jax.tree.map(lambda a: a[:1], stages)
-  with pytest.raises(ValueError, match=r"stage_params\['b'\].*schedule.num_stages=2"):
+  with pytest.raises(ValueError, match=r"stage_params\['b'\] has shape \(1, "
+                     r"\d+\); stage_params\['gate'\]\['s'\] has shape \(1,\); "
+                     r"stage_params\['w'\] .*schedule.num_stages=2"):
     step(bad_stages, loss_params, x, t)
   with pytest.raises(ValueError, match='batch size 5 is not divisible.*=2'):
     step(stages, loss_params, np.zeros((5, D), np.float32),

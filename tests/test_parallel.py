@@ -111,7 +111,9 @@ def test_float32_2x2x2_interleaved():
 
 
 def test_uneven_layers_keep_identity_slots():
-  """6 layers on 4 stages: slots (2, 2, 1, 1); padding stays exactly zero."""
+  """6 layers on 4 stages: slots (2, 2, 1, 1); padding stays exactly zero and
+  every real layer gets the gradient of the 6-layer model (SGD, lr 1: the
+  update is minus the gradient)."""
   config = CONFIG._replace(num_layers=6)
   params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(1)))
   pp, layout = gpt.split_for_pipeline(params, num_stages=4)
@@ -119,15 +121,22 @@ def test_uneven_layers_keep_identity_slots():
   chex.assert_trees_all_equal(gpt.merge_from_pipeline(pp, layout), params)
   mesh = jaxpar.make_mesh(stage=4, tensor=2)
   trainer = jaxpar.parallel.train_step(
-      gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.adamw(0.1),
+      gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(1.0),
       schedule=jaxpar.pipeline.one_f_one_b(4, 2), mesh=mesh,
       stage_mask=layout.mask)
-  state, stats = trainer.step(trainer.init(pp), batches(1, size=4)[0])
+  batch = batches(1, size=4)[0]
+  state, stats = trainer.step(trainer.init(pp), batch)
   stages = trainer.params(state).stages
   for leaf in jax.tree.leaves(stages):
     assert not np.any(np.asarray(leaf)[~layout.mask])
-  ref = gpt.gpt_loss(params, batches(1, size=4)[0], config=config)
+  ref, grads = jax.value_and_grad(functools.partial(gpt.gpt_loss,
+                                                    config=config))(params, batch)
   np.testing.assert_allclose(stats.loss, ref, rtol=1e-5)
+  np.testing.assert_allclose(stats.grad_norm, optax.global_norm(grads),
+                             rtol=1e-5)
+  chex.assert_trees_all_close(
+      gpt.merge_from_pipeline(trainer.params(state), layout),
+      jax.tree.map(lambda p, g: p - g, params, grads), rtol=1e-5, atol=1e-6)
 
 
 def test_non_finite_step_is_skipped():

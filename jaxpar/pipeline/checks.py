@@ -38,13 +38,15 @@ def check_float(tree: PyTree, name: str) -> None:
 
 
 def check_leading(tree: PyTree, size: int, name: str, rule: str) -> None:
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    shape = np.shape(leaf)
-    if not shape or shape[0] != size:
-      raise ValueError(
-          f'{name}{jax.tree_util.keystr(path)} has shape {shape} but its '
-          f'leading axis must be {rule}={size}: stack one slice per stage '
-          '(e.g. jax.tree.map(lambda *a: jnp.stack(a), *per_stage)).')
+  """``ValueError`` listing every leaf whose leading axis is not ``size``."""
+  wrong = [f'{name}{jax.tree_util.keystr(path)} has shape {np.shape(leaf)}'
+           for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+           if not np.shape(leaf) or np.shape(leaf)[0] != size]
+  if wrong:
+    raise ValueError(
+        f'{"; ".join(wrong)} but the leading axis must be {rule}={size}: '
+        'stack one slice per stage (e.g. jax.tree.map(lambda *a: '
+        'jnp.stack(a), *per_stage)).')
 
 
 def microbatched(inputs: jax.Array, targets: PyTree, m: int):
