@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxpar._validate import check_int
+
 VOCAB_SIZE = 256
 HELD_OUT = 0.1
 
@@ -33,15 +35,6 @@ class TextData(NamedTuple):
   held_out: np.ndarray
 
 
-def _check_positive(**values: int) -> None:
-  for name, value in values.items():
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-      raise TypeError(f'{name}={value!r} must be an int, got a '
-                      f'{type(value).__name__}.')
-    if value < 1:
-      raise ValueError(f'{name}={value} must be >= 1.')
-
-
 def min_file_size(seq_len: int) -> int:
   """Bytes a file needs so both splits hold one ``seq_len + 1`` window.
 
@@ -50,7 +43,7 @@ def min_file_size(seq_len: int) -> int:
     >>> data.min_file_size(64)        # 65 bytes are the last 10%: 650
     650
   """
-  _check_positive(seq_len=seq_len)
+  check_int('seq_len', seq_len)
   return int(np.ceil((seq_len + 1) / HELD_OUT))
 
 
@@ -89,7 +82,7 @@ def load_text(path: str | os.PathLike, *, seq_len: int) -> TextData:
     >>> len(parts.train), len(parts.held_out)
     (90, 10)
   """
-  _check_positive(seq_len=seq_len)
+  check_int('seq_len', seq_len)
   path = os.fspath(path)
   fix = 'give the path of a text file'
   if os.path.isdir(path):
@@ -147,7 +140,8 @@ def text_batch(tokens: np.ndarray, *, seed: int, step: int, batch: int,
     >>> bool((again[0] == ids).all())
     True
   """
-  _check_positive(batch=batch, seq_len=seq_len)
+  check_int('batch', batch)
+  check_int('seq_len', seq_len)
   _check_fits(tokens, seq_len, 'the training split')
   rng = np.random.default_rng([seed, step])
   return _windows(tokens, rng.integers(0, len(tokens) - seq_len, batch),
@@ -169,7 +163,8 @@ def held_out_batch(tokens: np.ndarray, *, batch: int,
     >>> ids[:, 0].tolist(), int(targets[-1, -1])      # starts; last byte
     ([0, 8, 15], 19)
   """
-  _check_positive(batch=batch, seq_len=seq_len)
+  check_int('batch', batch)
+  check_int('seq_len', seq_len)
   _check_fits(tokens, seq_len, 'the held-out split')
   starts = np.linspace(0, len(tokens) - seq_len - 1, batch).round()
   return _windows(tokens, starts.astype(np.int64), seq_len)

@@ -77,7 +77,7 @@ def test_bad_arguments_name_the_value():
   tokens = np.zeros(100, np.uint8)
   with pytest.raises(TypeError, match='batch=True must be an int'):
     data.text_batch(tokens, seed=0, step=0, batch=True, seq_len=4)
-  with pytest.raises(ValueError, match='seq_len=0 must be >= 1'):
+  with pytest.raises(ValueError, match='seq_len=0 must be an int >= 1'):
     data.held_out_batch(tokens, batch=2, seq_len=0)
   assert data.text_batch(tokens, seed=0, step=0, batch=np.int64(2),
                          seq_len=4)[0].shape == (2, 4)
@@ -198,7 +198,7 @@ def test_temperature_samples_with_the_key(tiny_params):
     (dict(prompt=[]), ValueError, 'non-empty 1-D'),
     (dict(prompt=[16]), ValueError, r'lie in \[0, 16\)'),
     (dict(length=True), TypeError, 'length=True must be an int'),
-    (dict(length=0), ValueError, 'length=0 must be >= 1'),
+    (dict(length=0), ValueError, 'length=0 must be an int >= 1'),
     (dict(temperature=-1.0), ValueError, 'finite and >= 0'),
     (dict(temperature=0.5), ValueError, 'pass key='),
 ])

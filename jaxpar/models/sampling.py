@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar._validate import check_int
 from jaxpar.models import gpt
 
 
@@ -36,10 +37,7 @@ def _check(prompt, length, temperature, key, config) -> np.ndarray:
   if prompt.min() < 0 or prompt.max() >= config.vocab_size:
     raise ValueError(f'prompt ids must lie in [0, {config.vocab_size}), got '
                      f'[{prompt.min()}, {prompt.max()}].')
-  if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
-    raise TypeError(f'length={length!r} must be an int.')
-  if length < 1:
-    raise ValueError(f'length={length} must be >= 1 (tokens to generate).')
+  length = check_int('length', length, fix='(tokens to generate)')
   if not (isinstance(temperature, (int, float, np.floating))
           and not isinstance(temperature, bool)):
     raise TypeError(f'temperature={temperature!r} must be a number.')

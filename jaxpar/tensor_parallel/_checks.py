@@ -11,7 +11,6 @@ from typing import Any
 
 from flax import nnx
 import jax
-import numpy as np
 
 from jaxpar import _compat
 
@@ -28,16 +27,6 @@ def bound_axis_size(axis: str, fn: str) -> int:
         f'jax.shard_map over a mesh with that axis (e.g. '
         f"jaxpar.make_mesh(tensor=N)), or pass axis=<the mesh's tensor axis "
         'name>.') from None
-
-
-def check_int(fn: str, name: str, value: Any, minimum: int = 1) -> int:
-  """``value`` as an int: NumPy ints are accepted, ``True`` is not."""
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f'{fn}: {name}={value!r} must be an int >= {minimum}, '
-                    f'got a {type(value).__name__}.')
-  if value < minimum:
-    raise ValueError(f'{fn}: {name}={value!r} must be an int >= {minimum}.')
-  return int(value)
 
 
 def check_sharded(a: jax.Array, axis: str, fn: str, what: str,

@@ -19,6 +19,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from jaxpar._validate import check_int
 from jaxpar.tensor_parallel import _checks
 from jaxpar.tensor_parallel.attention import parallel_self_attention
 from jaxpar.tensor_parallel.layers import (column_parallel_linear,
@@ -70,8 +71,8 @@ class _ParallelLinear(nnx.Module):
                bias_init: nnx.Initializer = _zeros,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     name = type(self).__name__
-    self.in_features = _checks.check_int(name, 'in_features', in_features)
-    self.out_features = _checks.check_int(name, 'out_features', out_features)
+    self.in_features = check_int('in_features', in_features, where=name)
+    self.out_features = check_int('out_features', out_features, where=name)
     self.axis, self.sequence_parallel = axis, sequence_parallel
     self.kernel = nnx.Param(kernel_init(
         rngs.params(), (self.in_features, self.out_features), param_dtype))
@@ -172,9 +173,8 @@ class ParallelMLP(nnx.Module):
                sequence_parallel: bool = False, param_dtype: Any = jnp.float32,
                rngs: nnx.Rngs):
     name = 'ParallelMLP'
-    features = _checks.check_int(name, 'features', features)
-    hidden_features = _checks.check_int(name, 'hidden_features',
-                                        hidden_features)
+    features = check_int('features', features, where=name)
+    hidden_features = check_int('hidden_features', hidden_features, where=name)
     kw = dict(use_bias=use_bias, axis=axis, sequence_parallel=sequence_parallel,
               param_dtype=param_dtype, rngs=rngs)
     self.fc_in = ColumnParallelLinear(features, hidden_features, **kw)
@@ -228,15 +228,15 @@ class ParallelSelfAttention(nnx.Module):
                sequence_parallel: bool = False,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     name = 'ParallelSelfAttention'
-    features = _checks.check_int(name, 'features', features)
-    num_heads = _checks.check_int(name, 'num_heads', num_heads)
+    features = check_int('features', features, where=name)
+    num_heads = check_int('num_heads', num_heads, where=name)
     if head_dim is None:
       if features % num_heads:
         raise ValueError(
             f'{name}: features {features} is not divisible by num_heads '
             f'{num_heads}; pass head_dim= explicitly.')
       head_dim = features // num_heads
-    head_dim = _checks.check_int(name, 'head_dim', head_dim)
+    head_dim = check_int('head_dim', head_dim, where=name)
     self.num_heads, self.head_dim = num_heads, head_dim
     self.causal, self.axis = causal, axis
     self.sequence_parallel = sequence_parallel
