@@ -75,18 +75,26 @@ CASES = {
 }
 
 
+# Linear in the gradient: adam would blow the rounding noise of the
+# key-bias gradient (exactly zero in exact arithmetic) up to full steps.
+FLOAT64_OPTIMIZER = optax.sgd(0.3, momentum=0.9)
+
+
+@functools.cache
+def float64_reference():
+  """One device, float64 (call under the x64 fixture): computed once for
+  every case below."""
+  return reference(dense_params(jnp.float64), batches(2), FLOAT64_OPTIMIZER,
+                   0.5)
+
+
 @pytest.mark.parametrize('case', list(CASES))
 def test_matches_single_device_float64(x64, case):
   """Every mesh shape and schedule: same losses, norms and params."""
   mesh_sizes, make_schedule = CASES[case]
-  schedule = make_schedule()
-  params = dense_params(jnp.float64)
-  data = batches(2)
-  # Linear in the gradient: adam would blow the rounding noise of the
-  # key-bias gradient (exactly zero in exact arithmetic) up to full steps.
-  optimizer = optax.sgd(0.3, momentum=0.9)
-  got = run(mesh_sizes, schedule, params, data, optimizer, 0.5)
-  want = reference(params, data, optimizer, 0.5)
+  got = run(mesh_sizes, make_schedule(), dense_params(jnp.float64),
+            batches(2), FLOAT64_OPTIMIZER, 0.5)
+  want = float64_reference()
   assert float(want[0][1]) > 0.5   # clipping is exercised
   for (loss, norm, p), (ref_loss, ref_norm, ref_p) in zip(got, want):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-10)
