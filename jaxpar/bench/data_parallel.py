@@ -104,19 +104,25 @@ def _vs_gspmd(width, per_device, zero_stage, repeats) -> dict:
   batch_sh = NamedSharding(auto, P('data'))
   auto_batch = jax.device_put(batch, batch_sh)
   gspmd = _gspmd_step(optimizer, state_sh, batch_sh)
-  times = wall_and_cpu_seconds(
-      {'jaxpar': lambda: trainer.step(state, batch),
-       'gspmd': lambda: gspmd(auto_state, auto_batch)}, (), repeats)
   return {'zero_stage': zero_stage, 'devices': n, 'width': width,
           'batch': n * per_device,
-          'jaxpar_ms': 1e3 * times['jaxpar'][0],
-          'gspmd_ms': 1e3 * times['gspmd'][0],
-          'ratio': times['jaxpar'][0] / times['gspmd'][0],
-          'cpu_ratio': times['jaxpar'][1] / times['gspmd'][1],
-          'jaxpar_collectives': _collectives(
-              trainer.step.lower(state, batch).compile()),
-          'gspmd_collectives': _collectives(
-              gspmd.lower(auto_state, auto_batch).compile())}
+          **_compare(('jaxpar', trainer.step, (state, batch)),
+                     ('gspmd', gspmd, (auto_state, auto_batch)), repeats)}
+
+
+def _compare(first, second, repeats) -> dict:
+  """Columns of two steps ``(name, jitted step, args)`` timed interleaved:
+  ``<name>_ms`` (wall medians), ``ratio`` and ``cpu_ratio`` (first over
+  second) and ``<name>_collectives`` of each compiled program."""
+  times = wall_and_cpu_seconds(
+      {name: lambda step=step, args=args: step(*args)
+       for name, step, args in (first, second)}, (), repeats)
+  (a, *_), (b, *_) = first, second
+  return {f'{a}_ms': 1e3 * times[a][0], f'{b}_ms': 1e3 * times[b][0],
+          'ratio': times[a][0] / times[b][0],
+          'cpu_ratio': times[a][1] / times[b][1],
+          **{f'{name}_collectives': _collectives(step.lower(*args).compile())
+             for name, step, args in (first, second)}}
 
 
 def _parallel_vs_dp(width, per_device, zero_stage, schedule, repeats) -> dict:
@@ -135,19 +141,10 @@ def _parallel_vs_dp(width, per_device, zero_stage, schedule, repeats) -> dict:
       params['head']))
   batch = jax.device_put(_batch(n, per_device, width),
                          NamedSharding(mesh, P('data')))
-  times = wall_and_cpu_seconds(
-      {'parallel': lambda: par.step(par_state, batch),
-       'dp': lambda: dp.step(dp_state, batch)}, (), repeats)
   return {'zero_stage': zero_stage, 'schedule': schedule.name, 'devices': n,
           'width': width, 'batch': n * per_device,
-          'parallel_ms': 1e3 * times['parallel'][0],
-          'data_parallel_ms': 1e3 * times['dp'][0],
-          'ratio': times['parallel'][0] / times['dp'][0],
-          'cpu_ratio': times['parallel'][1] / times['dp'][1],
-          'parallel_collectives': _collectives(
-              par.step.lower(par_state, batch).compile()),
-          'dp_collectives': _collectives(
-              dp.step.lower(dp_state, batch).compile())}
+          **_compare(('parallel', par.step, (par_state, batch)),
+                     ('data_parallel', dp.step, (dp_state, batch)), repeats)}
 
 
 def run(*, quick: bool) -> dict[str, list[dict]]:
