@@ -5,9 +5,11 @@ They are built with the dense shapes (initialise on one device, then
 shards and call them: each call checks the shards against the dense shapes
 and runs the pure function of ``layers`` / ``attention``.
 
-``param_specs`` finds the split of a leaf by the name of its layer
+``param_specs`` finds the split of a leaf by the full path of its layer
 (``DEFAULT_LAYOUT``): ``ParallelMLP`` and ``ParallelSelfAttention`` name their
-parts so; a bare linear needs a name, e.g. ``nnx.Dict(fc_in=layer)``.
+parts so at the root of their state; a bare linear needs a name, e.g.
+``nnx.Dict(fc_in=layer)``, and a module inside a larger model a ``layout=``
+with its path, e.g. ``{'ffn.fc_in': 'column', 'ffn.fc_out': 'row'}``.
 """
 
 from __future__ import annotations
