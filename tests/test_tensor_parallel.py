@@ -508,6 +508,18 @@ def test_default_layout_matches_full_paths_of_jaxpar_modules_only():
     assert layer['attn']['key']['kernel'] == P()
   assert specs['tok']['embed']['embedding'] == P('tensor', None)
   assert specs['query']['fc_in']['kernel'] == P()
+  # jaxpar's NNX modules are marked and laid out wherever they sit; Flax's
+  # own nnx.MultiHeadAttention (query, key, ... too) in a user's model is not.
+  model = nnx.eval_shape(lambda: nnx.Dict(
+      ffn=tp.ParallelMLP(D, F, rngs=nnx.Rngs(0)),
+      self_attn=tp.ParallelSelfAttention(D, H, rngs=nnx.Rngs(0)),
+      flax_attn=nnx.MultiHeadAttention(H, D, decode=False, rngs=nnx.Rngs(0))))
+  specs = tp.param_specs(nnx.state(model, nnx.Param))
+  assert specs['ffn']['fc_out']['kernel'] == P('tensor', None)
+  assert specs['self_attn']['out']['kernel'] == P('tensor', None, None)
+  assert specs['self_attn']['key']['bias'] == P('tensor', None)
+  assert all(spec == P() for spec in jax.tree.leaves(
+      specs['flax_attn'], is_leaf=lambda s: isinstance(s, P)))
   # jaxpar's GPT: its stages, embed and head parts are laid out by default
   # (shapes only: param_specs reads paths and ranks).
   pp = jax.eval_shape(lambda: gpt.split_for_pipeline(gpt.gpt_params(gpt.GPT(

@@ -6,7 +6,9 @@ a mesh, ``unshard_params`` replicates it again. A *layout* says which layers
 are split, by their full path from the pytree's root (``'mlp.fc_in'``), never
 by a bare name found anywhere: a user's model with a layer called ``query``
 is split only if the user's layout says so. ``DEFAULT_LAYOUT`` holds the
-paths of jaxpar's own modules, which use Flax's names: ``{'kernel', 'bias'}``
+paths of jaxpar's own param trees; the NNX modules of ``modules`` mark their
+``nnx.Param``s with their kind (metadata ``tensor_layout``), so their state
+is laid out at any path of a model. jaxpar's layers use Flax's names: ``{'kernel', 'bias'}``
 per linear, ``{'scale', 'bias'}`` per norm, ``{'query', 'key', 'value',
 'out'}`` projections laid out like ``nnx.MultiHeadAttention``,
 ``{'embedding'}`` for ``nnx.Embed``.
@@ -17,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from flax import nnx
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -36,6 +39,9 @@ _LAYOUTS = {
 }
 _SPLIT_SIZE = {'column': 'output features', 'row': 'input features',
                'heads_in': 'heads', 'heads_out': 'heads', 'vocab': 'vocab size'}
+# The nnx.Param metadata key by which jaxpar's tensor-parallel modules mark
+# their params with their layer's kind.
+MARK = 'tensor_layout'
 # Layer paths -> layout, for jaxpar's own param trees, each from its root:
 # the MLP (`parallel_mlp`, `ParallelMLP`, `models.MLP`), the attention
 # (`parallel_self_attention`, `ParallelSelfAttention`, nnx.MultiHeadAttention),
@@ -93,29 +99,40 @@ def _layer_kind(layer: list[str], layout: Mapping[str, str]) -> str | None:
   return None
 
 
-def _leaf_rule(names: list[str], leaf: Any, layout: Mapping[str, str]
-               ) -> tuple[tuple[Any, ...], str | None, str | None]:
-  """(spec template aligned to the leaf's trailing dims, layout kind, problem).
+def _marks(params: PyTree) -> list[str | None]:
+  """Per leaf of ``params``, the kind its ``nnx.Variable`` is marked with
+  (``MARK``), or ``None``."""
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  marks = []
+  for node in jax.tree.leaves(params, is_leaf=is_variable):
+    mark = node.get_metadata().get(MARK) if is_variable(node) else None
+    marks += [mark] * len(jax.tree.leaves(node))
+  return marks
 
-  The template is ``()`` (replicated) under no laid-out layer; ``problem``
-  says why the leaf cannot be laid out, else ``None``.
+
+def _leaf_rule(names: list[str], leaf: Any, kind: str | None
+               ) -> tuple[tuple[Any, ...], str | None]:
+  """(spec template aligned to the leaf's trailing dims, problem) of a leaf
+  of a layer of layout ``kind``.
+
+  The template is ``()`` (replicated) for ``kind=None``; ``problem`` says why
+  the leaf cannot be laid out, else ``None``.
   """
-  where, layer = '.'.join(names), '.'.join(names[:-1])
-  kind = _layer_kind(names[:-1], layout)
   if kind is None:
-    return (), None, None
+    return (), None
+  where, layer = '.'.join(names), '.'.join(names[:-1])
   rule = _LAYOUTS[kind].get(names[-1])
   if rule is None:
-    return (), kind, (
+    return (), (
         f'param {where!r}: layer {layer!r} has layout {kind!r}, whose '
         f'leaves are {sorted(_LAYOUTS[kind])}, not {names[-1]!r}. Rename '
         'the layer or pass layout= mapping its path to the right kind.')
   ndim = len(getattr(leaf, 'shape', ()))
   if ndim < len(rule):
-    return (), kind, (
+    return (), (
         f'param {where!r} of shape {tuple(leaf.shape)} has fewer than the '
         f'{len(rule)} dims of a {kind!r} {names[-1]}.')
-  return (None,) * (ndim - len(rule)) + rule, kind, None
+  return (None,) * (ndim - len(rule)) + rule, None
 
 
 def _rules(params: PyTree, layout: Mapping[str, str] | None
@@ -128,9 +145,10 @@ def _rules(params: PyTree, layout: Mapping[str, str] | None
   layout = _check_layout(layout)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   rules, problems = [], []
-  for path, leaf in leaves:
+  for (path, leaf), mark in zip(leaves, _marks(params), strict=True):
     names = _path_names(path)
-    rule, kind, problem = _leaf_rule(names, leaf, layout)
+    kind = mark or _layer_kind(names[:-1], layout)
+    rule, problem = _leaf_rule(names, leaf, kind)
     rules.append((names, leaf, rule, kind))
     if problem is not None:
       problems.append(problem)
@@ -145,7 +163,9 @@ def param_specs(params: PyTree, *, axis: str = 'tensor',
 
   A leaf is split according to its layer, the path of the dict holding it
   (``'attn.query'`` for ``params['attn']['query']['kernel']``), if that full
-  path is in ``layout``; everything else (norms, ...) is replicated, ``P()``.
+  path is in ``layout``, or to the kind its ``nnx.Param`` is marked with by
+  jaxpar's tensor-parallel modules; everything else (norms, ...) is
+  replicated, ``P()``.
   ``DEFAULT_LAYOUT`` knows the paths of jaxpar's modules (``fc_in``/``fc_out``
   and ``mlp.*``, ``query``/``key``/``value``/``out`` and ``attn.*``, ``embed``,
   ``lm_head``); a user's model names its own paths with ``layout=``. The
