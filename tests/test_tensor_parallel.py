@@ -704,7 +704,7 @@ def test_param_specs_rejects_unknown_leaf_and_layout():
                    layout={'fc_in': 'diagonal'})
   with pytest.raises(TypeError, match='layout must map layer paths'):
     tp.param_specs({}, layout=['fc_in'])
-  with pytest.raises(TypeError, match=r'layout keys must be layer paths.*\[0\]'):
+  with pytest.raises(TypeError, match=r'keys must be layer paths.*\[0\]'):
     tp.param_specs({}, layout={0: 'column'})
   with pytest.raises(ValueError, match='fewer than the 2 dims'):
     tp.param_specs({'fc_in': {'kernel': np.zeros(3)}})

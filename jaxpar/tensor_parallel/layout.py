@@ -8,10 +8,10 @@ by a bare name found anywhere: a user's model with a layer called ``query``
 is split only if the user's layout says so. ``DEFAULT_LAYOUT`` holds the
 paths of jaxpar's own param trees; the NNX modules of ``modules`` mark their
 ``nnx.Param``s with their kind (metadata ``tensor_layout``), so their state
-is laid out at any path of a model. jaxpar's layers use Flax's names: ``{'kernel', 'bias'}``
-per linear, ``{'scale', 'bias'}`` per norm, ``{'query', 'key', 'value',
-'out'}`` projections laid out like ``nnx.MultiHeadAttention``,
-``{'embedding'}`` for ``nnx.Embed``.
+is laid out at any path of a model. jaxpar's layers use Flax's names:
+``{'kernel', 'bias'}`` per linear, ``{'scale', 'bias'}`` per norm,
+``{'query', 'key', 'value', 'out'}`` projections laid out like
+``nnx.MultiHeadAttention``, ``{'embedding'}`` for ``nnx.Embed``.
 """
 
 from __future__ import annotations

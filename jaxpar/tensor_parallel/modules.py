@@ -110,9 +110,10 @@ class ColumnParallelLinear(_ParallelLinear):
     >>> layer = tp.ColumnParallelLinear(16, 32, rngs=nnx.Rngs(0))
     >>> graphdef, state = nnx.split(nnx.Dict(fc_in=layer))   # named layer
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
-    >>> f = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)['fc_in'](x),
-    ...                   mesh=mesh, in_specs=(tp.param_specs(state), P()),
-    ...                   out_specs=P(None, 'tensor'))
+    >>> apply = lambda s, x: nnx.merge(graphdef, s)['fc_in'](x)
+    >>> f = jax.jit(jax.shard_map(apply, mesh=mesh,
+    ...                           in_specs=(tp.param_specs(state), P()),
+    ...                           out_specs=P(None, 'tensor')))
     >>> x = jnp.ones((2, 16))
     >>> y = f(tp.shard_params(state, mesh=mesh), x)
     >>> bool(jnp.allclose(y, x @ layer.kernel[...] + layer.bias[...]))
@@ -167,8 +168,10 @@ class ParallelMLP(nnx.Module):
     >>> mlp = tp.ParallelMLP(16, 64, rngs=nnx.Rngs(0))
     >>> graphdef, state = nnx.split(mlp)
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
-    >>> f = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=mesh,
-    ...                   in_specs=(tp.param_specs(state), P()), out_specs=P())
+    >>> apply = lambda s, x: nnx.merge(graphdef, s)(x)
+    >>> f = jax.jit(jax.shard_map(apply, mesh=mesh,
+    ...                           in_specs=(tp.param_specs(state), P()),
+    ...                           out_specs=P()))
     >>> f(tp.shard_params(state, mesh=mesh), jnp.ones((2, 16))).shape
     (2, 16)
   """
@@ -225,8 +228,10 @@ class ParallelSelfAttention(nnx.Module):
     ...                                 rngs=nnx.Rngs(0))
     >>> graphdef, state = nnx.split(attn)
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
-    >>> f = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=mesh,
-    ...                   in_specs=(tp.param_specs(state), P()), out_specs=P())
+    >>> apply = lambda s, x: nnx.merge(graphdef, s)(x)
+    >>> f = jax.jit(jax.shard_map(apply, mesh=mesh,
+    ...                           in_specs=(tp.param_specs(state), P()),
+    ...                           out_specs=P()))
     >>> f(tp.shard_params(state, mesh=mesh), jnp.ones((2, 8, 16))).shape
     (2, 8, 16)
   """
