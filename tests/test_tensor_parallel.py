@@ -814,22 +814,18 @@ def test_nnx_module_errors():
   with pytest.raises(ValueError, match='features 16 is not divisible by '
                      'num_heads 6'):
     tp.ParallelSelfAttention(D, 6, rngs=nnx.Rngs(0))
-  attn = tp.ParallelSelfAttention(D, 6, head_dim=2, rngs=nnx.Rngs(0))
-  graphdef, state = nnx.split(attn)
-  mesh = mesh_of(4)
-  replicated = jax.tree.map(lambda _: REP, state)
-  call = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=mesh,
-                       in_specs=(replicated, REP), out_specs=REP)
+  # The checks run while tracing: abstract modules and inputs suffice.
+  def traced(module, x_shape):
+    """Traces the module called on replicated (unsplit) params."""
+    graphdef, state = nnx.split(nnx.eval_shape(module))
+    call = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x),
+                         mesh=mesh_of(4), out_specs=REP,
+                         in_specs=(jax.tree.map(lambda _: REP, state), REP))
+    jax.eval_shape(call, state, jax.ShapeDtypeStruct(x_shape, jnp.float32))
   with pytest.raises(ValueError, match='num_heads 6 is not divisible by the '
                      'tensor axis size 4'):
-    call(jax.tree.map(lambda a: put(mesh, a, REP), state),
-         put(mesh, np.ones((B, S, D), np.float32), REP))
-  col = tp.ColumnParallelLinear(D, F, rngs=nnx.Rngs(0))
-  graphdef, state = nnx.split(col)
-  call = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=mesh,
-                       in_specs=(jax.tree.map(lambda _: REP, state), REP),
-                       out_specs=REP)
+    traced(lambda: tp.ParallelSelfAttention(D, 6, head_dim=2,
+                                            rngs=nnx.Rngs(0)), (B, S, D))
   with pytest.raises(ValueError, match=r'kernel shard has shape \(16, 32\), '
                      r'expected \(16, 8\).*shard_params'):
-    call(jax.tree.map(lambda a: put(mesh, a, REP), state),
-         put(mesh, np.ones((B, D), np.float32), REP))
+    traced(lambda: tp.ColumnParallelLinear(D, F, rngs=nnx.Rngs(0)), (B, D))

@@ -165,11 +165,11 @@ def param_specs(params: PyTree, *, axis: str = 'tensor',
   (``'attn.query'`` for ``params['attn']['query']['kernel']``), if that full
   path is in ``layout``, or to the kind its ``nnx.Param`` is marked with by
   jaxpar's tensor-parallel modules; everything else (norms, ...) is
-  replicated, ``P()``.
-  ``DEFAULT_LAYOUT`` knows the paths of jaxpar's modules (``fc_in``/``fc_out``
-  and ``mlp.*``, ``query``/``key``/``value``/``out`` and ``attn.*``, ``embed``,
-  ``lm_head``); a user's model names its own paths with ``layout=``. The
-  split dims count from the end, so stacked layers (extra leading dims) work:
+  replicated, ``P()``. ``DEFAULT_LAYOUT`` knows the paths of jaxpar's
+  modules (``fc_in``/``fc_out`` and ``mlp.*``, ``query``/``key``/``value``/
+  ``out`` and ``attn.*``, ``embed``, ``lm_head``); a user's model names its
+  own paths with ``layout=``. The split dims count from the end, so stacked
+  layers (extra leading dims) work:
 
   * ``column``: kernel ``[in, out]`` ``P(None, axis)``, bias ``P(axis)``;
   * ``row``: kernel ``[in, out]`` ``P(axis, None)``, bias ``P()``;
@@ -319,7 +319,7 @@ def check_axis_used(specs: PyTree, *, mesh: jax.sharding.Mesh,
   sizes = dict(mesh.shape)
   others = [name for name in sizes if name != axis]
   without = ''
-  if others:
+  if others and set(sizes) <= {'data', 'stage', 'tensor'}:  # make_mesh axes
     sizes[others[0]] *= n
     without = ' (e.g. jaxpar.make_mesh({}))'.format(
         ', '.join(f'{name}={sizes[name]}' for name in others))
