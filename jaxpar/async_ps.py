@@ -39,6 +39,11 @@ so the batch or ``loss_fn`` made it), and its batch is listed in
 ``run(batches, n)`` applies exactly ``n`` updates and consumes
 ``n + len(skipped)`` batches. ``simulate`` follows the same rule: update ``i``
 with a non-finite gradient leaves params and optimizer state unchanged.
+``run(..., max_skipped=K)`` stops after ``K`` non-finite pushes in a row (in
+arrival order; an applied update resets the count) with
+``jaxpar.guard.TooManySkippedError``, as the demo's ``--max-skipped`` does:
+when every batch is bad, it would otherwise take batches forever. The
+server's ``state`` stays that of its last applied update.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import numpy as np
 import optax
 
 from jaxpar._validate import check_int
+from jaxpar.guard import TooManySkippedError
 from jaxpar.train_state import TrainState, check_optimizer
 
 PyTree = Any
@@ -325,7 +331,8 @@ class AsyncParameterServer:
     """The server's ``TrainState``; ``state.step`` is the params version."""
     return self._state
 
-  def run(self, batches: Iterable[PyTree], num_updates: int) -> AsyncResult:
+  def run(self, batches: Iterable[PyTree], num_updates: int, *,
+          max_skipped: int = 5) -> AsyncResult:
     """Trains asynchronously until ``num_updates`` more updates are applied.
 
     Args:
@@ -334,6 +341,8 @@ class AsyncParameterServer:
         iterator continues where the previous run stopped; a sequence is
         iterated from its start.
       num_updates: the number of updates to apply, an int ``>= 1``.
+      max_skipped: the non-finite pushes allowed in a row (an int ``>= 1``,
+        the default of the demo's ``--max-skipped``); one more stops the run.
 
     Returns:
       ``AsyncResult`` of this run, update ``i`` being the ``i``-th applied:
@@ -344,13 +353,18 @@ class AsyncParameterServer:
 
     Raises:
       TypeError: if ``batches`` is not iterable.
-      ValueError: if ``num_updates < 1`` or ``batches`` runs out before
-        ``num_updates`` updates are applied.
+      ValueError: if ``num_updates < 1``, ``max_skipped < 1`` or ``batches``
+        runs out before ``num_updates`` updates are applied.
+      jaxpar.guard.TooManySkippedError: ``max_skipped`` pushes in a row had a
+        non-finite loss or gradient; ``state`` keeps the updates applied
+        before them.
       Exception: the first exception raised in a worker, re-raised unchanged
         (same type and message, its traceback from the worker) with a note.
     """
     num_updates = check_int('num_updates', num_updates,
                             fix='Ask for at least one update.')
+    max_skipped = check_int('max_skipped', max_skipped, fix=
+                            'It counts the non-finite pushes allowed in a row.')
     batch_iter = _iterate(batches)
     if hasattr(batches, '__len__') and len(batches) < num_updates:
       raise ValueError(
@@ -410,7 +424,7 @@ class AsyncParameterServer:
     threads = [threading.Thread(target=work, args=(k,),
                                 name=f'jaxpar-async-ps-worker-{k}')
                for k in range(self.num_workers)]
-    record, skipped = [], []
+    record, skipped, in_a_row = [], [], 0
     try:
       for t in threads:
         t.start()
@@ -427,6 +441,16 @@ class AsyncParameterServer:
           with take_lock:
             dropped[0] += 1
           skipped.append(msg.batch_id)
+          in_a_row += 1
+          if in_a_row >= max_skipped:
+            raise TooManySkippedError(
+                f'{in_a_row} pushes in a row had a non-finite loss or '
+                f'gradient (batches {skipped[-in_a_row:]} of this run); '
+                f'stopped (max_skipped={max_skipped}) after {len(record)} of '
+                f'{num_updates} updates. The server keeps its params and '
+                f'optimizer state of step {version} in .state; check the '
+                'data and loss_fn for NaN/inf, lower the learning rate, or '
+                'raise max_skipped.')
           replies[msg.worker].put(_DROPPED)
           continue
         staleness = version - msg.version
@@ -437,6 +461,7 @@ class AsyncParameterServer:
         version += 1
         latest[0] = (version, self._state.params)
         replies[msg.worker].put(_ACCEPTED)
+        in_a_row = 0
         record.append((staleness, msg.loss, msg.worker, msg.batch_id,
                        msg.retries))
     finally:

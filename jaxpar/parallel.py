@@ -158,8 +158,11 @@ def train_step(
       ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)``;
       ``None``: no clipping.
     remat: recompute stage forwards in the backward (stash stage inputs only).
-    layout: tensor-parallel layout of layer names (``tensor_parallel.
-      param_specs``); default ``tensor_parallel.DEFAULT_LAYOUT``.
+    layout: tensor-parallel layout: full layer paths in each part ->
+      kinds (``tensor_parallel.param_specs``); default
+      ``tensor_parallel.DEFAULT_LAYOUT``, the paths of jaxpar's GPT. A mesh
+      whose ``tensor_axis`` has size > 1 needs a parameter split over it:
+      ``init`` raises ``ValueError`` otherwise.
     data_axis, stage_axis, tensor_axis: the mesh axis names.
     zero_stage: 0 (optimizer state split like the params), 1 (also split
       over ``data_axis``) or 3 (params too, gathered just in time); see the
@@ -269,6 +272,7 @@ def train_step(
       tp.check_divisible(part, mesh=mesh, axis=tensor_axis, layout=layout)
     params = params._replace(
         stages=executor.stages_to_ranks(params.stages, schedule))
+    tp.check_axis_used(specs_of(params)[0], mesh=mesh, axis=tensor_axis)
     return placed_init(params, optimizer, mesh=mesh, specs=state_specs)
 
   def to_model_order(state: TrainState) -> PipelineParams:

@@ -282,6 +282,33 @@ def test_nan_batch_never_reaches_the_params(x64):
       ps.state))
 
 
+def test_run_stops_after_max_skipped_non_finite_pushes():
+  """Every batch NaN: run raises after K pushes in a row instead of taking
+  batches forever; the state of the last applied update is kept."""
+  ps = jaxpar.AsyncParameterServer(loss_fn, optax.adam(0.05),
+                                   init_params(jnp.float32), num_workers=2,
+                                   max_staleness=1)
+  run_guarded(lambda: ps.run(make_batches(3, dtype=np.float32), 3))
+  before = jax.device_get(ps.state)
+  bad = make_batches(1, dtype=np.float32)[0]
+  bad = dict(bad, x=np.full_like(bad['x'], np.nan))
+  forever = iter(lambda: bad, None)           # an endless stream of NaN batches
+  with pytest.raises(jaxpar.guard.TooManySkippedError,
+                     match=r'3 pushes in a row.*max_skipped=3.*step 3'):
+    run_guarded(lambda: ps.run(forever, 5, max_skipped=3), timeout=30)
+  assert not worker_threads()
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(ps.state), before)
+  # The server goes on from there; a good update resets the count: with one
+  # worker, NaN batches alternating with good ones never make 2 in a row.
+  good = make_batches(4, dtype=np.float32)
+  mixed = [b for pair in zip([bad] * 4, good) for b in pair]
+  ps1 = jaxpar.AsyncParameterServer(loss_fn, optax.adam(0.05), before.params,
+                                    num_workers=1, max_staleness=0)
+  res = run_guarded(lambda: ps1.run(mixed, 4, max_skipped=2))
+  np.testing.assert_array_equal(res.skipped, [0, 2, 4, 6])
+  assert int(ps1.state.step) == 4
+
+
 def test_simulate_skips_nan_updates(x64):
   batches, opt = nan_batches(10, bad=4), optax.adam(0.05)
   res = async_ps.simulate(loss_fn, opt, init_params(), batches,

@@ -80,6 +80,9 @@ TARGETS = {
                                             lambda v: _ps(max_staleness=v)),
     'AsyncParameterServer.run(num_updates)': (
         'num_updates', lambda v: _ps().run([], v)),
+    'AsyncParameterServer.run(max_skipped)': (
+        ('max_skipped', 'num_updates'),
+        lambda v: _ps().run([], 1, max_skipped=v)),
     'async_ps.simulate(staleness)': ('staleness', _simulate),
     'checkpoint.save(step)': (('step', 'keep'), lambda v: checkpoint.save(
         '/nonexistent/jaxpar-sweep', {'a': np.ones(2)}, step=v, keep=0)),

@@ -19,6 +19,7 @@ import pytest
 import jaxpar
 from jaxpar import hlo
 from jaxpar import tensor_parallel as tp
+from jaxpar.models import gpt
 
 B, S, D, F, H, V = 2, 8, 16, 32, 8, 32   # H, S, V divisible by 1, 2, 4, 8
 REP, SEQ = P(), P(None, 'tensor', None)   # replicated / sequence-sharded
@@ -164,8 +165,8 @@ def check_exact(tp_fn, dense_fn, params, x, *, n, dtype, tol, x_spec=REP,
                 out_spec=REP, seed=7):
   cast = lambda a: a.astype(dtype) if np.issubdtype(a.dtype, np.floating) else a
   params, x = jax.tree.map(cast, params), cast(x)
-  y_ref = np.asarray(dense_fn(params, x))
-  w = cast(np.random.default_rng(seed).standard_normal(y_ref.shape))
+  y_shape = jax.eval_shape(dense_fn, params, x).shape   # no eager run
+  w = cast(np.random.default_rng(seed).standard_normal(y_shape))
   want = dense_value_and_grads(dense_fn, params, x, w)
   got = tp_value_and_grads(tp_fn, params, x, w, n=n, x_spec=x_spec,
                            out_spec=out_spec)
@@ -469,22 +470,106 @@ def test_sequence_parallel_block_backward_all_reduces_only_replicated_grads():
 
 def test_param_specs_layouts_and_stacked_layers():
   rng = np.random.default_rng(12)
-  specs = tp.param_specs(block_params(rng) | {
-      'embed': {'embedding': rand(rng, V, D)},
-      'stacked': {'fc_in': {'kernel': np.zeros((3, D, F))}}})
+  params = block_params(rng)
+  params['mlp']['fc_in']['kernel'] = np.zeros((3, D, F))   # 3 stacked layers
+  specs = tp.param_specs(params | {'embed': {'embedding': rand(rng, V, D)}})
   assert specs['attn']['query'] == {'kernel': P(None, 'tensor', None),
                                     'bias': P('tensor', None)}
   assert specs['attn']['out'] == {'kernel': P('tensor', None, None),
                                   'bias': P()}
-  assert specs['mlp'] == {'fc_in': {'kernel': P(None, 'tensor'),
+  assert specs['mlp'] == {'fc_in': {'kernel': P(None, None, 'tensor'),
                                     'bias': P('tensor')},
                           'fc_out': {'kernel': P('tensor', None), 'bias': P()}}
   assert specs['ln1'] == {'scale': P(), 'bias': P()}
   assert specs['embed']['embedding'] == P('tensor', None)
-  assert specs['stacked']['fc_in']['kernel'] == P(None, None, 'tensor')
   custom = tp.param_specs({'wte': {'embedding': np.zeros((V, D))}},
                           axis='model', layout={'wte': 'vocab'})
   assert custom['wte']['embedding'] == P('model', None)
+
+
+def test_default_layout_matches_full_paths_of_jaxpar_modules_only():
+  """A user's layers named like jaxpar's (query, out, fc_in, embed) but at
+  other paths stay whole; the user's own layout splits them, ``*`` standing
+  for one key."""
+  rng = np.random.default_rng(14)
+  user = {'encoder': {'layers': {str(i): block_params(rng) for i in range(2)}},
+          'tok': {'embed': {'embedding': rand(rng, V, D)}},
+          'query': {'fc_in': linear_params(rng, D, F)}}
+  assert all(spec == P() for spec in jax.tree.leaves(
+      tp.param_specs(user), is_leaf=lambda s: isinstance(s, P)))
+  layout = {'encoder.layers.*.attn.query': 'heads_in',
+            'encoder.layers.*.mlp.fc_in': 'column', 'tok.embed': 'vocab'}
+  specs = tp.param_specs(user, layout=layout)
+  for i in '01':
+    layer = specs['encoder']['layers'][i]
+    assert layer['attn']['query']['kernel'] == P(None, 'tensor', None)
+    assert layer['mlp']['fc_in']['kernel'] == P(None, 'tensor')
+    assert layer['attn']['key']['kernel'] == layer['mlp']['fc_out']['kernel']
+    assert layer['attn']['key']['kernel'] == P()
+  assert specs['tok']['embed']['embedding'] == P('tensor', None)
+  assert specs['query']['fc_in']['kernel'] == P()
+  # jaxpar's NNX modules are marked and laid out wherever they sit; Flax's
+  # own nnx.MultiHeadAttention (query, key, ... too) in a user's model is not.
+  model = nnx.eval_shape(lambda: nnx.Dict(
+      ffn=tp.ParallelMLP(D, F, rngs=nnx.Rngs(0)),
+      self_attn=tp.ParallelSelfAttention(D, H, rngs=nnx.Rngs(0)),
+      flax_attn=nnx.MultiHeadAttention(H, D, decode=False, rngs=nnx.Rngs(0))))
+  specs = tp.param_specs(nnx.state(model, nnx.Param))
+  assert specs['ffn']['fc_out']['kernel'] == P('tensor', None)
+  assert specs['self_attn']['out']['kernel'] == P('tensor', None, None)
+  assert specs['self_attn']['key']['bias'] == P('tensor', None)
+  assert all(spec == P() for spec in jax.tree.leaves(
+      specs['flax_attn'], is_leaf=lambda s: isinstance(s, P)))
+  # jaxpar's GPT: its stages, embed and head parts are laid out by default
+  # (shapes only: param_specs reads paths and ranks).
+  pp = jax.eval_shape(lambda: gpt.split_for_pipeline(gpt.gpt_params(gpt.GPT(
+      gpt.GPTConfig(num_layers=2), rngs=nnx.Rngs(0))), num_stages=2)[0])
+  embed, stages, head = (tp.param_specs(part) for part in pp)
+  assert embed['embed']['embedding'] == P('tensor', None)
+  assert stages['attn']['value']['kernel'] == P(None, None, None, 'tensor',
+                                                None)
+  assert stages['mlp']['fc_out']['kernel'] == P(None, None, 'tensor', None)
+  assert head['lm_head']['kernel'] == P(None, 'tensor')
+
+
+def user_trainer(layout=None, **sizes):
+  """parallel.train_step of a user's residual MLP stages (not jaxpar's
+  layers), and its params."""
+  def stage_fn(p, x):
+    return x + jnp.tanh(x @ p['up']['kernel']) @ p['down']['kernel']
+  def loss_fn(p, y, t):
+    return jnp.mean((y @ p['w'] - t) ** 2)
+  rng = np.random.default_rng(15)
+  params = jaxpar.parallel.PipelineParams(
+      embed={}, stages={'up': {'kernel': rand(rng, 2, D, F)},
+                        'down': {'kernel': rand(rng, 2, F, D)}},
+      head={'w': rand(rng, D, 1)})
+  trainer = jaxpar.parallel.train_step(
+      lambda p, x: x, stage_fn, loss_fn, optax.sgd(0.1),
+      schedule=jaxpar.pipeline.one_f_one_b(2, 2),
+      mesh=jaxpar.make_mesh(**sizes), layout=layout)
+  return trainer, params
+
+
+def test_unused_tensor_axis_raises():
+  """data=2, stage=2, tensor=2 with a user's stage_fn and no layout for it:
+  every tensor rank would compute the whole model; init says so."""
+  trainer, params = user_trainer(data=2, stage=2, tensor=2)
+  with pytest.raises(ValueError) as err:
+    trainer.init(params)
+  msg = str(err.value)
+  for part in ("{'data': 2, 'stage': 2, 'tensor': 2} has a 'tensor' axis of "
+               'size 2', "no parameter is split over 'tensor'",
+               'tensor_rules=', 'layout=', 'jaxpar.tensor_parallel',
+               'jaxpar.make_mesh(data=4, stage=2)'):
+    assert part in msg, (part, msg)
+  # Without the tensor axis, or with a layout splitting a layer, init runs.
+  trainer, params = user_trainer(data=4, stage=2)
+  trainer.init(params)
+  trainer, params = user_trainer({'up': 'column'}, data=2, stage=2, tensor=2)
+  state = trainer.init(params)
+  kernel = state.params.stages['up']['kernel']
+  assert kernel.sharding.shard_shape(kernel.shape)[-1] == F // 2
 
 
 def test_shard_and_unshard_round_trip():
@@ -506,7 +591,7 @@ def test_flax_multi_head_attention_runs_tensor_parallel():
                                rngs=nnx.Rngs(0))
   x = np.random.default_rng(14).standard_normal((B, S, D)).astype(np.float32)
   mask = nnx.make_causal_mask(np.zeros((B, S)))
-  want = mha(x, mask=mask)
+  want = jax.jit(lambda x: mha(x, mask=mask))(x)   # one compile, not op by op
   _, state = nnx.split(mha, nnx.Param)
   params = nnx.to_pure_dict(state)
   mesh = mesh_of(4)
@@ -617,8 +702,10 @@ def test_param_specs_rejects_unknown_leaf_and_layout():
                      'not one of'):
     tp.param_specs({'fc_in': {'kernel': np.zeros((3, 3))}},
                    layout={'fc_in': 'diagonal'})
-  with pytest.raises(TypeError, match='layout must map layer names'):
+  with pytest.raises(TypeError, match='layout must map layer paths'):
     tp.param_specs({}, layout=['fc_in'])
+  with pytest.raises(TypeError, match=r'keys must be layer paths.*\[0\]'):
+    tp.param_specs({}, layout={0: 'column'})
   with pytest.raises(ValueError, match='fewer than the 2 dims'):
     tp.param_specs({'fc_in': {'kernel': np.zeros(3)}})
   # Every bad leaf is listed, not just the first.
@@ -727,22 +814,18 @@ def test_nnx_module_errors():
   with pytest.raises(ValueError, match='features 16 is not divisible by '
                      'num_heads 6'):
     tp.ParallelSelfAttention(D, 6, rngs=nnx.Rngs(0))
-  attn = tp.ParallelSelfAttention(D, 6, head_dim=2, rngs=nnx.Rngs(0))
-  graphdef, state = nnx.split(attn)
-  mesh = mesh_of(4)
-  replicated = jax.tree.map(lambda _: REP, state)
-  call = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=mesh,
-                       in_specs=(replicated, REP), out_specs=REP)
+  # The checks run while tracing: abstract modules and inputs suffice.
+  def traced(module, x_shape):
+    """Traces the module called on replicated (unsplit) params."""
+    graphdef, state = nnx.split(nnx.eval_shape(module))
+    call = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x),
+                         mesh=mesh_of(4), out_specs=REP,
+                         in_specs=(jax.tree.map(lambda _: REP, state), REP))
+    jax.eval_shape(call, state, jax.ShapeDtypeStruct(x_shape, jnp.float32))
   with pytest.raises(ValueError, match='num_heads 6 is not divisible by the '
                      'tensor axis size 4'):
-    call(jax.tree.map(lambda a: put(mesh, a, REP), state),
-         put(mesh, np.ones((B, S, D), np.float32), REP))
-  col = tp.ColumnParallelLinear(D, F, rngs=nnx.Rngs(0))
-  graphdef, state = nnx.split(col)
-  call = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=mesh,
-                       in_specs=(jax.tree.map(lambda _: REP, state), REP),
-                       out_specs=REP)
+    traced(lambda: tp.ParallelSelfAttention(D, 6, head_dim=2,
+                                            rngs=nnx.Rngs(0)), (B, S, D))
   with pytest.raises(ValueError, match=r'kernel shard has shape \(16, 32\), '
                      r'expected \(16, 8\).*shard_params'):
-    call(jax.tree.map(lambda a: put(mesh, a, REP), state),
-         put(mesh, np.ones((B, D), np.float32), REP))
+    traced(lambda: tp.ColumnParallelLinear(D, F, rngs=nnx.Rngs(0)), (B, D))

@@ -8,8 +8,8 @@ Three parts, one module each:
   sequence parallelism an all-gather + a reduce-scatter instead) and exact
   gradients through ``shard_map``'s ``check_vma`` types;
 * ``layout``: dense parameter pytrees (Flax's names) -> ``PartitionSpec``
-  trees, placed on a mesh and back (``param_specs``, ``shard_params``,
-  ``unshard_params``);
+  trees by full layer paths, placed on a mesh and back (``param_specs``,
+  ``shard_params``, ``unshard_params``);
 * ``modules``: the layers as Flax NNX modules.
 
 Example:
@@ -40,6 +40,7 @@ from jaxpar.tensor_parallel.layers import parallel_mlp as parallel_mlp
 from jaxpar.tensor_parallel.layers import (
     row_parallel_linear as row_parallel_linear)
 from jaxpar.tensor_parallel.layout import DEFAULT_LAYOUT as DEFAULT_LAYOUT
+from jaxpar.tensor_parallel.layout import check_axis_used as check_axis_used
 from jaxpar.tensor_parallel.layout import check_divisible as check_divisible
 from jaxpar.tensor_parallel.layout import param_specs as param_specs
 from jaxpar.tensor_parallel.layout import shard_params as shard_params
@@ -58,7 +59,8 @@ from jaxpar.tensor_parallel.vocab import (
 
 __all__ = [
     'ColumnParallelLinear', 'DEFAULT_LAYOUT', 'ParallelMLP',
-    'ParallelSelfAttention', 'RowParallelLinear', 'check_divisible',
+    'ParallelSelfAttention', 'RowParallelLinear', 'check_axis_used',
+    'check_divisible',
     'column_parallel_linear', 'dot_product_attention', 'dropout',
     'layer_norm',
     'param_specs', 'parallel_mlp', 'parallel_self_attention',

@@ -96,9 +96,9 @@ def parallel_self_attention(params: Params, x: jax.Array, *,
     ...                                decode=False, rngs=nnx.Rngs(0))
     >>> params = nnx.to_pure_dict(nnx.state(dense, nnx.Param))
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
-    >>> attn = jax.shard_map(tp.parallel_self_attention, mesh=mesh,
-    ...                      in_specs=(tp.param_specs(params), P()),
-    ...                      out_specs=P())
+    >>> attn = jax.jit(jax.shard_map(tp.parallel_self_attention, mesh=mesh,
+    ...                              in_specs=(tp.param_specs(params), P()),
+    ...                              out_specs=P()))
     >>> x = jax.random.normal(jax.random.key(0), (2, 8, 16))
     >>> y = attn(tp.shard_params(params, mesh=mesh), x)   # one head each
     >>> bool(jnp.allclose(y, dense(x), atol=1e-5))
@@ -180,19 +180,18 @@ def transformer_block(params: Params, x: jax.Array, *, axis: str = 'tensor',
     Same shape as ``x``.
 
   Example:
-    >>> tp = jaxpar.tensor_parallel
-    >>> gpt = jaxpar.models.GPT(jaxpar.models.GPTConfig(d_model=16),
-    ...                         rngs=nnx.Rngs(0))
-    >>> params = jaxpar.models.gpt.gpt_params(gpt)['blocks'][0]
+    >>> tp, gpt = jaxpar.tensor_parallel, jaxpar.models.gpt
+    >>> dense = gpt.Block(gpt.GPTConfig(d_model=16), rngs=nnx.Rngs(0))
+    >>> params = nnx.to_pure_dict(nnx.state(dense, nnx.Param))
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
     >>> seq = P(None, 'tensor', None)            # [B, S/4, d] on each device
-    >>> block = jax.shard_map(
+    >>> block = jax.jit(jax.shard_map(
     ...     lambda p, x: tp.transformer_block(p, x, sequence_parallel=True),
-    ...     mesh=mesh, in_specs=(tp.param_specs(params), seq), out_specs=seq)
+    ...     mesh=mesh, in_specs=(tp.param_specs(params), seq), out_specs=seq))
     >>> x = jax.random.normal(jax.random.key(0), (2, 8, 16))
     >>> x_seq = jax.device_put(x, jax.NamedSharding(mesh, seq))
     >>> y = block(tp.shard_params(params, mesh=mesh), x_seq)
-    >>> bool(jnp.allclose(y, gpt.blocks[0](x), atol=1e-5))
+    >>> bool(jnp.allclose(y, dense(x), atol=1e-5))
     True
   """
   params = _checks.as_arrays(params, 'transformer_block')

@@ -77,8 +77,8 @@ def column_parallel_linear(x: jax.Array, kernel: jax.Array,
     >>> x, kernel, bias = jnp.ones((2, 8)), jnp.ones((8, 16)), jnp.arange(16.)
     >>> placed = [jax.device_put(a, jax.NamedSharding(mesh, s))
     ...           for a, s in zip((x, kernel, bias), specs)]
-    >>> f = jax.shard_map(tp.column_parallel_linear, mesh=mesh,
-    ...                   in_specs=specs, out_specs=P(None, 'tensor'))
+    >>> f = jax.jit(jax.shard_map(tp.column_parallel_linear, mesh=mesh,
+    ...                           in_specs=specs, out_specs=P(None, 'tensor')))
     >>> y = f(*placed)                          # [2, 16], 4 columns each
     >>> bool(jnp.allclose(y, x @ kernel + bias))
     True
@@ -148,8 +148,8 @@ def row_parallel_linear(x: jax.Array, kernel: jax.Array,
     >>> bias = jnp.ones(8)
     >>> placed = [jax.device_put(a, jax.NamedSharding(mesh, s))
     ...           for a, s in zip((x, kernel, bias), specs)]
-    >>> f = jax.shard_map(tp.row_parallel_linear, mesh=mesh, in_specs=specs,
-    ...                   out_specs=P())
+    >>> f = jax.jit(jax.shard_map(tp.row_parallel_linear, mesh=mesh,
+    ...                           in_specs=specs, out_specs=P()))
     >>> y = f(*placed)                          # one psum of [2, 8]
     >>> bool(jnp.allclose(y, x @ kernel + bias))
     True
@@ -210,9 +210,9 @@ def parallel_mlp(params: Params, x: jax.Array, *, axis: str = 'tensor',
     >>> dense = jaxpar.models.MLP(8, 32, rngs=nnx.Rngs(0))
     >>> params = nnx.to_pure_dict(nnx.state(dense, nnx.Param))
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
-    >>> mlp = jax.shard_map(tp.parallel_mlp, mesh=mesh,
-    ...                     in_specs=(tp.param_specs(params), P()),
-    ...                     out_specs=P())
+    >>> mlp = jax.jit(jax.shard_map(tp.parallel_mlp, mesh=mesh,
+    ...                             in_specs=(tp.param_specs(params), P()),
+    ...                             out_specs=P()))
     >>> x = jnp.ones((2, 8))
     >>> y = mlp(tp.shard_params(params, mesh=mesh), x)
     >>> bool(jnp.allclose(y, dense(x), atol=1e-6))

@@ -2,8 +2,14 @@
 
 ``param_specs`` maps a dense params pytree (e.g. ``nnx.split`` of a Flax
 model) to the ``PartitionSpec`` of every leaf, ``shard_params`` places it on
-a mesh, ``unshard_params`` replicates it again. Parameter pytrees use Flax's
-names: ``{'kernel', 'bias'}`` per linear, ``{'scale', 'bias'}`` per norm,
+a mesh, ``unshard_params`` replicates it again. A *layout* says which layers
+are split, by their full path from the pytree's root (``'mlp.fc_in'``), never
+by a bare name found anywhere: a user's model with a layer called ``query``
+is split only if the user's layout says so. ``DEFAULT_LAYOUT`` holds the
+paths of jaxpar's own param trees; the NNX modules of ``modules`` mark their
+``nnx.Param``s with their kind (metadata ``tensor_layout``), so their state
+is laid out at any path of a model. jaxpar's layers use Flax's names:
+``{'kernel', 'bias'}`` per linear, ``{'scale', 'bias'}`` per norm,
 ``{'query', 'key', 'value', 'out'}`` projections laid out like
 ``nnx.MultiHeadAttention``, ``{'embedding'}`` for ``nnx.Embed``.
 """
@@ -13,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from flax import nnx
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -32,12 +39,23 @@ _LAYOUTS = {
 }
 _SPLIT_SIZE = {'column': 'output features', 'row': 'input features',
                'heads_in': 'heads', 'heads_out': 'heads', 'vocab': 'vocab size'}
-# Layer names -> layout, for the names used by this module, nnx.Embed and
-# nnx.MultiHeadAttention. Leaves under no listed layer are replicated.
+# The nnx.Param metadata key by which jaxpar's tensor-parallel modules mark
+# their params with their layer's kind.
+MARK = 'tensor_layout'
+# Layer paths -> layout, for jaxpar's own param trees, each from its root:
+# the MLP (`parallel_mlp`, `ParallelMLP`, `models.MLP`), the attention
+# (`parallel_self_attention`, `ParallelSelfAttention`, nnx.MultiHeadAttention),
+# a block (`transformer_block`: a GPT pipeline stage, `models.gpt.Block`) and
+# the embed and head parts of `models.gpt.split_for_pipeline`. Leaves under
+# no listed path are replicated.
 DEFAULT_LAYOUT = {
-    'fc_in': 'column', 'fc_out': 'row', 'lm_head': 'column',
+    'fc_in': 'column', 'fc_out': 'row',
     'query': 'heads_in', 'key': 'heads_in', 'value': 'heads_in',
-    'out': 'heads_out', 'embed': 'vocab',
+    'out': 'heads_out',
+    'mlp.fc_in': 'column', 'mlp.fc_out': 'row',
+    'attn.query': 'heads_in', 'attn.key': 'heads_in',
+    'attn.value': 'heads_in', 'attn.out': 'heads_out',
+    'embed': 'vocab', 'lm_head': 'column',
 }
 
 
@@ -56,40 +74,65 @@ def _check_layout(layout: Mapping[str, str] | None) -> Mapping[str, str]:
   if layout is None:
     return DEFAULT_LAYOUT
   if not isinstance(layout, Mapping):
-    raise TypeError(f'layout must map layer names to kinds, e.g. '
-                    f"{{**DEFAULT_LAYOUT, 'wte': 'vocab'}}, got a "
+    raise TypeError(f'layout must map layer paths to kinds, e.g. '
+                    f"{{**DEFAULT_LAYOUT, 'transformer.wte': 'vocab'}}, got a "
                     f'{type(layout).__name__}.')
-  bad = [f'layout[{name!r}] = {kind!r}' for name, kind in layout.items()
+  keys = [path for path in layout if not isinstance(path, str)]
+  if keys:
+    raise TypeError(f'layout keys must be layer paths, strings of keys '
+                    f"joined by '.' (e.g. 'mlp.fc_in'), got {keys!r}.")
+  bad = [f'layout[{path!r}] = {kind!r}' for path, kind in layout.items()
          if kind not in _LAYOUTS]
   if bad:
     raise ValueError(f"{'; '.join(bad)} is not one of {sorted(_LAYOUTS)}.")
   return layout
 
 
-def _leaf_rule(names: list[str], leaf: Any, layout: Mapping[str, str]
-               ) -> tuple[tuple[Any, ...], str | None, str | None]:
-  """(spec template aligned to the leaf's trailing dims, layout kind, problem).
+def _layer_kind(layer: list[str], layout: Mapping[str, str]) -> str | None:
+  """The kind of the first ``layout`` path that is the whole ``layer`` path;
+  a ``*`` in a path stands for any one key (``'blocks.*.mlp.fc_in'``)."""
+  for path, kind in layout.items():
+    keys = path.split('.')
+    if len(keys) == len(layer) and all(
+        k in ('*', name) for k, name in zip(keys, layer)):
+      return kind
+  return None
 
-  The template is ``()`` (replicated) under no laid-out layer; ``problem``
-  says why the leaf cannot be laid out, else ``None``.
+
+def _marks(params: PyTree) -> list[str | None]:
+  """Per leaf of ``params``, the kind its ``nnx.Variable`` is marked with
+  (``MARK``), or ``None``."""
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  marks = []
+  for node in jax.tree.leaves(params, is_leaf=is_variable):
+    mark = node.get_metadata().get(MARK) if is_variable(node) else None
+    marks += [mark] * len(jax.tree.leaves(node))
+  return marks
+
+
+def _leaf_rule(names: list[str], leaf: Any, kind: str | None
+               ) -> tuple[tuple[Any, ...], str | None]:
+  """(spec template aligned to the leaf's trailing dims, problem) of a leaf
+  of a layer of layout ``kind``.
+
+  The template is ``()`` (replicated) for ``kind=None``; ``problem`` says why
+  the leaf cannot be laid out, else ``None``.
   """
-  where = '.'.join(names)
-  for name in reversed(names[:-1]):
-    if name in layout:
-      kind = layout[name]
-      rule = _LAYOUTS[kind].get(names[-1])
-      if rule is None:
-        return (), kind, (
-            f'param {where!r}: layer {name!r} has layout {kind!r}, whose '
-            f'leaves are {sorted(_LAYOUTS[kind])}, not {names[-1]!r}. Rename '
-            'the layer or pass layout= mapping it to the right kind.')
-      ndim = len(getattr(leaf, 'shape', ()))
-      if ndim < len(rule):
-        return (), kind, (
-            f'param {where!r} of shape {tuple(leaf.shape)} has fewer than the '
-            f'{len(rule)} dims of a {kind!r} {names[-1]}.')
-      return (None,) * (ndim - len(rule)) + rule, kind, None
-  return (), None, None
+  if kind is None:
+    return (), None
+  where, layer = '.'.join(names), '.'.join(names[:-1])
+  rule = _LAYOUTS[kind].get(names[-1])
+  if rule is None:
+    return (), (
+        f'param {where!r}: layer {layer!r} has layout {kind!r}, whose '
+        f'leaves are {sorted(_LAYOUTS[kind])}, not {names[-1]!r}. Rename '
+        'the layer or pass layout= mapping its path to the right kind.')
+  ndim = len(getattr(leaf, 'shape', ()))
+  if ndim < len(rule):
+    return (), (
+        f'param {where!r} of shape {tuple(leaf.shape)} has fewer than the '
+        f'{len(rule)} dims of a {kind!r} {names[-1]}.')
+  return (None,) * (ndim - len(rule)) + rule, None
 
 
 def _rules(params: PyTree, layout: Mapping[str, str] | None
@@ -102,9 +145,10 @@ def _rules(params: PyTree, layout: Mapping[str, str] | None
   layout = _check_layout(layout)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   rules, problems = [], []
-  for path, leaf in leaves:
+  for (path, leaf), mark in zip(leaves, _marks(params), strict=True):
     names = _path_names(path)
-    rule, kind, problem = _leaf_rule(names, leaf, layout)
+    kind = mark or _layer_kind(names[:-1], layout)
+    rule, problem = _leaf_rule(names, leaf, kind)
     rules.append((names, leaf, rule, kind))
     if problem is not None:
       problems.append(problem)
@@ -117,11 +161,15 @@ def param_specs(params: PyTree, *, axis: str = 'tensor',
                 layout: Mapping[str, str] | None = None) -> PyTree:
   """The ``PartitionSpec`` of every leaf of a dense params pytree.
 
-  A leaf is split according to the nearest enclosing layer whose name is in
-  ``layout`` (``DEFAULT_LAYOUT``: ``fc_in``/``lm_head`` column, ``fc_out``
-  row, ``query``/``key``/``value``/``out`` attention heads, ``embed``
-  vocabulary); everything else (norms, ...) is replicated, ``P()``. The
-  split dims count from the end, so stacked layers (extra leading dims) work:
+  A leaf is split according to its layer, the path of the dict holding it
+  (``'attn.query'`` for ``params['attn']['query']['kernel']``), if that full
+  path is in ``layout``, or to the kind its ``nnx.Param`` is marked with by
+  jaxpar's tensor-parallel modules; everything else (norms, ...) is
+  replicated, ``P()``. ``DEFAULT_LAYOUT`` knows the paths of jaxpar's
+  modules (``fc_in``/``fc_out`` and ``mlp.*``, ``query``/``key``/``value``/
+  ``out`` and ``attn.*``, ``embed``, ``lm_head``); a user's model names its
+  own paths with ``layout=``. The split dims count from the end, so stacked
+  layers (extra leading dims) work:
 
   * ``column``: kernel ``[in, out]`` ``P(None, axis)``, bias ``P(axis)``;
   * ``row``: kernel ``[in, out]`` ``P(axis, None)``, bias ``P()``;
@@ -134,16 +182,17 @@ def param_specs(params: PyTree, *, axis: str = 'tensor',
     params: dense params: nested dicts of arrays, or an ``nnx.State`` from
       ``nnx.split``.
     axis: the tensor-parallel mesh axis.
-    layout: layer name -> one of the kinds above; default
-      ``DEFAULT_LAYOUT``. Extend it for other names, e.g.
-      ``{**DEFAULT_LAYOUT, 'wte': 'vocab'}``.
+    layout: full layer path (keys joined by ``.``; ``*`` matches any one
+      key) -> one of the kinds above; default ``DEFAULT_LAYOUT``, e.g.
+      ``{'encoder.*.ffn.up': 'column', 'encoder.*.ffn.down': 'row'}`` for a
+      user's model with a list of layers.
 
   Returns:
     a pytree of ``PartitionSpec`` with the structure of ``params``: the
     ``in_specs`` (and gradient ``out_specs``) for ``jax.shard_map``.
 
   Raises:
-    TypeError: ``layout`` is not a mapping.
+    TypeError: ``layout`` is not a mapping of path strings.
     ValueError: leaves under a laid-out layer that its layout does not know,
       or a kind not in the list above; every such leaf is listed.
 
@@ -233,6 +282,57 @@ def shard_params(params: PyTree, *, mesh: jax.sharding.Mesh,
   specs = param_specs(params, axis=axis, layout=layout)
   return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
                       params, specs)
+
+
+def check_axis_used(specs: PyTree, *, mesh: jax.sharding.Mesh,
+                    axis: str = 'tensor') -> None:
+  """``ValueError`` if ``axis`` has size > 1 but no spec in ``specs`` uses it.
+
+  Without a parameter split over ``axis``, each of its devices holds and
+  computes the whole model: the same numbers as a mesh without the axis,
+  for ``size`` times the memory and time. The 3D train step
+  (``jaxpar.parallel.train_step``) checks its layout with it.
+
+  Args:
+    specs: a pytree of ``PartitionSpec`` (``param_specs`` of the params).
+    mesh: the mesh.
+    axis: the tensor-parallel mesh axis.
+
+  Raises:
+    ValueError: ``mesh`` has no ``axis``, or ``axis`` is unused.
+
+  Example:
+    >>> mesh = jaxpar.make_mesh(data=2, stage=2, tensor=2)
+    >>> specs = jaxpar.tensor_parallel.param_specs({'w': jnp.ones((4, 4))})
+    >>> jaxpar.tensor_parallel.check_axis_used(specs, mesh=mesh)
+    Traceback (most recent call last):
+    ...
+    ValueError: the mesh {'data': 2, 'stage': 2, 'tensor': 2} has a 'tensor'
+    axis of size 2, but no parameter is split over 'tensor' ... or leave
+    'tensor' out of the mesh (e.g. jaxpar.make_mesh(data=4, stage=2)).
+  """
+  n = axis_size(mesh, axis)
+  specs = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+  if n == 1 or any(axis in (d if isinstance(d, tuple) else (d,))
+                   for spec in specs for d in spec):
+    return
+  sizes = dict(mesh.shape)
+  others = [name for name in sizes if name != axis]
+  without = ''
+  if others and set(sizes) <= {'data', 'stage', 'tensor'}:  # make_mesh axes
+    sizes[others[0]] *= n
+    without = ' (e.g. jaxpar.make_mesh({}))'.format(
+        ', '.join(f'{name}={sizes[name]}' for name in others))
+  raise ValueError(
+      f'the mesh {dict(mesh.shape)} has a {axis!r} axis of size {n}, but no '
+      f'parameter is split over {axis!r} (its layout matches no layer '
+      f'path): each of its {n} devices would hold and compute the whole '
+      f'model, for nothing. Split the params over {axis!r}: tensor rules '
+      "(tensor_rules= of jaxpar.parallel.from_nnx), or jaxpar's "
+      'tensor-parallel layers (jaxpar.tensor_parallel) in your functions '
+      'with layout= naming their layer paths (see '
+      f'tensor_parallel.param_specs); or leave {axis!r} out of the mesh'
+      f'{without}.')
 
 
 def unshard_params(params: PyTree) -> PyTree:

@@ -5,9 +5,11 @@ They are built with the dense shapes (initialise on one device, then
 shards and call them: each call checks the shards against the dense shapes
 and runs the pure function of ``layers`` / ``attention``.
 
-``param_specs`` finds the split of a leaf by the name of its layer
-(``DEFAULT_LAYOUT``): ``ParallelMLP`` and ``ParallelSelfAttention`` name their
-parts so; a bare linear needs a name, e.g. ``nnx.Dict(fc_in=layer)``.
+Each module marks its ``nnx.Param``s with its layer's kind (metadata
+``tensor_layout``: ``column``, ``row``, ``heads_in``, ``heads_out``), so
+``param_specs`` splits their state wherever the modules sit in a model,
+whatever their names; ``nnx.to_pure_dict`` drops the marks (a pure dict is
+laid out by its paths, ``DEFAULT_LAYOUT`` or ``layout=``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 from jaxpar._validate import check_int
 from jaxpar.tensor_parallel import _checks
 from jaxpar.tensor_parallel.attention import parallel_self_attention
+from jaxpar.tensor_parallel.layout import MARK
 from jaxpar.tensor_parallel.layers import (column_parallel_linear,
                                            row_parallel_linear)
 
@@ -63,6 +66,7 @@ class _ParallelLinear(nnx.Module):
   linear; subclasses say which kernel dim is split over ``axis``."""
   _split_dim: int
   _split_name: str
+  _kind: str     # its layout (tensor_parallel.layout), marked on its params
 
   def __init__(self, in_features: int, out_features: int, *,
                use_bias: bool = True, axis: str = 'tensor',
@@ -74,10 +78,12 @@ class _ParallelLinear(nnx.Module):
     self.in_features = check_int('in_features', in_features, where=name)
     self.out_features = check_int('out_features', out_features, where=name)
     self.axis, self.sequence_parallel = axis, sequence_parallel
+    mark = {MARK: self._kind}
     self.kernel = nnx.Param(kernel_init(
-        rngs.params(), (self.in_features, self.out_features), param_dtype))
+        rngs.params(), (self.in_features, self.out_features), param_dtype),
+                            **mark)
     self.bias = (nnx.Param(bias_init(rngs.params(), (self.out_features,),
-                                     param_dtype))
+                                     param_dtype), **mark)
                  if use_bias else nnx.data(None))
 
   def _local(self) -> tuple[jax.Array, jax.Array | None]:
@@ -104,15 +110,16 @@ class ColumnParallelLinear(_ParallelLinear):
     >>> layer = tp.ColumnParallelLinear(16, 32, rngs=nnx.Rngs(0))
     >>> graphdef, state = nnx.split(nnx.Dict(fc_in=layer))   # named layer
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
-    >>> f = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)['fc_in'](x),
-    ...                   mesh=mesh, in_specs=(tp.param_specs(state), P()),
-    ...                   out_specs=P(None, 'tensor'))
+    >>> apply = lambda s, x: nnx.merge(graphdef, s)['fc_in'](x)
+    >>> f = jax.jit(jax.shard_map(apply, mesh=mesh,
+    ...                           in_specs=(tp.param_specs(state), P()),
+    ...                           out_specs=P(None, 'tensor')))
     >>> x = jnp.ones((2, 16))
     >>> y = f(tp.shard_params(state, mesh=mesh), x)
     >>> bool(jnp.allclose(y, x @ layer.kernel[...] + layer.bias[...]))
     True
   """
-  _split_dim, _split_name = 1, 'out_features'
+  _split_dim, _split_name, _kind = 1, 'out_features', 'column'
 
   def __init__(self, in_features: int, out_features: int, *,
                gather_output: bool = False, **kwargs: Any):
@@ -138,7 +145,7 @@ class RowParallelLinear(_ParallelLinear):
     >>> layer.kernel.shape                        # dense until sharded
     (32, 16)
   """
-  _split_dim, _split_name = 0, 'in_features'
+  _split_dim, _split_name, _kind = 0, 'in_features', 'row'
 
   def __init__(self, in_features: int, out_features: int, *,
                input_is_parallel: bool = True, **kwargs: Any):
@@ -161,8 +168,10 @@ class ParallelMLP(nnx.Module):
     >>> mlp = tp.ParallelMLP(16, 64, rngs=nnx.Rngs(0))
     >>> graphdef, state = nnx.split(mlp)
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
-    >>> f = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=mesh,
-    ...                   in_specs=(tp.param_specs(state), P()), out_specs=P())
+    >>> apply = lambda s, x: nnx.merge(graphdef, s)(x)
+    >>> f = jax.jit(jax.shard_map(apply, mesh=mesh,
+    ...                           in_specs=(tp.param_specs(state), P()),
+    ...                           out_specs=P()))
     >>> f(tp.shard_params(state, mesh=mesh), jnp.ones((2, 16))).shape
     (2, 16)
   """
@@ -186,14 +195,17 @@ class ParallelMLP(nnx.Module):
 
 
 class _Projection(nnx.Module):
-  """Kernel and optional bias of one attention projection (no call)."""
+  """Kernel and optional bias of one attention projection (no call), its
+  params marked with its layout ``kind`` (``heads_in`` or ``heads_out``)."""
 
   def __init__(self, kernel_shape: tuple[int, ...],
                bias_shape: tuple[int, ...] | None, param_dtype: Any,
-               rngs: nnx.Rngs):
+               rngs: nnx.Rngs, kind: str):
+    mark = {MARK: kind}
     self.kernel = nnx.Param(_default_kernel_init(rngs.params(), kernel_shape,
-                                                 param_dtype))
-    self.bias = (nnx.Param(_zeros(rngs.params(), bias_shape, param_dtype))
+                                                 param_dtype), **mark)
+    self.bias = (nnx.Param(_zeros(rngs.params(), bias_shape, param_dtype),
+                           **mark)
                  if bias_shape is not None else nnx.data(None))
 
   def params(self) -> dict[str, jax.Array]:
@@ -216,8 +228,10 @@ class ParallelSelfAttention(nnx.Module):
     ...                                 rngs=nnx.Rngs(0))
     >>> graphdef, state = nnx.split(attn)
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
-    >>> f = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=mesh,
-    ...                   in_specs=(tp.param_specs(state), P()), out_specs=P())
+    >>> apply = lambda s, x: nnx.merge(graphdef, s)(x)
+    >>> f = jax.jit(jax.shard_map(apply, mesh=mesh,
+    ...                           in_specs=(tp.param_specs(state), P()),
+    ...                           out_specs=P()))
     >>> f(tp.shard_params(state, mesh=mesh), jnp.ones((2, 8, 16))).shape
     (2, 8, 16)
   """
@@ -243,9 +257,10 @@ class ParallelSelfAttention(nnx.Module):
     qkv_bias = (num_heads, head_dim) if use_bias else None
     self.query, self.key, self.value = (
         _Projection((features, num_heads, head_dim), qkv_bias, param_dtype,
-                    rngs) for _ in range(3))
+                    rngs, 'heads_in') for _ in range(3))
     self.out = _Projection((num_heads, head_dim, features),
-                           (features,) if use_bias else None, param_dtype, rngs)
+                           (features,) if use_bias else None, param_dtype, rngs,
+                           'heads_out')
 
   def __call__(self, x: jax.Array) -> jax.Array:
     name = 'ParallelSelfAttention'

@@ -40,9 +40,9 @@ def vocab_parallel_embed(ids: jax.Array, table: jax.Array, *,
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
     >>> table = jnp.arange(32.0).reshape(16, 2)        # V = 16, d = 2
     >>> shards = jax.device_put(table, jax.NamedSharding(mesh, P('tensor')))
-    >>> embed = jax.shard_map(jaxpar.tensor_parallel.vocab_parallel_embed,
-    ...                       mesh=mesh, in_specs=(P(), P('tensor', None)),
-    ...                       out_specs=P())
+    >>> embed = jax.jit(jax.shard_map(
+    ...     jaxpar.tensor_parallel.vocab_parallel_embed, mesh=mesh,
+    ...     in_specs=(P(), P('tensor', None)), out_specs=P()))
     >>> ids = jnp.array([[0, 5, 15]])
     >>> bool(jnp.array_equal(embed(ids, shards), table[ids]))
     True
@@ -94,9 +94,9 @@ def vocab_parallel_cross_entropy(logits: jax.Array, labels: jax.Array, *,
     >>> logits = jax.random.normal(jax.random.key(0), (3, 16))   # V = 16
     >>> split = jax.NamedSharding(mesh, P(None, 'tensor'))
     >>> labels = jnp.array([0, 7, 15])
-    >>> xent = jax.shard_map(
+    >>> xent = jax.jit(jax.shard_map(
     ...     jaxpar.tensor_parallel.vocab_parallel_cross_entropy, mesh=mesh,
-    ...     in_specs=(P(None, 'tensor'), P()), out_specs=P())
+    ...     in_specs=(P(None, 'tensor'), P()), out_specs=P()))
     >>> want = optax.losses.softmax_cross_entropy_with_integer_labels(
     ...     logits, labels)
     >>> got = xent(jax.device_put(logits, split), labels)
