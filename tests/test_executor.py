@@ -248,13 +248,12 @@ def compiled(step, num_stages, m, mb=4, width=32):
   return step.lower(*args).compile()
 
 
-@pytest.mark.parametrize('name', ['1f1b', 'interleaved', 'zb_h1'])
+@pytest.mark.parametrize('name', ['1f1b', 'zb_h1', 'zbv'])
 def test_memory_and_program_flat_in_m(name):
-  """Fixed microbatch size, 8x the microbatches: same stashes, same program.
+  """Fixed microbatch size, 8x the microbatches: same scratch, same program.
 
-  The scratch memory grows by the batch's cotangent alone (``inputs``-sized,
-  collected on each rank and summed over the pipeline axis once, after the
-  scan); stashes and messages stay the schedule's.
+  No batch-sized buffer in temp memory: the batch's cotangent is written row
+  by row into the output (GPipe is left out: it holds ``m`` stashes).
   """
   p = 4
   small, large = (compiled(
@@ -262,16 +261,29 @@ def test_memory_and_program_flat_in_m(name):
                     mesh=mesh_for(p)), SCHEDULES[name](p, m).num_stages, m)
       for m in (8, 64))
   mem_s, mem_l = small.memory_analysis(), large.memory_analysis()
-  batch_bytes = (64 - 8) * 4 * 32 * 4  # extra microbatches x mb x width x f32
-  grown = mem_l.temp_size_in_bytes - mem_s.temp_size_in_bytes
-  assert 0 <= grown - batch_bytes <= 0.15 * mem_s.temp_size_in_bytes
+  assert mem_l.temp_size_in_bytes <= 1.15 * mem_s.temp_size_in_bytes
   # The batch and its gradient scale with m, as arguments and outputs.
+  batch_bytes = (64 - 8) * 4 * 32 * 4  # extra microbatches x mb x width x f32
   assert mem_l.argument_size_in_bytes - mem_s.argument_size_in_bytes == (
       batch_bytes * (32 + OUT) // 32)
   assert mem_l.output_size_in_bytes - mem_s.output_size_in_bytes == batch_bytes
   # Compile time flat in m: the compiled program has the same instructions.
   lines = lambda c: sum(1 for l in c.as_text().splitlines() if ' = ' in l)
   assert abs(lines(large) - lines(small)) <= 0.02 * lines(small)
+
+
+def test_apply_memory_flat_in_m():
+  """The forward pass writes the last stage's outputs into its output too."""
+  p, width = 4, 32
+  temps = []
+  for m in (8, 64):
+    apply = pipeline_apply(stage_fn, schedule=sch.one_f_one_b(p, m),
+                           mesh=mesh_for(p))
+    stages = {'w': jnp.zeros((p, width, width)), 'b': jnp.zeros((p, width)),
+              'gate': {'s': jnp.ones(p)}}
+    temps.append(jax.jit(apply).lower(stages, jnp.zeros((m * 4, width)))
+                 .compile().memory_analysis().temp_size_in_bytes)
+  assert temps[1] <= 1.15 * temps[0]
 
 
 def test_gpipe_by_autodiff_grows_with_m():

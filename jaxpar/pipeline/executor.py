@@ -158,7 +158,7 @@ def pipeline_step_local(
   check_stage_fn(stage_fn, local_params, xs, key)
   check_loss_fn(loss_fn, loss_params, xs[0], jax.tree.map(lambda t: t[0], ts),
                 key, has_aux)
-  out, grads, dlp, dx = ticks.run(
+  out, grads, dlp, dx, _ = ticks.run(
       stage_fn, loss_fn, lowered, local_params, loss_params, xs, ts,
       axis=axis, remat=bool(remat), bubble_fill=check_fill(bubble_fill),
       key=key, offset=microbatch_offset, has_aux=has_aux)

@@ -75,24 +75,84 @@ from jaxpar.pipeline.stage import StageVJP
 PyTree = Any
 StageFn = Callable[..., jax.Array]
 LossFn = Callable[..., Any]
-_F_LAST = 5  # block code: forward of the last stage, with the loss
+
+
+def blocks(lowered: LoweredSchedule, *, loss: bool, embed: bool
+           ) -> tuple[np.ndarray, tuple[tuple[int, bool, bool], ...]]:
+  """The block each rank runs at each tick, as a code into a list of kinds.
+
+  A block is ``(kind, first, last)``: ``first`` is stage 0 with an
+  ``embed_fn`` (its ``F`` embeds the raw microbatch, its ``W`` adds the
+  embedding's gradient), ``last`` the last stage's ``F`` with the loss.
+
+  Returns:
+    ``(code, kinds)``: int32 ``[T, p]`` (``-1`` idle) and the blocks present,
+    ``kinds[code]``, in a fixed order.
+  """
+  kind, stage = lowered.kind, lowered.stage
+  first = embed & (stage == 0) & ((kind == F) | (kind == W))
+  last = loss & (stage == lowered.schedule.num_stages - 1) & (kind == F)
+  keys = np.stack([kind, first, last], -1)
+  present = sorted({tuple(int(v) for v in k) for k in keys.reshape(-1, 3)
+                    if k[0]})
+  code = np.full(kind.shape, -1, np.int32)
+  for c, k in enumerate(present):
+    code[(keys == k).all(-1)] = c
+  return code, tuple((k, bool(f), bool(l)) for k, f, l in present)
+
+
+def messages(lowered: LoweredSchedule, edge: bool
+             ) -> tuple[np.ndarray, tuple[tuple[bool, ...], ...]]:
+  """What is communicated at each tick, the same on every rank.
+
+  A pattern is one flag per nonzero offset (a ``ppermute`` over it) plus,
+  with ``edge``, one for the ``psum`` of a row of the batch-sized result.
+
+  Returns:
+    ``(code, patterns)``: int32 ``[T]`` and the distinct patterns.
+  """
+  remote = [k for k, o in enumerate(lowered.offsets) if o]
+  flags = (lowered.recv_slot[:, :, remote] >= 0).any(1)
+  if edge:
+    flags = np.concatenate([flags, edge_rows(lowered)[:, None] >= 0], 1)
+  patterns = sorted({tuple(bool(f) for f in row) for row in flags})
+  code = np.array([patterns.index(tuple(bool(f) for f in row))
+                   for row in flags], np.int32)
+  return code, tuple(patterns)
+
+
+def edge_rows(lowered: LoweredSchedule) -> np.ndarray:
+  """int32 ``[T]``: the microbatch whose row of the result is done at tick
+  ``t`` (stage 0's ``I`` when training, else the last stage's ``F``), or -1.
+  """
+  train = lowered.training
+  kind, stage = (I, 0) if train else (F, lowered.schedule.num_stages - 1)
+  at = (lowered.kind == kind) & (lowered.stage == stage)
+  return np.where(at.any(1), np.where(at, lowered.microbatch, -1).max(1),
+                  -1).astype(np.int32)
 
 
 def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
-         local_params: PyTree, loss_params: PyTree, inputs: jax.Array,
-         targets: PyTree, *, axis: str, remat: bool, bubble_fill: float,
-         key: jax.Array | None = None, offset: Any = 0,
-         has_aux: bool = False):
+        local_params: PyTree, loss_params: PyTree, inputs: PyTree,
+        targets: PyTree, *, axis: str, remat: bool, bubble_fill: float,
+        key: jax.Array | None = None, offset: Any = 0,
+        has_aux: bool = False, embed_fn: Callable[..., jax.Array] | None = None,
+        embed_params: PyTree = None, embed_key: jax.Array | None = None):
   """The scan over ticks on one rank (inside ``shard_map``); see module doc.
 
   Args are one rank's view: ``local_params`` ``[v, ...]``, ``inputs``
-  ``[m, mb, ...]``, ``targets`` leaves ``[m, mb, ...]``; ``key`` the step's
-  key, ``offset`` the global index of this shard's first microbatch.
+  ``[m, mb, ...]`` (raw, for ``embed_fn``, when it is given), ``targets``
+  leaves ``[m, mb, ...]``; ``key`` the step's key, ``offset`` the global index
+  of this shard's first microbatch; ``embed_fn(embed_params, inputs[i])``
+  (``+ (fold_in(embed_key, offset + i),)`` with an ``embed_key``) gives stage
+  0's input.
 
   Returns:
     Training (``loss_fn`` given): ``((loss, aux), dlocal_params,
-    dloss_params, dinputs)``, the loss (``aux``: ``()`` without ``has_aux``)
-    and gradients of the mean over the ``m`` microbatches; forward-only: the
+    dloss_params, dinputs, dembed_params)``, the loss (``aux``: ``()``
+    without ``has_aux``) and gradients of the mean over the ``m``
+    microbatches; ``dinputs`` ``[m, mb, ...]`` is ``None`` with an
+    ``embed_fn`` and ``dembed_params`` ``None`` without. Forward-only: the
     last stage's outputs ``[m, mb, ...]``. Everything but ``dlocal_params``
     is reduced over ``axis``.
   """
@@ -100,6 +160,7 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   p, m = schedule.num_ranks, schedule.num_microbatches
   last = schedule.num_stages - 1
   train = loss_fn is not None
+  embedding = embed_fn is not None
   stage = StageVJP(stage_fn, remat or not train)
   rank = jax.lax.axis_index(axis)
   v = schedule.num_stages // p
@@ -110,6 +171,7 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   base = vma(inputs) | {axis}
   local_params = vary(local_params, base)
   loss_params = vary(loss_params, base)
+  embed_params = vary(embed_params, base)
   one_params = jax.tree.map(lambda a: a[0], local_params)
 
   def key_of(stg, mb):
@@ -119,6 +181,13 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
     if key is None:
       return None
     return jax.random.fold_in(jax.random.fold_in(key, offset + mb), stg)
+
+  def embedded(ep, mb):
+    """Stage 0's input for microbatch ``mb``: ``embed_fn`` of its raw rows."""
+    raw = jax.tree.map(lambda a: a[mb], inputs)
+    k = None if embed_key is None else jax.random.fold_in(embed_key,
+                                                          offset + mb)
+    return embed_fn(ep, raw, *with_key(k))
 
   def seed(lp, y, target, k):
     """This microbatch's share of the mean loss (and aux, at least float32),
@@ -134,9 +203,11 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   # are a fixed point of x -> y (-> loss cotangent -> dx) -> x. The key is
   # built as in a tick (its microbatch comes from the rank's table row).
   k0 = key_of(rank * 0, rank * 0)
-  act_vma = base
+  x0 = (jax.eval_shape(embedded, embed_params, rank * 0) if embedding
+        else jax.typeof(inputs[0]))
+  act_vma = base | vma(x0)
   while True:
-    x = vary(jnp.zeros(inputs.shape[1:], inputs.dtype), act_vma)
+    x = vary(jnp.zeros(x0.shape, x0.dtype), act_vma)
     y_aval, stash_aval = stage.trace(one_params, x, k0)
     new = act_vma | vma(y_aval)
     if train:
@@ -162,121 +233,138 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
     return jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(
         b, like(v, b[0]), index, 0), buf, value)
 
-  # One block per action kind; each runs in a ``when`` and updates the tick
-  # state (payload, grads, (loss, aux), dloss_params) in place. ``F`` also
-  # carries the stash and writes its slot in place; ``I`` and ``W`` run
-  # inside one loop that reads the stash entry once and carries the weight
-  # stash. ``at`` is the tick's (local stage j, logical stage, microbatch).
-  def fwd(state, stash, at, slot, x, target):
-    del target
-    j, stg, mb = at
-    if not train:
-      return (like(stage_fn(params_of(j), x), act_aval),), None
-    y, new = stage.forward(params_of(j), x, key_of(stg, mb))
-    return (like(y, act_aval), *state[1:]), put(stash, slot, new)
+  def add(acc, d):
+    return jax.tree.map(lambda a, d: a + like(d, a), acc, d)
 
-  def fwd_last(state, stash, at, slot, x, target):
-    _, grads, out, dlp = state
-    j, stg, mb = at
-    y, new = stage.forward(params_of(j), x, key_of(stg, mb))
-    o, (dl, dy) = seed(loss_params, y, target, key_of(last + 1, mb))
-    add = lambda acc, d: jax.tree.map(lambda a, d: a + like(d, a), acc, d)
-    return (like(dy, act_aval), grads, add(out, o), add(dlp, dl)
-            ), put(stash, slot, new)
+  # One block per (kind, first, last); each runs in a ``when`` and updates
+  # the tick state in place: ``(payload, grads, (loss, aux), dloss_params,
+  # dembed_params)`` and its own buffer (``F`` the stash, ``I`` the weight
+  # stash). ``at`` is the tick's (local stage j, logical stage, microbatch).
+  def forward(first, last_stage):
+    def block(carry, at, slot, x, target):
+      state, stash = carry
+      j, stg, mb = at
+      if first:
+        x = like(embedded(embed_params, mb).astype(act_aval.dtype), act_aval)
+      if not train:
+        return (like(stage_fn(params_of(j), x), act_aval),), stash
+      y, new = stage.forward(params_of(j), x, key_of(stg, mb))
+      stash = put(stash, slot, new)
+      if not last_stage:
+        return (like(y, act_aval), *state[1:]), stash
+      payload, grads, out, dlp, de = state
+      o, (dl, dy) = seed(loss_params, y, target, key_of(last + 1, mb))
+      return (like(dy, act_aval), grads, add(out, o), add(dlp, dl), de), stash
+    return block
 
-  def bwd_input(carry, st, at, wslot, dy):
-    state, wstash = carry
+  def input_grad(carry, at, slot, wslot, dy):
+    (_, *rest), stash, wstash = carry
     j, stg, mb = at
+    st = jax.tree.map(lambda b: b[slot], stash)
     dx, kept = stage.input_grad(params_of(j), st, dy, key_of(stg, mb))
     dx = like(dx, act_aval)
-    return (dx, *state[1:]), put(wstash, wslot, (kept, dx))
+    return (dx, *rest), stash, put(wstash, wslot, (kept, dx))
 
-  def bwd_weight(carry, st, at, wslot, dy):
-    (_, grads, *acc), wstash = carry
-    j, stg, mb = at
-    kept, dx = jax.tree.map(lambda b: b[wslot], wstash)
-    dp = stage.weight_grad(params_of(j), st, dy, kept, key_of(stg, mb))
-    grads = jax.tree.map(lambda g, d: g.at[j].add(like(d, g[j])), grads, dp)
-    return (dx, grads, *acc), wstash
+  def weight_grad(first):
+    def block(carry, at, slot, wslot, dy):
+      (_, grads, out, dlp, de), stash, wstash = carry
+      j, stg, mb = at
+      st = jax.tree.map(lambda b: b[slot], stash)
+      kept, dx = jax.tree.map(lambda b: b[wslot], wstash)
+      dp = stage.weight_grad(params_of(j), st, dy, kept, key_of(stg, mb))
+      grads = jax.tree.map(lambda g, d: g.at[j].add(like(d, g[j])), grads, dp)
+      if first:
+        _, vjp = jax.vjp(lambda ep: embedded(ep, mb), embed_params)
+        de = add(de, vjp(dx.astype(x0.dtype))[0])
+      return (dx, grads, out, dlp, de), stash, wstash
+    return block
 
-  present = set(np.unique(lowered.kind).tolist())
-  writers = {F: fwd, _F_LAST: fwd_last} if train else {F: fwd}
-  readers = {code: block for code, block in ((I, bwd_input), (W, bwd_weight))
-             if code in present}
+  codes, kinds = blocks(lowered, loss=train, embed=embedding)
+  with_edge = not embedding
+  comm, patterns = messages(lowered, with_edge)
+  rows_done = edge_rows(lowered)
+  remote = [k for k, o in enumerate(lowered.offsets) if o]
+  local = [k for k, o in enumerate(lowered.offsets) if not o]
 
-  # The batch-sized result (input cotangents, or the outputs when not
-  # training) is produced on one rank, one microbatch at a time, into that
-  # rank's buffer (zeros elsewhere); one psum after the scan replicates it.
-  edge_kind, edge_stage = (I, 0) if train else (F, last)
-  # Whether any rank receives over offset k at tick t: ticks without a
-  # message skip that ppermute (the same on every rank, from the table).
-  sends = (lowered.recv_slot >= 0).any(1)
+  def exchange(pattern, payload, row):
+    """The pattern's ppermutes (a fill where it sends nothing) and psum."""
+    msgs = [like(jax.lax.ppermute(payload, axis, [
+        (r, (r + lowered.offsets[k]) % p) for r in range(p)]), act_aval)
+            if send else full(act_aval, bubble_fill)
+            for k, send in zip(remote, pattern)]
+    if with_edge:
+      msgs.append(jax.lax.psum(row, axis) if pattern[-1] else
+                  vary(jnp.zeros(row.shape, row.dtype), act_vma - {axis}))
+    return msgs
 
   def tick(carry, row):
-    mailbox, stash, wstash, grads, out, dlp, edge = carry
-    row, send = row
-    kind, stg, mb, j, read, slot, wslot, recv = (a[rank] for a in row)
+    mailbox, stash, wstash, state, edge = carry
+    row, pattern, done = row
+    kind, code, stg, mb, j, read, slot, wslot, recv = (a[rank] for a in row)
     mb, j = jnp.maximum(mb, 0), jnp.maximum(j, 0)
     slot, wslot = jnp.maximum(slot, 0), jnp.maximum(wslot, 0)
     at = (j, stg, mb)
-    x = jnp.where(read >= 0, mailbox[jnp.maximum(read, 0)], inputs[mb])
+    x = mailbox[jnp.maximum(read, 0)]
+    if not embedding:
+      x = jnp.where(read >= 0, x, inputs[mb])
     target = jax.tree.map(lambda t: t[mb], targets)
-    branch = kind
-    if train:
-      branch = jnp.where((kind == F) & (stg == last), _F_LAST, kind)
-    state = (full(act_aval, bubble_fill), grads, out, dlp)
-    if not train:
-      state = state[:1]
-    for code, block in writers.items():
-      state, stash = when(branch == code, lambda c, block=block: block(
-          *c, at, slot, x, target), (state, stash))
-    if readers:
-      def read(carry):
-        st = jax.tree.map(lambda b: b[slot], stash)
-        for code, block in readers.items():
-          carry = when(branch == code, lambda c, block=block: block(
-              c, st, at, wslot, x), carry)
-        return carry
-      state, wstash = when(jnp.isin(branch, np.array(list(readers))), read,
-                            (state, wstash))
-    payload = state[0]
-    if train:
-      _, grads, out, dlp = state
-    edge = when((kind == edge_kind) & (stg == edge_stage),
-                 lambda e: put(e, mb, payload), edge)
-    for k, offset in enumerate(lowered.offsets):
-      def deliver(mailbox, k=k, offset=offset):
-        msg = payload if offset == 0 else jax.lax.ppermute(
-            payload, axis, [(r, (r + offset) % p) for r in range(p)])
-        # No message for this rank: the spare last slot, which nothing reads.
-        return put(mailbox, jnp.where(recv[k] >= 0, recv[k], spare), msg)
-      mailbox = when(send[k], deliver, mailbox)
-    return (mailbox, stash, wstash, grads, out, dlp, edge), None
+    state = (full(act_aval, bubble_fill), *state)
+    for c, (block_kind, first, last_stage) in enumerate(kinds):
+      if block_kind == F:
+        state, stash = when(code == c, lambda s, b=forward(
+            first, last_stage): b(s, at, slot, x, target), (state, stash))
+      else:
+        block = input_grad if block_kind == I else weight_grad(first)
+        state, stash, wstash = when(code == c, lambda s, b=block: b(
+            s, at, slot, wslot, x), (state, stash, wstash))
+    payload, *state = state
+    for k in local:  # a local hand-off (the loss cotangent): no message
+      mailbox = put(mailbox, jnp.where(recv[k] >= 0, recv[k], spare), payload)
+    row_value = None
+    if with_edge:  # this rank's share of the result's row: a select
+      mine = (kind == (I if train else F)) & (stg == (0 if train else last))
+      row_value = jnp.where(mine, payload, jnp.zeros_like(payload))
+    if len(patterns) == 1:
+      got = exchange(patterns[0], payload, row_value)
+    else:
+      got = jax.lax.switch(pattern, [
+          lambda a, b, pat=pat: exchange(pat, a, b) for pat in patterns],
+                           payload, row_value)
+    for k, msg in zip(remote, got):
+      mailbox = put(mailbox, jnp.where(recv[k] >= 0, recv[k], spare), msg)
+    if with_edge:  # the row done this tick, else row 0 rewritten as it is
+      i = jnp.maximum(done, 0)
+      edge = put(edge, i, jnp.where(done >= 0, got[-1], edge[i]))
+    return (mailbox, stash, wstash, tuple(state), edge), None
 
-  stash = wstash = grads = out = dlp = None
+  stash = wstash = None
+  state = ()
   if train:
-    grads = full(dp_aval, 0, v)
-    out, dlp = full(out_aval, 0), full(dlp_aval, 0)
+    state = (full(dp_aval, 0, v), full(out_aval, 0), full(dlp_aval, 0),
+             vary(full(jax.eval_shape(lambda: embed_params), 0), act_vma))
     stash = full(stash_aval, bubble_fill, lowered.num_stash_slots)
     wstash = full((kept_aval, act_aval), bubble_fill,
                   max(lowered.num_weight_slots, 1))
   spare = lowered.num_mailbox_slots
   mailbox = full(act_aval, bubble_fill, spare + 1)
-  edge = vary(jnp.zeros((m,) + act_aval.shape, act_aval.dtype), act_vma)
-  rows = (lowered.kind, lowered.stage, lowered.microbatch, lowered.local_stage,
+  edge = None
+  if with_edge:
+    edge = vary(jnp.zeros((m,) + act_aval.shape, act_aval.dtype),
+                act_vma - {axis})
+  rows = (lowered.kind, codes, lowered.stage, lowered.microbatch, lowered.local_stage,
           lowered.read_slot, lowered.stash_slot, lowered.weight_slot,
           lowered.recv_slot)
-  (_, _, _, grads, out, dlp, edge), _ = jax.lax.scan(
-      tick, (mailbox, stash, wstash, grads, out, dlp, edge),
-      (rows, sends))
+  (_, _, _, state, edge), _ = jax.lax.scan(
+      tick, (mailbox, stash, wstash, state, edge), (rows, comm, rows_done))
   if not train:
-    return jax.lax.psum(edge, axis)
-  out, dlp, edge = jax.lax.psum((out, dlp, edge), axis)  # one collective
-  return out, grads, dlp, edge
+    return edge
+  grads, out, dlp, de = state
+  out, dlp, de = jax.lax.psum((out, dlp, de), axis)  # one collective
+  return out, grads, dlp, edge, (de if embedding else None)
 
 
 def when(pred: jax.Array, fn: Callable[[PyTree], PyTree],
-          state: PyTree) -> PyTree:
+         state: PyTree) -> PyTree:
   """``fn(state)`` if ``pred`` else ``state``, updating buffers in place.
 
   A ``while_loop`` of zero or one trip. XLA keeps while-loop carries in
