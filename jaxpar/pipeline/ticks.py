@@ -158,6 +158,12 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   """
   schedule = lowered.schedule
   p, m = schedule.num_ranks, schedule.num_microbatches
+  if p == 1:
+    return sequential(
+        stage_fn, loss_fn, schedule, local_params, loss_params, inputs,
+        targets, axis=axis, remat=remat, key=key, offset=offset,
+        has_aux=has_aux, embed_fn=embed_fn, embed_params=embed_params,
+        embed_key=embed_key)
   last = schedule.num_stages - 1
   train = loss_fn is not None
   embedding = embed_fn is not None
@@ -361,6 +367,70 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   grads, out, dlp, de = state
   out, dlp, de = jax.lax.psum((out, dlp, de), axis)  # one collective
   return out, grads, dlp, edge, (de if embedding else None)
+
+
+def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
+               local_params: PyTree, loss_params: PyTree, inputs: PyTree,
+               targets: PyTree, *, axis: str, remat: bool,
+               key: jax.Array | None, offset: Any, has_aux: bool,
+               embed_fn: Callable[..., jax.Array] | None, embed_params: PyTree,
+               embed_key: jax.Array | None):
+  """``run`` on one rank: the microbatches in turn, no ticks.
+
+  A ``lax.scan`` over the ``m`` microbatches of ``jax.value_and_grad`` of
+  the whole model (embedding, the ``num_stages`` stages in order, the loss),
+  accumulating as data parallelism's microbatches do; the same keys, results
+  and return values as ``run``. With ``remat`` each stage is a
+  ``jax.checkpoint``.
+  """
+  m, num_stages = schedule.num_microbatches, schedule.num_stages
+  train = loss_fn is not None
+  base = vma(inputs) | {axis}
+  local_params, loss_params, embed_params = vary(
+      (local_params, loss_params, embed_params), base)
+  layer = jax.checkpoint(stage_fn) if remat and train else stage_fn
+
+  def model(params, lp, ep, x, target, mb):
+    """The microbatch's share of the mean loss (and aux), or its output."""
+    g = offset + mb
+    if embed_fn is not None:
+      k = None if embed_key is None else jax.random.fold_in(embed_key, g)
+      x = embed_fn(ep, x, *with_key(k))
+    keys = None if key is None else jax.random.fold_in(key, g)
+    key_of = lambda k: () if key is None else (jax.random.fold_in(keys, k),)
+    for j in range(num_stages):
+      x = layer(jax.tree.map(lambda a, j=j: a[j], params), x, *key_of(j))
+    if not train:
+      return x
+    out = loss_fn(lp, x, target, *key_of(num_stages))
+    loss, aux = out if has_aux else (out, ())
+    return jax.tree.map(lambda a: a.astype(jnp.promote_types(
+        a.dtype, jnp.float32)) / m, (loss, aux))
+
+  mbs = jnp.arange(m)
+  if not train:
+    return jax.lax.map(lambda a: model(local_params, None, embed_params, *a),
+                       (inputs, targets, mbs))
+  argnums = (0, 1, 2) if embed_fn is not None else (0, 1, 2, 3)
+  grad = jax.value_and_grad(model, argnums, has_aux=True)
+
+  def body(acc, a):
+    x, target, mb = a
+    out, grads = grad(local_params, loss_params, embed_params, x, target, mb)
+    dx = grads[3] if embed_fn is None else None
+    acc = jax.tree.map(lambda s, d: s + vary(d, vma(s)), acc, (out, grads[:3]))
+    return acc, dx
+
+  first = jax.tree.map(lambda a: a[0], (inputs, targets))
+  zero = jax.tree.map(
+      lambda a: vary(jnp.zeros(a.shape, a.dtype), base | vma(a)),
+      jax.eval_shape(lambda: jax.tree.map(lambda a: a, grad(
+          local_params, loss_params, embed_params, *first, mbs[0]))))
+  zero = (zero[0], zero[1][:3])
+  (out, (grads, dlp, de)), dx = jax.lax.scan(body, zero, (inputs, targets,
+                                                          mbs))
+  out, dlp, de, dx = jax.lax.psum((out, dlp, de, dx), axis)
+  return out, grads, dlp, dx, (de if embed_fn is not None else None)
 
 
 def when(pred: jax.Array, fn: Callable[[PyTree], PyTree],
