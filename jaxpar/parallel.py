@@ -14,8 +14,10 @@ One train step is one jitted program in two parts:
      (``jaxpar.tensor_parallel``) over ``'tensor'``; params are split as
      ``tensor_parallel.param_specs`` says;
    * **PP** -- ``stages`` run through ``jaxpar.pipeline``'s executor over
-     ``'stage'`` with any schedule; the embedding is trained through
-     ``PipelineGrads.inputs`` (its VJP);
+     ``'stage'`` with any schedule; the embedding runs per microbatch
+     inside stage 0 (``pipeline_step_local``'s ``embed_fn``), the head in
+     the last stage, so nothing batch-sized is held; one stage rank runs the
+     microbatches in turn, as data parallelism does;
    * **DP** -- the batch is split over ``'data'``; the loss is averaged over
      it and the gradients too: ``pmean``, or with ZeRO a reduce-scatter
      (``jaxpar.zero.reduce_gradients``).

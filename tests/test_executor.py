@@ -394,3 +394,47 @@ def test_gpt_3d_step_memory_flat_in_m():
     temps.append(trainer.step.lower(trainer.init(pp), (ids, ids)).compile()
                  .memory_analysis().temp_size_in_bytes)
   assert temps[1] <= 1.15 * temps[0]  # 1.36x when the batch was embedded
+
+
+def test_embed_fn_runs_inside_stage_0(x64):
+  """An embedding (integer ids, dropout) per microbatch in stage 0's F, its
+  VJP in stage 0's W: exact, with the keys of the microbatch rows."""
+  schedule, m, vocab = sch.zero_bubble_h1(2, 3), 3, 5
+  stages, loss_params, _, t = model(2, m * MB)
+  rng = np.random.default_rng(3)
+  table, ids = rng.normal(size=(vocab, D)), rng.integers(0, vocab, m * MB)
+  key, embed_key = jax.random.key(1), jax.random.key(2)
+
+  def embed_fn(table, ids, key):
+    return jnp.where(jax.random.bernoulli(key, 0.7, (len(ids), D)),
+                     table[ids] / 0.7, 0)
+
+  def body(params, loss_params, table, ids, t):
+    loss, g = pipeline_step_local(
+        lambda p, x, k: stage_fn(p, x), lambda lp, y, t, k: loss_fn(lp, y, t),
+        jax.tree.map(lambda a: a[0], params), loss_params, ids, t,
+        lowered=lower(schedule), key=key, embed_fn=embed_fn,
+        embed_params=table, embed_key=embed_key, bubble_fill=NAN)
+    assert g.inputs is None
+    return loss, jax.tree.map(lambda a: a[None], g.stages), g.loss, g.embed
+
+  step = jax.jit(jax.shard_map(
+      body, mesh=mesh_for(2), in_specs=(P('stage'), P(), P(), P(), P()),
+      out_specs=(P(), P('stage'), P(), P()), axis_names={'stage'}))
+  got = step(stages_to_ranks(stages, schedule), loss_params, table, ids, t)
+
+  def sequential(stages, loss_params, table):
+    total = 0.0
+    for i in range(m):
+      rows = slice(i * MB, (i + 1) * MB)
+      x = embed_fn(table, ids[rows], jax.random.fold_in(embed_key, i))
+      for k in range(2):
+        x = stage_fn(jax.tree.map(lambda a, k=k: a[k], stages), x)
+      total += loss_fn(loss_params, x, t[rows]) / m
+    return total
+  loss, grads = jax.value_and_grad(sequential, (0, 1, 2))(
+      stages, loss_params, table)
+  got = (got[0], (ranks_to_stages(got[1], schedule), *got[2:]))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves((loss, grads))):
+    np.testing.assert_allclose(g, w, rtol=1e-10,
+                               atol=1e-10 * float(np.max(np.abs(w))))

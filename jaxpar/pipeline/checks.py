@@ -84,8 +84,9 @@ def check_stage_fn(stage_fn: StageFn, params: PyTree, x: Any,
         f'stage_fn maps a microbatch {x.dtype}{list(x.shape)} to {got}; '
         'a pipeline stage must return an array of the same shape and dtype '
         'as its input. Move shape-changing layers (embedding, head) out of '
-        'the stages: in front of the pipeline (PipelineGrads.inputs gives '
-        'their cotangent) or into loss_fn.')
+        'the stages: in front of the pipeline (embed_fn of '
+        'pipeline_step_local, or chain PipelineGrads.inputs, their '
+        'cotangent) or into loss_fn.')
 
 
 def with_key(key: Any) -> tuple:

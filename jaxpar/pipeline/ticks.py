@@ -23,33 +23,47 @@ into the public steps. Per tick, every rank
    An idle rank computes nothing;
 4. sends the block's output (``W`` sends the input cotangent its ``I``
    computed, as a ``B`` would when it ends) with one ``ppermute`` per distinct
-   rank offset of the schedule (every rank takes part every tick); receivers
-   store it in the mailbox slot the table names; a tick on which no rank
-   sends over an offset skips that ``ppermute`` (the table says so, the same
-   on every rank). No other collective runs inside the scan: the rank of
-   stage 0 writes each microbatch's input cotangent (forward only: the last
-   stage its output) into a batch-sized buffer, which one ``psum`` over the
-   pipeline axis hands to every rank after the scan. (A ``psum`` per
-   microbatch would keep that buffer in place, but an all-reduce couples all
-   ranks and, over gloo, costs several times a ``ppermute``.)
+   nonzero rank offset of the schedule that carries a message this tick
+   (every rank takes part; which offsets do is in the table, the same on
+   every rank); receivers store it in the mailbox slot the table names. The
+   batch-sized result (stage 0's input cotangents; forward only: the last
+   stage's outputs) is written row by row into the output itself: on the
+   tick stage 0's ``I`` of microbatch ``i`` ends, one ``psum`` over the
+   pipeline axis of that microbatch (the cotangent on stage 0's rank, zeros
+   elsewhere) lands in row ``i`` on every rank. No batch-sized buffer is
+   held besides the output (``grads.inputs`` costs no scratch memory).
+   With ``embed_fn`` stage 0's ``F`` embeds the raw microbatch and its ``W``
+   adds the embedding's VJP (recomputing the embedding) to its gradient, and
+   there is no batch-sized result at all.
 
-**Dispatch.** The block of a tick is chosen by a zero-or-one-trip
-``while_loop`` per kind (``when``) rather than a ``lax.switch``: XLA updates
-loop carries in place, while a ``switch`` copies every buffer a branch passes
-through unchanged (gradient accumulators, stashes) on every tick. Each
-``when`` tests one predicate. On XLA:GPU a predicate of a ``while`` is read
-back to the host, so a training tick costs ``6 + K`` host round-trips:
-``F``, the last stage's ``F`` with the loss, the stash read shared by ``I``
-and ``W``, ``I`` and ``W`` inside it, one per message offset ``K`` (one for
-``p = 2``, two for 1F1B on more ranks) and the result write; a forward-only
-tick costs ``2 + K``.
+**Dispatch: per tick, one zero-or-one-trip ``while_loop`` per block and one
+``lax.switch`` over the messages.** The blocks are ``F``, the last stage's
+``F`` (with the loss), ``I`` and ``W`` (with ``embed_fn`` also stage 0's
+``F`` and ``W``: 6); ``blocks`` codes them per (tick, rank) from the table.
+Each runs in a ``when`` (a while loop whose carries, the stash, weight
+stash and gradient accumulators, XLA updates in place). The messages of a
+tick -- which offsets send, whether a row of the result is summed -- are
+one of a few patterns, the same on every rank (``messages``): one
+``lax.switch`` on the pattern runs its ``ppermute``s and ``psum``; its
+operands are read and its results are one activation each, so it copies
+nothing else. A local hand-off (the loss cotangent) and the write of a
+result row are selects, no branch. On XLA:GPU each of these 5 (7 with
+``embed_fn``) ops reads its predicate back to the host; it was ``6 + K``
+(9 for 1F1B on 4 ranks). Fewer would need the blocks in one
+``lax.switch``, which copies every buffer a branch passes through unchanged
+on every tick (XLA 0.10: a scan of 64 ticks over a 384x384 accumulator and
+8 activation slots holds 4.2x the temp memory and takes 1.5-1.8x the CPU
+time of the same scan with whiles), or branches with small outputs and the
+accumulators updated outside, which costs a parameter-sized read and write
+on every tick. One stage rank (``num_ranks == 1``) runs no ticks: the
+microbatches run in turn (``sequential``), as data parallelism runs them.
 
 Buffer updates are selects or writes to a spare slot, never masks multiplied
 in, so whatever a bubble produces (``bubble_fill``, NaN in the tests) never
 reaches the results. Memory is the schedule's: ``num_stash_slots`` stashes,
 ``num_weight_slots`` weight stashes and ``num_mailbox_slots + 1`` activations
 per rank (``O(p)`` for 1F1B whatever the number of microbatches ``m``), plus
-the parameters, their gradients, the batch and its gradient.
+the parameters, their gradients, the batch and the output.
 
 **Randomness.** With a key, stage ``k`` on microbatch ``i`` runs with
 ``fold_in(fold_in(key, offset + i), k)`` in its ``F``, ``I`` and ``W`` (and a
