@@ -207,7 +207,8 @@ def test_composes_with_data_and_tensor_axes(x64):
                                atol=1e-10 * float(np.max(np.abs(w))))
 
 
-@pytest.mark.parametrize('name,p,m', [('1f1b', 4, 6), ('zbv', 2, 3)])
+@pytest.mark.parametrize('name,p,m', [('1f1b', 4, 6), ('zbv', 2, 3),
+                                      ('interleaved', 1, 3)])
 def test_apply_is_the_sequential_forward(x64, name, p, m):
   schedule = SCHEDULES[name](p, m)
   stages, _, x, _ = model(schedule.num_stages, m * MB)

@@ -423,8 +423,9 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
 
   mbs = jnp.arange(m)
   if not train:
-    return jax.lax.map(lambda a: model(local_params, None, embed_params, *a),
-                       (inputs, targets, mbs))
+    return jax.lax.psum(jax.lax.map(
+        lambda a: model(local_params, None, embed_params, *a),
+        (inputs, targets, mbs)), axis)
   argnums = (0, 1, 2) if embed_fn is not None else (0, 1, 2, 3)
   grad = jax.value_and_grad(model, argnums, has_aux=True)
 
