@@ -371,8 +371,8 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   if with_edge:
     edge = vary(jnp.zeros((m,) + act_aval.shape, act_aval.dtype),
                 act_vma - {axis})
-  rows = (lowered.kind, codes, lowered.stage, lowered.microbatch, lowered.local_stage,
-          lowered.read_slot, lowered.stash_slot, lowered.weight_slot,
+  rows = (lowered.kind, codes, lowered.stage, lowered.microbatch,
+          lowered.local_stage, lowered.read_slot, lowered.stash_slot, lowered.weight_slot,
           lowered.recv_slot)
   (_, _, _, state, edge), _ = jax.lax.scan(
       tick, (mailbox, stash, wstash, state, edge), (rows, comm, rows_done))
