@@ -6,8 +6,8 @@ table, inside a ``jax.shard_map`` over the pipeline axis
 into the public steps. Per tick, every rank
 
 1. reads its row of the tick table (action kind, stage, microbatch, slots);
-2. reads the action's input: the batch for stage 0's ``F``, else a mailbox
-   slot (the activation for ``F``, the output cotangent for ``I`` and ``W``);
+2. reads the action's input: the batch for stage 0's ``F`` (with
+   ``embed_fn``: the embedded raw microbatch), else a mailbox slot (the activation for ``F``, the output cotangent for ``I`` and ``W``);
 3. runs the block of its action kind and no other (``StageVJP``):
 
    * ``F``: ``stage_fn`` forward, writing the activations its backward needs
