@@ -7,7 +7,8 @@ into the public steps. Per tick, every rank
 
 1. reads its row of the tick table (action kind, stage, microbatch, slots);
 2. reads the action's input: the batch for stage 0's ``F`` (with
-   ``embed_fn``: the embedded raw microbatch), else a mailbox slot (the activation for ``F``, the output cotangent for ``I`` and ``W``);
+   ``embed_fn``: the embedded raw microbatch), else a mailbox slot (the
+   activation for ``F``, the output cotangent for ``I`` and ``W``);
 3. runs the block of its action kind and no other (``StageVJP``):
 
    * ``F``: ``stage_fn`` forward, writing the activations its backward needs
