@@ -14,8 +14,10 @@ One train step is one jitted program in two parts:
      (``jaxpar.tensor_parallel``) over ``'tensor'``; params are split as
      ``tensor_parallel.param_specs`` says;
    * **PP** -- ``stages`` run through ``jaxpar.pipeline``'s executor over
-     ``'stage'`` with any schedule; the embedding is trained through
-     ``PipelineGrads.inputs`` (its VJP);
+     ``'stage'`` with any schedule; the embedding runs per microbatch
+     inside stage 0 (``pipeline_step_local``'s ``embed_fn``), the head in
+     the last stage, so nothing batch-sized is held; one stage rank runs the
+     microbatches in turn, as data parallelism does;
    * **DP** -- the batch is split over ``'data'``; the loss is averaged over
      it and the gradients too: ``pmean``, or with ZeRO a reduce-scatter
      (``jaxpar.zero.reduce_gradients``).
@@ -301,19 +303,6 @@ def train_step(
             gathered(stage_fn, split.stages, skip=2),
             gathered(loss_fn, split.head))
 
-  def embedded(embed, embed_params, inputs, key):
-    """``embed`` on this data shard (float ``[b, ...]``). With a key: per
-    microbatch, the one of global index ``g`` with ``fold_in(key, g)``, so
-    the masks follow the batch rows as the stages' do."""
-    embed_params = optax.tree.cast(embed_params, compute_dtype)
-    if key is None:
-      return embed(embed_params, inputs)
-    split = lambda a: a.reshape((m, -1) + a.shape[1:])
-    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, offset() + jnp.arange(m))
-    x = jax.vmap(embed, (None, 0, 0))(embed_params, jax.tree.map(split, inputs),
-                                      keys)
-    return x.reshape((-1,) + x.shape[2:])
-
   def offset():
     """Global index of this data shard's first microbatch."""
     return jax.lax.axis_index(data_axis) * m
@@ -325,17 +314,18 @@ def train_step(
     embed_key = None
     if key is not None:
       embed_key, key = jax.random.split(key)
-    x, embed_vjp = jax.vjp(
-        lambda p: embedded(embed, p, inputs, embed_key), params.embed)
     local_stages = jax.tree.map(lambda a: a[0], params.stages)
+    # The embedding runs per microbatch inside stage 0 (with one stage
+    # rank, the microbatches run in turn): nothing batch-sized is held.
     out, grads = executor.pipeline_step_local(
-        stage, head_loss, local_stages, params.head, x, targets,
+        stage, head_loss, local_stages, params.head, inputs, targets,
         lowered=lowered, axis=stage_axis, remat=remat, key=key,
         microbatch_offset=offset(), has_aux=has_aux,
-        compute_dtype=compute_dtype)
+        compute_dtype=compute_dtype, embed_fn=embed,
+        embed_params=params.embed, embed_key=embed_key)
     grads = PipelineParams(
-        embed_vjp(grads.inputs)[0],
-        jax.tree.map(lambda g: g[None], masked(grads.stages)), grads.loss)
+        grads.embed, jax.tree.map(lambda g: g[None], masked(grads.stages)),
+        grads.loss)
     loss, aux = jax.lax.pmean(out if has_aux else (out, None), data_axis)
     grads = zero.reduce_gradients(grads, split if zero_stage else base,
                                   axis=data_axis, summed=zero_stage == 3)

@@ -207,7 +207,8 @@ def test_composes_with_data_and_tensor_axes(x64):
                                atol=1e-10 * float(np.max(np.abs(w))))
 
 
-@pytest.mark.parametrize('name,p,m', [('1f1b', 4, 6), ('zbv', 2, 3)])
+@pytest.mark.parametrize('name,p,m', [('1f1b', 4, 6), ('zbv', 2, 3),
+                                      ('interleaved', 1, 3)])
 def test_apply_is_the_sequential_forward(x64, name, p, m):
   schedule = SCHEDULES[name](p, m)
   stages, _, x, _ = model(schedule.num_stages, m * MB)
@@ -248,13 +249,12 @@ def compiled(step, num_stages, m, mb=4, width=32):
   return step.lower(*args).compile()
 
 
-@pytest.mark.parametrize('name', ['1f1b', 'interleaved', 'zb_h1'])
+@pytest.mark.parametrize('name', ['1f1b', 'zb_h1', 'zbv'])
 def test_memory_and_program_flat_in_m(name):
-  """Fixed microbatch size, 8x the microbatches: same stashes, same program.
+  """Fixed microbatch size, 8x the microbatches: same scratch, same program.
 
-  The scratch memory grows by the batch's cotangent alone (``inputs``-sized,
-  collected on each rank and summed over the pipeline axis once, after the
-  scan); stashes and messages stay the schedule's.
+  No batch-sized buffer in temp memory: the batch's cotangent is written row
+  by row into the output (GPipe is left out: it holds ``m`` stashes).
   """
   p = 4
   small, large = (compiled(
@@ -262,16 +262,29 @@ def test_memory_and_program_flat_in_m(name):
                     mesh=mesh_for(p)), SCHEDULES[name](p, m).num_stages, m)
       for m in (8, 64))
   mem_s, mem_l = small.memory_analysis(), large.memory_analysis()
-  batch_bytes = (64 - 8) * 4 * 32 * 4  # extra microbatches x mb x width x f32
-  grown = mem_l.temp_size_in_bytes - mem_s.temp_size_in_bytes
-  assert 0 <= grown - batch_bytes <= 0.15 * mem_s.temp_size_in_bytes
+  assert mem_l.temp_size_in_bytes <= 1.15 * mem_s.temp_size_in_bytes
   # The batch and its gradient scale with m, as arguments and outputs.
+  batch_bytes = (64 - 8) * 4 * 32 * 4  # extra microbatches x mb x width x f32
   assert mem_l.argument_size_in_bytes - mem_s.argument_size_in_bytes == (
       batch_bytes * (32 + OUT) // 32)
   assert mem_l.output_size_in_bytes - mem_s.output_size_in_bytes == batch_bytes
   # Compile time flat in m: the compiled program has the same instructions.
   lines = lambda c: sum(1 for l in c.as_text().splitlines() if ' = ' in l)
   assert abs(lines(large) - lines(small)) <= 0.02 * lines(small)
+
+
+def test_apply_memory_flat_in_m():
+  """The forward pass writes the last stage's outputs into its output too."""
+  p, width = 4, 32
+  temps = []
+  for m in (8, 64):
+    apply = pipeline_apply(stage_fn, schedule=sch.one_f_one_b(p, m),
+                           mesh=mesh_for(p))
+    stages = {'w': jnp.zeros((p, width, width)), 'b': jnp.zeros((p, width)),
+              'gate': {'s': jnp.ones(p)}}
+    temps.append(jax.jit(apply).lower(stages, jnp.zeros((m * 4, width)))
+                 .compile().memory_analysis().temp_size_in_bytes)
+  assert temps[1] <= 1.15 * temps[0]
 
 
 def test_gpipe_by_autodiff_grows_with_m():
@@ -359,3 +372,70 @@ def test_apply_and_value_and_grad_have_the_step_shape():
   with pytest.raises(TypeError, match='together'):
     pipeline_apply(stage_fn, stages, schedule=schedule, mesh=mesh_for(p))
   assert sch.pipeline_step is sch.pipeline_value_and_grad
+
+
+def test_gpt_3d_step_memory_flat_in_m():
+  """parallel.train_step embeds per microbatch inside stage 0: nothing
+  batch-sized in temp memory."""
+  stages = 2
+  from flax import nnx
+  import optax
+  from jaxpar.models import gpt
+  config = gpt.GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2,
+                         num_layers=2)
+  params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0)))
+  pp, layout = gpt.split_for_pipeline(params, num_stages=stages)
+  temps = []
+  for m in (4, 32):
+    trainer = jaxpar.parallel.train_step(
+        gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(0.1),
+        schedule=sch.one_f_one_b(stages, m), mesh=mesh_for(stages),
+        stage_mask=layout.mask)
+    ids = np.zeros((2 * m, config.seq_len), np.int32)
+    temps.append(trainer.step.lower(trainer.init(pp), (ids, ids)).compile()
+                 .memory_analysis().temp_size_in_bytes)
+  assert temps[1] <= 1.15 * temps[0]  # 1.36x when the batch was embedded
+
+
+def test_embed_fn_runs_inside_stage_0(x64):
+  """An embedding (integer ids, dropout) per microbatch in stage 0's F, its
+  VJP in stage 0's W: exact, with the keys of the microbatch rows."""
+  schedule, m, vocab = sch.zero_bubble_h1(2, 3), 3, 5
+  stages, loss_params, _, t = model(2, m * MB)
+  rng = np.random.default_rng(3)
+  table, ids = rng.normal(size=(vocab, D)), rng.integers(0, vocab, m * MB)
+  key, embed_key = jax.random.key(1), jax.random.key(2)
+
+  def embed_fn(table, ids, key):
+    return jnp.where(jax.random.bernoulli(key, 0.7, (len(ids), D)),
+                     table[ids] / 0.7, 0)
+
+  def body(params, loss_params, table, ids, t):
+    loss, g = pipeline_step_local(
+        lambda p, x, k: stage_fn(p, x), lambda lp, y, t, k: loss_fn(lp, y, t),
+        jax.tree.map(lambda a: a[0], params), loss_params, ids, t,
+        lowered=lower(schedule), key=key, embed_fn=embed_fn,
+        embed_params=table, embed_key=embed_key, bubble_fill=NAN)
+    assert g.inputs is None
+    return loss, jax.tree.map(lambda a: a[None], g.stages), g.loss, g.embed
+
+  step = jax.jit(jax.shard_map(
+      body, mesh=mesh_for(2), in_specs=(P('stage'), P(), P(), P(), P()),
+      out_specs=(P(), P('stage'), P(), P()), axis_names={'stage'}))
+  got = step(stages_to_ranks(stages, schedule), loss_params, table, ids, t)
+
+  def sequential(stages, loss_params, table):
+    total = 0.0
+    for i in range(m):
+      rows = slice(i * MB, (i + 1) * MB)
+      x = embed_fn(table, ids[rows], jax.random.fold_in(embed_key, i))
+      for k in range(2):
+        x = stage_fn(jax.tree.map(lambda a, k=k: a[k], stages), x)
+      total += loss_fn(loss_params, x, t[rows]) / m
+    return total
+  loss, grads = jax.value_and_grad(sequential, (0, 1, 2))(
+      stages, loss_params, table)
+  got = (got[0], (ranks_to_stages(got[1], schedule), *got[2:]))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves((loss, grads))):
+    np.testing.assert_allclose(g, w, rtol=1e-10,
+                               atol=1e-10 * float(np.max(np.abs(w))))

@@ -70,21 +70,23 @@ def microbatched(inputs: jax.Array, targets: PyTree, m: int):
   return split(inputs), jax.tree.map(split, targets)
 
 
-def check_stage_fn(stage_fn: StageFn, params: PyTree, x: jax.Array,
+def check_stage_fn(stage_fn: StageFn, params: PyTree, x: Any,
                    key: Any = None) -> None:
-  """``ValueError`` unless ``stage_fn`` keeps the activation shape and dtype."""
-  out = jax.eval_shape(stage_fn, jax.tree.map(lambda a: a[0], params), x[0],
+  """``ValueError`` unless ``stage_fn`` keeps the shape and dtype of ``x``
+  (one microbatch's activation, an array or its aval)."""
+  out = jax.eval_shape(stage_fn, jax.tree.map(lambda a: a[0], params), x,
                        *with_key(key))
-  if (not isinstance(out, jax.ShapeDtypeStruct) or out.shape != x.shape[1:]
+  if (not isinstance(out, jax.ShapeDtypeStruct) or out.shape != x.shape
       or out.dtype != x.dtype):
     got = (f'{out.dtype}{list(out.shape)}' if isinstance(
         out, jax.ShapeDtypeStruct) else f'a {type(out).__name__}')
     raise ValueError(
-        f'stage_fn maps a microbatch {x.dtype}{list(x.shape[1:])} to {got}; '
+        f'stage_fn maps a microbatch {x.dtype}{list(x.shape)} to {got}; '
         'a pipeline stage must return an array of the same shape and dtype '
         'as its input. Move shape-changing layers (embedding, head) out of '
-        'the stages: in front of the pipeline (PipelineGrads.inputs gives '
-        'their cotangent) or into loss_fn.')
+        'the stages: in front of the pipeline (embed_fn of '
+        'pipeline_step_local, or chain PipelineGrads.inputs, their '
+        'cotangent) or into loss_fn.')
 
 
 def with_key(key: Any) -> tuple:

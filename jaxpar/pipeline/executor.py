@@ -37,7 +37,7 @@ from jaxpar.pipeline.checks import (check_axis, check_compute_dtype,
                                     check_fill, check_float, check_fn,
                                     check_key, check_leading, check_loss_fn,
                                     check_lowered, check_offset, check_stage_fn,
-                                    lowered_for, microbatched)
+                                    lowered_for, microbatched, with_key)
 from jaxpar.pipeline.layout import ranks_to_stages, stages_to_ranks
 from jaxpar.pipeline.lower import LoweredSchedule
 from jaxpar.pipeline.schedule import Schedule
@@ -53,11 +53,15 @@ class PipelineGrads(NamedTuple):
     stages: like ``stage_params``, stacked ``[num_stages, ...]`` in model order.
     loss: like ``loss_params``.
     inputs: like ``inputs``, ``[batch, ...]``: for a layer in front of the
-      pipeline (an embedding), chain it with that layer's VJP.
+      pipeline, chain it with that layer's VJP (``None`` when the step runs
+      that layer itself, as ``embed_fn``).
+    embed: like ``embed_params`` of ``pipeline_step_local``'s ``embed_fn``
+      (``None`` without one).
   """
   stages: PyTree
   loss: PyTree
-  inputs: jax.Array
+  inputs: jax.Array | None
+  embed: PyTree = None
 
 
 # ---------------------------------------------------------------- public
@@ -69,7 +73,9 @@ def pipeline_step_local(
     lowered: LoweredSchedule, axis: str = 'stage', remat: bool = False,
     bubble_fill: float = 0.0, key: jax.Array | None = None,
     microbatch_offset: Any = 0, has_aux: bool = False,
-    compute_dtype: Any = None) -> tuple[Any, PipelineGrads]:
+    compute_dtype: Any = None, embed_fn: Callable[..., jax.Array] | None = None,
+    embed_params: PyTree = None, embed_key: jax.Array | None = None
+) -> tuple[Any, PipelineGrads]:
   """One rank's share of ``pipeline_step``; call it inside ``jax.shard_map``.
 
   For composing pipeline parallelism with other axes: the caller's
@@ -108,15 +114,27 @@ def pipeline_step_local(
       copy of them) and on inputs cast to it; activations, stashes and
       messages are in it. Loss, aux and gradients stay in their dtypes
       (float32). ``None``: the dtypes given.
+    embed_fn: ``embed_fn(embed_params, raw) -> x``, a layer in front of the
+      stages (an embedding) run per microbatch inside stage 0: its ``F``
+      embeds the microbatch's rows of ``inputs`` (raw, e.g. integer token
+      ids), its ``W`` adds the layer's VJP to ``PipelineGrads.embed``. No
+      batch-sized activation or cotangent is held; ``PipelineGrads.inputs``
+      is then ``None``. ``None``: ``inputs`` is stage 0's input.
+    embed_params: ``embed_fn``'s params (replicated over ``axis``).
+    embed_key: with ``embed_fn``, microbatch ``i``'s embedding runs as
+      ``embed_fn(embed_params, raw, fold_in(embed_key, microbatch_offset +
+      i))``; ``None``: without a key.
 
   Returns:
-    ``(loss, PipelineGrads(stages, loss, inputs))`` (``((loss, aux), ...)``
-    with ``has_aux``): the mean loss over this shard's batch and its
+    ``(loss, PipelineGrads(stages, loss, inputs, embed))`` (``((loss, aux),
+    ...)`` with ``has_aux``): the mean loss over this shard's batch and its
     gradients; ``stages`` is this rank's ``[v, ...]`` (varying over
     ``axis``), the rest is reduced over ``axis``. Nothing is reduced over
     other axes: with a batch sharded ``n`` ways over a data axis, ``pmean``
     the loss and the parameter gradients over it and divide ``inputs`` (this
-    shard's cotangent) by ``n``.
+    shard's cotangent) by ``n``. With one rank (``num_ranks == 1``) there
+    are no ticks: the microbatches run in turn (``lax.scan`` of
+    ``value_and_grad``), as data parallelism runs them.
 
   Example:
     >>> stage_fn = lambda w, x: jnp.tanh(x @ w)
@@ -142,8 +160,14 @@ def pipeline_step_local(
                      'backward actions; use pipeline_apply_local.')
   schedule = lowered.schedule
   check_axis(axis, schedule)
-  for tree, name in ((local_params, 'local_params'),
-                     (loss_params, 'loss_params'), (inputs, 'inputs')):
+  embedding = embed_fn is not None
+  if embedding:
+    check_fn(embed_fn, 'embed_fn')
+    check_key(embed_key)
+  checked = [(local_params, 'local_params'), (loss_params, 'loss_params'),
+             (embed_params, 'embed_params') if embedding else (inputs,
+                                                               'inputs')]
+  for tree, name in checked:
     check_float(tree, name)
   check_leading(local_params, schedule.num_stages // schedule.num_ranks,
                 'local_params', 'num_stages // num_ranks')
@@ -153,19 +177,30 @@ def pipeline_step_local(
   if dtype is not None:
     stage_fn, loss_fn = cast_params(stage_fn, dtype), cast_params(
         loss_fn, dtype)
-    inputs_dtype, inputs = jnp.result_type(inputs), jnp.asarray(inputs, dtype)
+    if embedding:
+      embed_fn = cast_params(lambda *a, fn=embed_fn: fn(*a).astype(dtype),
+                             dtype)
+    else:
+      inputs_dtype = jnp.result_type(inputs)
+      inputs = jnp.asarray(inputs, dtype)
   xs, ts = microbatched(inputs, targets, schedule.num_microbatches)
-  check_stage_fn(stage_fn, local_params, xs, key)
-  check_loss_fn(loss_fn, loss_params, xs[0], jax.tree.map(lambda t: t[0], ts),
+  x = jax.typeof(xs[0])
+  if embedding:
+    x = jax.eval_shape(embed_fn, embed_params, xs[0], *with_key(embed_key))
+    check_float(x, 'embed_fn(embed_params, inputs)')
+  check_stage_fn(stage_fn, local_params, x, key)
+  check_loss_fn(loss_fn, loss_params, x, jax.tree.map(lambda t: t[0], ts),
                 key, has_aux)
-  out, grads, dlp, dx = ticks.run(
+  out, grads, dlp, dx, de = ticks.run(
       stage_fn, loss_fn, lowered, local_params, loss_params, xs, ts,
       axis=axis, remat=bool(remat), bubble_fill=check_fill(bubble_fill),
-      key=key, offset=microbatch_offset, has_aux=has_aux)
-  dx = dx.reshape(np.shape(inputs))
-  if dtype is not None:
-    dx = dx.astype(inputs_dtype)
-  return (out if has_aux else out[0]), PipelineGrads(grads, dlp, dx)
+      key=key, offset=microbatch_offset, has_aux=has_aux, embed_fn=embed_fn,
+      embed_params=embed_params, embed_key=embed_key)
+  if not embedding:
+    dx = dx.reshape(np.shape(inputs))
+    if dtype is not None:
+      dx = dx.astype(inputs_dtype)
+  return (out if has_aux else out[0]), PipelineGrads(grads, dlp, dx, de)
 
 
 def cast_params(fn: Callable[..., Any], dtype: Any) -> Callable[..., Any]:
@@ -201,7 +236,7 @@ def pipeline_apply_local(
   check_leading(local_params, schedule.num_stages // schedule.num_ranks,
                 'local_params', 'num_stages // num_ranks')
   xs, _ = microbatched(inputs, (), schedule.num_microbatches)
-  check_stage_fn(stage_fn, local_params, xs)
+  check_stage_fn(stage_fn, local_params, jax.typeof(xs[0]))
   out = ticks.run(stage_fn, None, lowered, local_params, (), xs, (), axis=axis,
              remat=True, bubble_fill=check_fill(bubble_fill))
   return out.reshape(np.shape(inputs))

@@ -6,8 +6,9 @@ table, inside a ``jax.shard_map`` over the pipeline axis
 into the public steps. Per tick, every rank
 
 1. reads its row of the tick table (action kind, stage, microbatch, slots);
-2. reads the action's input: the batch for stage 0's ``F``, else a mailbox
-   slot (the activation for ``F``, the output cotangent for ``I`` and ``W``);
+2. reads the action's input: the batch for stage 0's ``F`` (with
+   ``embed_fn``: the embedded raw microbatch), else a mailbox slot (the
+   activation for ``F``, the output cotangent for ``I`` and ``W``);
 3. runs the block of its action kind and no other (``StageVJP``):
 
    * ``F``: ``stage_fn`` forward, writing the activations its backward needs
@@ -23,33 +24,47 @@ into the public steps. Per tick, every rank
    An idle rank computes nothing;
 4. sends the block's output (``W`` sends the input cotangent its ``I``
    computed, as a ``B`` would when it ends) with one ``ppermute`` per distinct
-   rank offset of the schedule (every rank takes part every tick); receivers
-   store it in the mailbox slot the table names; a tick on which no rank
-   sends over an offset skips that ``ppermute`` (the table says so, the same
-   on every rank). No other collective runs inside the scan: the rank of
-   stage 0 writes each microbatch's input cotangent (forward only: the last
-   stage its output) into a batch-sized buffer, which one ``psum`` over the
-   pipeline axis hands to every rank after the scan. (A ``psum`` per
-   microbatch would keep that buffer in place, but an all-reduce couples all
-   ranks and, over gloo, costs several times a ``ppermute``.)
+   nonzero rank offset of the schedule that carries a message this tick
+   (every rank takes part; which offsets do is in the table, the same on
+   every rank); receivers store it in the mailbox slot the table names. The
+   batch-sized result (stage 0's input cotangents; forward only: the last
+   stage's outputs) is written row by row into the output itself: on the
+   tick stage 0's ``I`` of microbatch ``i`` ends, one ``psum`` over the
+   pipeline axis of that microbatch (the cotangent on stage 0's rank, zeros
+   elsewhere) lands in row ``i`` on every rank. No batch-sized buffer is
+   held besides the output (``grads.inputs`` costs no scratch memory).
+   With ``embed_fn`` stage 0's ``F`` embeds the raw microbatch and its ``W``
+   adds the embedding's VJP (recomputing the embedding) to its gradient, and
+   there is no batch-sized result at all.
 
-**Dispatch.** The block of a tick is chosen by a zero-or-one-trip
-``while_loop`` per kind (``when``) rather than a ``lax.switch``: XLA updates
-loop carries in place, while a ``switch`` copies every buffer a branch passes
-through unchanged (gradient accumulators, stashes) on every tick. Each
-``when`` tests one predicate. On XLA:GPU a predicate of a ``while`` is read
-back to the host, so a training tick costs ``6 + K`` host round-trips:
-``F``, the last stage's ``F`` with the loss, the stash read shared by ``I``
-and ``W``, ``I`` and ``W`` inside it, one per message offset ``K`` (one for
-``p = 2``, two for 1F1B on more ranks) and the result write; a forward-only
-tick costs ``2 + K``.
+**Dispatch: per tick, one zero-or-one-trip ``while_loop`` per block and one
+``lax.switch`` over the messages.** The blocks are ``F``, the last stage's
+``F`` (with the loss), ``I`` and ``W`` (with ``embed_fn`` also stage 0's
+``F`` and ``W``: 6); ``blocks`` codes them per (tick, rank) from the table.
+Each runs in a ``when`` (a while loop whose carries, the stash, weight
+stash and gradient accumulators, XLA updates in place). The messages of a
+tick -- which offsets send, whether a row of the result is summed -- are
+one of a few patterns, the same on every rank (``messages``): one
+``lax.switch`` on the pattern runs its ``ppermute``s and ``psum``; its
+operands are read and its results are one activation each, so it copies
+nothing else. A local hand-off (the loss cotangent) and the write of a
+result row are selects, no branch. On XLA:GPU each of these 5 (7 with
+``embed_fn``) ops reads its predicate back to the host; it was ``6 + K``
+(9 for 1F1B on 4 ranks). Fewer would need the blocks in one
+``lax.switch``, which copies every buffer a branch passes through unchanged
+on every tick (XLA 0.10: a scan of 64 ticks over a 384x384 accumulator and
+8 activation slots holds 4.2x the temp memory and takes 1.5-1.8x the CPU
+time of the same scan with whiles), or branches with small outputs and the
+accumulators updated outside, which costs a parameter-sized read and write
+on every tick. One stage rank (``num_ranks == 1``) runs no ticks: the
+microbatches run in turn (``sequential``), as data parallelism runs them.
 
 Buffer updates are selects or writes to a spare slot, never masks multiplied
 in, so whatever a bubble produces (``bubble_fill``, NaN in the tests) never
 reaches the results. Memory is the schedule's: ``num_stash_slots`` stashes,
 ``num_weight_slots`` weight stashes and ``num_mailbox_slots + 1`` activations
 per rank (``O(p)`` for 1F1B whatever the number of microbatches ``m``), plus
-the parameters, their gradients, the batch and its gradient.
+the parameters, their gradients, the batch and the output.
 
 **Randomness.** With a key, stage ``k`` on microbatch ``i`` runs with
 ``fold_in(fold_in(key, offset + i), k)`` in its ``F``, ``I`` and ``W`` (and a
@@ -75,31 +90,98 @@ from jaxpar.pipeline.stage import StageVJP
 PyTree = Any
 StageFn = Callable[..., jax.Array]
 LossFn = Callable[..., Any]
-_F_LAST = 5  # block code: forward of the last stage, with the loss
+
+
+def blocks(lowered: LoweredSchedule, *, loss: bool, embed: bool
+           ) -> tuple[np.ndarray, tuple[tuple[int, bool, bool], ...]]:
+  """The block each rank runs at each tick, as a code into a list of kinds.
+
+  A block is ``(kind, first, last)``: ``first`` is stage 0 with an
+  ``embed_fn`` (its ``F`` embeds the raw microbatch, its ``W`` adds the
+  embedding's gradient), ``last`` the last stage's ``F`` with the loss.
+
+  Returns:
+    ``(code, kinds)``: int32 ``[T, p]`` (``-1`` idle) and the blocks present,
+    ``kinds[code]``, in a fixed order.
+  """
+  kind, stage = lowered.kind, lowered.stage
+  first = embed & (stage == 0) & ((kind == F) | (kind == W))
+  last = loss & (stage == lowered.schedule.num_stages - 1) & (kind == F)
+  keys = np.stack([kind, first, last], -1)
+  present = sorted({tuple(int(v) for v in k) for k in keys.reshape(-1, 3)
+                    if k[0]})
+  code = np.full(kind.shape, -1, np.int32)
+  for c, k in enumerate(present):
+    code[(keys == k).all(-1)] = c
+  return code, tuple((k, bool(f), bool(l)) for k, f, l in present)
+
+
+def messages(lowered: LoweredSchedule, edge: bool
+             ) -> tuple[np.ndarray, tuple[tuple[bool, ...], ...]]:
+  """What is communicated at each tick, the same on every rank.
+
+  A pattern is one flag per nonzero offset (a ``ppermute`` over it) plus,
+  with ``edge``, one for the ``psum`` of a row of the batch-sized result.
+
+  Returns:
+    ``(code, patterns)``: int32 ``[T]`` and the distinct patterns.
+  """
+  remote = [k for k, o in enumerate(lowered.offsets) if o]
+  flags = (lowered.recv_slot[:, :, remote] >= 0).any(1)
+  if edge:
+    flags = np.concatenate([flags, edge_rows(lowered)[:, None] >= 0], 1)
+  patterns = sorted({tuple(bool(f) for f in row) for row in flags})
+  code = np.array([patterns.index(tuple(bool(f) for f in row))
+                   for row in flags], np.int32)
+  return code, tuple(patterns)
+
+
+def edge_rows(lowered: LoweredSchedule) -> np.ndarray:
+  """int32 ``[T]``: the microbatch whose row of the result is done at tick
+  ``t`` (stage 0's ``I`` when training, else the last stage's ``F``), or -1.
+  """
+  train = lowered.training
+  kind, stage = (I, 0) if train else (F, lowered.schedule.num_stages - 1)
+  at = (lowered.kind == kind) & (lowered.stage == stage)
+  return np.where(at.any(1), np.where(at, lowered.microbatch, -1).max(1),
+                  -1).astype(np.int32)
 
 
 def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
-         local_params: PyTree, loss_params: PyTree, inputs: jax.Array,
-         targets: PyTree, *, axis: str, remat: bool, bubble_fill: float,
-         key: jax.Array | None = None, offset: Any = 0,
-         has_aux: bool = False):
+        local_params: PyTree, loss_params: PyTree, inputs: PyTree,
+        targets: PyTree, *, axis: str, remat: bool, bubble_fill: float,
+        key: jax.Array | None = None, offset: Any = 0,
+        has_aux: bool = False, embed_fn: Callable[..., jax.Array] | None = None,
+        embed_params: PyTree = None, embed_key: jax.Array | None = None):
   """The scan over ticks on one rank (inside ``shard_map``); see module doc.
 
   Args are one rank's view: ``local_params`` ``[v, ...]``, ``inputs``
-  ``[m, mb, ...]``, ``targets`` leaves ``[m, mb, ...]``; ``key`` the step's
-  key, ``offset`` the global index of this shard's first microbatch.
+  ``[m, mb, ...]`` (raw, for ``embed_fn``, when it is given), ``targets``
+  leaves ``[m, mb, ...]``; ``key`` the step's key, ``offset`` the global index
+  of this shard's first microbatch; ``embed_fn(embed_params, inputs[i])``
+  (``+ (fold_in(embed_key, offset + i),)`` with an ``embed_key``) gives stage
+  0's input.
 
   Returns:
     Training (``loss_fn`` given): ``((loss, aux), dlocal_params,
-    dloss_params, dinputs)``, the loss (``aux``: ``()`` without ``has_aux``)
-    and gradients of the mean over the ``m`` microbatches; forward-only: the
+    dloss_params, dinputs, dembed_params)``, the loss (``aux``: ``()``
+    without ``has_aux``) and gradients of the mean over the ``m``
+    microbatches; ``dinputs`` ``[m, mb, ...]`` is ``None`` with an
+    ``embed_fn`` and ``dembed_params`` ``None`` without. Forward-only: the
     last stage's outputs ``[m, mb, ...]``. Everything but ``dlocal_params``
     is reduced over ``axis``.
   """
   schedule = lowered.schedule
   p, m = schedule.num_ranks, schedule.num_microbatches
+  if p == 1:
+    return sequential(
+        stage_fn, loss_fn, schedule, local_params, loss_params, inputs,
+        targets, axis=axis, remat=remat, key=key, offset=offset,
+        has_aux=has_aux, embed_fn=embed_fn, embed_params=embed_params,
+        embed_key=embed_key)
   last = schedule.num_stages - 1
   train = loss_fn is not None
+  embedding = embed_fn is not None
   stage = StageVJP(stage_fn, remat or not train)
   rank = jax.lax.axis_index(axis)
   v = schedule.num_stages // p
@@ -110,6 +192,7 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   base = vma(inputs) | {axis}
   local_params = vary(local_params, base)
   loss_params = vary(loss_params, base)
+  embed_params = vary(embed_params, base)
   one_params = jax.tree.map(lambda a: a[0], local_params)
 
   def key_of(stg, mb):
@@ -119,6 +202,13 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
     if key is None:
       return None
     return jax.random.fold_in(jax.random.fold_in(key, offset + mb), stg)
+
+  def embedded(ep, mb):
+    """Stage 0's input for microbatch ``mb``: ``embed_fn`` of its raw rows."""
+    raw = jax.tree.map(lambda a: a[mb], inputs)
+    k = None if embed_key is None else jax.random.fold_in(embed_key,
+                                                          offset + mb)
+    return embed_fn(ep, raw, *with_key(k))
 
   def seed(lp, y, target, k):
     """This microbatch's share of the mean loss (and aux, at least float32),
@@ -134,9 +224,11 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   # are a fixed point of x -> y (-> loss cotangent -> dx) -> x. The key is
   # built as in a tick (its microbatch comes from the rank's table row).
   k0 = key_of(rank * 0, rank * 0)
-  act_vma = base
+  x0 = (jax.eval_shape(embedded, embed_params, rank * 0) if embedding
+        else jax.typeof(inputs[0]))
+  act_vma = base | vma(x0)
   while True:
-    x = vary(jnp.zeros(inputs.shape[1:], inputs.dtype), act_vma)
+    x = vary(jnp.zeros(x0.shape, x0.dtype), act_vma)
     y_aval, stash_aval = stage.trace(one_params, x, k0)
     new = act_vma | vma(y_aval)
     if train:
@@ -162,121 +254,203 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
     return jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(
         b, like(v, b[0]), index, 0), buf, value)
 
-  # One block per action kind; each runs in a ``when`` and updates the tick
-  # state (payload, grads, (loss, aux), dloss_params) in place. ``F`` also
-  # carries the stash and writes its slot in place; ``I`` and ``W`` run
-  # inside one loop that reads the stash entry once and carries the weight
-  # stash. ``at`` is the tick's (local stage j, logical stage, microbatch).
-  def fwd(state, stash, at, slot, x, target):
-    del target
-    j, stg, mb = at
-    if not train:
-      return (like(stage_fn(params_of(j), x), act_aval),), None
-    y, new = stage.forward(params_of(j), x, key_of(stg, mb))
-    return (like(y, act_aval), *state[1:]), put(stash, slot, new)
+  def add(acc, d):
+    return jax.tree.map(lambda a, d: a + like(d, a), acc, d)
 
-  def fwd_last(state, stash, at, slot, x, target):
-    _, grads, out, dlp = state
-    j, stg, mb = at
-    y, new = stage.forward(params_of(j), x, key_of(stg, mb))
-    o, (dl, dy) = seed(loss_params, y, target, key_of(last + 1, mb))
-    add = lambda acc, d: jax.tree.map(lambda a, d: a + like(d, a), acc, d)
-    return (like(dy, act_aval), grads, add(out, o), add(dlp, dl)
-            ), put(stash, slot, new)
+  # One block per (kind, first, last); each runs in a ``when`` and updates
+  # the tick state in place: ``(payload, grads, (loss, aux), dloss_params,
+  # dembed_params)`` and its own buffer (``F`` the stash, ``I`` the weight
+  # stash). ``at`` is the tick's (local stage j, logical stage, microbatch).
+  def forward(first, last_stage):
+    def block(carry, at, slot, x, target):
+      state, stash = carry
+      j, stg, mb = at
+      if first:
+        x = like(embedded(embed_params, mb).astype(act_aval.dtype), act_aval)
+      if not train:
+        return (like(stage_fn(params_of(j), x), act_aval),), stash
+      y, new = stage.forward(params_of(j), x, key_of(stg, mb))
+      stash = put(stash, slot, new)
+      if not last_stage:
+        return (like(y, act_aval), *state[1:]), stash
+      payload, grads, out, dlp, de = state
+      o, (dl, dy) = seed(loss_params, y, target, key_of(last + 1, mb))
+      return (like(dy, act_aval), grads, add(out, o), add(dlp, dl), de), stash
+    return block
 
-  def bwd_input(carry, st, at, wslot, dy):
-    state, wstash = carry
+  def input_grad(carry, at, slot, wslot, dy):
+    (_, *rest), stash, wstash = carry
     j, stg, mb = at
+    st = jax.tree.map(lambda b: b[slot], stash)
     dx, kept = stage.input_grad(params_of(j), st, dy, key_of(stg, mb))
     dx = like(dx, act_aval)
-    return (dx, *state[1:]), put(wstash, wslot, (kept, dx))
+    return (dx, *rest), stash, put(wstash, wslot, (kept, dx))
 
-  def bwd_weight(carry, st, at, wslot, dy):
-    (_, grads, *acc), wstash = carry
-    j, stg, mb = at
-    kept, dx = jax.tree.map(lambda b: b[wslot], wstash)
-    dp = stage.weight_grad(params_of(j), st, dy, kept, key_of(stg, mb))
-    grads = jax.tree.map(lambda g, d: g.at[j].add(like(d, g[j])), grads, dp)
-    return (dx, grads, *acc), wstash
+  def weight_grad(first):
+    def block(carry, at, slot, wslot, dy):
+      (_, grads, out, dlp, de), stash, wstash = carry
+      j, stg, mb = at
+      st = jax.tree.map(lambda b: b[slot], stash)
+      kept, dx = jax.tree.map(lambda b: b[wslot], wstash)
+      dp = stage.weight_grad(params_of(j), st, dy, kept, key_of(stg, mb))
+      grads = jax.tree.map(lambda g, d: g.at[j].add(like(d, g[j])), grads, dp)
+      if first:
+        _, vjp = jax.vjp(lambda ep: embedded(ep, mb), embed_params)
+        de = add(de, vjp(dx.astype(x0.dtype))[0])
+      return (dx, grads, out, dlp, de), stash, wstash
+    return block
 
-  present = set(np.unique(lowered.kind).tolist())
-  writers = {F: fwd, _F_LAST: fwd_last} if train else {F: fwd}
-  readers = {code: block for code, block in ((I, bwd_input), (W, bwd_weight))
-             if code in present}
+  codes, kinds = blocks(lowered, loss=train, embed=embedding)
+  with_edge = not embedding
+  comm, patterns = messages(lowered, with_edge)
+  rows_done = edge_rows(lowered)
+  remote = [k for k, o in enumerate(lowered.offsets) if o]
+  local = [k for k, o in enumerate(lowered.offsets) if not o]
 
-  # The batch-sized result (input cotangents, or the outputs when not
-  # training) is produced on one rank, one microbatch at a time, into that
-  # rank's buffer (zeros elsewhere); one psum after the scan replicates it.
-  edge_kind, edge_stage = (I, 0) if train else (F, last)
-  # Whether any rank receives over offset k at tick t: ticks without a
-  # message skip that ppermute (the same on every rank, from the table).
-  sends = (lowered.recv_slot >= 0).any(1)
+  def exchange(pattern, payload, row):
+    """The pattern's ppermutes (a fill where it sends nothing) and psum."""
+    msgs = [like(jax.lax.ppermute(payload, axis, [
+        (r, (r + lowered.offsets[k]) % p) for r in range(p)]), act_aval)
+            if send else full(act_aval, bubble_fill)
+            for k, send in zip(remote, pattern)]
+    if with_edge:
+      msgs.append(jax.lax.psum(row, axis) if pattern[-1] else
+                  vary(jnp.zeros(row.shape, row.dtype), act_vma - {axis}))
+    return msgs
 
   def tick(carry, row):
-    mailbox, stash, wstash, grads, out, dlp, edge = carry
-    row, send = row
-    kind, stg, mb, j, read, slot, wslot, recv = (a[rank] for a in row)
+    mailbox, stash, wstash, state, edge = carry
+    row, pattern, done = row
+    kind, code, stg, mb, j, read, slot, wslot, recv = (a[rank] for a in row)
     mb, j = jnp.maximum(mb, 0), jnp.maximum(j, 0)
     slot, wslot = jnp.maximum(slot, 0), jnp.maximum(wslot, 0)
     at = (j, stg, mb)
-    x = jnp.where(read >= 0, mailbox[jnp.maximum(read, 0)], inputs[mb])
+    x = mailbox[jnp.maximum(read, 0)]
+    if not embedding:
+      x = jnp.where(read >= 0, x, inputs[mb])
     target = jax.tree.map(lambda t: t[mb], targets)
-    branch = kind
-    if train:
-      branch = jnp.where((kind == F) & (stg == last), _F_LAST, kind)
-    state = (full(act_aval, bubble_fill), grads, out, dlp)
-    if not train:
-      state = state[:1]
-    for code, block in writers.items():
-      state, stash = when(branch == code, lambda c, block=block: block(
-          *c, at, slot, x, target), (state, stash))
-    if readers:
-      def read(carry):
-        st = jax.tree.map(lambda b: b[slot], stash)
-        for code, block in readers.items():
-          carry = when(branch == code, lambda c, block=block: block(
-              c, st, at, wslot, x), carry)
-        return carry
-      state, wstash = when(jnp.isin(branch, np.array(list(readers))), read,
-                            (state, wstash))
-    payload = state[0]
-    if train:
-      _, grads, out, dlp = state
-    edge = when((kind == edge_kind) & (stg == edge_stage),
-                 lambda e: put(e, mb, payload), edge)
-    for k, offset in enumerate(lowered.offsets):
-      def deliver(mailbox, k=k, offset=offset):
-        msg = payload if offset == 0 else jax.lax.ppermute(
-            payload, axis, [(r, (r + offset) % p) for r in range(p)])
-        # No message for this rank: the spare last slot, which nothing reads.
-        return put(mailbox, jnp.where(recv[k] >= 0, recv[k], spare), msg)
-      mailbox = when(send[k], deliver, mailbox)
-    return (mailbox, stash, wstash, grads, out, dlp, edge), None
+    state = (full(act_aval, bubble_fill), *state)
+    for c, (block_kind, first, last_stage) in enumerate(kinds):
+      if block_kind == F:
+        state, stash = when(code == c, lambda s, b=forward(
+            first, last_stage): b(s, at, slot, x, target), (state, stash))
+      else:
+        block = input_grad if block_kind == I else weight_grad(first)
+        state, stash, wstash = when(code == c, lambda s, b=block: b(
+            s, at, slot, wslot, x), (state, stash, wstash))
+    payload, *state = state
+    for k in local:  # a local hand-off (the loss cotangent): no message
+      mailbox = put(mailbox, jnp.where(recv[k] >= 0, recv[k], spare), payload)
+    row_value = None
+    if with_edge:  # this rank's share of the result's row: a select
+      mine = (kind == (I if train else F)) & (stg == (0 if train else last))
+      row_value = jnp.where(mine, payload, jnp.zeros_like(payload))
+    if len(patterns) == 1:
+      got = exchange(patterns[0], payload, row_value)
+    else:
+      got = jax.lax.switch(pattern, [
+          lambda a, b, pat=pat: exchange(pat, a, b) for pat in patterns],
+                           payload, row_value)
+    for k, msg in zip(remote, got):
+      mailbox = put(mailbox, jnp.where(recv[k] >= 0, recv[k], spare), msg)
+    if with_edge:  # the row done this tick, else row 0 rewritten as it is
+      i = jnp.maximum(done, 0)
+      edge = put(edge, i, jnp.where(done >= 0, got[-1], edge[i]))
+    return (mailbox, stash, wstash, tuple(state), edge), None
 
-  stash = wstash = grads = out = dlp = None
+  stash = wstash = None
+  state = ()
   if train:
-    grads = full(dp_aval, 0, v)
-    out, dlp = full(out_aval, 0), full(dlp_aval, 0)
+    state = (full(dp_aval, 0, v), full(out_aval, 0), full(dlp_aval, 0),
+             vary(full(jax.eval_shape(lambda: embed_params), 0), act_vma))
     stash = full(stash_aval, bubble_fill, lowered.num_stash_slots)
     wstash = full((kept_aval, act_aval), bubble_fill,
                   max(lowered.num_weight_slots, 1))
   spare = lowered.num_mailbox_slots
   mailbox = full(act_aval, bubble_fill, spare + 1)
-  edge = vary(jnp.zeros((m,) + act_aval.shape, act_aval.dtype), act_vma)
-  rows = (lowered.kind, lowered.stage, lowered.microbatch, lowered.local_stage,
-          lowered.read_slot, lowered.stash_slot, lowered.weight_slot,
+  edge = None
+  if with_edge:
+    edge = vary(jnp.zeros((m,) + act_aval.shape, act_aval.dtype),
+                act_vma - {axis})
+  rows = (lowered.kind, codes, lowered.stage, lowered.microbatch,
+          lowered.local_stage, lowered.read_slot, lowered.stash_slot, lowered.weight_slot,
           lowered.recv_slot)
-  (_, _, _, grads, out, dlp, edge), _ = jax.lax.scan(
-      tick, (mailbox, stash, wstash, grads, out, dlp, edge),
-      (rows, sends))
+  (_, _, _, state, edge), _ = jax.lax.scan(
+      tick, (mailbox, stash, wstash, state, edge), (rows, comm, rows_done))
   if not train:
-    return jax.lax.psum(edge, axis)
-  out, dlp, edge = jax.lax.psum((out, dlp, edge), axis)  # one collective
-  return out, grads, dlp, edge
+    return edge
+  grads, out, dlp, de = state
+  out, dlp, de = jax.lax.psum((out, dlp, de), axis)  # one collective
+  return out, grads, dlp, edge, (de if embedding else None)
+
+
+def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
+               local_params: PyTree, loss_params: PyTree, inputs: PyTree,
+               targets: PyTree, *, axis: str, remat: bool,
+               key: jax.Array | None, offset: Any, has_aux: bool,
+               embed_fn: Callable[..., jax.Array] | None, embed_params: PyTree,
+               embed_key: jax.Array | None):
+  """``run`` on one rank: the microbatches in turn, no ticks.
+
+  A ``lax.scan`` over the ``m`` microbatches of ``jax.value_and_grad`` of
+  the whole model (embedding, the ``num_stages`` stages in order, the loss),
+  accumulating as data parallelism's microbatches do; the same keys, results
+  and return values as ``run``. With ``remat`` each stage is a
+  ``jax.checkpoint``.
+  """
+  m, num_stages = schedule.num_microbatches, schedule.num_stages
+  train = loss_fn is not None
+  base = vma(inputs) | {axis}
+  local_params, loss_params, embed_params = vary(
+      (local_params, loss_params, embed_params), base)
+  layer = jax.checkpoint(stage_fn) if remat and train else stage_fn
+
+  def model(params, lp, ep, x, target, mb):
+    """The microbatch's share of the mean loss (and aux), or its output."""
+    g = offset + mb
+    if embed_fn is not None:
+      k = None if embed_key is None else jax.random.fold_in(embed_key, g)
+      x = embed_fn(ep, x, *with_key(k))
+    keys = None if key is None else jax.random.fold_in(key, g)
+    key_of = lambda k: () if key is None else (jax.random.fold_in(keys, k),)
+    for j in range(num_stages):
+      x = layer(jax.tree.map(lambda a, j=j: a[j], params), x, *key_of(j))
+    if not train:
+      return x
+    out = loss_fn(lp, x, target, *key_of(num_stages))
+    loss, aux = out if has_aux else (out, ())
+    return jax.tree.map(lambda a: a.astype(jnp.promote_types(
+        a.dtype, jnp.float32)) / m, (loss, aux))
+
+  mbs = jnp.arange(m)
+  if not train:
+    return jax.lax.psum(jax.lax.map(
+        lambda a: model(local_params, None, embed_params, *a),
+        (inputs, targets, mbs)), axis)
+  argnums = (0, 1, 2) if embed_fn is not None else (0, 1, 2, 3)
+  grad = jax.value_and_grad(model, argnums, has_aux=True)
+
+  def body(acc, a):
+    x, target, mb = a
+    out, grads = grad(local_params, loss_params, embed_params, x, target, mb)
+    dx = grads[3] if embed_fn is None else None
+    acc = jax.tree.map(lambda s, d: s + vary(d, vma(s)), acc, (out, grads[:3]))
+    return acc, dx
+
+  first = jax.tree.map(lambda a: a[0], (inputs, targets))
+  zero = jax.tree.map(
+      lambda a: vary(jnp.zeros(a.shape, a.dtype), base | vma(a)),
+      jax.eval_shape(lambda: jax.tree.map(lambda a: a, grad(
+          local_params, loss_params, embed_params, *first, mbs[0]))))
+  zero = (zero[0], zero[1][:3])
+  (out, (grads, dlp, de)), dx = jax.lax.scan(body, zero, (inputs, targets,
+                                                          mbs))
+  out, dlp, de, dx = jax.lax.psum((out, dlp, de, dx), axis)
+  return out, grads, dlp, dx, (de if embed_fn is not None else None)
 
 
 def when(pred: jax.Array, fn: Callable[[PyTree], PyTree],
-          state: PyTree) -> PyTree:
+         state: PyTree) -> PyTree:
   """``fn(state)`` if ``pred`` else ``state``, updating buffers in place.
 
   A ``while_loop`` of zero or one trip. XLA keeps while-loop carries in
