@@ -116,8 +116,11 @@ def padded_shape(shape: tuple[int, ...], spec: P, *, mesh: Mesh
 def _even_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
   """``spec`` without the axes of the dims they do not divide (no padding)."""
   entries = list(spec) + [None] * (len(shape) - len(spec))
-  return P(*[e if s % split_size(e, mesh.shape) == 0 else None
-             for e, s in zip(entries, shape)])
+  entries = [e if s % split_size(e, mesh.shape) == 0 else None
+             for e, s in zip(entries, shape)]
+  while entries and entries[-1] is None:
+    entries.pop()
+  return P(*entries)
 
 
 def pad(tree: PyTree, specs: PyTree, *, mesh: Mesh) -> PyTree:
@@ -164,19 +167,28 @@ def logical_shapes(tree: PyTree) -> PyTree:
     {'b': ShapeDtypeStruct(shape=(3,), dtype=float32)}
   """
   return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(tuple(np.shape(x)), np.result_type(x))
+      lambda x: jax.ShapeDtypeStruct(
+          tuple(np.shape(x)),
+          x.dtype if hasattr(x, 'dtype') else np.result_type(x))
       if not is_padded(x) else jax.ShapeDtypeStruct(x.shape, x.dtype),
       tree, is_leaf=is_padded)
+
+
+def logical_sharding(x: Padded) -> Any:
+  """Where ``x``'s logical array goes: its sharding without the axes of the
+  padded dims (``None`` if ``x.value`` has no ``NamedSharding``)."""
+  sharding = getattr(x.value, 'sharding', None)
+  if not isinstance(sharding, NamedSharding):
+    return None
+  return NamedSharding(sharding.mesh,
+                       _even_spec(sharding.spec, x.shape, sharding.mesh))
 
 
 def _unpadded_leaf(x: Any) -> Any:
   if not is_padded(x):
     return x
-  value = x.value
-  sharding = getattr(value, 'sharding', None)
-  if isinstance(sharding, NamedSharding):   # the padded dims whole, then cut
-    value = jax.device_put(value, NamedSharding(
-        sharding.mesh, _even_spec(sharding.spec, x.shape, sharding.mesh)))
+  sharding = logical_sharding(x)   # the padded dims whole, then cut
+  value = x.value if sharding is None else jax.device_put(x.value, sharding)
   return value[_logical_index(x.shape)]
 
 
@@ -212,18 +224,38 @@ def place(tree: PyTree, specs: PyTree, *, mesh: Mesh) -> PyTree:
     ...                   mesh=mesh)['b'].value.sharding.spec
     P('data',)
   """
-  def one(spec, x):
-    sharding = NamedSharding(mesh, spec)
-    shape = x.shape if is_padded(x) else tuple(np.shape(x))
-    full = padded_shape(shape, spec, mesh=mesh)
-    stored = x.value if is_padded(x) else x
-    if tuple(np.shape(stored)) == full:
-      out = jax.device_put(stored, sharding)
-      return out if full == shape else Padded(out, shape)
-    logical = jax.device_put(_unpadded_leaf(x), NamedSharding(
-        mesh, _even_spec(spec, shape, mesh)))
-    return jax.device_put(pad(logical, spec, mesh=mesh), sharding)
-  return jax.tree.map(one, specs, tree, is_leaf=_is_spec)
+  return jax.tree.map(lambda spec, x: _place_leaf(x, NamedSharding(mesh, spec)),
+                      specs, tree, is_leaf=_is_spec)
+
+
+def place_like(tree: PyTree, like: PyTree) -> PyTree:
+  """Logical ``tree`` stored as ``like`` is: ``Padded`` where it is, with its
+  sharding (other leaves of ``tree`` are returned as they are).
+
+  Example:
+    >>> mesh = jaxpar.make_mesh(data=8)
+    >>> like = jaxpar.zero.place({'b': jnp.ones(3)}, {'b': P('data')},
+    ...                          mesh=mesh)
+    >>> jaxpar.zero.place_like({'b': jnp.arange(3.)}, like)['b'].value
+    Array([0., 1., 2., 0., 0., 0., 0., 0.], dtype=float32)
+  """
+  return jax.tree.map(
+      lambda r, x: _place_leaf(x, r.value.sharding) if is_padded(r) else x,
+      like, tree, is_leaf=is_padded)
+
+
+def _place_leaf(x: Any, sharding: NamedSharding) -> Any:
+  """One leaf (``Padded`` or not) stored for ``sharding``."""
+  mesh, spec = sharding.mesh, sharding.spec
+  shape = x.shape if is_padded(x) else tuple(np.shape(x))
+  full = padded_shape(shape, spec, mesh=mesh)
+  stored = x.value if is_padded(x) else x
+  if tuple(np.shape(stored)) == full:
+    out = jax.device_put(stored, sharding)
+    return out if full == shape else Padded(out, shape)
+  logical = jax.device_put(_unpadded_leaf(x), NamedSharding(
+      mesh, _even_spec(spec, shape, mesh)))
+  return jax.device_put(pad(logical, spec, mesh=mesh), sharding)
 
 
 def _like(tree: PyTree, ref: PyTree) -> PyTree:

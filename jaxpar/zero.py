@@ -61,12 +61,17 @@ Example:
   >>> params = {'w': jnp.ones((16, 3)), 'b': jnp.zeros(3)}
   >>> state = jaxpar.TrainState.create(params, optax.adam(0.1))
   >>> state = jaxpar.zero.shard_state(state, mesh=mesh, zero_stage=3)
-  >>> state.params['w'].sharding.spec, state.params['b'].sharding.spec
-  (P('data',), P())
-  >>> state.params['w'].addressable_shards[0].data.shape
-  (2, 3)
+  >>> state.params['w'].sharding.spec, state.params['w'].sharding.shard_shape(
+  ...     (16, 3))
+  (P('data',), (2, 3))
 
-  On ``data=6`` no dim of ``w`` divides: it is padded from 16 to 18 rows.
+  No dim of ``b`` divides by 8: it is stored padded from 3 to 8 entries.
+
+  >>> b = state.params['b']
+  >>> b.shape, b.value.shape, b.value.sharding.spec
+  ((3,), (8,), P('data',))
+
+  On ``data=6`` no dim of ``w`` divides either: it is padded to 18 rows.
 
   >>> mesh6 = jaxpar.make_mesh(data=6, devices=jax.devices()[:6])
   >>> state6 = jaxpar.zero.shard_state(state, mesh=mesh6, zero_stage=3)
@@ -94,7 +99,7 @@ from jaxpar.mesh import axis_size
 # Padded, pad, unpad, unpadded, place, ... are part of jaxpar.zero's API too.
 from jaxpar.padding import (Padded, entry_axes, is_padded, logical_shapes,
                             pad, padded_optimizer, padded_shape, place,
-                            split_size, unpad, unpadded)
+                            place_like, split_size, unpad, unpadded)
 from jaxpar.tensor_parallel.layout import unshard_params
 from jaxpar.train_state import PyTree, TrainState, shardings
 
