@@ -1,6 +1,7 @@
 """ZeRO-1/3 equal single-device optax training, with 1/N state per device."""
 
 import doctest
+import functools
 import math
 import re
 
@@ -347,6 +348,13 @@ def padding_entries(tree):
   return out
 
 
+@functools.cache
+def odd_reference():
+  """One device, float64 (call it with x64 on)."""
+  return reference_run(odd_params(), odd_batches(), per_leaf_optimizer(), 0.5,
+                       loss_of=odd_loss)
+
+
 @pytest.mark.parametrize('stage,num_microbatches', [(0, 1), (1, 2), (3, 1),
                                                     (3, 2)])
 def test_padded_leaves_exact_float64(x64, stage, num_microbatches):
@@ -360,11 +368,11 @@ def test_padded_leaves_exact_float64(x64, stage, num_microbatches):
   for batch in batches:
     state, stats = trainer.step(state, batch)
     got.append((stats.loss, stats.grad_norm, trainer.params(state)))
-  want = reference_run(params, batches, optimizer, 0.5, loss_of=odd_loss)
-  assert_same_history(got, want, rtol=1e-10)
+  assert_same_history(got, odd_reference(), rtol=1e-10)
   assert jax.tree.map(np.shape, got[-1][2]) == jax.tree.map(np.shape, params)
   stored = padding_entries(state)
-  assert len(stored) == {0: 0, 1: 4, 3: 8}[stage]   # b1/b2 nu, w2/b2 mu, ...
+  # mu, nu of b1 (adam), w2 and b2 (lamb); ZeRO-3: w1, b1, w2, b2 too.
+  assert len(stored) == {0: 0, 1: 6, 3: 10}[stage]
   assert all(not v.any() for v in stored)           # padding stays zero
 
 
@@ -387,7 +395,7 @@ def test_each_device_holds_one_nth_on_data6():
                                        mesh=data6_mesh(), zero_stage=stage)
     state = trainer.init(params)
     held[stage] = zero.bytes_per_device(state)
-  counts = 4
+  counts = 4 + 4   # step, adam count
   assert held[0] == (total, 2 * total + counts)
   assert held[1].params == total
   assert held[1].opt_state <= 2 * (1.1 * total / 6 + rows) + counts
@@ -423,10 +431,12 @@ def test_masked_states_split_like_plain_ones(x64):
   assert_same_history(got, reference_run(params, batches, optimizer,
                                           loss_of=wide_loss), rtol=1e-10)
   # Every params-shaped optimizer leaf is split over data.
-  trace = state.opt_state[0].inner_state[0].trace
+  trace = state.opt_state[0].inner_state.trace
   adam = state.opt_state[1].inner_states['train'].inner_state[0]
-  for leaf in jax.tree.leaves((trace, adam.mu, adam.nu)):
-    assert 'data' in jax.tree.leaves(tuple(leaf.sharding.spec)), leaf.shape
+  leaves = jax.tree.leaves((trace, adam.mu, adam.nu))
+  assert len(leaves) == 2 + 3 + 3
+  for leaf in leaves:
+    assert zero.data_dim(leaf.sharding.spec) is not None, leaf.shape
   split = 8 * (5 * 400 + 400 + 400 * 3)   # float64 w1, b1, w2
   held = zero.bytes_per_device(state).opt_state
   trace_bytes = 8 * (5 * 400 + 400 * 3)
