@@ -204,8 +204,8 @@ def unpadded(tree: PyTree) -> PyTree:
     >>> state = jaxpar.zero.shard_state(jaxpar.TrainState.create(
     ...     {'b': jnp.ones(3)}, optax.sgd(0.1)), mesh=mesh, zero_stage=3)
     >>> b = jaxpar.zero.unpadded(state.params)['b']
-    >>> b.shape, b.sharding.spec
-    ((3,), P())
+    >>> b.shape, b.sharding.is_fully_replicated
+    ((3,), True)
   """
   return jax.tree.map(_unpadded_leaf, tree, is_leaf=is_padded)
 
