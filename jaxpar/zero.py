@@ -21,6 +21,8 @@ a norm, a mean or a factored moment), and ``Trainer.params``,
 ``gather_params``, ``unshard_state`` and ``jaxpar.checkpoint`` give logical
 arrays. So a ZeRO state saves and restores onto any mesh, any data size and
 any ``zero_stage``. A zero-size leaf is never split (it holds no bytes).
+The 3D step (``jaxpar.parallel``) does not pad yet: there a leaf that no
+dim divides stays replicated over ``data``.
 
 * ``zero_stage=1``: the params-shaped subtrees of ``opt_state`` (Adam's
   ``mu`` and ``nu``, momentum traces, ``MultiSteps``' accumulator: subtrees
@@ -101,7 +103,7 @@ from jaxpar.padding import (Padded, entry_axes, is_padded, logical_shapes,
                             pad, padded_optimizer, padded_shape, place,
                             place_like, split_size, unpad, unpadded)
 from jaxpar.tensor_parallel.layout import unshard_params
-from jaxpar.train_state import PyTree, TrainState, shardings
+from jaxpar.train_state import PyTree, TrainState
 
 ZERO_STAGES = (0, 1, 3)
 
