@@ -470,10 +470,11 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
     raise FileNotFoundError(f'no checkpoint directory {path}.')
   step, record = _pick_step(path, step, verify)
   step_dir = os.path.join(path, str(step))
-  target = jax.tree.map(_target, like, is_leaf=padding.is_padded)
+  refs = jax.tree.map(_target, like, is_leaf=padding.is_padded)
+  target = refs
   if schedule is not None:
     target = _map_stages(lambda st: jax.tree.map(
-        lambda a: _model_target(a, schedule), st), target)
+        lambda a: _model_target(a, schedule), st), refs)
   manager = _manager(path)
   try:
     try:
@@ -500,5 +501,5 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
     integrity.verify_arrays(record, restored, step_dir, step)
   if schedule is not None:
     restored = _map_stages(lambda st, ref: jax.tree.map(
-        lambda a, r: _to_rank_layout(a, r, schedule), st, ref), restored, like)
+        lambda a, r: _to_rank_layout(a, r, schedule), st, ref), restored, refs)
   return padding.place_like(restored, like)
