@@ -96,20 +96,21 @@ def theory(params, *, mesh: Mesh, zero_stage: int, axis: str = 'data'
     return {'all-reduce': (total + loss, 'P + loss')}
   norms = sum(np.promote_types(x.dtype, np.float32).itemsize
               for x, _ in split)
+  reduced = 'loss + P_whole + 1 partial norm per split leaf'
   if zero_stage == 3:
-    return {'all-reduce': (loss + p_whole + norms,
-                           'loss + P_whole + 1 partial norm per split leaf'),
+    return {'all-reduce': (loss + p_whole + norms, reduced),
             'reduce-scatter': (p_split, 'P_split (grads)'),
             'all-gather': (p_split, 'P_split (params in the forward; the '
                            'backward reuses it)')}
   # ZeRO-1: XLA gathers the new params of a padded leaf with an all-reduce
   # of its logical bytes (P_pad), the others with an all-gather.
   p_pad = sum(x.nbytes for x, _ in padded)
-  return {'all-reduce': (loss + p_whole + p_pad + norms, 'loss + P_whole + '
-                         'P_pad (params) + 1 partial norm per split leaf'),
+  return {'all-reduce': (loss + p_whole + norms + p_pad,
+                         reduced + (' + P_pad (params)' if padded else '')),
           'reduce-scatter': (p_split, 'P_split (grads)'),
           'all-gather': (p_split - sum(stored(x, s) for x, s in padded),
-                         'P_split - padded leaves (params)')}
+                         'P_split (params)' + (
+                             ' - padded leaves' if padded else ''))}
 
 
 def run(*, quick: bool) -> dict[str, list[dict]]:
