@@ -314,10 +314,10 @@ def _shard_map_step(loss_fn, optimizer, *, mesh, axis, max_grad_norm,
   """The jitted ``shard_map`` step and ``init`` of ``train_step``."""
   layouts = {}
 
-  def layout(state: TrainState) -> tuple[TrainState, PyTree, optax.
-                                        GradientTransformation]:
+  def layout(state: TrainState) -> tuple[TrainState, PyTree, Any]:
     """(specs of the state, params specs with the data axis, the optimizer
-    on its padded state), from the logical shapes: cached."""
+    on its padded state: ``zero.padded_optimizer``), from the logical
+    shapes: cached."""
     logical = zero.logical_shapes(state)
     key = _signature(logical)
     if key not in layouts:
