@@ -455,6 +455,24 @@ def test_masked_states_split_like_plain_ones(x64):
   assert held <= (trace_bytes + 2 * split) / 8 + 8 * 4  # + counts
 
 
+def test_masked_state_specs_follow_the_params():
+  """The 3D layout too: a multi_transform state is split like the params
+  (over tensor/stage always, over data with ZeRO), MaskedNodes kept."""
+  params = {'w': jnp.ones((4, 8)), 'b': jnp.ones(8)}
+  optimizer = optax.multi_transform(
+      {'train': optax.adam(0.1), 'frozen': optax.set_to_zero()},
+      {'w': 'train', 'b': 'frozen'})
+  state = jaxpar.TrainState.create(params, optimizer)
+  base = {'w': P(None, 'tensor'), 'b': P('tensor')}
+  split = {'w': P('data', 'tensor'), 'b': P(('tensor', 'data'))}
+  for zero_stage, want in ((0, base), (1, split)):
+    specs = zero.state_specs(state, zero_stage=zero_stage, param_specs=base,
+                             zero_specs=split)
+    adam = specs.opt_state.inner_states['train'].inner_state[0]
+    assert adam.mu == adam.nu == {'w': want['w'], 'b': optax.MaskedNode()}
+    assert adam.count == P()
+
+
 def test_doctests():
   for module in (zero, train_state, data_parallel):
     result = doctest.testmod(module, extraglobs={
