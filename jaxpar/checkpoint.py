@@ -30,9 +30,12 @@ interleaved 1F1B with 2 ranks x 2 stages alike) and any mesh. Without
 model split and needs the model's own re-split (e.g.
 ``gpt.merge_from_pipeline`` / ``split_for_pipeline`` on the params).
 
-**ZeRO.** A ``jaxpar.zero`` state saves and restores like any other: its
-leaves keep their shapes (ZeRO is only their sharding), so it restores onto
-any data size and any ``zero_stage``.
+**ZeRO.** A ``jaxpar.zero`` state is saved at its logical shapes: the
+leaves ZeRO stores padded (``jaxpar.zero.Padded``, leaves that no dim of
+the data size divides) are saved cut to their shapes (each one whole along
+its padded dim while it is written) and padded again by ``restore`` as
+``like`` stores them. So it restores onto any mesh, any data size and any
+``zero_stage``.
 
 Example:
   >>> import tempfile
@@ -72,7 +75,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import integrity
+from jaxpar import integrity, padding
 from jaxpar._validate import check_int
 from jaxpar.integrity import CheckpointError, leaf_name
 from jaxpar.parallel import PipelineParams
@@ -240,6 +243,7 @@ def save(directory: str | os.PathLike, state: PyTree, *,
   step = _check_step(step)
   _check_leaves(state, 'state', (jax.Array, np.ndarray, np.generic, int, float),
                 'checkpoints hold arrays and numbers only.')
+  state = padding.unpadded(state)
   if schedule is not None:
     _check_rank_layout(state, schedule, 'state')
     state = _to_model_order(state, schedule)
@@ -340,7 +344,13 @@ def _pick_step(path: str, step: int | None,
 
 
 def _target(leaf: Any) -> Any:
-  """What orbax restores ``leaf`` as: sharded ``ShapeDtypeStruct`` or numpy."""
+  """What orbax restores ``leaf`` as: sharded ``ShapeDtypeStruct`` or numpy
+  (a ``Padded`` one at its logical shape)."""
+  if padding.is_padded(leaf):
+    if padding.logical_sharding(leaf) is None:
+      return np.zeros(leaf.shape, leaf.dtype)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                sharding=padding.logical_sharding(leaf))
   if isinstance(leaf, jax.Array):
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
   return leaf
@@ -460,10 +470,11 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
     raise FileNotFoundError(f'no checkpoint directory {path}.')
   step, record = _pick_step(path, step, verify)
   step_dir = os.path.join(path, str(step))
-  target = jax.tree.map(_target, like)
+  refs = jax.tree.map(_target, like, is_leaf=padding.is_padded)
+  target = refs
   if schedule is not None:
     target = _map_stages(lambda st: jax.tree.map(
-        lambda a: _model_target(a, schedule), st), target)
+        lambda a: _model_target(a, schedule), st), refs)
   manager = _manager(path)
   try:
     try:
@@ -490,5 +501,5 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
     integrity.verify_arrays(record, restored, step_dir, step)
   if schedule is not None:
     restored = _map_stages(lambda st, ref: jax.tree.map(
-        lambda a, r: _to_rank_layout(a, r, schedule), st, ref), restored, like)
-  return restored
+        lambda a, r: _to_rank_layout(a, r, schedule), st, ref), restored, refs)
+  return padding.place_like(restored, like)

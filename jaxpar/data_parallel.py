@@ -32,8 +32,7 @@ from jaxpar import zero
 from jaxpar.mesh import axis_size
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 apply_gradients, auto_view, check_max_grad_norm,
-                                check_optimizer, placed_init, sharded_update,
-                                shardings)
+                                check_optimizer, placed_init, sharded_update)
 
 BACKENDS = ('shard_map', 'pmap')
 
@@ -218,8 +217,9 @@ def train_step(
     into the step's layout); ``stats.loss`` is the global mean before the
     update, ``stats.grad_norm`` the global norm before clipping;
     non-finite loss or gradients skip the update (``stats.skipped``).
-    ``params(state)`` returns ``state.params`` as they are sharded
-    (``train_state.auto_view``: nothing is replicated).
+    ``params(state)`` returns ``state.params`` at their logical shapes as
+    they are sharded (``train_state.auto_view``: nothing is replicated but
+    the leaves ZeRO pads, ``zero.unpadded``).
 
   Example:
     >>> loss_fn = lambda p, b: jnp.mean((b['x'] @ p['w'] - b['y']) ** 2)
@@ -265,10 +265,11 @@ def train_step(
           f'{max(1, size // (n * num_microbatches)) * n * num_microbatches}).')
     key = _signature((state, batch))
     if key not in checked:
-      # Unsharded shapes: user code need not be valid under sharding types.
-      params = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), state.params)
-      check_opt_state(state._replace(params=params), optimizer)
+      # Logical, unsharded shapes: user code need not be valid under
+      # sharding types.
+      logical = zero.logical_shapes(state)
+      params = logical.params
+      check_opt_state(logical, optimizer)
       micro = jax.tree.map(
           lambda x: jax.ShapeDtypeStruct(
               (size // (n * num_microbatches), *np.shape(x)[1:]),
@@ -286,7 +287,8 @@ def train_step(
     return step.lower(state, batch)
 
   checked_step.lower = lower
-  return Trainer(init, checked_step, lambda state: auto_view(state.params))
+  return Trainer(init, checked_step,
+                 lambda state: auto_view(zero.unpadded(state.params)))
 
 
 def check_opt_state(state: TrainState,
@@ -312,15 +314,19 @@ def _shard_map_step(loss_fn, optimizer, *, mesh, axis, max_grad_norm,
   """The jitted ``shard_map`` step and ``init`` of ``train_step``."""
   layouts = {}
 
-  def layout(state: TrainState) -> tuple[TrainState, PyTree]:
-    """(specs of the state, params specs with the data axis): cached."""
-    key = _signature(state)
+  def layout(state: TrainState) -> tuple[TrainState, PyTree, Any]:
+    """(specs of the state, params specs with the data axis, the optimizer
+    on its padded state: ``zero.padded_optimizer``), from the logical
+    shapes: cached."""
+    logical = zero.logical_shapes(state)
+    key = _signature(logical)
     if key not in layouts:
-      base = jax.tree.map(lambda _: P(), state.params)
-      split = zero.data_specs(state.params, mesh=mesh, axis=axis)
-      layouts[key] = (zero.state_specs(state, zero_stage=zero_stage,
-                                       param_specs=base, zero_specs=split),
-                      split)
+      base = jax.tree.map(lambda _: P(), logical.params)
+      split = zero.data_specs(logical.params, mesh=mesh, axis=axis, pad=True)
+      specs = zero.state_specs(logical, zero_stage=zero_stage,
+                               param_specs=base, zero_specs=split)
+      layouts[key] = (specs, split, zero.padded_optimizer(
+          optimizer, specs.opt_state, mesh=mesh))
     return layouts[key]
 
   def local_grads(params, batch, *, specs, split):
@@ -335,14 +341,14 @@ def _shard_map_step(loss_fn, optimizer, *, mesh, axis, max_grad_norm,
     return loss, grads, aux
 
   def program(state: TrainState, batch: PyTree):
-    specs, split = layout(state)
+    specs, split, padded_optimizer = layout(state)
     loss, grads, aux = jax.shard_map(
         lambda p, b: local_grads(p, b, specs=specs.params, split=split),
         mesh=mesh, in_specs=(specs.params, P(axis)),
         out_specs=(P(), split if zero_stage else specs.params, P()))(
             state.params, batch)
     state, stats = sharded_update(
-        state, grads, loss=loss, optimizer=optimizer, mesh=mesh,
+        state, grads, loss=loss, optimizer=padded_optimizer, mesh=mesh,
         state_specs=specs, max_grad_norm=max_grad_norm,
         update_specs=split if zero_stage == 1 else None)
     return state, stats._replace(aux=aux)
@@ -351,7 +357,7 @@ def _shard_map_step(loss_fn, optimizer, *, mesh, axis, max_grad_norm,
   batch_sharding = NamedSharding(mesh, P(axis))
 
   def place(state, batch):
-    return (jax.device_put(state, shardings(mesh, layout(state)[0])),
+    return (zero.place(state, layout(state)[0], mesh=mesh),
             jax.device_put(batch, batch_sharding))
 
   def step(state, batch):
@@ -363,8 +369,11 @@ def _shard_map_step(loss_fn, optimizer, *, mesh, axis, max_grad_norm,
       return compiled.lower(*place(state, batch))
 
   def init(params: PyTree) -> TrainState:
-    return placed_init(params, optimizer, mesh=mesh,
-                       specs=lambda state: layout(state)[0])
+    specs, _, padded_optimizer = layout(jax.eval_shape(
+        lambda p: TrainState.create(p, optimizer), params))
+    return placed_init(zero.pad(params, specs.params, mesh=mesh),
+                       padded_optimizer, mesh=mesh,
+                       specs=lambda _: specs)
 
   step.lower = lower
   return step, init

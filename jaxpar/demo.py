@@ -395,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
               if history and jax.default_backend() == 'cpu' else None)
     speed = throughput(rate, config, single) if history else None
     print(summary(args, mesh, schedule, config, layout, mem, history, first,
-                  text, evals, speed, sample))
+                  text, evals, speed, sample,
+                  held=jaxpar.zero.bytes_per_device(state)))
     if args.json:
       with open(args.json, 'w') as f:
         json.dump({'config': {**vars(args), 'schedule_name': schedule.name},
@@ -416,8 +417,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary(args, mesh, schedule, config, layout, mem, history, first, text,
-            evals, speed, sample) -> str:
-  """The lines printed at the end of a run."""
+            evals, speed, sample, held=None) -> str:
+  """The lines printed at the end of a run (``held``: ``zero.StateBytes``)."""
   sim = schedule.simulate()
   shape = ' '.join(f'{k}={v}' for k, v in mesh.shape.items())
   lines = [
@@ -433,6 +434,11 @@ def summary(args, mesh, schedule, config, layout, mem, history, first, text,
       f'memory        {mem.temp_size_in_bytes / 2**20:.2f} MiB temp + '
       f'{mem.argument_size_in_bytes / 2**20:.2f} MiB arguments per device '
       '(compiled program)']
+  if held is not None:
+    lines.append(f'state         {held.params / 2**20:.2f} MiB params + '
+                 f'{held.opt_state / 2**20:.2f} MiB optimizer state on the '
+                 f'fullest device (ZeRO-{args.zero}; jaxpar.zero.'
+                 'bytes_per_device)')
   if text:
     lines.append(f'data          {args.data}: {len(text.train):,} bytes to '
                  f'train on, {len(text.held_out):,} held out')

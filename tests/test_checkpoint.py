@@ -139,22 +139,28 @@ def test_layout_mismatch_errors(run):
 
 
 def test_zero_state_round_trip(tmp_path):
-  params = {'w': jnp.arange(64.0).reshape(8, 8), 'b': jnp.ones(3)}
+  """Padded ZeRO leaves are saved at their shapes, restored onto any layout."""
+  params = {'w': jnp.arange(91.0).reshape(7, 13), 'b': jnp.ones(3)}
   plain = jaxpar.TrainState.create(params, OPT)
-  state = jaxpar.zero.shard_state(plain, mesh=jaxpar.make_mesh(data=8),
-                                  zero_stage=3)
+  mesh6 = jaxpar.make_mesh(data=6, devices=jax.devices()[:6])
+  state = jaxpar.zero.shard_state(plain, mesh=mesh6, zero_stage=3)
+  assert isinstance(state.params['w'], jaxpar.zero.Padded)
   checkpoint.save(tmp_path / 'zero', state)
   restored = checkpoint.restore(tmp_path / 'zero', state)
   assert jax.tree.structure(restored) == jax.tree.structure(state)
   assert _equal(restored, state)
   assert restored.params['w'].sharding == state.params['w'].sharding
-  # ZeRO layouts keep the shapes: restore onto another data size and stage.
-  mesh4 = jaxpar.make_mesh(data=4, devices=jax.devices()[:4])
-  like4 = jaxpar.zero.shard_state(plain, mesh=mesh4, zero_stage=1)
-  restored = checkpoint.restore(tmp_path / 'zero', like4)
-  assert _equal(restored, state)
-  assert restored.opt_state[0].mu['w'].sharding == like4.opt_state[0].mu[
-      'w'].sharding
+  # Saved at logical shapes: restore onto other data sizes and stages.
+  for data, zero_stage in ((8, 1), (4, 0)):
+    mesh = jaxpar.make_mesh(data=data, devices=jax.devices()[:data])
+    like = jaxpar.zero.shard_state(plain, mesh=mesh, zero_stage=zero_stage)
+    restored = checkpoint.restore(tmp_path / 'zero', like)
+    assert jax.tree.structure(restored) == jax.tree.structure(like)
+    assert _equal(jaxpar.zero.unpadded(restored), plain)
+    mu = restored.opt_state[0].mu['w']
+    assert mu.sharding == like.opt_state[0].mu['w'].sharding
+    if zero_stage:   # 7 x 13 on 8 devices: 13 padded to 16
+      assert mu.value.shape == (7, 16)
 
 
 def test_steps_keep_overwrite_and_latest(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """ZeRO-1/3 equal single-device optax training, with 1/N state per device."""
 
 import doctest
+import functools
 import math
 import re
 
@@ -33,7 +34,7 @@ def mesh_of(name):
 
 
 def wide_params(hidden=16, dtype=jnp.float32):
-  """Leaves that split 8 ways, but one (out.b, 3 elements) that cannot."""
+  """Leaves that split 8 ways, but one (out.b, 3 elements) stored padded."""
   k1, k2 = jax.random.split(jax.random.key(3))
   return {'hidden': {'w': jax.random.normal(k1, (5, hidden), dtype) / 3,
                      'b': jnp.zeros(hidden, dtype)},
@@ -82,7 +83,9 @@ def test_matches_single_device_float64(x64, stage, mesh_name):
   assert int(state.step) == len(batches)
   mu = state.opt_state[0].mu
   assert spec_of(mu['hidden']['w']) == P(None, 'data')
-  assert spec_of(mu['out']['b']) == P()    # 3 does not split N ways
+  # 3 does not split N ways: padded to N.
+  assert isinstance(mu['out']['b'], zero.Padded)
+  assert spec_of(mu['out']['b']) == P('data')
   params_spec = spec_of(state.params['out']['w'])
   assert params_spec == (P('data') if stage == 3 else P())
 
@@ -159,27 +162,33 @@ def test_each_device_holds_one_nth(adam_steps, stage):
   n = 8
   _, _, state = adam_steps[stage]
   split = 4 * (2000 + 400 + 1200)      # the leaves that split 8 ways
-  odd = 4 * 3                          # out.b stays whole
+  odd = 4 * 3                          # out.b: padded to 8, one per device
   mu_nu = jax.tree.leaves((state.opt_state[0].mu, state.opt_state[0].nu))
-  assert device_bytes(mu_nu) == (2 * (split // n + odd), 2 * (split + odd))
+  assert device_bytes(mu_nu) == (2 * (split // n + 4), 2 * (split + 4 * n))
   params = jax.tree.leaves(state.params)
   if stage == 3:
-    assert device_bytes(params) == (split // n + odd, split + odd)
+    assert device_bytes(params) == (split // n + 4, split + 4 * n)
     w = state.params['hidden']['w']
     assert w.sharding.shard_shape(w.shape) == (5, 50)
   else:
     assert device_bytes(params) == (split + odd, split + odd)  # replicated
+  held = zero.bytes_per_device(state)
+  assert held.params == device_bytes(params)[0]
+  assert held.opt_state == device_bytes(mu_nu)[0] + 2 * 4  # + 2 counts
   plain = adam_steps[0][2]
   assert device_bytes(jax.tree.leaves(plain.opt_state[0].mu))[0] == split + odd
 
 
 @pytest.mark.parametrize('stage', [1, 3])
 def test_params_for_evaluation_stay_sharded(adam_steps, stage):
-  """Trainer.params gives every leaf in its shards: nothing is replicated."""
+  """Trainer.params gives every leaf in its shards (but padded ones)."""
   trainer, _, state = adam_steps[stage]
   params = trainer.params(state)
   shard = lambda x: x.sharding.shard_shape(x.shape)
-  assert jax.tree.map(shard, params) == jax.tree.map(shard, state.params)
+  assert params['out']['b'].shape == (3,)   # logical, whole
+  del params['out']['b']
+  stored = dict(state.params, out={'w': state.params['out']['w']})
+  assert jax.tree.map(shard, params) == jax.tree.map(shard, stored)
   w = params['hidden']['w']
   assert shard(w) == ((5, 50) if stage == 3 else (5, 400))
   np.testing.assert_array_equal(w, state.params['hidden']['w'])
@@ -202,9 +211,10 @@ def test_collectives_in_compiled_step(adam_steps, stage):
   split, odd, loss = 4 * (2000 + 400 + 1200), 4 * 3, 4    # by hand, too
   if stage == 0:    # one all-reduce: every gradient and the loss
     assert moved['all-reduce'] == split + odd + loss
-  else:             # the unsplittable leaf, the loss, 3 partial norms
-    assert moved['all-reduce'] == odd + loss + 3 * 4
-    assert moved['reduce-scatter'] == moved['all-gather'] == split
+  else:             # the loss, 4 partial norms; out.b padded to 8
+    assert moved['reduce-scatter'] == split + 4 * 8
+    assert moved['all-reduce'] == loss + 4 * 4 + (odd if stage == 1 else 0)
+    assert moved['all-gather'] == split + (0 if stage == 1 else 4 * 8)
 
 
 def test_stage3_backward_regathers_instead_of_saving_params(capsys):
@@ -257,35 +267,210 @@ def test_layouts_and_round_trip():
       assert all(s == P() for s in jax.tree.leaves(spec_tree(back)))
       # Another stage or mesh: shard_state re-lays out any state.
       again = zero.shard_state(state, mesh=mesh_of('data4'), zero_stage=1)
-      chex.assert_trees_all_equal(again, plain)
+      chex.assert_trees_all_equal(zero.unpadded(again), plain)
   assert zero.data_spec((8, 6), P(None, 'tensor'), mesh=mesh_of(
       'data2_stage2_tensor2')) == P('data', 'tensor')
   assert zero.data_spec((6, 3), mesh=mesh_of('data4')) == P()
+  assert zero.data_spec((6, 3), mesh=mesh_of('data4'), pad=True) == P('data')
+  assert zero.data_spec((3, 0), mesh=mesh_of('data4'), pad=True) == P()
 
 
 def test_checkpoint_restores_onto_another_mesh_and_stage(tmp_path, x64):
-  """A ZeRO-3 state saved with orbax restores as ZeRO-1 on 4 devices."""
+  """A padded ZeRO-3 state on data=6 resumes as ZeRO-1 on 4 devices."""
   params = wide_params(dtype=jnp.float64)
-  batches = make_batches(2, 16, dtype=np.float64)
+  batches = make_batches(2, 24, dtype=np.float64)
   optimizer = optax.adam(0.05)
-  trainer8 = data_parallel.train_step(wide_loss, optimizer,
-                                      mesh=mesh_of('data8'), zero_stage=3)
-  state, _ = trainer8.step(trainer8.init(params), batches[0])
+  trainer6 = data_parallel.train_step(wide_loss, optimizer,
+                                      mesh=data6_mesh(), zero_stage=3)
+  state, _ = trainer6.step(trainer6.init(params), batches[0])
+  assert isinstance(state.params['hidden']['w'], zero.Padded)   # 16 rows
   trainer4 = data_parallel.train_step(wide_loss, optimizer,
                                       mesh=mesh_of('data4'), zero_stage=1)
   like = trainer4.init(params)
-  with ocp.StandardCheckpointer() as ckpt:
-    ckpt.save(tmp_path / 'ckpt', state)
-    ckpt.wait_until_finished()
-    restored = ckpt.restore(tmp_path / 'ckpt', jax.tree.map(
-        ocp.utils.to_shape_dtype_struct, like))
-  chex.assert_trees_all_equal(restored, state)
+  jaxpar.checkpoint.save(tmp_path / 'ckpt', state)
+  restored = jaxpar.checkpoint.restore(tmp_path / 'ckpt', like)
+  chex.assert_trees_all_equal(zero.unpadded(restored), zero.unpadded(state))
   assert spec_tree(restored) == spec_tree(like)
   state, stats = trainer4.step(restored, batches[1])
   want = reference_run(params, batches, optimizer, loss_of=wide_loss)
   np.testing.assert_allclose(stats.loss, want[1][0], rtol=1e-10)
   chex.assert_trees_all_close(zero.gather_params(state), want[1][2],
                               rtol=1e-10, atol=1e-10)
+
+
+# -- Leaves that no data size divides: padded, exact, 1/N per device --------
+
+
+def data6_mesh():
+  return jaxpar.make_mesh(data=6, devices=jax.devices()[:6])
+
+
+def odd_params(dtype=jnp.float64):
+  """No dim divides by 2..8 (but 7 for w1's 7), and two zero-size leaves."""
+  k1, k2 = jax.random.split(jax.random.key(5))
+  return {'w1': jax.random.normal(k1, (7, 13), dtype) / 3,
+          'b1': jnp.full(13, 0.1, dtype),
+          'w2': jax.random.normal(k2, (13, 5), dtype) / 4,
+          'b2': jnp.zeros(5, dtype),
+          'empty': jnp.zeros((3, 0), dtype), 'none': jnp.zeros(0, dtype)}
+
+
+def odd_loss(params, batch):
+  h = jnp.tanh(batch['x'] @ params['w1'] + params['b1'])
+  y = h @ params['w2'] + params['b2'] + jnp.sum(params['empty'])
+  return optax.losses.squared_error(y, batch['y']).mean()
+
+
+def per_leaf_optimizer():
+  """Adam, LAMB (trust ratio per leaf) and Adafactor (factored moments of
+  w1): padding must not enter their statistics."""
+  labels = {'w1': 'adafactor', 'b1': 'adam', 'w2': 'lamb', 'b2': 'lamb',
+            'empty': 'adam', 'none': 'adam'}
+  return optax.partition(
+      {'adam': optax.adamw(0.05, weight_decay=0.1), 'lamb': optax.lamb(0.05),
+       'adafactor': optax.adafactor(0.05, min_dim_size_to_factor=4)}, labels)
+
+
+def odd_batches(dtype=np.float64):
+  rng = np.random.default_rng(2)
+  return [{'x': rng.normal(size=(24, 7)).astype(dtype),
+           'y': rng.normal(size=(24, 5)).astype(dtype)} for _ in range(2)]
+
+
+def padding_entries(tree):
+  """Every stored entry of every Padded leaf outside its logical shape."""
+  out = []
+  for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, zero.Padded)):
+    if isinstance(x, zero.Padded):
+      value = np.array(x.value)
+      value[tuple(slice(0, s) for s in x.shape)] = 0
+      out.append(value)
+  return out
+
+
+@functools.cache
+def odd_reference():
+  """One device, float64 (call it with x64 on), one jitted optax step."""
+  optimizer = optax.chain(optax.clip_by_global_norm(0.5), per_leaf_optimizer())
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(odd_loss)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state, loss,
+            optax.tree.norm(grads))
+
+  params = odd_params()
+  opt_state, history = optimizer.init(params), []
+  for batch in odd_batches():
+    params, opt_state, loss, norm = step(params, opt_state, batch)
+    history.append((loss, norm, params))
+  return history
+
+
+@pytest.mark.parametrize('stage,num_microbatches', [(0, 2), (1, 1), (3, 2)])
+def test_padded_leaves_exact_float64(x64, stage, num_microbatches):
+  params, batches = odd_params(), odd_batches()
+  optimizer = per_leaf_optimizer()
+  trainer = data_parallel.train_step(
+      odd_loss, optimizer, mesh=data6_mesh(), zero_stage=stage,
+      num_microbatches=num_microbatches, max_grad_norm=0.5)
+  state = trainer.init(params)
+  got = []
+  for batch in batches:
+    state, stats = trainer.step(state, batch)
+    got.append((stats.loss, stats.grad_norm, trainer.params(state)))
+  assert_same_history(got, odd_reference(), rtol=1e-10)
+  assert jax.tree.map(np.shape, got[-1][2]) == jax.tree.map(np.shape, params)
+  stored = padding_entries(state)
+  # mu, nu of b1 (adam), w2 and b2 (lamb); ZeRO-3: w1, b1, w2, b2 too.
+  assert len(stored) == {0: 0, 1: 6, 3: 10}[stage]
+  assert all(not v.any() for v in stored)           # padding stays zero
+
+
+def test_each_device_holds_one_nth_on_data6():
+  """data=6 and leaves no mesh size divides: 1/6 per device, + one row."""
+  k1, k2 = jax.random.split(jax.random.key(0))
+  params = {'embed': jax.random.normal(k1, (1003, 61)) / 8,
+            'w': jax.random.normal(k2, (61, 257)) / 8, 'b': jnp.zeros(257)}
+  rows = 4 * (61 + 61 + 1)   # one padded row (embed) / column (w) / entry
+  total = 4 * (1003 * 61 + 61 * 257 + 257)
+
+  def loss(p, batch):
+    y = p['embed'][batch['ids']] @ p['w'] + p['b']
+    return jnp.mean(jnp.square(y))
+
+  batch = {'ids': np.arange(12, dtype=np.int32)}
+  held = {}
+  for stage in (0, 1, 3):
+    trainer = data_parallel.train_step(loss, optax.adam(0.1),
+                                       mesh=data6_mesh(), zero_stage=stage)
+    state = trainer.init(params)
+    held[stage] = zero.bytes_per_device(state)
+  counts = 4 + 4   # step, adam count
+  assert held[0] == (total, 2 * total + counts)
+  assert held[1].params == total
+  assert held[1].opt_state <= 2 * (1.1 * total / 6 + rows) + counts
+  assert held[3].params <= 1.1 * total / 6 + rows
+  assert held[3].opt_state == held[1].opt_state
+  # The compiled ZeRO-3 step holds the same: its arguments are the state
+  # (1/6 + padding) and the batch.
+  new, _ = trainer.step(state, batch)
+  assert zero.bytes_per_device(new) == held[3]
+  args = trainer.step.lower(state, batch).compile().memory_analysis(
+      ).argument_size_in_bytes
+  assert args <= sum(held[3]) + batch['ids'].nbytes
+
+
+def test_masked_states_split_like_plain_ones(x64):
+  """optax.masked and multi_transform states: 1/N per device, exact."""
+  params = wide_params(hidden=400, dtype=jnp.float64)
+  frozen = {'hidden': 'train', 'out': {'w': 'train', 'b': 'frozen'}}
+  optimizer = optax.chain(
+      optax.masked(optax.trace(0.9), {'hidden': {'w': True, 'b': False},
+                                      'out': {'w': True, 'b': False}}),
+      optax.multi_transform({'train': optax.adam(0.05),
+                             'frozen': optax.set_to_zero()}, frozen))
+  mesh = jaxpar.make_mesh(data=8)
+  trainer = data_parallel.train_step(wide_loss, optimizer, mesh=mesh,
+                                     zero_stage=1)
+  batches = make_batches(2, 16, dtype=np.float64)
+  state = trainer.init(params)
+  got = []
+  for batch in batches:
+    state, stats = trainer.step(state, batch)
+    got.append((stats.loss, stats.grad_norm, trainer.params(state)))
+  assert_same_history(got, reference_run(params, batches, optimizer,
+                                          loss_of=wide_loss), rtol=1e-10)
+  # Every params-shaped optimizer leaf is split over data.
+  trace = state.opt_state[0].inner_state.trace
+  adam = state.opt_state[1].inner_states['train'].inner_state[0]
+  leaves = jax.tree.leaves((trace, adam.mu, adam.nu))
+  assert len(leaves) == 2 + 3 + 3
+  for leaf in leaves:
+    assert zero.data_dim(leaf.sharding.spec) is not None, leaf.shape
+  split = 8 * (5 * 400 + 400 + 400 * 3)   # float64 w1, b1, w2
+  held = zero.bytes_per_device(state).opt_state
+  trace_bytes = 8 * (5 * 400 + 400 * 3)
+  assert held <= (trace_bytes + 2 * split) / 8 + 8 * 4  # + counts
+
+
+def test_masked_state_specs_follow_the_params():
+  """The 3D layout too: a multi_transform state is split like the params
+  (over tensor/stage always, over data with ZeRO), MaskedNodes kept."""
+  params = {'w': jnp.ones((4, 8)), 'b': jnp.ones(8)}
+  optimizer = optax.multi_transform(
+      {'train': optax.adam(0.1), 'frozen': optax.set_to_zero()},
+      {'w': 'train', 'b': 'frozen'})
+  state = jaxpar.TrainState.create(params, optimizer)
+  base = {'w': P(None, 'tensor'), 'b': P('tensor')}
+  split = {'w': P('data', 'tensor'), 'b': P(('tensor', 'data'))}
+  for zero_stage, want in ((0, base), (1, split)):
+    specs = zero.state_specs(state, zero_stage=zero_stage, param_specs=base,
+                             zero_specs=split)
+    adam = specs.opt_state.inner_states['train'].inner_state[0]
+    assert adam.mu == adam.nu == {'w': want['w'], 'b': optax.MaskedNode()}
+    assert adam.count == P()
 
 
 def test_doctests():

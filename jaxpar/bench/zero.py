@@ -4,7 +4,7 @@ The same MLP (``layers`` square ``width x width`` layers with biases) trains
 with Adam on all devices as one ``data`` axis (size ``N``) with
 ``data_parallel_step(..., zero_stage=s)``.
 
-``zero_memory``: bytes one device holds of the params and of the optimizer
+``zero_memory``: bytes the fullest device holds of the params and optimizer
 state after a step, read from the arrays' shards, against the totals (ZeRO:
 ``~1/N``), and the compiled step's ``memory_analysis()`` per
 device (arguments = the state and batch going in, output = the new state,
@@ -13,13 +13,17 @@ gathers all at once).
 
 ``zero_communication``: every collective of the compiled step (from its
 optimized HLO, ``jaxpar.hlo``; whole buffers per device) against ``theory``,
-with ``P`` the gradient bytes, ``P_split`` those of the leaves ZeRO splits (a
-dim divisible by ``N``; here all) and ``P_whole = P - P_split``: DP
+with ``P`` the gradient bytes, ``P_split`` those of the leaves ZeRO splits
+(every leaf but zero-size ones; those that no dim divides by ``N`` padded to
+a multiple of it, ``zero.padded_shape``) and ``P_whole`` those of the
+others: DP
 all-reduces ``P`` and the loss; ZeRO-1/3 reduce-scatter ``P_split``,
 all-gather ``P_split`` (ZeRO-1: the updated params; ZeRO-3: the params in the
 forward pass, and XLA:CPU reuses that gather in the backward pass instead of
 gathering again), and all-reduce the loss, ``P_whole`` and one partial
-squared norm per split leaf (the global norm's sum over devices).
+squared norm per split leaf (the global norm's sum over devices); ZeRO-1
+gathers the new params of padded leaves with an all-reduce of their logical
+bytes ``P_pad`` instead (XLA's choice for an uneven split).
 ``ring_bytes`` is what a ring moves per device: ``(N-1)/N`` of the buffer,
 twice for an all-reduce. The tests (tests/test_zero.py) hold the compiled
 step to ``theory`` byte for byte.
@@ -55,12 +59,10 @@ def _params(width: int, layers: int) -> list:
            'b': jnp.zeros(width)} for k in keys]
 
 
-def _device_bytes(tree) -> int:
-  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
-
-
 def _total_bytes(tree) -> int:
-  return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  """Logical bytes (``Padded`` leaves without their padding)."""
+  return sum(math.prod(x.shape) * x.dtype.itemsize
+             for x in jax.tree.leaves(zero.logical_shapes(tree)))
 
 
 def theory(params, *, mesh: Mesh, zero_stage: int, axis: str = 'data'
@@ -76,23 +78,39 @@ def theory(params, *, mesh: Mesh, zero_stage: int, axis: str = 'data'
     >>> mesh = jaxpar.make_mesh(data=8)
     >>> params = {'w': jnp.ones((16, 3)), 'b': jnp.ones(3)}
     >>> jaxpar.bench.zero.theory(params, mesh=mesh, zero_stage=3)['all-reduce']
-    (20, 'loss + P_whole + 1 partial norm per split leaf')
+    (12, 'loss + P_whole + 1 partial norm per split leaf')
   """
   leaves = jax.tree.leaves(params)
-  specs = jax.tree.leaves(zero.data_specs(params, mesh=mesh, axis=axis))
-  split = [x for x, s in zip(leaves, specs) if zero.data_dim(s, axis) is not None]
+  specs = jax.tree.leaves(zero.data_specs(params, mesh=mesh, axis=axis,
+                                          pad=True))
+  split = [(x, s) for x, s in zip(leaves, specs)
+           if zero.data_dim(s, axis) is not None]
+  stored = lambda x, s: (math.prod(zero.padded_shape(x.shape, s, mesh=mesh))
+                         * x.dtype.itemsize)
+  padded = [(x, s) for x, s in split if stored(x, s) != x.nbytes]
   total = sum(x.nbytes for x in leaves)
-  p_split = sum(x.nbytes for x in split)
-  loss = np.result_type(*leaves).itemsize
+  p_split = sum(stored(x, s) for x, s in split)
+  p_whole = total - sum(x.nbytes for x, _ in split)
+  loss = np.result_type(*(x.dtype for x in leaves)).itemsize
   if zero_stage == 0:
     return {'all-reduce': (total + loss, 'P + loss')}
-  norms = sum(np.promote_types(x.dtype, np.float32).itemsize for x in split)
-  gathered = 'P_split (params)' if zero_stage == 1 else (
-      'P_split (params in the forward; the backward reuses it)')
-  return {'all-reduce': (loss + total - p_split + norms,
-                         'loss + P_whole + 1 partial norm per split leaf'),
+  norms = sum(np.promote_types(x.dtype, np.float32).itemsize
+              for x, _ in split)
+  reduced = 'loss + P_whole + 1 partial norm per split leaf'
+  if zero_stage == 3:
+    return {'all-reduce': (loss + p_whole + norms, reduced),
+            'reduce-scatter': (p_split, 'P_split (grads)'),
+            'all-gather': (p_split, 'P_split (params in the forward; the '
+                           'backward reuses it)')}
+  # ZeRO-1: XLA gathers the new params of a padded leaf with an all-reduce
+  # of its logical bytes (P_pad), the others with an all-gather.
+  p_pad = sum(x.nbytes for x, _ in padded)
+  return {'all-reduce': (loss + p_whole + norms + p_pad,
+                         reduced + (' + P_pad (params)' if padded else '')),
           'reduce-scatter': (p_split, 'P_split (grads)'),
-          'all-gather': (p_split, gathered)}
+          'all-gather': (p_split - sum(stored(x, s) for x, s in padded),
+                         'P_split (params)' + (
+                             ' - padded leaves' if padded else ''))}
 
 
 def run(*, quick: bool) -> dict[str, list[dict]]:
@@ -115,14 +133,15 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
     after, _ = step(state, batch)
     compiled = step.lower(after, batch).compile()
     analysis = compiled.memory_analysis()
+    held = zero.bytes_per_device(after)
     memory.append({
         'stage': stage, 'devices': n, 'params': sum(sizes),
         'params_MB_total': _total_bytes(after.params) / _MB,
-        'params_MB_per_device': _device_bytes(after.params) / _MB,
-        'opt_MB_total': _total_bytes(after.opt_state) / _MB,
-        'opt_MB_per_device': _device_bytes(after.opt_state) / _MB,
-        'opt_fraction': _device_bytes(after.opt_state)
-                        / _total_bytes(after.opt_state),
+        'params_MB_per_device': held.params / _MB,
+        'opt_MB_total': _total_bytes((after.step, after.opt_state)) / _MB,
+        'opt_MB_per_device': held.opt_state / _MB,
+        'opt_fraction': held.opt_state
+                        / _total_bytes((after.step, after.opt_state)),
         'argument_MB': analysis.argument_size_in_bytes / _MB,
         'output_MB': analysis.output_size_in_bytes / _MB,
         'temp_MB': analysis.temp_size_in_bytes / _MB,
