@@ -70,6 +70,7 @@ from jaxpar.mesh import axis_size
 from jaxpar.pipeline import checks, executor
 from jaxpar.pipeline.lower import lower
 from jaxpar.pipeline.schedule import Schedule
+from jaxpar.pipeline.stage import stash_policy
 from jaxpar.pipeline_params import PipelineParams
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 auto_view, check_max_grad_norm, check_optimizer,
@@ -135,6 +136,7 @@ def train_step(
     key: jax.Array | None = None,
     has_aux: bool = False,
     compute_dtype: Any = None,
+    remat_policy: Any = None,
 ) -> Trainer:
   """A DP x PP x TP train step for a model given as embed / stages / head.
 
@@ -158,6 +160,8 @@ def train_step(
       ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)``;
       ``None``: no clipping.
     remat: recompute stage forwards in the backward (stash stage inputs only).
+    remat_policy: what stage forwards stash for the backward
+      (``jaxpar.pipeline.stage.stash_policy``; default ``'dots'``).
     layout: tensor-parallel layout of layer names (``tensor_parallel.
       param_specs``); default ``tensor_parallel.DEFAULT_LAYOUT``.
     data_axis, stage_axis, tensor_axis: the mesh axis names.
@@ -221,6 +225,7 @@ def train_step(
   stage_mask = _check_mask(stage_mask, schedule)
   checks.check_key(key)
   compute_dtype = checks.check_compute_dtype(compute_dtype)
+  stash_policy(remat, remat_policy)
   if key is not None:
     key = jax.device_put(key, NamedSharding(mesh, P()))
   lowered = lower(schedule)
@@ -328,7 +333,7 @@ def train_step(
         stage, head_loss, local_stages, params.head, x, targets,
         lowered=lowered, axis=stage_axis, remat=remat, key=key,
         microbatch_offset=offset(), has_aux=has_aux,
-        compute_dtype=compute_dtype)
+        compute_dtype=compute_dtype, remat_policy=remat_policy)
     grads = PipelineParams(
         embed_vjp(grads.inputs)[0],
         jax.tree.map(lambda g: g[None], masked(grads.stages)), grads.loss)

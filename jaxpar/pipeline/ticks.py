@@ -82,7 +82,7 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
          local_params: PyTree, loss_params: PyTree, inputs: jax.Array,
          targets: PyTree, *, axis: str, remat: bool, bubble_fill: float,
          key: jax.Array | None = None, offset: Any = 0,
-         has_aux: bool = False):
+         has_aux: bool = False, remat_policy: Any = None):
   """The scan over ticks on one rank (inside ``shard_map``); see module doc.
 
   Args are one rank's view: ``local_params`` ``[v, ...]``, ``inputs``
@@ -100,7 +100,8 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
   p, m = schedule.num_ranks, schedule.num_microbatches
   last = schedule.num_stages - 1
   train = loss_fn is not None
-  stage = StageVJP(stage_fn, remat or not train)
+  stage = StageVJP(stage_fn, remat or not train,
+                   remat_policy if train else None)
   rank = jax.lax.axis_index(axis)
   v = schedule.num_stages // p
 
