@@ -8,8 +8,9 @@ into
   that depend on ``x`` -- the **stash holds activations only**. Which
   activations is the **stash policy** (``stash_policy``): ``'everything'``
   keeps every residual ``jax.vjp`` lists; ``'dots'`` (the default) keeps the
-  outputs of matrix products and recomputes the elementwise work after them
-  in the backward (``jax.checkpoint_policies.dots_saveable``); ``'nothing'``
+  outputs of matrix products (and of collectives) and recomputes the
+  elementwise work after them in the backward
+  (``jax.checkpoint_policies.dots_saveable``); ``'nothing'``
   (``remat=True``) keeps ``x`` and recomputes the whole forward; any
   ``jax.checkpoint`` policy may be given. Residuals that depend on the
   parameters alone (a layer sliced out of a stacked leaf, a transposed or
@@ -65,10 +66,26 @@ from jaxpar.pipeline import _jaxpr, _vma
 PyTree = Any
 
 
+# Collectives (tensor parallelism inside a stage): what they produce is kept,
+# so that a recompute never communicates again.
+_COLLECTIVES = frozenset((
+    'psum', 'psum_invariant', 'unreduced_psum', 'pmax', 'pmin', 'ppermute',
+    'all_to_all', 'ragged_all_to_all', 'all_gather', 'all_gather_invariant',
+    'all_gather_reduced', 'reduce_scatter', 'unreduced_reduce_scatter'))
+
+
+def _and_collectives(policy: Callable[..., bool]) -> Callable[..., bool]:
+  """``policy``, and the outputs of collectives saved too."""
+  def saveable(prim, *args, **params):
+    return prim.name in _COLLECTIVES or policy(prim, *args, **params)
+  return saveable
+
+
 POLICIES: dict[str, Callable[..., Any] | None] = {
     'everything': None,   # every residual jax.vjp lists
-    'dots': jax.checkpoint_policies.dots_saveable,
-    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'dots': _and_collectives(jax.checkpoint_policies.dots_saveable),
+    'dots_no_batch': _and_collectives(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
     'nothing': jax.checkpoint_policies.nothing_saveable,   # x alone: remat
 }
 # The fastest on the bench's residual gelu stages (docs/executor.md, "Stash
@@ -83,8 +100,11 @@ def stash_policy(remat: bool = False, remat_policy: Any = None
   Args:
     remat: ``True`` is ``remat_policy='nothing'``: stash the stage input
       alone and recompute the forward in the backward.
-    remat_policy: a name of ``POLICIES`` (``'everything'``, ``'dots'``,
-      ``'dots_no_batch'``, ``'nothing'``), a ``jax.checkpoint_policies``
+    remat_policy: a name of ``POLICIES``: ``'everything'``, ``'dots'``
+      (``jax.checkpoint_policies.dots_saveable``, and what collectives
+      produce, so a recompute never communicates), ``'dots_no_batch'``
+      (``dots_with_no_batch_dims_saveable``, and the collectives: attention
+      scores are recomputed), ``'nothing'``; a ``jax.checkpoint_policies``
       policy (e.g. ``save_only_these_names('ffn')`` for values tagged with
       ``jax.ad_checkpoint.checkpoint_name``), or ``None`` for
       ``DEFAULT_POLICY`` (``'nothing'`` with ``remat``).
@@ -94,7 +114,7 @@ def stash_policy(remat: bool = False, remat_policy: Any = None
     TypeError: a policy that is neither a name nor callable.
 
   Example:
-    >>> stash_policy(remat_policy='dots') is jax.checkpoint_policies.dots_saveable
+    >>> stash_policy() is POLICIES['dots']
     True
     >>> stash_policy(remat=True) is jax.checkpoint_policies.nothing_saveable
     True
