@@ -346,7 +346,25 @@ def rows(config: dict) -> list[dict]:
                 'cpu_ratio': cpu_seconds / base.cpu_seconds,
                 'vs': step.baseline,
                 'cores': ','.join(map(str, config['cores'][:step.ranks]))})
-  return out + notes
+  return _relative(out, steps) + notes
+
+
+def _relative(out: list[dict], steps: dict[str, Step]) -> list[dict]:
+  """Adds the issue's targets: a pipeline's efficiency over DP's
+  (``eff_vs_dp``) and its speed over 1F1B's with the same stash policy
+  (``vs_1f1b``), where those rows exist."""
+  by_name = {row['step']: row for row in out}
+  dp = by_name.get(DATA_PARALLEL)
+  for row in out:
+    if not steps[row['step']].policy:   # not a pipeline
+      continue
+    if dp is not None:
+      row['eff_vs_dp'] = row['efficiency'] / dp['efficiency']
+    one_f_one_b = next((r for r in out if r['policy'] == row['policy'] and
+                        r['step'].split(' [')[0] == '1F1B'), None)
+    if one_f_one_b is not None:
+      row['vs_1f1b'] = row['speedup'] / one_f_one_b['speedup']
+  return out
 
 
 def main(argv: list[str]) -> int:

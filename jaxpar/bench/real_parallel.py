@@ -44,7 +44,11 @@ this time; ``ideal`` = total work / ``Schedule.simulate(costs).makespan``
 with costs ``F=1, B=2, I=W=1`` (``N`` for data parallelism); ``efficiency``
 = speedup / ideal; ``cpu_ratio`` = this CPU time / the baseline's (rank 0's
 process: with ``N > 1`` ranks it includes time spent waiting in gloo);
-``policy`` the stash policy; ``cores`` the cores the ranks ran on. With fewer usable cores than ranks the section
+``policy`` the stash policy; ``cores`` the cores the ranks ran on; for
+pipelines, ``eff_vs_dp`` = efficiency / data parallelism's and ``vs_1f1b`` =
+speed-up / 1F1B's with the same policy (the targets of issue 21: 1F1B and
+ZB-H1 at ``eff_vs_dp >= 0.95``, ZB-H1 ``vs_1f1b >= 0.97``, GPipe ``>= 0.9``,
+interleaved and V within 10%). With fewer usable cores than ranks the section
 is one ``skipped`` row; a run that fails or times out (all processes are
 killed) is one ``failed`` row, its output on stderr.
 """
@@ -101,7 +105,8 @@ def measure(*, num_processes: int = 2, layers: int = 8, width: int = 512,
   Returns:
     Rows of ``step, policy, ranks, stages, m, width, microbatch, layers,
     variant, median_ms, cpu_ms, speedup, ideal, efficiency, cpu_ratio, vs,
-    cores``; or one ``skipped`` / ``failed`` row with a ``note``.
+    cores`` (pipelines: and ``eff_vs_dp``, ``vs_1f1b``); or one ``skipped``
+    / ``failed`` row with a ``note``.
 
   Raises:
     ValueError: a size that is not an int >= 1, ``timeout <= 0`` or an
