@@ -88,8 +88,9 @@ POLICIES: dict[str, Callable[..., Any] | None] = {
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
     'nothing': jax.checkpoint_policies.nothing_saveable,   # x alone: remat
 }
-# The fastest on the bench's residual gelu stages (docs/executor.md, "Stash
-# policy"): the products are most of the bytes worth keeping.
+# The fastest for GPipe, 1F1B and ZB-H1 on one core (bench ``one_core``,
+# docs/executor.md "Stash policy"): recomputing elementwise work costs less
+# than storing and reloading its intermediates.
 DEFAULT_POLICY = 'dots'
 
 
@@ -158,8 +159,7 @@ class StageVJP:
 
   def _fn(self, key):
     """``stage_fn`` of ``(params, x)`` under the policy, ``key`` bound."""
-    fn = self.stage_fn if key is None else (
-        lambda params, x, key: self.stage_fn(params, x, key))
+    fn = self.stage_fn
     if self.policy is not None:
       # The blocks are separate programs: no CSE across them to prevent.
       fn = jax.checkpoint(fn, policy=self.policy, prevent_cse=False)
