@@ -8,8 +8,8 @@ into
   that depend on ``x`` -- the **stash holds activations only**. Which
   activations is the **stash policy** (``stash_policy``): ``'everything'``
   keeps every residual ``jax.vjp`` lists; ``'dots'`` (the default) keeps the
-  outputs of matrix products (and of collectives) and recomputes the
-  elementwise work after them in the backward
+  outputs of matrix products and recomputes the elementwise work after them
+  in the backward
   (``jax.checkpoint_policies.dots_saveable``); ``'nothing'``
   (``remat=True``) keeps ``x`` and recomputes the whole forward; any
   ``jax.checkpoint`` policy may be given. Residuals that depend on the
@@ -66,26 +66,13 @@ from jaxpar.pipeline import _jaxpr, _vma
 PyTree = Any
 
 
-# Collectives (tensor parallelism inside a stage): what they produce is kept,
-# so that a recompute never communicates again.
-_COLLECTIVES = frozenset((
-    'psum', 'psum_invariant', 'unreduced_psum', 'pmax', 'pmin', 'ppermute',
-    'all_to_all', 'ragged_all_to_all', 'all_gather', 'all_gather_invariant',
-    'all_gather_reduced', 'reduce_scatter', 'unreduced_reduce_scatter'))
-
-
-def _and_collectives(policy: Callable[..., bool]) -> Callable[..., bool]:
-  """``policy``, and the outputs of collectives saved too."""
-  def saveable(prim, *args, **params):
-    return prim.name in _COLLECTIVES or policy(prim, *args, **params)
-  return saveable
-
-
+# Only jax's policies: one that also saved what collectives produce would
+# turn ZeRO-3's gathered params into residuals of the params alone, which
+# XLA then hoists out of the tick loop and keeps (+55% scratch measured).
 POLICIES: dict[str, Callable[..., Any] | None] = {
     'everything': None,   # every residual jax.vjp lists
-    'dots': _and_collectives(jax.checkpoint_policies.dots_saveable),
-    'dots_no_batch': _and_collectives(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    'dots': jax.checkpoint_policies.dots_saveable,
+    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     'nothing': jax.checkpoint_policies.nothing_saveable,   # x alone: remat
 }
 # The fastest for GPipe, 1F1B and ZB-H1 on one core (bench ``one_core``,
@@ -102,10 +89,9 @@ def stash_policy(remat: bool = False, remat_policy: Any = None
     remat: ``True`` is ``remat_policy='nothing'``: stash the stage input
       alone and recompute the forward in the backward.
     remat_policy: a name of ``POLICIES``: ``'everything'``, ``'dots'``
-      (``jax.checkpoint_policies.dots_saveable``, and what collectives
-      produce, so a recompute never communicates), ``'dots_no_batch'``
-      (``dots_with_no_batch_dims_saveable``, and the collectives: attention
-      scores are recomputed), ``'nothing'``; a ``jax.checkpoint_policies``
+      (``jax.checkpoint_policies.dots_saveable``), ``'dots_no_batch'``
+      (``dots_with_no_batch_dims_saveable``: attention scores are
+      recomputed), ``'nothing'``; a ``jax.checkpoint_policies``
       policy (e.g. ``save_only_these_names('ffn')`` for values tagged with
       ``jax.ad_checkpoint.checkpoint_name``), or ``None`` for
       ``DEFAULT_POLICY`` (``'nothing'`` with ``remat``).
@@ -115,7 +101,7 @@ def stash_policy(remat: bool = False, remat_policy: Any = None
     TypeError: a policy that is neither a name nor callable.
 
   Example:
-    >>> stash_policy() is POLICIES['dots']
+    >>> stash_policy() is jax.checkpoint_policies.dots_saveable
     True
     >>> stash_policy(remat=True) is jax.checkpoint_policies.nothing_saveable
     True
