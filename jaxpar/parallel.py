@@ -72,6 +72,7 @@ from jaxpar.mesh import axis_size
 from jaxpar.pipeline import checks, executor
 from jaxpar.pipeline.lower import lower
 from jaxpar.pipeline.schedule import Schedule
+from jaxpar.pipeline.stage import stash_policy
 from jaxpar.pipeline_params import PipelineParams
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 auto_view, check_max_grad_norm, check_optimizer,
@@ -137,6 +138,7 @@ def train_step(
     key: jax.Array | None = None,
     has_aux: bool = False,
     compute_dtype: Any = None,
+    remat_policy: Any = None,
 ) -> Trainer:
   """A DP x PP x TP train step for a model given as embed / stages / head.
 
@@ -160,6 +162,8 @@ def train_step(
       ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)``;
       ``None``: no clipping.
     remat: recompute stage forwards in the backward (stash stage inputs only).
+    remat_policy: what stage forwards stash for the backward
+      (``jaxpar.pipeline.stage.stash_policy``; default ``'dots'``).
     layout: tensor-parallel layout: full layer paths in each part ->
       kinds (``tensor_parallel.param_specs``); default
       ``tensor_parallel.DEFAULT_LAYOUT``, the paths of jaxpar's GPT. A mesh
@@ -226,6 +230,7 @@ def train_step(
   stage_mask = _check_mask(stage_mask, schedule)
   checks.check_key(key)
   compute_dtype = checks.check_compute_dtype(compute_dtype)
+  stash_policy(remat, remat_policy)
   if key is not None:
     key = jax.device_put(key, NamedSharding(mesh, P()))
   lowered = lower(schedule)
@@ -322,7 +327,8 @@ def train_step(
         lowered=lowered, axis=stage_axis, remat=remat, key=key,
         microbatch_offset=offset(), has_aux=has_aux,
         compute_dtype=compute_dtype, embed_fn=embed,
-        embed_params=params.embed, embed_key=embed_key)
+        embed_params=params.embed, embed_key=embed_key,
+        remat_policy=remat_policy)
     grads = PipelineParams(
         grads.embed, jax.tree.map(lambda g: g[None], masked(grads.stages)),
         grads.loss)

@@ -207,10 +207,12 @@ def test_zero3_memory_and_collectives():
   # (XLA reuses the forward gather in the backward); the stage at each of
   # the executor's three stage_fn sites -- the F block, the last stage's F
   # (with the loss) and the backward, which re-gathers (the params-only
-  # residuals are recomputed, not stashed; I and W share it).
+  # residuals are recomputed, not stashed). W re-gathers the few params it
+  # needs to recompute the activations of its weight gradients (LayerNorm
+  # scale and bias here) rather than keep them from I: under 1% of a stage.
   assert moved1['reduce-scatter'] == moved3['reduce-scatter'] == p1
   assert moved1['all-gather'] == p1
-  assert moved3['all-gather'] == embed + head + 3 * stages
+  assert 3 * stages <= moved3['all-gather'] - embed - head <= 3.01 * stages
 
 
 class TestErrors:

@@ -57,6 +57,25 @@ def test_end_to_end_two_pinned_processes():
         s.num_stages)
 
 
+def test_one_core_policies_and_stage1_rows():
+  """The ``one_core`` harness on a tiny case: each policy a row against the
+  sequential step, the stage-size-1 step against the DP step."""
+  rows = real_parallel.measure(
+      num_processes=1, **{**TINY, 'layers': 2, 'num_microbatches': 2},
+      variant='gelu', schedules=['one_f_one_b'], policies=['everything', 'dots'],
+      data_parallel=False, stage1=True)
+  dp = 'data_parallel.train_step (m=2)'
+  assert [(r['step'], r['policy'], r['vs']) for r in rows] == [
+      (worker.SEQUENTIAL, '', worker.SEQUENTIAL),
+      ('1F1B [everything]', 'everything', worker.SEQUENTIAL),
+      ('1F1B [dots]', 'dots', worker.SEQUENTIAL),
+      (dp, '', dp), ('parallel.train_step, stage=1 (m=2)', '', dp)]
+  for row in rows:
+    assert row['variant'] == 'gelu' and row['cpu_ms'] > 0
+    base = next(r for r in rows if r['step'] == row['vs'])
+    assert row['cpu_ratio'] == pytest.approx(row['cpu_ms'] / base['cpu_ms'])
+
+
 def test_fewer_cores_than_ranks_is_a_skip_row(monkeypatch):
   monkeypatch.setattr(real_parallel.os, 'sched_getaffinity', lambda pid: {3})
   rows = real_parallel.measure(num_processes=2, **TINY)
@@ -78,6 +97,7 @@ def test_timeout_kills_the_processes_and_reports():
     (dict(width=16.0), 'width=16.0 must be an int >= 1'),
     (dict(repeats=True), 'repeats=True must be an int >= 1'),
     (dict(timeout=0), 'timeout=0 must be > 0'),
+    (dict(variant='relu'), "variant='relu' is not one of"),
 ])
 def test_bad_sizes_raise(bad, match):
   with pytest.raises(ValueError, match=match):

@@ -106,7 +106,8 @@ def test_aux_is_averaged_like_the_loss(x64):
 def test_bf16_stash_holds_activations_not_cast_params():
   """The cast sits inside the stage: the stash is bf16 activations only."""
   width, mb = 8, 3     # a [8, 8] weight and [3, 8] activations differ
-  stage = StageVJP(cast_params(stage_fn, jnp.bfloat16), remat=False)
+  stage = StageVJP(cast_params(stage_fn, jnp.bfloat16),
+                   remat_policy='everything')  # every residual jax.vjp lists
   params = {'w': jnp.ones((width, width)), 'b': jnp.ones(width),
             'gate': {'s': jnp.ones(())}}
   _, stash = stage.trace(params, jnp.ones((mb, width), jnp.bfloat16))

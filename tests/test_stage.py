@@ -1,4 +1,8 @@
-"""StageVJP: the stash holds activations only; I + W is one backward, exactly."""
+"""StageVJP: the stash holds activations only; I + W is one backward, exactly.
+
+Every stash policy, as the ``I``/``W`` blocks and through the executor
+(ZB-H1, dropout keys), against ``jax.vjp`` / ``jax.value_and_grad``.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +11,12 @@ import pytest
 
 import jaxpar
 from jaxpar import pipeline as pp
-from jaxpar.pipeline.stage import StageVJP
+from jaxpar.pipeline.stage import POLICIES, StageVJP, stash_policy
+from test_rng_precision import dropout_loss, dropout_stage, reference
+from test_executor import model
+
+# Every named policy and one given as a jax.checkpoint policy.
+ALL_POLICIES = [*POLICIES, jax.checkpoint_policies.checkpoint_dots]
 
 L, D, MB = 3, 16, 4
 
@@ -49,9 +58,9 @@ def params(seed=0, dtype=np.float64):
           'b': rng.normal(size=(L, D, 2 * D)).astype(dtype) / 4}
 
 
-def split_blocks(fn, w, x, dy, remat=False):
+def split_blocks(fn, w, x, dy, policy=None):
   """A traced StageVJP (its blocks jitted, as inside the executor)."""
-  stage = StageVJP(fn, remat)
+  stage = StageVJP(fn, remat_policy=policy)
   traced = lambda method: lambda *args: [method(*args)][:0]  # avals: no output
   jax.eval_shape(traced(stage.trace), w, x)
   _, stash = jax.jit(stage.forward)(w, x)
@@ -60,11 +69,11 @@ def split_blocks(fn, w, x, dy, remat=False):
 
 
 @pytest.mark.parametrize('fn', [stacked, jitted, scanned])
-@pytest.mark.parametrize('remat', [False, True])
-def test_input_and_weight_halves_are_the_vjp(x64, fn, remat):
+@pytest.mark.parametrize('policy', ALL_POLICIES)
+def test_input_and_weight_halves_are_the_vjp(x64, fn, policy):
   w, rng = params(), np.random.default_rng(1)
   x, dy = rng.normal(size=(MB, D)), rng.normal(size=(MB, D))
-  stage, stash = split_blocks(fn, w, x, dy, remat)
+  stage, stash = split_blocks(fn, w, x, dy, policy)
   dx, kept = jax.jit(stage.input_grad)(w, stash, dy)
   dw = jax.jit(stage.weight_grad)(w, stash, dy, kept)
   want_dw, want_dx = jax.vjp(fn, w, x)[1](dy)
@@ -126,3 +135,78 @@ def test_sliced_layers_cost_no_more_memory_than_per_layer_leaves():
   leaves = _temp_bytes(per_layer, {
       f'{n}{k}': two(w[n][k]) for n in 'ab' for k in range(L)})
   assert sliced <= 1.15 * leaves, (sliced, leaves)
+
+
+def _stash_arrays(policy, remat=False):
+  w = params(dtype=np.float32)
+  _, stash = StageVJP(stacked, remat, policy).trace(w, np.ones((MB, D),
+                                                               np.float32))
+  assert all(a.shape[0] == MB for a in stash)   # activations only
+  return len(stash)
+
+
+def test_policies_stash_what_they_say():
+  """L layers ``x + tanh(x @ a) @ b.T``: 'everything' keeps each layer's
+  input, tanh and 1 - tanh^2, 'dots' the stage input and the products
+  (all but the last, which only feeds the output), 'nothing' the stage
+  input alone."""
+  assert _stash_arrays('everything') == 3 * L
+  assert _stash_arrays('dots') == 1 + 2 * L - 1
+  assert _stash_arrays('nothing') == _stash_arrays(None, remat=True) == 1
+  assert _stash_arrays(None) == _stash_arrays('dots')   # the default
+
+
+@pytest.mark.parametrize('policy', ALL_POLICIES)
+def test_every_policy_is_exact_with_zero_bubble_and_dropout(x64, policy):
+  """ZB-H1 (I and W apart, a B as I then W) with a dropout key per
+  (stage, microbatch): the sequential model's loss and gradients."""
+  p, m = 2, 3
+  schedule = pp.zero_bubble_h1(p, m)
+  args = model(p, m * MB)
+  key = jax.random.key(3)
+  step = pp.pipeline_step(
+      dropout_stage, dropout_loss, schedule=schedule, has_aux=True,
+      mesh=jaxpar.make_mesh(stage=p, devices=jax.devices()[:p]),
+      remat_policy=policy, bubble_fill=float('nan'))
+  (loss, _), grads = step(*args, key=key)
+  (want, _), want_grads = reference(*args, key, m)
+  np.testing.assert_allclose(loss, want, rtol=1e-10)
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, w, rtol=1e-10,
+                               atol=1e-10 * float(np.max(np.abs(w))))
+
+
+@pytest.mark.parametrize('kwargs, error, match', [
+    (dict(remat_policy='dot'), ValueError, r"remat_policy='dot' is not one"),
+    (dict(remat_policy=3), TypeError, 'must be a name'),
+    (dict(remat=True, remat_policy='dots'), ValueError,
+     'remat=True stashes the stage input alone'),
+])
+def test_bad_policy_raises_when_the_step_is_built(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    pp.pipeline_step(stacked, lambda h, y, t: jnp.mean(y), schedule=pp.gpipe(
+        2, 2), mesh=jaxpar.make_mesh(stage=2, devices=jax.devices()[:2]),
+                     **kwargs)
+
+
+def test_remat_true_is_the_nothing_policy():
+  assert stash_policy(remat=True) is stash_policy(remat_policy='nothing')
+  assert stash_policy(remat=True, remat_policy='nothing') is POLICIES['nothing']
+
+
+def test_policy_reaches_the_executor():
+  """GPipe holds m stashes: its scratch shrinks with the stash."""
+  p, m, mb = 2, 4, 64
+  w = jax.tree.map(lambda a: np.stack([a, a]), params(dtype=np.float32))
+  args = (w, np.ones((D, 2), np.float32), np.ones((m * mb, D), np.float32),
+          np.ones((m * mb, 2), np.float32))
+  temp = {policy: pp.pipeline_step(
+      stacked, lambda h, y, t: jnp.mean((y @ h - t) ** 2),
+      schedule=pp.gpipe(p, m), remat_policy=policy,
+      mesh=jaxpar.make_mesh(stage=p, devices=jax.devices()[:p])).lower(
+          *args).compile().memory_analysis().temp_size_in_bytes
+          for policy in ('everything', 'dots', 'nothing')}
+  stash = lambda arrays: m * arrays * mb * D * 4
+  # 9, 6 and 1 stashed arrays per microbatch (3 layers), each >= [mb, D].
+  assert temp['everything'] - temp['dots'] >= 0.9 * stash(9 - 6), temp
+  assert temp['dots'] - temp['nothing'] >= 0.9 * stash(6 - 1), temp

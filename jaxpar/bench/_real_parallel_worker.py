@@ -2,27 +2,35 @@
 
 ``python -m jaxpar.bench._real_parallel_worker CONFIG_JSON``, started by
 ``jaxpar.distributed.launch`` with one CPU device per process; the config
-holds ``measure``'s sizes, the ``cores`` and the ``out`` path. Each rank pins
-all its threads to ``config['cores'][rank]`` before JAX starts its backend,
-joins the job (gloo), and times, in turns within every repetition:
+holds ``measure``'s sizes and options, the ``cores`` and the ``out`` path.
+Each rank pins all its threads to ``config['cores'][rank]`` before JAX starts
+its backend, joins the job (gloo), and times, in rotated turns within every
+repetition (round ``r`` starts with the ``r``-th step, so that no step always
+runs after the same one):
 
 * ``sequential``: rank 0 alone runs the ``m`` microbatches one after the
   other on its core (``lax.scan`` of ``value_and_grad`` of the whole model,
   gradients accumulated); the other ranks wait at the next barrier;
-* every pipeline schedule of ``SCHEDULES`` that ``jaxpar.pipeline`` defines,
-  with ``pipeline_step`` on the mesh ``stage=N``;
-* plain data parallelism on the mesh ``data=N``: each rank runs ``m/N`` of
-  the microbatches as ``sequential`` does, then one ``pmean`` of the
-  gradients.
+* every pipeline schedule of ``SCHEDULES`` that ``jaxpar.pipeline`` defines
+  (or those named in ``config['schedules']``), with ``pipeline_step`` on the
+  mesh ``stage=N``, once per stash policy of ``config['policies']``;
+* plain data parallelism on the mesh ``data=N`` (``config['data_parallel']``):
+  each rank runs ``m/N`` of the microbatches as ``sequential`` does, then one
+  ``pmean`` of the gradients;
+* with ``config['stage1']``: ``parallel.train_step`` on a mesh with one
+  pipeline stage against ``data_parallel.train_step`` (Adam, the same model
+  written as embed / one stage / head, the same ``m`` microbatches).
 
 A barrier (``sync_global_devices``) precedes every timed step, so all ranks
-start it together; rank 0's median wall time is reported. Rank 0 checks that
-every step's loss equals the sequential loss (the steps compute the same
-maths) and writes the rows to ``config['out']`` as JSON.
+start it together; rank 0's median wall time and process CPU time are
+reported. Rank 0 checks that every step's loss equals its baseline's loss
+(the steps compute the same maths) and writes the rows to ``config['out']``
+as JSON.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -34,12 +42,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar import distributed
+from jaxpar.pipeline.stage import DEFAULT_POLICY
 
 # (constructor name in jaxpar.pipeline, extra positional args after (p, m));
 # those the installed jaxpar lacks are left out.
@@ -85,6 +95,17 @@ def stage_fn(params, x):
   return x
 
 
+def gelu_stage_fn(params, x):
+  """Residual layers ``x + gelu(x @ w[k])``, ``params['w']: [L, D, D]``."""
+  for k in range(params['w'].shape[0]):
+    x = x + jax.nn.gelu(x @ params['w'][k])
+  return x
+
+
+# The model's layer kind (``config['variant']``).
+VARIANTS = {'tanh': stage_fn, 'gelu': gelu_stage_fn}
+
+
 def loss_fn(head, y, target):
   """Mean squared error of the ``[D, 8]`` linear head."""
   return jnp.mean((y @ head - target) ** 2)
@@ -103,14 +124,15 @@ def model(layers: int, width: int, batch: int, seed: int = 0):
           normal((batch, width), 1.0), normal((batch, _OUT_WIDTH), 1.0))
 
 
-def accumulated_grads(layers, head, xs, ts):
+def accumulated_grads(layers, head, xs, ts, stage=stage_fn):
   """Mean loss and gradients over microbatches ``xs: [k, mb, D]`` in turn.
 
   Returns ``(loss, (dlayers, dhead, dxs))`` of the mean over the ``k``
   microbatches; only one microbatch's activations are alive at a time.
+  ``stage`` is the layer stack (a ``VARIANTS`` value).
   """
   grad = jax.value_and_grad(
-      lambda w, h, x, t: loss_fn(h, stage_fn({'w': w}, x), t),
+      lambda w, h, x, t: loss_fn(h, stage({'w': w}, x), t),
       argnums=(0, 1, 2))
 
   def body(carry, xt):
@@ -125,14 +147,14 @@ def accumulated_grads(layers, head, xs, ts):
   return loss / k, (dw / k, dh / k, dxs / k)
 
 
-def data_parallel_grads(mesh) -> Callable:
+def data_parallel_grads(mesh, stage=stage_fn) -> Callable:
   """``accumulated_grads`` of each rank's ``m/N`` microbatches, a ``pmean``."""
   n = mesh.shape['data']
 
   def local(layers, head, xs, ts):
     # Varying params: the per-rank grads are local, the pmean sums them once.
     layers, head = jax.lax.pcast((layers, head), 'data', to='varying')
-    loss, (dw, dh, dxs) = accumulated_grads(layers, head, xs, ts)
+    loss, (dw, dh, dxs) = accumulated_grads(layers, head, xs, ts, stage)
     loss, dw, dh = jax.lax.pmean((loss, dw, dh), 'data')
     return loss, (dw, dh, dxs / n)
 
@@ -151,14 +173,17 @@ class Step(NamedTuple):
   ranks: int      # 1: rank 0 alone; the others wait at the next barrier
   stages: int
   ideal: float    # total work / simulated makespan
+  policy: str = ''              # the pipeline's stash policy
+  baseline: str = SEQUENTIAL    # the step its speed-up is measured against
 
 
-def _schedules(p: int, m: int, layers: int) -> tuple[list, list[dict]]:
+def _schedules(p: int, m: int, layers: int, names: list | None
+               ) -> tuple[list, list[dict]]:
   """``[(schedule, ideal)]`` to time, and note rows for those that can't run."""
   found, notes = [], []
   for name, extra in SCHEDULES:
     constructor = getattr(jaxpar.pipeline, name, None)
-    if constructor is None:
+    if constructor is None or (names is not None and name not in names):
       continue
     try:
       schedule = constructor(p, m, *extra)
@@ -175,41 +200,82 @@ def _schedules(p: int, m: int, layers: int) -> tuple[list, list[dict]]:
   return found, notes
 
 
+def _stage1_steps(config: dict, stage, w, head, x, t) -> dict[str, Step]:
+  """``parallel.train_step`` with one pipeline stage and
+  ``data_parallel.train_step``: Adam on ``embed -> layers -> head``."""
+  n, m = jax.process_count(), config['num_microbatches']
+  embed = np.eye(w.shape[-1], dtype=w.dtype)   # a [D, D] input projection
+  embed_fn = lambda e, x: x @ e
+  head_loss = lambda h, y, t: loss_fn(h, y, t)
+
+  def dp_loss(params, batch):
+    x, t = batch
+    return loss_fn(params['head'], stage({'w': params['w']},
+                                         embed_fn(params['embed'], x)), t)
+  mesh = jaxpar.make_mesh(data=n)
+  batch = jax.device_put((x, t), NamedSharding(mesh, P('data')))
+  dp = jaxpar.data_parallel.train_step(dp_loss, optax.adam(1e-3), mesh=mesh,
+                                       num_microbatches=m)
+  par = jaxpar.parallel.train_step(
+      embed_fn, stage, head_loss, optax.adam(1e-3),
+      schedule=jaxpar.pipeline.one_f_one_b(1, m), mesh=mesh)
+  dp_state = dp.init({'embed': embed, 'w': w, 'head': head})
+  par_state = par.init(jaxpar.parallel.PipelineParams(
+      embed, {'w': w[None]}, head))
+  # A train step returns (state, stats): time it from the same state.
+  as_loss = lambda step: lambda state, batch: (
+      lambda out: (out[1].loss, out[0]))(step(state, batch))
+  dp_name = f'data_parallel.train_step (m={m})'
+  return {dp_name: Step(as_loss(dp.step), (dp_state, batch), n, 1, float(n),
+                        baseline=dp_name),
+          f'parallel.train_step, stage=1 (m={m})': Step(
+              as_loss(par.step), (par_state, batch), n, 1, float(n),
+              baseline=dp_name)}
+
+
 def _steps(config: dict) -> tuple[dict[str, Step], list[dict]]:
   """The steps by name, in timing order, and note rows."""
   n, m = jax.process_count(), config['num_microbatches']
   mb = config['microbatch']
+  stage = VARIANTS[config.get('variant', 'tanh')]
   w, head, x, t = model(config['layers'], config['width'], m * mb)
   split = lambda a: a.reshape((m, mb) + a.shape[1:])
   local = jax.local_devices()[0]
   steps = {SEQUENTIAL: Step(
-      jax.jit(accumulated_grads),
+      jax.jit(functools.partial(accumulated_grads, stage=stage)),
       jax.device_put((w, head, split(x), split(t)), local), 1, 1, 1.0)}
 
   mesh = jaxpar.make_mesh(stage=n)
   replicated = NamedSharding(mesh, P())
-  schedules, notes = _schedules(n, m, config['layers'])
+  schedules, notes = _schedules(n, m, config['layers'],
+                                config.get('schedules'))
+  policies = config.get('policies') or [None]
   for schedule, ideal in schedules:
     s = schedule.num_stages
     stages = {'w': w.reshape((s, -1) + w.shape[1:])}
     args = (jax.device_put(stages, NamedSharding(mesh, P('stage'))),
             *jax.device_put((head, x, t), replicated))
-    steps[schedule.name] = Step(
-        jaxpar.pipeline.pipeline_step(stage_fn, loss_fn, schedule=schedule,
-                                      mesh=mesh),
-        args, n, s, ideal)
+    for policy in policies:
+      name = schedule.name if len(policies) == 1 else (
+          f'{schedule.name} [{policy}]')
+      steps[name] = Step(
+          jaxpar.pipeline.pipeline_step(stage, loss_fn, schedule=schedule,
+                                        mesh=mesh, remat_policy=policy),
+          args, n, s, ideal, policy or DEFAULT_POLICY)
 
-  if m % n:
+  if config.get('data_parallel', True) and m % n:
     notes.append({'step': DATA_PARALLEL, 'ranks': n, 'm': m, 'note': (
         f'm={m} microbatches do not split evenly over {n} ranks')})
-  else:
+  elif config.get('data_parallel', True):
     mesh = jaxpar.make_mesh(data=n)
     by_rank = NamedSharding(mesh, P('data'))
     steps[DATA_PARALLEL] = Step(
-        data_parallel_grads(mesh),
+        data_parallel_grads(mesh, stage),
         (*jax.device_put((w, head), NamedSharding(mesh, P())),
          *jax.device_put((split(x), split(t)), by_rank)),
         n, 1, float(n))
+  if config.get('stage1'):
+    steps.update(_stage1_steps(config, stage, w, head, x, t))
   return steps, notes
 
 
@@ -217,28 +283,42 @@ def _barrier() -> None:
   multihost_utils.sync_global_devices('jaxpar real_parallel')
 
 
+class Timing(NamedTuple):
+  """One step's medians on this rank (``None`` where it did not run)."""
+  seconds: float | None      # wall
+  cpu_seconds: float | None  # process CPU time, all threads
+  loss: float | None         # the last run's
+
+
 def time_steps(steps: dict[str, Step], *, repeats: int, warmup: int
-               ) -> dict[str, tuple[float | None, float | None]]:
-  """``(median seconds, loss)`` of each step on this rank, steps in turns.
+               ) -> dict[str, Timing]:
+  """Each step's ``Timing`` on this rank, steps in rotated turns.
 
   Every rank passes the same barriers; a step on one rank runs on rank 0
-  only (``None`` elsewhere). The loss is the last run's.
+  only (``None`` elsewhere). Round ``r`` runs the steps starting from the
+  ``r``-th (all ranks in the same order).
   """
   me = jax.process_index()
-  times = {name: [] for name in steps}
+  names = list(steps)
+  wall = {name: [] for name in steps}
+  cpu = {name: [] for name in steps}
   losses = {}
   for rep in range(warmup + repeats):
-    for name, step in steps.items():
+    turn = rep % len(names)
+    for name in names[turn:] + names[:turn]:
+      step = steps[name]
       _barrier()
       if me < step.ranks:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         loss, _ = jax.block_until_ready(step.fn(*step.args))
         if rep >= warmup:
-          times[name].append(time.perf_counter() - start)
+          wall[name].append(time.perf_counter() - start)
+          cpu[name].append(time.process_time() - start_cpu)
         losses[name] = float(loss)
   _barrier()
-  return {name: (statistics.median(times[name]) if times[name] else None,
-                 losses.get(name)) for name in steps}
+  median = lambda xs: statistics.median(xs) if xs else None
+  return {name: Timing(median(wall[name]), median(cpu[name]),
+                       losses.get(name)) for name in steps}
 
 
 def rows(config: dict) -> list[dict]:
@@ -247,20 +327,44 @@ def rows(config: dict) -> list[dict]:
   timed = time_steps(steps, repeats=config['repeats'], warmup=config['warmup'])
   if jax.process_index() != 0:
     return []
-  base_s, base_loss = timed[SEQUENTIAL]
   out = []
-  for name, (seconds, loss) in timed.items():
-    if not np.isclose(loss, base_loss, rtol=_LOSS_RTOL):
-      raise RuntimeError(f'real_parallel: {name} computed loss {loss}, the '
-                         f'sequential step {base_loss}: not the same model.')
-    step, speedup = steps[name], base_s / seconds
-    out.append({'step': name, 'ranks': step.ranks, 'stages': step.stages,
-                'm': config['num_microbatches'], 'width': config['width'],
-                'microbatch': config['microbatch'], 'median_ms': 1e3 * seconds,
+  for name, (seconds, cpu_seconds, loss) in timed.items():
+    step = steps[name]
+    base = timed[step.baseline]
+    if not np.isclose(loss, base.loss, rtol=_LOSS_RTOL):
+      raise RuntimeError(f'real_parallel: {name} computed loss {loss}, '
+                         f'{step.baseline} {base.loss}: not the same model.')
+    speedup = base.seconds / seconds
+    out.append({'step': name, 'policy': step.policy, 'ranks': step.ranks,
+                'stages': step.stages, 'm': config['num_microbatches'],
+                'width': config['width'], 'microbatch': config['microbatch'],
+                'layers': config['layers'],
+                'variant': config.get('variant', 'tanh'),
+                'median_ms': 1e3 * seconds, 'cpu_ms': 1e3 * cpu_seconds,
                 'speedup': speedup, 'ideal': step.ideal,
                 'efficiency': speedup / step.ideal,
+                'cpu_ratio': cpu_seconds / base.cpu_seconds,
+                'vs': step.baseline,
                 'cores': ','.join(map(str, config['cores'][:step.ranks]))})
-  return out + notes
+  return _relative(out, steps) + notes
+
+
+def _relative(out: list[dict], steps: dict[str, Step]) -> list[dict]:
+  """Adds the issue's targets: a pipeline's efficiency over DP's
+  (``eff_vs_dp``) and its speed over 1F1B's with the same stash policy
+  (``vs_1f1b``), where those rows exist."""
+  by_name = {row['step']: row for row in out}
+  dp = by_name.get(DATA_PARALLEL)
+  for row in out:
+    if not steps[row['step']].policy:   # not a pipeline
+      continue
+    if dp is not None:
+      row['eff_vs_dp'] = row['efficiency'] / dp['efficiency']
+    one_f_one_b = next((r for r in out if r['policy'] == row['policy'] and
+                        r['step'].split(' [')[0] == '1F1B'), None)
+    if one_f_one_b is not None:
+      row['vs_1f1b'] = row['speedup'] / one_f_one_b['speedup']
+  return out
 
 
 def main(argv: list[str]) -> int:

@@ -38,15 +38,19 @@ def wall_and_cpu_seconds(steps: dict[str, Callable], args: tuple,
   """Median wall and process-CPU seconds of each step, after a warm-up.
 
   The steps take turns within each repetition, so that load from other
-  processes hits them alike. CPU time (``time.process_time``) sums all the
-  process's threads: it counts the work, whatever the number of cores.
+  processes hits them alike; repetition ``r`` starts with the ``r``-th step
+  (rotated rounds), so that no step always runs after the same one. CPU time
+  (``time.process_time``) sums all the process's threads: it counts the
+  work, whatever the number of cores.
   """
   for fn in steps.values():  # compile everything before timing anything
     jax.block_until_ready(fn(*args))
   wall = {name: [] for name in steps}
   cpu = {name: [] for name in steps}
-  for _ in range(repeats):
-    for name, fn in steps.items():
+  order = list(steps.items())
+  for rep in range(repeats):
+    turn = rep % len(order)
+    for name, fn in order[turn:] + order[:turn]:
       w, c = time.perf_counter(), time.process_time()
       jax.block_until_ready(fn(*args))
       wall[name].append(time.perf_counter() - w)

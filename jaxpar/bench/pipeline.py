@@ -21,6 +21,13 @@ Sections:
   ``m`` live stashes cost over 1F1B's ``p`` (the same blocks otherwise).
 * ``zero_bubble_blocks``: XLA ``cost_analysis`` FLOPs of one stage's ``F``,
   ``I``, ``W`` and one-piece ``B`` blocks: ``I + W = B``, no recomputation.
+* ``stash_policy``: what one microbatch's stash holds under each stash
+  policy (``remat_policy``), for a stage of 4 residual gelu layers
+  (``x + gelu(x @ w_k)``, the ``one_core`` section's model of
+  ``jaxpar.bench.real_parallel``) and of the tanh layers above: arrays and
+  bytes (from ``StageVJP``'s traced stash avals), and the compiled
+  ``temp_size_in_bytes`` of 1F1B and GPipe steps (``p = 2``, ``m = 8``) with
+  it. The default policy is the fastest one on ``one_core``.
 
 The model is ``LAYERS`` residual tanh layers sliced from a stacked leaf.
 Parallel speed is not measured here (simulated devices share the cores): see
@@ -43,7 +50,8 @@ from jaxpar.hlo import collective_bytes
 from jaxpar.pipeline.executor import (LossFn, StageFn, cast_params,
                                       pipeline_step)
 from jaxpar.pipeline.lower import lower
-from jaxpar.pipeline.stage import StageVJP
+from jaxpar.bench import _real_parallel_worker as worker
+from jaxpar.pipeline.stage import DEFAULT_POLICY, POLICIES, StageVJP
 
 
 def gpipe_autodiff_step(stage_fn: StageFn, loss_fn: LossFn, *,
@@ -294,10 +302,44 @@ def _mixed_precision(quick: bool) -> list[dict]:
   return rows
 
 
+def _stash_policies(quick: bool) -> list[dict]:
+  """Stash arrays and bytes per microbatch, and compiled temp bytes, per
+  stash policy (see the module doc)."""
+  p, m, layers = 2, 8, 4
+  width, mb = (192, 48) if quick else (384, 96)
+  mesh = make_mesh(stage=p, devices=jax.devices()[:p])
+  w, head, x, t = worker.model(p * layers, width, m * mb)
+  stages = {'w': w.reshape((p, layers, width, width))}
+  one = jax.tree.map(lambda a: a[0], stages)
+  rows = []
+  for variant, fn in (('gelu', worker.gelu_stage_fn),
+                      ('tanh', worker.stage_fn)):
+    base = None
+    for policy in POLICIES:
+      _, stash = StageVJP(fn, remat_policy=policy).trace(one, x[:mb])
+      nbytes = sum(a.size * a.dtype.itemsize for a in stash)
+      base = base or nbytes
+      temp = {name: pipeline_step(
+          fn, worker.loss_fn, schedule=make(p, m), mesh=mesh,
+          remat_policy=policy).lower(stages, head, x, t).compile(
+          ).memory_analysis().temp_size_in_bytes
+              for name, make in (('1f1b', sched.one_f_one_b),
+                                 ('gpipe', sched.gpipe))}
+      rows.append({
+          'variant': variant, 'policy': policy,
+          'default': policy == DEFAULT_POLICY, 'layers': layers,
+          'width': width, 'microbatch': mb, 'stash_arrays': len(stash),
+          'stash_bytes_per_mb': nbytes, 'vs_everything': nbytes / base,
+          'temp_bytes_1f1b': temp['1f1b'], 'temp_bytes_gpipe': temp['gpipe'],
+          'p': p, 'm': m})
+  return rows
+
+
 def run(*, quick: bool) -> dict[str, list[dict]]:
   """The memory, compile-time, CPU-overhead and block-FLOPs sections."""
   memory, compile_time = _memory_and_compile(quick)
   return {'pipeline_memory': memory, 'compile_time': compile_time,
           'mixed_precision_memory': _mixed_precision(quick),
           'cpu_overhead': _cpu_overhead(quick),
-          'zero_bubble_blocks': _block_flops(quick)}
+          'zero_bubble_blocks': _block_flops(quick),
+          'stash_policy': _stash_policies(quick)}

@@ -18,10 +18,13 @@ import jax.numpy as jnp
 
 from jaxpar import _compat
 
-# Primitives whose body ``flatten`` inlines: jit, remat, custom rules (in a
-# VJP these are already differentiated, their bodies are the maths).
-_CALLS = ('pjit', 'jit', 'closed_call', 'core_call', 'remat', 'checkpoint',
-          'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr')
+# Primitives whose body ``flatten`` inlines: jit, remat (``jax.checkpoint``
+# binds 'remat2': a stash policy's recompute, a user's or ZeRO-3's
+# checkpoint), custom rules (in a VJP these are already differentiated,
+# their bodies are the maths).
+_CALLS = ('pjit', 'jit', 'closed_call', 'core_call', 'remat', 'remat2',
+          'checkpoint', 'custom_jvp_call', 'custom_vjp_call',
+          'custom_vjp_call_jaxpr')
 
 
 def is_var(v: Any) -> bool:

@@ -41,6 +41,7 @@ from jaxpar.pipeline.checks import (check_axis, check_compute_dtype,
 from jaxpar.pipeline.layout import ranks_to_stages, stages_to_ranks
 from jaxpar.pipeline.lower import LoweredSchedule
 from jaxpar.pipeline.schedule import Schedule
+from jaxpar.pipeline.stage import stash_policy
 from jaxpar.pipeline.ticks import LossFn, StageFn
 
 PyTree = Any
@@ -74,7 +75,8 @@ def pipeline_step_local(
     bubble_fill: float = 0.0, key: jax.Array | None = None,
     microbatch_offset: Any = 0, has_aux: bool = False,
     compute_dtype: Any = None, embed_fn: Callable[..., jax.Array] | None = None,
-    embed_params: PyTree = None, embed_key: jax.Array | None = None
+    embed_params: PyTree = None, embed_key: jax.Array | None = None,
+    remat_policy: Any = None
 ) -> tuple[Any, PipelineGrads]:
   """One rank's share of ``pipeline_step``; call it inside ``jax.shard_map``.
 
@@ -98,7 +100,7 @@ def pipeline_step_local(
     lowered: ``lower(schedule)``.
     axis: the pipeline axis, of size ``schedule.num_ranks``.
     remat: stash only each stage's input and recompute its forward in the
-      backward (and twice, in ``I`` and ``W``, for zero-bubble schedules).
+      backward (``remat_policy='nothing'``).
     bubble_fill: value of unwritten buffer slots and of whatever idle ranks
       send; ``float('nan')`` checks that bubbles never reach the results.
     key: the step's PRNG key, or ``None``. Stage ``k`` on microbatch ``i``
@@ -124,6 +126,11 @@ def pipeline_step_local(
     embed_key: with ``embed_fn``, microbatch ``i``'s embedding runs as
       ``embed_fn(embed_params, raw, fold_in(embed_key, microbatch_offset +
       i))``; ``None``: without a key.
+    remat_policy: what the forward stashes for the backward
+      (``jaxpar.pipeline.stage.stash_policy``): ``'dots'`` (default:
+      matrix products kept, elementwise work recomputed), ``'everything'``,
+      ``'dots_no_batch'``, ``'nothing'`` or a ``jax.checkpoint_policies``
+      policy.
 
   Returns:
     ``(loss, PipelineGrads(stages, loss, inputs, embed))`` (``((loss, aux),
@@ -173,6 +180,7 @@ def pipeline_step_local(
                 'local_params', 'num_stages // num_ranks')
   check_key(key)
   check_offset(microbatch_offset)
+  stash_policy(remat, remat_policy)
   dtype = check_compute_dtype(compute_dtype)
   if dtype is not None:
     stage_fn, loss_fn = cast_params(stage_fn, dtype), cast_params(
@@ -195,7 +203,7 @@ def pipeline_step_local(
       stage_fn, loss_fn, lowered, local_params, loss_params, xs, ts,
       axis=axis, remat=bool(remat), bubble_fill=check_fill(bubble_fill),
       key=key, offset=microbatch_offset, has_aux=has_aux, embed_fn=embed_fn,
-      embed_params=embed_params, embed_key=embed_key)
+      embed_params=embed_params, embed_key=embed_key, remat_policy=remat_policy)
   if not embedding:
     dx = dx.reshape(np.shape(inputs))
     if dtype is not None:
@@ -245,7 +253,7 @@ def pipeline_apply_local(
 def pipeline_value_and_grad(
     stage_fn: StageFn, loss_fn: LossFn, *, schedule: Schedule, mesh: Mesh,
     axis: str = 'stage', remat: bool = False, bubble_fill: float = 0.0,
-    has_aux: bool = False, compute_dtype: Any = None
+    has_aux: bool = False, compute_dtype: Any = None, remat_policy: Any = None
 ) -> Callable[..., tuple[Any, PipelineGrads]]:
   """A jitted pipelined step: the loss and gradients of the batch mean.
 
@@ -287,6 +295,9 @@ def pipeline_value_and_grad(
     mesh: a mesh with axis ``axis`` of size ``schedule.num_ranks``.
     axis: the pipeline axis name.
     remat: stash only stage inputs and recompute the forward in the backward.
+    remat_policy: the stash (``jaxpar.pipeline.stage.stash_policy``):
+      ``'dots'`` by default, ``'everything'``, ``'dots_no_batch'``,
+      ``'nothing'`` or a ``jax.checkpoint_policies`` policy.
     bubble_fill: value of unwritten buffer slots and of what idle ranks send;
       ``float('nan')`` checks that bubbles never reach the results.
     has_aux: ``loss_fn`` returns ``(loss, aux)``, aux a pytree of floats
@@ -347,13 +358,14 @@ def pipeline_value_and_grad(
   lowered = lowered_for(schedule, mesh, axis, training=True)
   bubble_fill = check_fill(bubble_fill)
   check_compute_dtype(compute_dtype)
+  stash_policy(remat, remat_policy)
 
   def local(params, loss_params, inputs, targets, key):
     out, grads = pipeline_step_local(
         stage_fn, loss_fn, jax.tree.map(lambda a: a[0], params), loss_params,
         inputs, targets, lowered=lowered, axis=axis, remat=remat,
         bubble_fill=bubble_fill, key=key, has_aux=has_aux,
-        compute_dtype=compute_dtype)
+        compute_dtype=compute_dtype, remat_policy=remat_policy)
     return out, grads._replace(
         stages=jax.tree.map(lambda a: a[None], grads.stages))
 

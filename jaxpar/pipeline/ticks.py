@@ -85,7 +85,7 @@ import numpy as np
 from jaxpar.pipeline._vma import full, like, vary, vma
 from jaxpar.pipeline.checks import with_key
 from jaxpar.pipeline.lower import F, I, W, LoweredSchedule
-from jaxpar.pipeline.stage import StageVJP
+from jaxpar.pipeline.stage import StageVJP, stash_policy
 
 PyTree = Any
 StageFn = Callable[..., jax.Array]
@@ -152,7 +152,8 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
         targets: PyTree, *, axis: str, remat: bool, bubble_fill: float,
         key: jax.Array | None = None, offset: Any = 0,
         has_aux: bool = False, embed_fn: Callable[..., jax.Array] | None = None,
-        embed_params: PyTree = None, embed_key: jax.Array | None = None):
+        embed_params: PyTree = None, embed_key: jax.Array | None = None,
+        remat_policy: Any = None):
   """The scan over ticks on one rank (inside ``shard_map``); see module doc.
 
   Args are one rank's view: ``local_params`` ``[v, ...]``, ``inputs``
@@ -178,11 +179,12 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
         stage_fn, loss_fn, schedule, local_params, loss_params, inputs,
         targets, axis=axis, remat=remat, key=key, offset=offset,
         has_aux=has_aux, embed_fn=embed_fn, embed_params=embed_params,
-        embed_key=embed_key)
+        embed_key=embed_key, remat_policy=remat_policy)
   last = schedule.num_stages - 1
   train = loss_fn is not None
   embedding = embed_fn is not None
-  stage = StageVJP(stage_fn, remat or not train)
+  stage = StageVJP(stage_fn, remat or not train,
+                   remat_policy if train else None)
   rank = jax.lax.axis_index(axis)
   v = schedule.num_stages // p
 
@@ -389,21 +391,24 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
                targets: PyTree, *, axis: str, remat: bool,
                key: jax.Array | None, offset: Any, has_aux: bool,
                embed_fn: Callable[..., jax.Array] | None, embed_params: PyTree,
-               embed_key: jax.Array | None):
+               embed_key: jax.Array | None, remat_policy: Any = None):
   """``run`` on one rank: the microbatches in turn, no ticks.
 
   A ``lax.scan`` over the ``m`` microbatches of ``jax.value_and_grad`` of
   the whole model (embedding, the ``num_stages`` stages in order, the loss),
   accumulating as data parallelism's microbatches do; the same keys, results
-  and return values as ``run``. With ``remat`` each stage is a
-  ``jax.checkpoint``.
+  and return values as ``run``. Plain autodiff (XLA fuses the backward)
+  unless ``remat`` or a ``remat_policy`` is asked for: each stage is then a
+  ``jax.checkpoint`` with that policy.
   """
   m, num_stages = schedule.num_microbatches, schedule.num_stages
   train = loss_fn is not None
   base = vma(inputs) | {axis}
   local_params, loss_params, embed_params = vary(
       (local_params, loss_params, embed_params), base)
-  layer = jax.checkpoint(stage_fn) if remat and train else stage_fn
+  layer = stage_fn
+  if train and (remat or remat_policy is not None):
+    layer = jax.checkpoint(stage_fn, policy=stash_policy(remat, remat_policy))
 
   def model(params, lp, ep, x, target, mb):
     """The microbatch's share of the mean loss (and aux), or its output."""
