@@ -32,7 +32,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.pipeline import ticks
+from jaxpar import vma
+from jaxpar.pipeline import _vma, ticks
 from jaxpar.pipeline.checks import (check_axis, check_compute_dtype,
                                     check_fill, check_float, check_fn,
                                     check_key, check_leading, check_loss_fn,
@@ -150,6 +151,11 @@ def pipeline_step_local(
   check_key(key)
   check_offset(microbatch_offset)
   dtype = check_compute_dtype(compute_dtype)
+  # The user's functions as on one device (jaxpar.vma): over the axes the
+  # executor makes everything vary over (see ticks.run).
+  hidden = {axis} | _vma.vma(inputs)
+  stage_fn, loss_fn = (vma.lift(stage_fn, axes=hidden),
+                       vma.lift(loss_fn, axes=hidden))
   if dtype is not None:
     stage_fn, loss_fn = cast_params(stage_fn, dtype), cast_params(
         loss_fn, dtype)
@@ -200,6 +206,7 @@ def pipeline_apply_local(
   check_axis(axis, schedule)
   check_leading(local_params, schedule.num_stages // schedule.num_ranks,
                 'local_params', 'num_stages // num_ranks')
+  stage_fn = vma.lift(stage_fn, axes={axis} | _vma.vma(inputs))
   xs, _ = microbatched(inputs, (), schedule.num_microbatches)
   check_stage_fn(stage_fn, local_params, xs)
   out = ticks.run(stage_fn, None, lowered, local_params, (), xs, (), axis=axis,

@@ -1,0 +1,255 @@
+"""Ordinary one-device JAX runs unchanged inside jaxpar's steps (issue 23).
+
+The losses and stages below use what a stack of layers or an RNN is written
+with on one device -- ``lax.scan`` over stacked params, ``fori_loop``, an
+RNN from ``jnp.zeros``, ``cond``/``switch`` with constant branches, a
+``fori_loop`` accumulator, a forward-only ``while_loop``, flax
+``nnx.vmap``/``nnx.scan`` -- and never ``pcast``. Inside ``shard_map`` the
+constants are unvarying while the batch and params vary over ``data`` /
+``stage``; ``jaxpar.vma`` makes that invisible. Every layout (DP at ZeRO 0
+and 3, 1F1B, ZB-V, the 3D trainer) must give the single-device float64
+loss and gradients to 1e-10.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax import lax
+
+import jaxpar
+
+B, T, D, L = 8, 3, 4, 2   # batch, time, width, layers per stage
+LR = 0.1                  # sgd: the step is linear in the gradient
+
+
+# -- the models, as written for one device -----------------------------------
+
+
+def stage_fn(p, x, key=None):
+  """``[b, T, D] -> [b, T, D]``; ``p``: ``{'w': [L, D, D], 'u': [D, D]}``."""
+  def layer(h, wj):
+    w, j = wj
+    h = jnp.tanh(h @ w)
+    if key is not None:   # dropout, one key per layer
+      keep = jax.random.bernoulli(jax.random.fold_in(key, j), 0.8, h.shape)
+      h = jnp.where(keep, h / 0.8, 0.0)
+    return h, None
+
+  # a stack of layers: lax.scan with the params as xs ...
+  h, _ = lax.scan(layer, x, (p['w'], jnp.arange(L)))
+  # ... and with fori_loop
+  h = lax.fori_loop(0, L, lambda i, h: h + 0.5 * jnp.tanh(h @ p['w'][i]), h)
+  # an RNN over time from a zero state
+  s0 = jnp.zeros((h.shape[0], D), h.dtype)
+  _, hs = lax.scan(lambda s, ht: (jnp.tanh(s @ p['u'] + ht),) * 2, s0,
+                   jnp.swapaxes(h, 0, 1))
+  h = jnp.swapaxes(hs, 0, 1)
+  # cond and switch with constant branches
+  h = lax.cond(jnp.sum(p['u']) > -1e6, lambda h: 2.0 * h,
+               lambda h: jnp.zeros(h.shape, h.dtype), h)
+  scale = lax.switch(jnp.argmax(p['u'][0]) % 2,
+                     [lambda: jnp.full((), 1.5, h.dtype),
+                      lambda: 1.0 + jnp.mean(p['u']) ** 2])
+  # a fori_loop accumulator from zeros
+  acc = lax.fori_loop(0, 3, lambda i, a: a + jnp.sin(h * (i + 1)),
+                      jnp.zeros(h.shape, h.dtype))
+  # a forward-only while_loop from a constant
+  c, _ = lax.while_loop(
+      lambda c: c[1] < 3,
+      lambda c: (0.5 * c[0] + lax.stop_gradient(jnp.mean(p['u'])), c[1] + 1),
+      (jnp.zeros((), h.dtype), 0))
+  return scale * h + 0.1 * acc + c
+
+
+def head_loss(lp, y, t, key=None):
+  del key
+  return jnp.mean((y @ lp - t) ** 2)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(D, D, param_dtype=jnp.float64, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.tanh(self.lin(x))
+
+
+@functools.cache
+def nnx_blocks(n):
+  """``n`` blocks stacked with ``nnx.vmap``: (graphdef, params as a dict).
+  Call under x64 (float64 params)."""
+  @nnx.split_rngs(splits=n)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(rngs):
+    return Block(rngs)
+  graphdef, state = nnx.split(make(nnx.Rngs(0)), nnx.Param)
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def nnx_stage_fn(p, x):
+  """``L`` blocks (``p``: their stacked params) applied by ``nnx.scan``."""
+  @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+  def forward(block, h):
+    return block(h)
+  return forward(nnx.merge(nnx_blocks(L)[0], p), x)
+
+
+MODELS = {'lax': stage_fn, 'nnx': nnx_stage_fn}
+
+
+def stage_params(model, num_stages, seed=0):
+  """``[num_stages, ...]`` float64 stage params of ``model`` (under x64)."""
+  if model == 'nnx':
+    return jax.tree.map(lambda a: a.reshape((num_stages, L) + a.shape[1:]),
+                        nnx_blocks(num_stages * L)[1])
+  rng = np.random.default_rng(seed)
+  return {'w': rng.normal(size=(num_stages, L, D, D)) / 2,
+          'u': rng.normal(size=(num_stages, D, D)) / 2}
+
+
+def data(seed=1):
+  """(inputs ``[B, T, D]``, targets, loss params ``[D, D]``), float64."""
+  rng = np.random.default_rng(seed)
+  return (rng.normal(size=(B, T, D)), rng.normal(size=(B, T, D)),
+          rng.normal(size=(D, D)) / 2)
+
+
+def model_loss(fn, stages, head, x, t):
+  """The single-device model: every stage in order, then the loss."""
+  for k in range(jax.tree.leaves(stages)[0].shape[0]):
+    x = fn(jax.tree.map(lambda a, k=k: a[k], stages), x)
+  return head_loss(head, x, t)
+
+
+def assert_close(got, want):
+  chex.assert_trees_all_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+# -- data parallel -------------------------------------------------------------
+
+
+@pytest.mark.parametrize('model', list(MODELS))
+@pytest.mark.parametrize('zero_stage, num_microbatches', [(0, 1), (3, 2)])
+def test_data_parallel(x64, model, zero_stage, num_microbatches):
+  """A scanned stack of layers and an RNN as a DP loss: one sgd step."""
+  fn = MODELS[model]
+  stages = stage_params(model, 2)
+  x, t, head = data()
+  params = {'stages': stages, 'head': head}
+  loss = lambda p, b: model_loss(fn, p['stages'], p['head'], b['x'], b['t'])
+  trainer = jaxpar.data_parallel.train_step(
+      loss, optax.sgd(LR), mesh=jaxpar.make_mesh(data=4, devices=jax.devices()[:4]),
+      zero_stage=zero_stage, num_microbatches=num_microbatches)
+  state, stats = trainer.step(trainer.init(params), {'x': x, 't': t})
+  want, grads = jax.value_and_grad(loss)(params, {'x': x, 't': t})
+  np.testing.assert_allclose(stats.loss, want, rtol=1e-10)
+  assert_close(trainer.params(state),
+               jax.tree.map(lambda p, g: p - LR * g, params, grads))
+
+
+# -- pipeline ------------------------------------------------------------------
+
+
+SCHEDULES = {'1f1b': lambda: jaxpar.pipeline.one_f_one_b(2, 4),
+             'zbv': lambda: jaxpar.pipeline.zbv(2, 4)}
+
+
+@pytest.mark.parametrize('model', list(MODELS))
+@pytest.mark.parametrize('schedule', list(SCHEDULES))
+def test_pipeline(x64, model, schedule):
+  """The same stack as a pipeline stage, in 1F1B and ZB-V."""
+  fn, schedule = MODELS[model], SCHEDULES[schedule]()
+  stages = stage_params(model, schedule.num_stages)
+  x, t, head = data()
+  step = jaxpar.pipeline.pipeline_value_and_grad(
+      fn, head_loss, schedule=schedule,
+      mesh=jaxpar.make_mesh(stage=2, devices=jax.devices()[:2]))
+  loss, grads = step(stages, head, x, t)
+  want, (d_stages, d_head, dx) = jax.value_and_grad(
+      lambda *a: model_loss(fn, *a, t), argnums=(0, 1, 2))(stages, head, x)
+  np.testing.assert_allclose(loss, want, rtol=1e-10)
+  assert_close((grads.stages, grads.loss, grads.inputs),
+               (d_stages, d_head, dx))
+
+
+def test_pipeline_remat_dropout(x64):
+  """remat=True and a dropout key inside the scanned layers (1F1B)."""
+  schedule = jaxpar.pipeline.one_f_one_b(2, 4)
+  stages, (x, t, head) = stage_params('lax', 2), data()
+  key = jax.random.key(7)
+  step = jaxpar.pipeline.pipeline_value_and_grad(
+      stage_fn, head_loss, schedule=schedule, remat=True,
+      mesh=jaxpar.make_mesh(stage=2, devices=jax.devices()[:2]))
+  loss, grads = step(stages, head, x, t, key=key)
+
+  def reference(stages, head):   # stage k of microbatch i: its own key
+    m, total = schedule.num_microbatches, 0.0
+    for i, (xi, ti) in enumerate(zip(np.split(x, m), np.split(t, m))):
+      ki = jax.random.fold_in(key, i)
+      for k in range(schedule.num_stages):
+        xi = stage_fn(jax.tree.map(lambda a, k=k: a[k], stages), xi,
+                      jax.random.fold_in(ki, k))
+      total += head_loss(head, xi, ti) / m
+    return total
+
+  want, (d_stages, d_head) = jax.value_and_grad(reference, (0, 1))(stages,
+                                                                   head)
+  np.testing.assert_allclose(loss, want, rtol=1e-10)
+  assert_close((grads.stages, grads.loss), (d_stages, d_head))
+
+
+def test_pipeline_bfloat16():
+  """compute_dtype=bfloat16 (ZB-V): close to the float32 model."""
+  schedule = jaxpar.pipeline.zbv(2, 4)
+  stages = jax.tree.map(lambda a: a.astype(np.float32),
+                        stage_params('lax', schedule.num_stages))
+  x, t, head = (a.astype(np.float32) for a in data())
+  step = jaxpar.pipeline.pipeline_value_and_grad(
+      stage_fn, head_loss, schedule=schedule, compute_dtype=jnp.bfloat16,
+      mesh=jaxpar.make_mesh(stage=2, devices=jax.devices()[:2]))
+  loss, grads = step(stages, head, x, t)
+  want, d_stages = jax.value_and_grad(
+      lambda s: model_loss(stage_fn, s, head, x, t))(stages)
+  assert grads.stages['w'].dtype == np.float32
+  np.testing.assert_allclose(loss, want, rtol=3e-2)
+  np.testing.assert_allclose(optax.tree.norm(grads.stages),
+                             optax.tree.norm(d_stages), rtol=5e-2)
+
+
+# -- 3D trainer ----------------------------------------------------------------
+
+
+def embed_fn(e, inputs):
+  """An RNN embedding from a zero state (per example, over time)."""
+  s0 = jnp.zeros((inputs.shape[0], D), inputs.dtype)
+  _, hs = lax.scan(lambda s, xt: (jnp.tanh(s @ e + xt),) * 2, s0,
+                   jnp.swapaxes(inputs, 0, 1))
+  return jnp.swapaxes(hs, 0, 1)
+
+
+@pytest.mark.parametrize('model', list(MODELS))
+def test_3d_trainer(x64, model):
+  """embed / stage / loss functions of ordinary JAX in the 3D trainer
+  (data=2, stage=2, ZeRO-3): one sgd step."""
+  fn = MODELS[model]
+  schedule = jaxpar.pipeline.one_f_one_b(2, 2)
+  x, t, head = data()
+  params = jaxpar.parallel.PipelineParams(
+      np.eye(D) / 2, stage_params(model, schedule.num_stages), head)
+  trainer = jaxpar.parallel.train_step(
+      embed_fn, fn, head_loss, optax.sgd(LR), schedule=schedule,
+      mesh=jaxpar.make_mesh(data=2, stage=2, devices=jax.devices()[:4]),
+      zero_stage=3)
+  state, stats = trainer.step(trainer.init(params), (x, t))
+  loss = lambda p: model_loss(fn, p.stages, p.head, embed_fn(p.embed, x), t)
+  want, grads = jax.value_and_grad(loss)(params)
+  np.testing.assert_allclose(stats.loss, want, rtol=1e-10)
+  assert_close(trainer.params(state),
+               jax.tree.map(lambda p, g: p - LR * g, params, grads))
