@@ -261,3 +261,31 @@ def test_3d_trainer(x64, model):
   want, grads = jax.jit(jax.value_and_grad(loss))(params)
   np.testing.assert_allclose(stats.loss, want, rtol=1e-10)
   assert_close(trainer.params(state), sgd(params, grads))
+
+
+# -- no error tells the user to cast ---------------------------------------------
+
+
+def test_no_error_message_asks_for_pcast():
+  """Issue 23, point 4: jaxpar never tells a user to write ``pcast``."""
+  import ast
+  import pathlib
+  root = pathlib.Path(jaxpar.__file__).parent
+  offenders = []
+  for path in sorted(root.rglob('*.py')):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Raise) and node.exc is not None:
+        text = ' '.join(c.value for c in ast.walk(node.exc)
+                        if isinstance(c, ast.Constant)
+                        and isinstance(c.value, str))
+        if 'pcast' in text or 'pvary' in text:
+          offenders.append(f'{path.relative_to(root)}:{node.lineno}')
+  assert not offenders, offenders
+
+
+def test_lift_outside_shard_map_is_the_function():
+  fn = lambda p, x: {'y': p * x}
+  lifted = jaxpar.vma.lift(jaxpar.vma.lift(fn, axes='data'), axes=('stage',))
+  assert lifted(np.float32(2), np.ones(3, np.float32))['y'].tolist() == [2.0] * 3
+  with pytest.raises(TypeError, match='callable'):
+    jaxpar.vma.lift(3, axes='data')
