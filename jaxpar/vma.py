@@ -103,11 +103,9 @@ class _Lifted:
 
   def __call__(self, *args):
     leaves, tree = jax.tree.flatten(args)
-    arrays = [k for k, x in enumerate(leaves) if _is_array(x)]
-    hidden = frozenset().union(
-        *(_compat.varying_axes(leaves[k]) for k in arrays)) & self.axes
-    if not hidden:
+    if not _union(leaves, self.axes):   # outside shard_map, or nothing varies
       return self.fn(*args)
+    arrays = [k for k, x in enumerate(leaves) if _is_array(x)]
 
     def flat_fn(*xs):
       full = list(leaves)
