@@ -214,6 +214,17 @@ def test_pipeline(x64, model, schedule):
                (d_stages, d_head, dx))
 
 
+def test_pipeline_apply(x64):
+  """The forward pass alone (pipeline_apply) of the nnx.scan stage."""
+  stages, x = stage_params('nnx', 2), data()[0]
+  y = jaxpar.pipeline.pipeline_apply(
+      nnx_stage_fn, stages, x, schedule=jaxpar.pipeline.gpipe(2, 2),
+      mesh=jaxpar.make_mesh(stage=2, devices=jax.devices()[:2]))
+  want = jax.jit(lambda s, x: lax.scan(
+      lambda h, p: (nnx_stage_fn(p, h), None), x, s)[0])(stages, x)
+  assert_close(y, want)
+
+
 def test_pipeline_bfloat16():
   """compute_dtype=bfloat16 (1F1B): close to the float32 model."""
   schedule = jaxpar.pipeline.one_f_one_b(2, 2)
@@ -226,10 +237,15 @@ def test_pipeline_bfloat16():
   loss, grads = step(stages, head, x, t)
   want, d_stages = jax.jit(jax.value_and_grad(
       lambda s: model_loss(stage_fn, s, head, x, t)))(stages)
-  assert grads.stages['w'].dtype == np.float32
-  np.testing.assert_allclose(loss, want, rtol=3e-2)
-  np.testing.assert_allclose(optax.tree.norm(jax.device_get(grads.stages)),
-                             optax.tree.norm(d_stages), rtol=5e-2)
+  got = jax.device_get(grads.stages)
+  assert got['w'].dtype == np.float32
+  # bf16 keeps ~3 digits: measured 0.5% on the loss and the gradient's
+  # norm, 2.5% of the largest entry on any entry.
+  np.testing.assert_allclose(loss, want, rtol=2e-2)
+  np.testing.assert_allclose(optax.tree.norm(got), optax.tree.norm(d_stages),
+                             rtol=2e-2)
+  for g, d in zip(jax.tree.leaves(got), jax.tree.leaves(d_stages)):
+    np.testing.assert_allclose(g, d, atol=0.1 * float(np.abs(d).max()))
 
 
 # -- 3D trainer ----------------------------------------------------------------
