@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 # pylint: disable=g-bad-import-order
-from jax._src import core, custom_derivatives, xla_bridge
+from jax._src import config, core, custom_derivatives, xla_bridge
 from jax._src import linear_util as lu
 from jax._src.interpreters import ad
 
@@ -127,6 +127,13 @@ def bind_custom_rule(eqn: Any, args: list, evaluate: Callable[..., list]
       jaxpr, consts = fwd_jaxpr_thunk.call_wrapped(*nonzeros[num_consts:])
       return evaluate(jaxpr, consts, vals[num_consts:])
 
-    params['subfuns'] = (fun, lu.wrap_init(
-        fwd, debug_info=fwd_jaxpr_thunk.debug_info), params['subfuns'][2])
+    bwd = params['subfuns'][2]
+
+    def unchecked_bwd(*xs):  # its input types were recorded without `axes`
+      with config.disable_bwd_checks(True):
+        return bwd.call_wrapped(*xs)
+
+    params['subfuns'] = (
+        fun, lu.wrap_init(fwd, debug_info=fwd_jaxpr_thunk.debug_info),
+        lu.wrap_init(unchecked_bwd, debug_info=bwd.debug_info))
   return eqn.primitive.bind(*args, **params)

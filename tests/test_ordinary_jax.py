@@ -177,6 +177,41 @@ def test_data_parallel(x64, model, zero_stage, num_microbatches):
   assert_close(trainer.params(state), sgd(params, grads))
 
 
+@jax.custom_vjp
+def halved_grad(x):
+  """The identity, whose backward halves the cotangent (a custom_vjp;
+  linear, so data parallelism keeps it exact, unlike clipping)."""
+  return x
+
+
+halved_grad.defvjp(lambda x: (x, None), lambda _, g: (g / 2,))
+
+
+def rnn_loss(params, batch):
+  """An RNN from a zero state with custom rules: ``jax.nn.relu``
+  (custom_jvp) and ``halved_grad`` (custom_vjp), under ``jax.checkpoint``."""
+  @jax.checkpoint
+  def cell(h, x):
+    h = halved_grad(jax.nn.relu(h @ params['w'] + x))
+    return h, None
+  h0 = jnp.zeros((batch['x'].shape[0], D), batch['x'].dtype)
+  h, _ = lax.scan(cell, h0, jnp.swapaxes(batch['x'], 0, 1))
+  return jnp.mean((h - batch['t'][:, 0]) ** 2)
+
+
+def test_custom_rules_in_data_parallel(x64):
+  """custom_jvp, custom_vjp and remat keep their rules (ZeRO-3)."""
+  x, t, w = data()
+  params, batch = {'w': w}, {'x': x, 't': t}
+  trainer = jaxpar.data_parallel.train_step(
+      rnn_loss, optax.sgd(LR), zero_stage=3,
+      mesh=jaxpar.make_mesh(data=2, devices=jax.devices()[:2]))
+  state, stats = trainer.step(trainer.init(params), batch)
+  want, grads = jax.jit(jax.value_and_grad(rnn_loss))(params, batch)
+  np.testing.assert_allclose(stats.loss, want, rtol=1e-10)
+  assert_close(trainer.params(state), sgd(params, grads))
+
+
 # -- pipeline ------------------------------------------------------------------
 
 
