@@ -28,7 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import zero
+from jaxpar import vma, zero
 from jaxpar.mesh import axis_size
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 apply_gradients, auto_view, check_max_grad_norm,
@@ -329,8 +329,12 @@ def _shard_map_step(loss_fn, optimizer, *, mesh, axis, max_grad_norm,
           optimizer, specs.opt_state, mesh=mesh))
     return layouts[key]
 
+  # The user's loss as on one device: its constants may meet batch values in
+  # loops and branches (jaxpar.vma); ZeRO-3 gathers the params around it.
+  lifted = vma.lift(loss_fn, axes=(axis,))
+
   def local_grads(params, batch, *, specs, split):
-    fn = zero.gathered(loss_fn, split, axis=axis) if zero_stage == 3 else loss_fn
+    fn = zero.gathered(lifted, split, axis=axis) if zero_stage == 3 else lifted
     params = zero.vary(params, specs, axis=axis)
     loss, grads, aux = microbatched_value_and_grad(
         fn, params, batch, num_microbatches=num_microbatches,

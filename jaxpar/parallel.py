@@ -66,7 +66,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import tensor_parallel as tp
-from jaxpar import zero
+from jaxpar import vma, zero
 from jaxpar.data_parallel import batch_size_of, check_opt_state
 from jaxpar.mesh import axis_size
 from jaxpar.pipeline import checks, executor
@@ -220,6 +220,9 @@ def train_step(
   for name, fn in (('embed_fn', embed_fn), ('stage_fn', stage_fn),
                    ('loss_fn', loss_fn)):
     checks.check_fn(fn, name)
+  # The user's functions as on one device (jaxpar.vma).
+  embed_fn, stage_fn, loss_fn = (vma.lift(fn, axes=(data_axis, stage_axis))
+                                 for fn in (embed_fn, stage_fn, loss_fn))
   optimizer = check_optimizer(optimizer)
   zero_stage = zero.check_zero_stage(zero_stage)
   check_max_grad_norm(max_grad_norm)

@@ -30,7 +30,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxpar import _compat
 from jaxpar import tensor_parallel as tp
 from jaxpar.models.mlp import MLP
 from jaxpar.pipeline_params import PipelineParams
@@ -366,15 +365,6 @@ def stage_fn(params: dict, x: jax.Array, key: jax.Array | None = None, *,
     return tp.transformer_block(block_params, x, axis=axis, causal=True,
                                 dropout=dropout, key=k), None
 
-  # A scan carry keeps its check_vma type: make x vary over the mesh axes the
-  # blocks' output will (those of the params and the key, e.g. 'stage', but
-  # not `axis`, which the blocks' psums remove), as the first block would
-  # implicitly.
-  params_vary = frozenset().union(
-      *(_compat.varying_axes(a) for a in jax.tree.leaves((params, key))))
-  missing = params_vary - {axis} - _compat.varying_axes(x)
-  if missing:
-    x = jax.lax.pcast(x, tuple(sorted(missing)), to='varying')
   slots = jax.tree.leaves(params)[0].shape[0]
   return jax.lax.scan(block, x, (params, jnp.arange(slots)))[0]
 

@@ -32,6 +32,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import vma
 from jaxpar.pipeline import ticks
 from jaxpar.pipeline.checks import (check_axis, check_compute_dtype,
                                     check_fill, check_float, check_fn,
@@ -83,7 +84,9 @@ def pipeline_step_local(
   For composing pipeline parallelism with other axes: the caller's
   ``shard_map`` spans ``axis`` and maybe others; ``stage_fn`` may use
   collectives over the other axes (all devices of a group sit on the same
-  pipeline rank and run the same blocks).
+  pipeline rank and run the same blocks). ``stage_fn`` and ``loss_fn`` run
+  as on one device over ``axis`` (``jaxpar.vma.lift``); over a batch axis
+  of the caller's, lift them too: ``vma.lift(fn, axes=('data',))``.
 
   Args:
     stage_fn: ``stage_fn(one_stage_params, x) -> y``, ``y`` like ``x``;
@@ -182,6 +185,10 @@ def pipeline_step_local(
   check_offset(microbatch_offset)
   stash_policy(remat, remat_policy)
   dtype = check_compute_dtype(compute_dtype)
+  # The user's functions as on one device over `axis` (jaxpar.vma); a caller
+  # that also splits the batch lifts them over its axis (parallel.train_step).
+  stage_fn, loss_fn = (vma.lift(stage_fn, axes=(axis,)),
+                       vma.lift(loss_fn, axes=(axis,)))
   if dtype is not None:
     stage_fn, loss_fn = cast_params(stage_fn, dtype), cast_params(
         loss_fn, dtype)
@@ -243,6 +250,7 @@ def pipeline_apply_local(
   check_axis(axis, schedule)
   check_leading(local_params, schedule.num_stages // schedule.num_ranks,
                 'local_params', 'num_stages // num_ranks')
+  stage_fn = vma.lift(stage_fn, axes=(axis,))
   xs, _ = microbatched(inputs, (), schedule.num_microbatches)
   check_stage_fn(stage_fn, local_params, jax.typeof(xs[0]))
   out = ticks.run(stage_fn, None, lowered, local_params, (), xs, (), axis=axis,
