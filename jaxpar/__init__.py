@@ -9,6 +9,7 @@ from jaxpar import models as models
 from jaxpar import parallel as parallel
 from jaxpar import pipeline as pipeline
 from jaxpar import tensor_parallel as tensor_parallel
+from jaxpar import vma as vma
 from jaxpar import zero as zero
 from jaxpar.async_ps import AsyncParameterServer as AsyncParameterServer
 from jaxpar.async_ps import AsyncResult as AsyncResult
@@ -25,5 +26,5 @@ __all__ = [
     'async_ps', 'checkpoint', 'data_parallel_step', 'distributed', 'guard',
     'integrity',
     'make_mesh', 'models', 'parallel', 'pipeline', 'simulate_cpu_devices',
-    'tensor_parallel', 'zero',
+    'tensor_parallel', 'vma', 'zero',
 ]
