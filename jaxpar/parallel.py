@@ -70,12 +70,13 @@ from jaxpar.mesh import axis_size
 from jaxpar.pipeline import checks, executor
 from jaxpar.pipeline.lower import lower
 from jaxpar.pipeline.schedule import Schedule
-from jaxpar.pipeline_params import PipelineParams
+from jaxpar.pipeline_params import LayerParams, PipelineParams
+from jaxpar.pipeline_view import LayerView, layerwise, mirror_specs
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 auto_view, check_max_grad_norm, check_optimizer,
                                 placed_init, sharded_update, shardings)
 
-__all__ = ['PipelineParams', 'Trainer', 'train_step']
+__all__ = ['LayerParams', 'PipelineParams', 'Trainer', 'train_step']
 
 
 
@@ -231,10 +232,13 @@ def train_step(
       0, 2 if stage_mask is None else 1 + stage_mask.ndim, 0)
   if stage_mask is not None:
     mask_ranks = np.asarray(executor.stages_to_ranks(stage_mask, schedule))
+  view = LayerView.of(schedule, stage_mask)
   layouts = {}
 
-  def specs_of(params: PipelineParams) -> tuple[PipelineParams, PipelineParams]:
-    """(tensor/stage specs, the same with ZeRO's data axis) of placed params."""
+  def specs_of(params: PipelineParams) -> tuple[PipelineParams, PipelineParams,
+                                                LayerParams]:
+    """Specs of placed params: (tensor/stage, the same with ZeRO's data
+    axis, the optimizer's view: also split over stage, and data with ZeRO)."""
     key = _signature(params)
     if key not in layouts:
       base = PipelineParams(*(tp.param_specs(part, axis=tensor_axis,
@@ -245,13 +249,33 @@ def train_step(
       split = PipelineParams(*(
           zero.data_specs(part, spec, mesh=mesh, axis=data_axis, skip=lead)
           for part, spec, lead in zip(params, base, skip)))
-      layouts[key] = base, split
+      lead = len(view.shape)
+      layer = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(
+          np.shape(leaf)[lead:], leaf.dtype), params.stages)
+      ops = LayerParams(params.embed, layer, params.head)
+      ops_base = LayerParams(base.embed, jax.tree.map(
+          lambda leaf, s: P(*_padded(s, np.ndim(leaf))[lead:]),
+          params.stages, base.stages), base.head)
+      for axis in (stage_axis,) + ((data_axis,) if zero_stage else ()):
+        ops_base = LayerParams(*(zero.data_specs(part, spec, mesh=mesh,
+                                                 axis=axis)
+                                 for part, spec in zip(ops, ops_base)))
+      layouts[key] = base, split, ops_base._replace(
+          layers=[ops_base.layers] * len(view.positions))
     return layouts[key]
 
+  def optimizer_view(params: PipelineParams) -> LayerParams:
+    """The optimizer's view of rank-layout params, as shapes."""
+    return jax.eval_shape(view.of_params, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params))
+
+  layer_optimizer = layerwise(optimizer, view,
+                              specs=lambda params: specs_of(params)[2])
+
   def state_specs(state: TrainState) -> TrainState:
-    base, split = specs_of(state.params)
-    return zero.state_specs(state, zero_stage=zero_stage, param_specs=base,
-                            zero_specs=split)
+    base, split, ops = specs_of(state.params)
+    return TrainState(P(), split if zero_stage == 3 else base, mirror_specs(
+        state.opt_state, optimizer_view(state.params), ops))
 
   def init(params: PipelineParams) -> TrainState:
     if not isinstance(params, PipelineParams):
@@ -269,7 +293,8 @@ def train_step(
       tp.check_divisible(part, mesh=mesh, axis=tensor_axis, layout=layout)
     params = params._replace(
         stages=executor.stages_to_ranks(params.stages, schedule))
-    return placed_init(params, optimizer, mesh=mesh, specs=state_specs)
+    return placed_init(params, layer_optimizer, mesh=mesh,
+                       specs=state_specs)
 
   def to_model_order(state: TrainState) -> PipelineParams:
     """Stages back in model order ``[num_stages, ...]``, shards kept."""
@@ -338,7 +363,7 @@ def train_step(
     return loss, aux, grads
 
   def program(state: TrainState, inputs, targets, key):
-    base, split = specs_of(state.params)
+    base, split, _ = specs_of(state.params)
     specs = state_specs(state)
     if key is not None:  # a fresh key each step, a function of (key, step)
       key = jax.random.fold_in(key, state.step)
@@ -348,7 +373,7 @@ def train_step(
         out_specs=(P(), P(), split if zero_stage else base))(
             state.params, inputs, targets, key)
     state, stats = sharded_update(
-        state, grads, loss=loss, optimizer=optimizer, mesh=mesh,
+        state, grads, loss=loss, optimizer=layer_optimizer, mesh=mesh,
         state_specs=specs, max_grad_norm=max_grad_norm,
         update_specs=split if zero_stage == 1 else None)
     return state, stats._replace(aux=aux)
@@ -371,8 +396,7 @@ def train_step(
           f'{n_data * m}.')
     key = _signature(state)
     if key not in checked:
-      check_opt_state(state._replace(params=jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)),
+      check_opt_state(state._replace(params=optimizer_view(state.params)),
                       optimizer)
       checked.add(key)
 
