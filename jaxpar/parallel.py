@@ -22,14 +22,30 @@ One train step is one jitted program in two parts:
 
 2. **The update** on the global, sharded arrays (``jaxpar.train_state.
    sharded_update``): ``optimizer.update`` under ``jit``, partitioned by XLA,
-   so *any* optax transform -- global-norm clipping, ``lamb``,
-   ``adafactor``, ``muon`` -- computes what it computes on one device for
-   the same ``PipelineParams`` pytree. Non-finite steps are skipped.
+   on the **per-layer view** ``LayerParams(embed, layers, head)``
+   (``jaxpar.pipeline_view``): ``layers[i]`` is the model's layer ``i`` in
+   model order, with the dense model's shapes (a ``True`` entry of
+   ``stage_mask``: identity slots of uneven splits are no layer). So *any*
+   optax transform -- global-norm clipping, ``lamb``/``lars`` trust ratios,
+   ``adafactor``'s factoring, ``muon``, masks by ``ndim`` -- computes what it
+   computes on one device for the dense per-layer model, and
+   ``opt_state`` holds ``LayerParams`` (e.g. Adam's ``mu``). The stacked
+   gradients and params are resharded to the view (an all-to-all over
+   ``stage`` per leaf) and the updates back. Non-finite steps are skipped.
 
 **Options.** ``key`` (dropout; masks a function of the seed, the step, the
 logical stage and the global microbatch, so the same on every mesh),
 ``has_aux`` (metrics averaged like the loss, in ``StepStats.aux``) and
 ``compute_dtype`` (bf16 compute on float32 params and optimizer state).
+
+**Optimizer state** is split like the params' layers: each per-layer leaf
+(and each ``embed``/``head`` leaf) over ``tensor`` as its param, and over
+``stage`` on one more dim (``zero.data_spec`` with the stage axis; a layer
+is one global array, so the stage axis splits it as ZeRO splits over
+``data``), so it is not replicated over ``stage`` or ``tensor``. Subtrees
+with ``optax.MaskedNode`` placeholders (``masked``, ``multi_transform``)
+are split alike (``pipeline_view.mirror_specs``); other leaves (counts,
+Adafactor's factored moments) are replicated.
 
 **ZeRO** (``zero_stage``; ``jaxpar.zero``): on top of its stage/tensor split
 every leaf gets the ``data`` axis on one more dim (``zero.data_spec``; a
@@ -45,7 +61,8 @@ stage leaf's ``[p, v]`` rows are never split):
   interleaved and V-shaped ones with several stages per rank.
 
 A state is a plain ``TrainState`` of global arrays whose shapes do not
-depend on the mesh or on ``zero_stage``: ``jaxpar.checkpoint`` restores it
+depend on the mesh or on ``zero_stage`` (params in the rank layout
+``[p, v, ...]``, optimizer state per layer): ``jaxpar.checkpoint`` restores it
 onto any mesh and any ``zero_stage``, and a state from one trainer is
 placed into another trainer's layout by its ``step``.
 """
@@ -145,16 +162,22 @@ def train_step(
     stage_fn: ``stage_fn(one_stage_params, x) -> y``, ``y`` shaped like ``x``.
     loss_fn: ``loss_fn(head_params, y, targets) -> scalar``, the mean loss of
       a microbatch.
-    optimizer: any optax ``GradientTransformation``; it runs on the global
-      ``PipelineParams`` (a stage leaf is one leaf for per-leaf transforms
-      such as LAMB's trust ratio, as on one device).
+    optimizer: any optax ``GradientTransformation``; its ``init`` and
+      ``update`` see global arrays in the per-layer view
+      ``LayerParams(embed, [layer_0, ..., layer_{L-1}], head)``: one tree per
+      real layer in model order, shaped like the dense model's layer, so
+      per-leaf statistics (LAMB, LARS, Adafactor, Muon) and shape rules see
+      what they see on one device. ``state.opt_state`` holds that view.
     schedule: a ``jaxpar.pipeline`` schedule with ``num_ranks`` equal to the
       ``stage_axis`` size; its ``num_microbatches`` split each data shard.
     mesh: a ``('data', 'stage', 'tensor')`` mesh (``jaxpar.make_mesh``).
     stage_mask: optional bool array whose shape ``[num_stages, ...]`` is a
-      prefix of every stage leaf's shape; ``False`` entries are frozen (their
-      gradients are zeroed), e.g. the identity slots of uneven layer splits
-      (``jaxpar.models.gpt.PipelineLayout.mask``).
+      prefix of every stage leaf's shape; its ``True`` entries are the
+      model's layers (in C order), the optimizer's ``layers``; ``False``
+      entries are frozen (gradients zeroed, no optimizer state), e.g. the
+      identity slots of uneven layer splits
+      (``jaxpar.models.gpt.PipelineLayout.mask``). ``None``: each logical
+      stage is one layer.
     max_grad_norm: clip by the global norm over all shards, as
       ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)``;
       ``None``: no clipping.
@@ -162,7 +185,8 @@ def train_step(
     layout: tensor-parallel layout of layer names (``tensor_parallel.
       param_specs``); default ``tensor_parallel.DEFAULT_LAYOUT``.
     data_axis, stage_axis, tensor_axis: the mesh axis names.
-    zero_stage: 0 (optimizer state split like the params), 1 (also split
+    zero_stage: 0 (optimizer state split like the params, and over
+      ``stage_axis``), 1 (also split
       over ``data_axis``) or 3 (params too, gathered just in time); see the
       module docstring. Same losses, norms and params in every stage.
     key: a PRNG key (``jax.random.key(seed)``) for dropout, or ``None``.
@@ -208,6 +232,8 @@ def train_step(
     >>> state, stats = trainer.step(state, (ids, ids))
     >>> int(state.step), trainer.params(state).stages['ln1']['scale'].shape
     (1, (2, 1, 16))
+    >>> state.opt_state[0].mu.layers[1]['ln1']['scale'].shape  # layer 1
+    (16,)
   """
   for name, fn in (('embed_fn', embed_fn), ('stage_fn', stage_fn),
                    ('loss_fn', loss_fn)):
