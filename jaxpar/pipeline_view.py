@@ -179,7 +179,7 @@ def mirror_specs(opt_state: PyTree, params: PyTree, specs: PyTree) -> PyTree:
     >>> specs = jaxpar.pipeline_view.mirror_specs(
     ...     opt.init(params), params, {'w': P('data'), 'b': P()})
     >>> specs.inner_state[0].mu
-    {'b': MaskedNode(), 'w': PartitionSpec('data',)}
+    {'b': MaskedNode(), 'w': P('data',)}
   """
   treedef = jax.tree.structure(params)
   pairs = list(zip([np.shape(x) for x in jax.tree.leaves(params)],
