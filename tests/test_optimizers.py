@@ -155,6 +155,10 @@ def test_data_parallel(x64, zero_stage, max_grad_norm):
 
 CONFIG = gpt.GPTConfig(vocab_size=16, seq_len=8, d_model=16, num_heads=2,
                        num_layers=4)
+# num_layers -> schedule: 4 layers, 2 per stage; 5 layers on 4 interleaved
+# stages, counts (2, 1, 1, 1), so 3 identity slots (no layers, no state).
+SCHEDULES = {4: lambda: jaxpar.pipeline.one_f_one_b(2, 2),
+             5: lambda: jaxpar.pipeline.interleaved_1f1b(2, 2, 2)}
 # Per-layer statistics see one layer (LAMB, LARS, Adafactor, Muon), and the
 # ndim mask of clip_adamw sees the dense shapes (attention biases are 2-D:
 # not decayed), as on the dense model.
@@ -165,25 +169,27 @@ GPT_GROUPS = {'embed': 'lamb', 'pos': 'lamb', 'attn': 'clip_adamw',
 
 
 @functools.cache
-def gpt_setup():
-  """Dense float64 GPT params, their 2-stage split, 3 batches."""
+def gpt_setup(num_layers):
+  """Dense float64 GPT params, their pipeline split, 3 batches."""
+  config = CONFIG._replace(num_layers=num_layers)
   params = jax.tree.map(lambda x: x.astype(jnp.float64),
-                        gpt.gpt_params(gpt.GPT(CONFIG, rngs=nnx.Rngs(0))))
-  pp, layout = gpt.split_for_pipeline(params, num_stages=2)
+                        gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0))))
+  schedule = SCHEDULES[num_layers]()
+  pp, layout = gpt.split_for_pipeline(params,
+                                      num_stages=schedule.num_stages)
   rng = np.random.default_rng(0)
   data = [(rng.integers(0, 16, (8, 8)), rng.integers(0, 16, (8, 8)))
           for _ in range(3)]
-  return params, pp, layout, data
+  return config, params, schedule, pp, layout, data
 
 
-@pytest.mark.parametrize('zero_stage,max_grad_norm', [(0, None), (1, None),
-                                                      (3, 0.5)])
-def test_3d_2x2x2(x64, zero_stage, max_grad_norm, tmp_path):
+@pytest.mark.parametrize('zero_stage,max_grad_norm,num_layers',
+                         [(0, None, 4), (1, None, 4), (3, 0.5, 5)])
+def test_3d_2x2x2(x64, zero_stage, max_grad_norm, num_layers, tmp_path):
   """Every optimizer in 3D with ZeRO 0/1/3 gives the dense GPT's numbers
-  (4 layers, 2 per stage); the state saves and restores with schedule=."""
-  params, pp, layout, data = gpt_setup()
+  (``SCHEDULES``); the state saves and restores with schedule=."""
+  config, params, schedule, pp, layout, data = gpt_setup(num_layers)
   optimizer = each_optimizer(GPT_GROUPS)
-  schedule = jaxpar.pipeline.one_f_one_b(2, 2)
   trainer = jaxpar.parallel.train_step(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optimizer,
       schedule=schedule, mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
@@ -195,7 +201,7 @@ def test_3d_2x2x2(x64, zero_stage, max_grad_norm, tmp_path):
     assert not bool(stats.skipped)
     got.append((stats.loss, stats.grad_norm, gpt.merge_from_pipeline(
         jax.tree.map(np.asarray, trainer.params(state)), layout)))
-  loss = functools.partial(gpt.gpt_loss, config=CONFIG)
+  loss = functools.partial(gpt.gpt_loss, config=config)
   want = reference(loss, params, data, optimizer, max_grad_norm)
   if max_grad_norm is not None:
     assert float(want[0][1]) > max_grad_norm     # clipping is exercised
