@@ -20,9 +20,10 @@ every leaf has the saved shape and dtype.
 in the executor's rank layout ``[p, v, ...]``, which depends on the schedule
 (``p`` ranks, ``v`` stages each, placement of the schedule). With
 ``schedule=`` the stages of every ``PipelineParams`` in the state (the
-params and the optimizer state's copies of them, e.g. Adam's ``mu``/``nu``)
-are saved in model order ``[num_stages, ...]``, and restored into the rank
-layout of the schedule passed to ``restore``. Such a checkpoint restores
+params) are saved in model order ``[num_stages, ...]``, and restored into
+the rank layout of the schedule passed to ``restore``. The optimizer state
+is per layer (``LayerParams``, what the optimizer sees), the same for every
+schedule: it is saved as it is. Such a checkpoint restores
 onto any schedule with the same ``num_stages`` (1F1B on 4 ranks and
 interleaved 1F1B with 2 ranks x 2 stages alike) and any mesh. Without
 ``schedule=`` leaves are saved as they are: restore onto the same schedule

@@ -24,14 +24,30 @@ One train step is one jitted program in two parts:
 
 2. **The update** on the global, sharded arrays (``jaxpar.train_state.
    sharded_update``): ``optimizer.update`` under ``jit``, partitioned by XLA,
-   so *any* optax transform -- global-norm clipping, ``lamb``,
-   ``adafactor``, ``muon`` -- computes what it computes on one device for
-   the same ``PipelineParams`` pytree. Non-finite steps are skipped.
+   on the **per-layer view** ``LayerParams(embed, layers, head)``
+   (``jaxpar.pipeline_view``): ``layers[i]`` is the model's layer ``i`` in
+   model order, with the dense model's shapes (a ``True`` entry of
+   ``stage_mask``: identity slots of uneven splits are no layer). So *any*
+   optax transform -- global-norm clipping, ``lamb``/``lars`` trust ratios,
+   ``adafactor``'s factoring, ``muon``, masks by ``ndim`` -- computes what it
+   computes on one device for the dense per-layer model, and
+   ``opt_state`` holds ``LayerParams`` (e.g. Adam's ``mu``). The stacked
+   gradients and params are resharded to the view (an all-to-all over
+   ``stage`` per leaf) and the updates back. Non-finite steps are skipped.
 
 **Options.** ``key`` (dropout; masks a function of the seed, the step, the
 logical stage and the global microbatch, so the same on every mesh),
 ``has_aux`` (metrics averaged like the loss, in ``StepStats.aux``) and
 ``compute_dtype`` (bf16 compute on float32 params and optimizer state).
+
+**Optimizer state** is split like the params' layers: each per-layer leaf
+(and each ``embed``/``head`` leaf) over ``tensor`` as its param, and over
+``stage`` on one more dim (``zero.data_spec`` with the stage axis; a layer
+is one global array, so the stage axis splits it as ZeRO splits over
+``data``), so it is not replicated over ``stage`` or ``tensor``. Subtrees
+with ``optax.MaskedNode`` placeholders (``masked``, ``multi_transform``)
+are split alike (``pipeline_view.mirror_specs``); other leaves (counts,
+Adafactor's factored moments) are replicated.
 
 **ZeRO** (``zero_stage``; ``jaxpar.zero``): on top of its stage/tensor split
 every leaf gets the ``data`` axis on one more dim (``zero.data_spec``; a
@@ -47,7 +63,8 @@ stage leaf's ``[p, v]`` rows are never split):
   interleaved and V-shaped ones with several stages per rank.
 
 A state is a plain ``TrainState`` of global arrays whose shapes do not
-depend on the mesh or on ``zero_stage``: ``jaxpar.checkpoint`` restores it
+depend on the mesh or on ``zero_stage`` (params in the rank layout
+``[p, v, ...]``, optimizer state per layer): ``jaxpar.checkpoint`` restores it
 onto any mesh and any ``zero_stage``, and a state from one trainer is
 placed into another trainer's layout by its ``step``.
 """
@@ -73,12 +90,13 @@ from jaxpar.pipeline import checks, executor
 from jaxpar.pipeline.lower import lower
 from jaxpar.pipeline.schedule import Schedule
 from jaxpar.pipeline.stage import stash_policy
-from jaxpar.pipeline_params import PipelineParams
+from jaxpar.pipeline_params import LayerParams, PipelineParams
+from jaxpar.pipeline_view import LayerView, layerwise, mirror_specs
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 auto_view, check_max_grad_norm, check_optimizer,
                                 placed_init, sharded_update, shardings)
 
-__all__ = ['PipelineParams', 'Trainer', 'train_step']
+__all__ = ['LayerParams', 'PipelineParams', 'Trainer', 'train_step']
 
 
 
@@ -148,16 +166,22 @@ def train_step(
     stage_fn: ``stage_fn(one_stage_params, x) -> y``, ``y`` shaped like ``x``.
     loss_fn: ``loss_fn(head_params, y, targets) -> scalar``, the mean loss of
       a microbatch.
-    optimizer: any optax ``GradientTransformation``; it runs on the global
-      ``PipelineParams`` (a stage leaf is one leaf for per-leaf transforms
-      such as LAMB's trust ratio, as on one device).
+    optimizer: any optax ``GradientTransformation``; its ``init`` and
+      ``update`` see global arrays in the per-layer view
+      ``LayerParams(embed, [layer_0, ..., layer_{L-1}], head)``: one tree per
+      real layer in model order, shaped like the dense model's layer, so
+      per-leaf statistics (LAMB, LARS, Adafactor, Muon) and shape rules see
+      what they see on one device. ``state.opt_state`` holds that view.
     schedule: a ``jaxpar.pipeline`` schedule with ``num_ranks`` equal to the
       ``stage_axis`` size; its ``num_microbatches`` split each data shard.
     mesh: a ``('data', 'stage', 'tensor')`` mesh (``jaxpar.make_mesh``).
     stage_mask: optional bool array whose shape ``[num_stages, ...]`` is a
-      prefix of every stage leaf's shape; ``False`` entries are frozen (their
-      gradients are zeroed), e.g. the identity slots of uneven layer splits
-      (``jaxpar.models.gpt.PipelineLayout.mask``).
+      prefix of every stage leaf's shape; its ``True`` entries are the
+      model's layers (in C order), the optimizer's ``layers``; ``False``
+      entries are frozen (gradients zeroed, no optimizer state), e.g. the
+      identity slots of uneven layer splits
+      (``jaxpar.models.gpt.PipelineLayout.mask``). ``None``: each logical
+      stage is one layer.
     max_grad_norm: clip by the global norm over all shards, as
       ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)``;
       ``None``: no clipping.
@@ -170,7 +194,8 @@ def train_step(
       whose ``tensor_axis`` has size > 1 needs a parameter split over it:
       ``init`` raises ``ValueError`` otherwise.
     data_axis, stage_axis, tensor_axis: the mesh axis names.
-    zero_stage: 0 (optimizer state split like the params), 1 (also split
+    zero_stage: 0 (optimizer state split like the params, and over
+      ``stage_axis``), 1 (also split
       over ``data_axis``) or 3 (params too, gathered just in time); see the
       module docstring. Same losses, norms and params in every stage.
     key: a PRNG key (``jax.random.key(seed)``) for dropout, or ``None``.
@@ -216,6 +241,8 @@ def train_step(
     >>> state, stats = trainer.step(state, (ids, ids))
     >>> int(state.step), trainer.params(state).stages['ln1']['scale'].shape
     (1, (2, 1, 16))
+    >>> state.opt_state[0].mu.layers[1]['ln1']['scale'].shape  # layer 1
+    (16,)
   """
   for name, fn in (('embed_fn', embed_fn), ('stage_fn', stage_fn),
                    ('loss_fn', loss_fn)):
@@ -244,10 +271,13 @@ def train_step(
       0, 2 if stage_mask is None else 1 + stage_mask.ndim, 0)
   if stage_mask is not None:
     mask_ranks = np.asarray(executor.stages_to_ranks(stage_mask, schedule))
+  view = LayerView.of(schedule, stage_mask)
   layouts = {}
 
-  def specs_of(params: PipelineParams) -> tuple[PipelineParams, PipelineParams]:
-    """(tensor/stage specs, the same with ZeRO's data axis) of placed params."""
+  def specs_of(params: PipelineParams) -> tuple[PipelineParams, PipelineParams,
+                                                LayerParams]:
+    """Specs of placed params: (tensor/stage, the same with ZeRO's data
+    axis, the optimizer's view: also split over stage, and data with ZeRO)."""
     key = _signature(params)
     if key not in layouts:
       base = PipelineParams(*(tp.param_specs(part, axis=tensor_axis,
@@ -258,13 +288,33 @@ def train_step(
       split = PipelineParams(*(
           zero.data_specs(part, spec, mesh=mesh, axis=data_axis, skip=lead)
           for part, spec, lead in zip(params, base, skip)))
-      layouts[key] = base, split
+      lead = len(view.shape)
+      layer = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(
+          np.shape(leaf)[lead:], leaf.dtype), params.stages)
+      ops = LayerParams(params.embed, layer, params.head)
+      ops_base = LayerParams(base.embed, jax.tree.map(
+          lambda leaf, s: P(*_padded(s, np.ndim(leaf))[lead:]),
+          params.stages, base.stages), base.head)
+      for axis in (stage_axis,) + ((data_axis,) if zero_stage else ()):
+        ops_base = LayerParams(*(zero.data_specs(part, spec, mesh=mesh,
+                                                 axis=axis)
+                                 for part, spec in zip(ops, ops_base)))
+      layouts[key] = base, split, ops_base._replace(
+          layers=[ops_base.layers] * len(view.positions))
     return layouts[key]
 
+  def optimizer_view(params: PipelineParams) -> LayerParams:
+    """The optimizer's view of rank-layout params, as shapes."""
+    return jax.eval_shape(view.of_params, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params))
+
+  layer_optimizer = layerwise(optimizer, view,
+                              specs=lambda params: specs_of(params)[2])
+
   def state_specs(state: TrainState) -> TrainState:
-    base, split = specs_of(state.params)
-    return zero.state_specs(state, zero_stage=zero_stage, param_specs=base,
-                            zero_specs=split)
+    base, split, ops = specs_of(state.params)
+    return TrainState(P(), split if zero_stage == 3 else base, mirror_specs(
+        state.opt_state, optimizer_view(state.params), ops))
 
   def init(params: PipelineParams) -> TrainState:
     if not isinstance(params, PipelineParams):
@@ -283,7 +333,8 @@ def train_step(
     params = params._replace(
         stages=executor.stages_to_ranks(params.stages, schedule))
     tp.check_axis_used(specs_of(params)[0], mesh=mesh, axis=tensor_axis)
-    return placed_init(params, optimizer, mesh=mesh, specs=state_specs)
+    return placed_init(params, layer_optimizer, mesh=mesh,
+                       specs=state_specs)
 
   def to_model_order(state: TrainState) -> PipelineParams:
     """Stages back in model order ``[num_stages, ...]``, shards kept."""
@@ -341,7 +392,7 @@ def train_step(
     return loss, aux, grads
 
   def program(state: TrainState, inputs, targets, key):
-    base, split = specs_of(state.params)
+    base, split, _ = specs_of(state.params)
     specs = state_specs(state)
     if key is not None:  # a fresh key each step, a function of (key, step)
       key = jax.random.fold_in(key, state.step)
@@ -351,7 +402,7 @@ def train_step(
         out_specs=(P(), P(), split if zero_stage else base))(
             state.params, inputs, targets, key)
     state, stats = sharded_update(
-        state, grads, loss=loss, optimizer=optimizer, mesh=mesh,
+        state, grads, loss=loss, optimizer=layer_optimizer, mesh=mesh,
         state_specs=specs, max_grad_norm=max_grad_norm,
         update_specs=split if zero_stage == 1 else None)
     return state, stats._replace(aux=aux)
@@ -374,8 +425,7 @@ def train_step(
           f'{n_data * m}.')
     key = _signature(state)
     if key not in checked:
-      check_opt_state(state._replace(params=jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)),
+      check_opt_state(state._replace(params=optimizer_view(state.params)),
                       optimizer)
       checked.add(key)
 

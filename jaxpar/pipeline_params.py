@@ -1,7 +1,13 @@
-"""``PipelineParams``: a pipelined model's params, ``embed -> stages -> head``.
+"""A pipelined model's params: stacked for the pipeline, per layer for the optimizer.
 
 A leaf module: ``jaxpar.models`` builds these (``gpt.split_for_pipeline``) and
 ``jaxpar.parallel`` trains them, so neither has to import the other.
+
+* ``PipelineParams(embed, stages, head)``: what the pipeline runs, stage
+  leaves stacked ``[num_stages, ...]``;
+* ``LayerParams(embed, layers, head)``: what the 3D trainer's optimizer sees
+  (``jaxpar.pipeline_view``): the same arrays with one tree per layer, in
+  model order and with the model's shapes.
 """
 
 from __future__ import annotations
@@ -27,4 +33,23 @@ class PipelineParams(NamedTuple):
   """
   embed: PyTree
   stages: PyTree
+  head: PyTree
+
+
+class LayerParams(NamedTuple):
+  """The per-layer view of ``PipelineParams``: ``embed``, ``layers``, ``head``.
+
+  ``layers`` is a list with one tree per real layer in model order (identity
+  slots of uneven splits are not layers), each shaped like one layer of the
+  dense model. The 3D trainer's ``optimizer.init``/``update`` see this, and
+  its optimizer state holds it (e.g. Adam's ``mu``).
+
+  Example:
+    >>> from jaxpar.pipeline_params import LayerParams
+    >>> view = LayerParams(embed={}, layers=[{'w': jnp.ones(2)}] * 3, head={})
+    >>> len(view.layers), view.layers[0]['w'].shape
+    (3, (2,))
+  """
+  embed: PyTree
+  layers: list
   head: PyTree

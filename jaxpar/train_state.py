@@ -243,11 +243,15 @@ def auto_view(tree: PyTree) -> PyTree:
     sharding = getattr(x, 'sharding', None)
     if not isinstance(sharding, NamedSharding):
       return x
-    mesh = sharding.mesh
-    auto = Mesh(mesh.devices, mesh.axis_names,
-                axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    return jax.device_put(x, NamedSharding(auto, sharding.spec))
+    return jax.device_put(x, NamedSharding(_auto(sharding.mesh),
+                                           sharding.spec))
   return jax.tree.map(one, tree)
+
+
+def _auto(mesh: Mesh) -> Mesh:
+  """``mesh`` with every axis ``Auto``."""
+  return Mesh(mesh.devices, mesh.axis_names,
+              axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def sharded_update(state: TrainState, grads: PyTree, *, loss: jax.Array,
@@ -285,7 +289,8 @@ def placed_init(params: PyTree, optimizer: optax.GradientTransformation, *,
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
     return jax.tree.map(lambda x: jax.lax.convert_element_type(x, x.dtype),
                         state)  # not weakly typed, as the step's output
-  out = shardings(mesh, specs(jax.eval_shape(create, params)))
+  with jax.set_mesh(_auto(mesh)):  # as inside auto_axes: constraints hint
+    out = shardings(mesh, specs(jax.eval_shape(create, params)))
   with jax.set_mesh(mesh):
     params = jax.device_put(params, out.params)
     return jax.jit(jax.sharding.auto_axes(create, out_sharding=out))(params)

@@ -110,11 +110,7 @@ def test_restore_onto_another_mesh(run, sizes):
   assert state.params.stages['mlp']['fc_in']['kernel'].shape[:2] == (
       MESHES[sizes].num_ranks, 4 // MESHES[sizes].num_ranks)
   assert _equal(trainer.params(state), _trainer((2, 2, 2)).params(saved))
-  for field in ('mu', 'nu'):  # Adam's moments, in model order too
-    assert _equal(
-        trainer.params(state._replace(params=getattr(state.opt_state[0], field))),
-        _trainer((2, 2, 2)).params(
-            saved._replace(params=getattr(saved.opt_state[0], field))))
+  assert _equal(state.opt_state, saved.opt_state)  # per layer: any schedule
   if sizes == (1, 4, 2):  # and training goes on with the same loss
     _, stats = trainer.step(state, _setup()[2][1])
     np.testing.assert_allclose(float(stats.loss), run['losses'][1], rtol=1e-5)

@@ -32,7 +32,7 @@ from flax import nnx
 
 from jaxpar import tensor_parallel as tp
 from jaxpar.models.mlp import MLP
-from jaxpar.pipeline_params import PipelineParams
+from jaxpar.pipeline_params import LayerParams, PipelineParams
 
 PyTree = Any
 
@@ -277,6 +277,9 @@ def split_for_pipeline(params: dict, *, num_stages: int,
 def merge_from_pipeline(pipeline_params, layout: PipelineLayout) -> dict:
   """Inverse of ``split_for_pipeline``: back to dense ``gpt_params``.
 
+  Also takes the per-layer view the 3D trainer's optimizer sees
+  (``LayerParams(embed, layers, head)``, e.g. Adam's ``mu`` in its state).
+
   Example:
     >>> from jaxpar.models import gpt
     >>> params = gpt.gpt_params(gpt.GPT(gpt.GPTConfig(), rngs=nnx.Rngs(0)))
@@ -285,6 +288,9 @@ def merge_from_pipeline(pipeline_params, layout: PipelineLayout) -> dict:
     >>> jax.tree.all(jax.tree.map(jnp.array_equal, back, params))
     True
   """
+  if isinstance(pipeline_params, LayerParams):
+    embed, layers, head = pipeline_params
+    return {'blocks': dict(enumerate(layers)), **embed, **head}
   embed, stages, head = pipeline_params
   blocks = {}
   for k, count in enumerate(layout.counts):
