@@ -70,12 +70,14 @@ from jaxpar.mesh import axis_size
 from jaxpar.pipeline import checks, executor
 from jaxpar.pipeline.lower import lower
 from jaxpar.pipeline.schedule import Schedule
+from jaxpar.pipeline_model import PipelineModel, from_nnx
 from jaxpar.pipeline_params import PipelineParams
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 auto_view, check_max_grad_norm, check_optimizer,
                                 placed_init, sharded_update, shardings)
 
-__all__ = ['PipelineParams', 'Trainer', 'train_step']
+__all__ = ['PipelineModel', 'PipelineParams', 'Trainer', 'from_nnx',
+           'train_step']
 
 
 
@@ -119,8 +121,8 @@ def _check_mask(stage_mask: Any, schedule: Schedule) -> np.ndarray | None:
 def train_step(
     embed_fn: Callable[[PyTree, Any], jax.Array],
     stage_fn: Callable[[PyTree, jax.Array], jax.Array],
-    loss_fn: Callable[[PyTree, jax.Array, Any], jax.Array],
-    optimizer: optax.GradientTransformation,
+    loss_fn: Callable[[PyTree, jax.Array, Any], jax.Array] | None = None,
+    optimizer: optax.GradientTransformation | None = None,
     *,
     schedule: Schedule,
     mesh: Mesh,
@@ -140,7 +142,10 @@ def train_step(
 
   Args:
     embed_fn: ``embed_fn(embed_params, inputs) -> x [b, ...]`` (local
-      shards; may use collectives over ``tensor_axis``).
+      shards; may use collectives over ``tensor_axis``). Or a
+      ``PipelineModel`` (``from_nnx``) in place of the three functions:
+      ``train_step(pm, optimizer, *, schedule, mesh, ...)`` with its
+      ``stage_mask`` and no tensor layout of layer names.
     stage_fn: ``stage_fn(one_stage_params, x) -> y``, ``y`` shaped like ``x``.
     loss_fn: ``loss_fn(head_params, y, targets) -> scalar``, the mean loss of
       a microbatch.
@@ -208,6 +213,14 @@ def train_step(
     >>> int(state.step), trainer.params(state).stages['ln1']['scale'].shape
     (1, (2, 1, 16))
   """
+  if isinstance(embed_fn, PipelineModel):  # train_step(pm, optimizer, ...)
+    if loss_fn is not None or optimizer is not None:
+      raise TypeError('train_step(pm, optimizer, *, schedule, mesh, ...) '
+                      'takes a PipelineModel and the optimizer only.')
+    pm, optimizer = embed_fn, stage_fn
+    embed_fn, stage_fn, loss_fn = pm.functions
+    stage_mask = pm.stage_mask if stage_mask is None else stage_mask
+    layout = {} if layout is None else layout   # the model's own layers
   for name, fn in (('embed_fn', embed_fn), ('stage_fn', stage_fn),
                    ('loss_fn', loss_fn)):
     checks.check_fn(fn, name)
