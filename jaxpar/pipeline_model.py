@@ -74,18 +74,25 @@ def _attributes(node: Any) -> list[str]:
   return [k for k in vars(node) if not k.startswith('_')]
 
 
+def _sequences(model: nnx.Module) -> list[str]:
+  """Attribute paths of the module sequences in ``model``: ``blocks`` values."""
+  return ['.'.join(map(str, p)) for p, node in nnx.iter_graph(model)
+          if isinstance(node, (nnx.List, list, tuple)) and len(node)
+          and all(isinstance(n, nnx.Module) for n in node)]
+
+
 def _find_blocks(model: nnx.Module, blocks: str) -> tuple[Path, Any]:
   if not isinstance(blocks, str) or not blocks:
     raise TypeError(f"blocks must be an attribute path such as 'blocks' or "
                     f"'decoder.layers', got {blocks!r}.")
   node, path = model, ()
   for name in blocks.split('.'):
-    if not hasattr(node, name) or name not in _attributes(node):
+    if name not in _attributes(node):
       where = type(model).__name__ + ''.join('.' + p for p in path)
       raise ValueError(
           f'blocks={blocks!r}: {where} has no attribute {name!r}; its '
-          f'attributes are {_attributes(node)}. Pass the path of the layer '
-          f"sequence, e.g. blocks='{'.'.join(path + (_attributes(node) or ['layers'])[:1])}'.")
+          f'attributes are {_attributes(node)}. Pass the path of the layers, '
+          f'one of the module sequences of this model: {_sequences(model)}.')
     node, path = getattr(node, name), path + (name,)
   return path, node
 

@@ -102,7 +102,7 @@ class ScannedLlama(nnx.Module):
   def __init__(self, c: Config, rngs: nnx.Rngs):
     self.embed = nnx.Embed(c.vocab, c.dim, param_dtype=c.dtype, rngs=rngs)
     make = nnx.vmap(lambda r: Block(c, r), in_axes=0, out_axes=0)
-    self.blocks = make(rngs.fork(split=c.layers))
+    self.blocks = make(rngs.split(c.layers))
     self.final_norm = nnx.RMSNorm(c.dim, param_dtype=c.dtype, rngs=rngs)
     self.head = nnx.Linear(c.dim, c.vocab, use_bias=False,
                              param_dtype=c.dtype, rngs=rngs)
