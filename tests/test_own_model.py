@@ -239,3 +239,49 @@ class TestErrors:
       jaxpar.parallel.train_step(pm, pm.functions[1], optax.sgd(0.1),
                                  schedule=jaxpar.pipeline.one_f_one_b(2, 2),
                                  mesh=jaxpar.make_mesh(data=4, stage=2))
+
+
+class _DropBlock(nnx.Module):
+
+  def __init__(self, rngs):
+    self.fc = nnx.Linear(8, 8, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.drop(self.fc(x))
+
+
+class _DropNet(nnx.Module):
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(4, 8, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+    self.blocks = nnx.List([_DropBlock(rngs) for _ in range(3)])
+
+
+def test_dropout_keys_reseed_the_models_own_streams():
+  """With a key, slot j of a stage runs its block with every RNG stream
+  reseeded from fold_in(key, j), embed with the key itself; no key: the
+  streams the model has (deterministic blocks here)."""
+  net = _DropNet(nnx.Rngs(params=0, dropout=1))
+  split = functools.partial(
+      jaxpar.parallel.from_nnx, blocks='blocks', num_stages=1,
+      embed=lambda m, ids: m.drop(m.embed(ids)),
+      head_loss=lambda m, y, t: jnp.mean((y - t) ** 2))
+  pm = split(net)
+  embed_fn, stage_fn, _ = pm.functions
+  key, ids = jax.random.key(7), jnp.arange(12).reshape(3, 4) % 4
+  stage = jax.tree.map(lambda a: a[0], pm.params.stages)
+  x = embed_fn(pm.params.embed, ids, key)
+  nnx.reseed(net, dropout=key)
+  np.testing.assert_array_equal(x, net.drop(net.embed(ids)))
+  want = x
+  for j, block in enumerate(net.blocks):
+    nnx.reseed(block, dropout=jax.random.fold_in(key, j))
+    want = block(want)
+  np.testing.assert_allclose(stage_fn(stage, x, key), want, rtol=1e-6)
+  assert not np.allclose(stage_fn(stage, x, jax.random.key(8)), want)
+  net.eval()     # deterministic: no key needed, the blocks as written
+  np.testing.assert_allclose(
+      split(net).functions[1](stage, x), net.blocks[2](net.blocks[1](net.blocks[0](x))),
+      rtol=1e-6)
