@@ -27,13 +27,15 @@ slot ``j`` of a stage with ``fold_in(key, j)``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.models.gpt import PipelineLayout
 from jaxpar.pipeline import _jaxpr, _vma
@@ -103,6 +105,7 @@ class _Layers(NamedTuple):
   params: list[dict[Path, jax.Array]]   # per layer, by path inside a block
   other: list[tuple[Path, Any]]          # non-Param variables of one layer
   stacked: bool
+  sharding: dict[Path, Any]              # Flax out_sharding of each param
 
 
 def _layers(node: Any, blocks: str) -> _Layers:
@@ -119,11 +122,12 @@ def _layers(node: Any, blocks: str) -> _Layers:
           f'{ {_name(p): s for p, s in sizes.items()} }. Pass the path of a '
           'list of layers or of a module built with nnx.vmap.')
     (num,) = next(iter(sizes.values()))
+    sharding = {p: v.get_metadata().get('out_sharding') for p, v in flat.items()}
     others = [(p, v) for p, v in nnx.to_flat_state(other)]
     return _Layers(graphdef, [
         {p: v.get_value()[i] for p, v in flat.items()} for i in range(num)],
         [(p, v.replace(jax.tree.map(lambda a: a[0], v.get_value())))
-         for p, v in others], True)
+         for p, v in others], True, sharding)
   if not isinstance(node, (nnx.List, list, tuple)) or not len(node):
     raise ValueError(
         f'blocks={blocks!r} is a {type(node).__name__}; it must name a '
@@ -149,7 +153,9 @@ def _layers(node: Any, blocks: str) -> _Layers:
           'layers out of `blocks` (in embed or head_loss), or make them '
           'the same.')
     layers.append({k: v.get_value() for k, v in flat.items()})
-  return _Layers(graphdef, layers, list(nnx.to_flat_state(other)), False)
+  return _Layers(graphdef, layers, list(nnx.to_flat_state(other)), False,
+                 {p: v.get_metadata().get('out_sharding')
+                  for p, v in first.items()})
 
 
 def _sides(model: nnx.Module, path: Path, head: Sequence[str] | None,
@@ -171,6 +177,41 @@ def _sides(model: nnx.Module, path: Path, head: Sequence[str] | None,
   return set(rest) - heads, heads
 
 
+def _tensor_rules(rules: Mapping[str, Any] | None, names: dict[str, int],
+                  metadata: dict[str, Any], axis: str) -> dict[str, tuple]:
+  """``{param name: spec of its trailing dims}`` for the split params.
+
+  ``names``: '/'-joined param names (block params by their path inside a
+  block) -> ndim; ``metadata``: name -> the Param's Flax ``out_sharding``.
+  """
+  if rules is None:   # the model's own annotations, the `axis` entries only
+    return {n: tuple(e if e == axis else None for e in spec)
+            for n, spec in metadata.items()
+            if spec is not None and axis in tuple(spec)}
+  if not isinstance(rules, Mapping):
+    raise TypeError(f'tensor_rules must map regexes over param paths to '
+                    f"specs, e.g. {{r'mlp/w_up/kernel': (None, {axis!r})}}, "
+                    f'got {type(rules).__name__}.')
+  out, used = {}, set()
+  for name, ndim in names.items():
+    for rule, spec in rules.items():
+      if re.fullmatch(rule, name):
+        spec = tuple(spec)
+        if len(spec) > ndim:
+          raise ValueError(f'tensor_rules[{rule!r}] = {spec} has {len(spec)} '
+                           f'entries but param {name!r} has {ndim} dims.')
+        out[name] = spec
+        used.add(rule)
+        break
+  unused = [r for r in rules if r not in used]
+  if unused:
+    raise ValueError(
+        f'tensor_rules {unused} match no param. Block params match by their '
+        f'path inside a block, the others by the model\'s own path; the '
+        f'params are {sorted(names)}.')
+  return out
+
+
 class PipelineModel(NamedTuple):
   """A Flax NNX model as ``jaxpar.parallel.train_step`` takes it.
 
@@ -187,12 +228,17 @@ class PipelineModel(NamedTuple):
       nnx.Param)`` (e.g. restored from a checkpoint saved with ``merge``).
     merge: its inverse, ``merge(params) -> nnx.State`` of the model's
       ``nnx.Param`` s, for ``nnx.update`` and checkpoints of the model itself.
+    tensor_specs: ``tensor_specs(params, size=1) -> PipelineParams`` of
+      ``PartitionSpec`` over the ``'tensor'`` axis for params shaped like
+      ``params`` (extra leading dims are not split), checking that the split
+      dims divide by ``size``; ``None`` when no param is split.
   """
   params: PipelineParams
   functions: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
   stage_mask: np.ndarray
   split: Callable[[nnx.State], PipelineParams]
   merge: Callable[[PipelineParams], nnx.State]
+  tensor_specs: Callable[..., PipelineParams] | None = None
 
   def update(self, model: nnx.Module, params: PipelineParams) -> None:
     """Writes ``params`` (e.g. ``trainer.params(state)``) into ``model``."""
@@ -212,7 +258,8 @@ def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
              embed: Callable[[nnx.Module, Any], jax.Array],
              head_loss: Callable[[nnx.Module, jax.Array, Any], Any],
              counts: Sequence[int] | None = None,
-             head: Sequence[str] | None = None) -> PipelineModel:
+             head: Sequence[str] | None = None,
+             tensor_rules: Mapping[str, Any] | None = None) -> PipelineModel:
   """Cuts ``model`` into a ``PipelineModel`` for ``jaxpar.parallel``.
 
   Args:
@@ -233,6 +280,13 @@ def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
       defined after ``blocks`` (at each level of its path); the others go to
       ``embed``. A function that reads the other part's params raises a
       ``ValueError`` naming them when it is traced.
+    tensor_rules: ``{regex: spec}`` splitting params over the ``'tensor'``
+      axis: the first regex that fully matches a param's ``'/'``-joined path
+      (block params: their path inside a block, ``'attn/wq/kernel'``; the
+      others: the model's own, ``'head/kernel'``) gives the spec of its
+      trailing dims, e.g. ``(None, 'tensor')``. ``None``: the model's own
+      Flax annotations (``nnx.with_partitioning``, ``sharding=``), their
+      ``'tensor'`` entries. The layers stay as written: XLA partitions them.
 
   Returns:
     ``PipelineModel(params, functions, stage_mask, split, merge)``.
@@ -240,7 +294,8 @@ def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
   Raises:
     TypeError: ``blocks`` is not a string, ``num_stages`` not an int.
     ValueError: an unknown ``blocks`` path, blocks of different structure,
-      ``num_stages`` or ``counts`` that do not fit the layer count.
+      ``num_stages`` or ``counts`` that do not fit the layer count, a
+      tensor rule that matches no param or has more entries than its dims.
 
   Example:
     >>> class Block(nnx.Module):
@@ -427,6 +482,29 @@ def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
     x = _vma.vary(x, _vma.vma((stage_params, key)))
     return jax.lax.scan(body, x, (stage_params, jnp.arange(layout.slots)))[0]
 
+  names = {_name(p): np.ndim(v) for p, v in layers.params[0].items()}
+  names.update({_name(p): np.ndim(template[p].get_value()) for p in rest})
+  sharding = {_name(p): s for p, s in layers.sharding.items()}
+  sharding.update({_name(p): template[p].get_metadata().get('out_sharding')
+                   for p in rest})
+  rules = _tensor_rules(tensor_rules, names, sharding, 'tensor')
+
+  def tensor_specs(pp: PipelineParams, size: int = 1) -> PipelineParams:
+    def one(key_path, leaf):
+      name = '/'.join(str(k.key) for k in key_path)
+      spec = rules.get(name, ())
+      dims = range(np.ndim(leaf) - len(spec), np.ndim(leaf))
+      for dim, entry in zip(dims, spec):
+        if entry is not None and np.shape(leaf)[dim] % size:
+          raise ValueError(
+              f'param {name!r} {np.shape(leaf)}: dim {dim} of size '
+              f'{np.shape(leaf)[dim]} is split over {entry!r} (spec {spec}) '
+              f'but does not divide by its size {size}; choose a size that '
+              f'divides it or change the rule.')
+      return P(*(None,) * (np.ndim(leaf) - len(spec)), *spec)
+    return PipelineParams(*(jax.tree_util.tree_map_with_path(one, part)
+                            for part in pp))
+
   return PipelineModel(split(nnx.state(model, nnx.Param)),
                        (embed_fn, stage_fn, head_loss_fn), layout.mask, split,
-                       merge)
+                       merge, tensor_specs if rules else None)

@@ -21,6 +21,16 @@ class Config(NamedTuple):
   hidden: int = 32
   layers: int = 3
   dtype: Any = jnp.float32     # of the params (and so of the compute)
+  annotate: bool = False       # Megatron-style 'tensor' sharding annotations
+
+
+def linear(c: Config, n_in: int, n_out: int, spec: tuple, rngs: nnx.Rngs):
+  """``nnx.Linear`` without bias; with ``c.annotate`` its kernel carries the
+  Flax sharding annotation ``spec`` (``nnx.with_partitioning``)."""
+  init = nnx.initializers.lecun_normal()
+  return nnx.Linear(n_in, n_out, use_bias=False, param_dtype=c.dtype,
+                    kernel_init=nnx.with_partitioning(init, spec)
+                    if c.annotate else init, rngs=rngs)
 
 
 def rope(x):
@@ -38,9 +48,9 @@ class Attention(nnx.Module):
 
   def __init__(self, c: Config, rngs: nnx.Rngs):
     self.heads = c.heads
-    linear = lambda: nnx.Linear(c.dim, c.dim, use_bias=False,
-                                param_dtype=c.dtype, rngs=rngs)
-    self.wq, self.wk, self.wv, self.wo = linear(), linear(), linear(), linear()
+    column = lambda: linear(c, c.dim, c.dim, (None, 'tensor'), rngs)
+    self.wq, self.wk, self.wv = column(), column(), column()
+    self.wo = linear(c, c.dim, c.dim, ('tensor', None), rngs)
 
   def __call__(self, x):
     b, s, d = x.shape
@@ -56,12 +66,9 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
 
   def __init__(self, c: Config, rngs: nnx.Rngs):
-    self.w_gate = nnx.Linear(c.dim, c.hidden, use_bias=False,
-                             param_dtype=c.dtype, rngs=rngs)
-    self.w_up = nnx.Linear(c.dim, c.hidden, use_bias=False,
-                             param_dtype=c.dtype, rngs=rngs)
-    self.w_down = nnx.Linear(c.hidden, c.dim, use_bias=False,
-                             param_dtype=c.dtype, rngs=rngs)
+    self.w_gate = linear(c, c.dim, c.hidden, (None, 'tensor'), rngs)
+    self.w_up = linear(c, c.dim, c.hidden, (None, 'tensor'), rngs)
+    self.w_down = linear(c, c.hidden, c.dim, ('tensor', None), rngs)
 
   def __call__(self, x):
     return self.w_down(jax.nn.silu(self.w_gate(x)) * self.w_up(x))

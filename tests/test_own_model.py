@@ -60,14 +60,35 @@ def reference(model_type):
     return out
 
 
+# Megatron's split, by param path (block params: their path inside a block).
+RULES = {r'attn/w[qkv]/kernel': (None, 'tensor'),
+         r'attn/wo/kernel': ('tensor', None),
+         r'mlp/w_(gate|up)/kernel': (None, 'tensor'),
+         r'mlp/w_down/kernel': ('tensor', None),
+         r'head/kernel': (None, 'tensor')}
+
+
+def annotated_llama(config, rngs):
+  """The Llama with Flax sharding annotations on its kernels (same values)."""
+  with nnx.use_eager_sharding(False):
+    return llama.Llama(config._replace(annotate=True), rngs)
+
+
+# model, mesh, schedule, train_step options, from_nnx options
 CASES = {
     '4x2-1f1b-zero3': (llama.Llama, dict(data=4, stage=2),
                        lambda: jaxpar.pipeline.one_f_one_b(2, 2),
-                       dict(zero_stage=3)),
+                       dict(zero_stage=3), {}),
     '2x2-interleaved': (llama.Llama, dict(data=2, stage=2),
-                        lambda: jaxpar.pipeline.interleaved_1f1b(2, 2, 2), {}),
+                        lambda: jaxpar.pipeline.interleaved_1f1b(2, 2, 2), {},
+                        {}),
     '2x2-zbv-stacked': (llama.ScannedLlama, dict(data=2, stage=2),
-                        lambda: jaxpar.pipeline.zbv(2, 2), {}),
+                        lambda: jaxpar.pipeline.zbv(2, 2), {}, {}),
+    '2x2x2-1f1b-rules': (llama.Llama, dict(data=2, stage=2, tensor=2),
+                         lambda: jaxpar.pipeline.one_f_one_b(2, 2),
+                         dict(zero_stage=1), dict(tensor_rules=RULES)),
+    '1x2x4-zbv-annotated': (annotated_llama, dict(data=1, stage=2, tensor=4),
+                            lambda: jaxpar.pipeline.zbv(2, 2), {}, {}),
 }
 
 
@@ -79,13 +100,13 @@ def mesh(**sizes):
 @functools.cache
 def trained(case):
   """(model, pm, trainer, schedule, state, per-step results) of a case."""
-  model_type, mesh_sizes, make_schedule, options = CASES[case]
+  model_type, mesh_sizes, make_schedule, options, split = CASES[case]
   with jax.enable_x64(True):
     model = model_type(CONFIG, nnx.Rngs(0))
     schedule = make_schedule()
     pm = jaxpar.parallel.from_nnx(model, blocks='blocks',
                                   num_stages=schedule.num_stages,
-                                  embed=embed, head_loss=head_loss)
+                                  embed=embed, head_loss=head_loss, **split)
     trainer = jaxpar.parallel.train_step(
         pm, OPTIMIZER, schedule=schedule, mesh=mesh(**mesh_sizes),
         max_grad_norm=MAX_GRAD_NORM, **options)
@@ -100,15 +121,28 @@ def trained(case):
 
 @pytest.mark.parametrize('case', list(CASES))
 def test_pipeline_matches_single_device_float64(x64, case):
-  """1F1B + ZeRO-3, interleaved and ZB-V (stacked blocks), uneven layers:
-  same losses, norms and (written back into the model) params."""
+  """1F1B + ZeRO-3, interleaved and ZB-V (stacked blocks), uneven layers,
+  3D with tensor rules or the model's Flax annotations (its layers as
+  written, full head count in the reshapes): same losses, norms and
+  (written back into the model) params."""
   model_type = CASES[case][0]
-  got, want = trained(case)[-1], reference(model_type)
+  got, want = trained(case)[-1], reference(
+      llama.ScannedLlama if model_type is llama.ScannedLlama else llama.Llama)
   assert float(want[0][1]) > MAX_GRAD_NORM   # clipping is exercised
   for (loss, norm, p), (ref_loss, ref_norm, ref_p) in zip(got, want):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-10)
     np.testing.assert_allclose(norm, ref_norm, rtol=1e-10)
     chex.assert_trees_all_close(p, ref_p, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize('case', ['2x2x2-1f1b-rules', '1x2x4-zbv-annotated'])
+def test_tensor_split_params_are_sharded(x64, case):
+  """The split params are stored split over 'tensor' (Megatron's layout)."""
+  state = trained(case)[4]
+  spec = lambda leaf: tuple(leaf.sharding.spec)
+  assert spec(state.params.stages['attn']['wq']['kernel'])[-1] == 'tensor'
+  assert 'tensor' in spec(state.params.stages['mlp']['w_down']['kernel'])[-2]
+  assert 'tensor' not in spec(state.params.stages['attn_norm']['scale'])
 
 
 def test_data_parallel_zero3_matches_single_device_float64(x64):
@@ -232,6 +266,26 @@ class TestErrors:
     pm = self.from_nnx(head=['embed', 'final_norm', 'head'],
                        embed=lambda m, ids: jnp.zeros(ids.shape + (16,)))
     assert sorted(pm.params.head) == ['embed', 'final_norm', 'head']
+
+  def test_tensor_rule_matching_nothing(self):
+    with pytest.raises(ValueError, match=r"tensor_rules \['attn/w_q/kernel'\] "
+                       r"match no param.*by their path inside a block.*"
+                       r"'attn/wq/kernel'"):
+      self.from_nnx(tensor_rules={'attn/w_q/kernel': (None, 'tensor')})
+    with pytest.raises(ValueError, match=r"has 3 entries but param "
+                       r"'head/kernel' has 2 dims"):
+      self.from_nnx(tensor_rules={'head/kernel': (None, None, 'tensor')})
+
+  def test_tensor_split_that_does_not_divide(self):
+    model = llama.Llama(CONFIG._replace(dtype=jnp.float32, vocab=33),
+                        nnx.Rngs(0))
+    pm = self.from_nnx(model, tensor_rules=RULES)
+    trainer = jaxpar.parallel.train_step(
+        pm, optax.sgd(0.1), schedule=jaxpar.pipeline.one_f_one_b(2, 2),
+        mesh=mesh(data=1, stage=2, tensor=2))
+    with pytest.raises(ValueError, match=r"param 'head/kernel' \(16, 33\): "
+                       r"dim 1 of size 33 is split over 'tensor'.*size 2"):
+      trainer.init(pm.params)
 
   def test_train_step_takes_the_model_and_optimizer_only(self):
     pm = self.from_nnx()
