@@ -5,9 +5,9 @@ NNX modules (``nnx.List``, list, tuple) or as one module whose params are
 stacked over layers (``nnx.vmap``/``nnx.scan`` style), and gives what
 ``jaxpar.parallel.train_step`` takes::
 
-  embed  params of the attributes defined before ``blocks``  -> embed(m, inputs)
-  stages the blocks' params stacked [num_stages, slots, ...]  -> each block as written
-  head   params of the attributes defined after ``blocks``   -> head_loss(m, y, targets)
+  embed   attributes defined before ``blocks``   embed(m, inputs) -> x
+  stages  blocks stacked [num_stages, slots]     each block as written
+  head    attributes defined after ``blocks``    head_loss(m, y, targets)
 
 ``embed`` and ``head_loss`` are written against the model itself: jaxpar
 merges the part's params into a copy of the model and calls them. A stage
@@ -107,7 +107,7 @@ class _Layers(NamedTuple):
 
 def _layers(node: Any, blocks: str) -> _Layers:
   """Reads a sequence of identical modules or one stacked module."""
-  if isinstance(node, nnx.Module) and not isinstance(node, (nnx.List,)):
+  if isinstance(node, nnx.Module) and not isinstance(node, nnx.List):
     graphdef, params, other = nnx.split(node, nnx.Param, ...)
     flat = dict(nnx.to_flat_state(params))
     sizes = {p: np.shape(v.get_value())[:1] for p, v in flat.items()}
@@ -342,8 +342,8 @@ def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
       else:
         for i, (k, j) in enumerate(real):
           values[path + (i,) + p] = leaf[k, j]
-    return nnx.from_flat_state(
-        [(p, template[p].replace(values[p])) for p in sorted(params, key=_name)])
+    return nnx.from_flat_state([(p, template[p].replace(values[p]))
+                                for p in sorted(params, key=_name)])
 
   def whole_model(values: dict[Path, Any]) -> nnx.Module:
     """The model with ``values`` for its params; zeros for the others."""

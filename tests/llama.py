@@ -45,7 +45,8 @@ class Attention(nnx.Module):
   def __call__(self, x):
     b, s, d = x.shape
     split = lambda t: t.reshape(b, s, self.heads, d // self.heads)
-    q, k, v = rope(split(self.wq(x))), rope(split(self.wk(x))), split(self.wv(x))
+    q, k = rope(split(self.wq(x))), rope(split(self.wk(x)))
+    v = split(self.wv(x))
     scores = jnp.einsum('bqhd,bkhd->bhqk', q, k) / jnp.sqrt(d // self.heads)
     causal = jnp.tril(jnp.ones((s, s), bool))
     weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)

@@ -283,5 +283,5 @@ def test_dropout_keys_reseed_the_models_own_streams():
   assert not np.allclose(stage_fn(stage, x, jax.random.key(8)), want)
   net.eval()     # deterministic: no key needed, the blocks as written
   np.testing.assert_allclose(
-      split(net).functions[1](stage, x), net.blocks[2](net.blocks[1](net.blocks[0](x))),
-      rtol=1e-6)
+      split(net).functions[1](stage, x),
+      net.blocks[2](net.blocks[1](net.blocks[0](x))), rtol=1e-6)
