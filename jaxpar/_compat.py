@@ -43,7 +43,10 @@ def varying_axes(x: Any) -> frozenset[str]:
   outside ``shard_map``. Public replacement: ``jax.typeof(x).vma`` was the
   public name up to jax 0.8; use the field JAX documents next.
   """
-  aval = x if is_abstract_array(x) else jax.typeof(x)
+  # A ShapeDtypeStruct (eval_shape) carries its own type: jax.typeof asserts
+  # on one from inside a shard_map manual over some axes only.
+  aval = (x if is_abstract_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+          else jax.typeof(x))
   mat = getattr(aval, 'manual_axis_type', None)
   return frozenset(mat.varying) if mat is not None else frozenset()
 

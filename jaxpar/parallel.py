@@ -90,13 +90,15 @@ from jaxpar.pipeline import checks, executor
 from jaxpar.pipeline.lower import lower
 from jaxpar.pipeline.schedule import Schedule
 from jaxpar.pipeline.stage import stash_policy
+from jaxpar.pipeline_model import PipelineModel, from_nnx
 from jaxpar.pipeline_params import LayerParams, PipelineParams
 from jaxpar.pipeline_view import LayerView, layerwise, mirror_specs
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 auto_view, check_max_grad_norm, check_optimizer,
                                 placed_init, sharded_update, shardings)
 
-__all__ = ['LayerParams', 'PipelineParams', 'Trainer', 'train_step']
+__all__ = ['LayerParams', 'PipelineModel', 'PipelineParams', 'Trainer',
+           'from_nnx', 'train_step']
 
 
 
@@ -113,6 +115,19 @@ def _model_sharding(leaf: jax.Array) -> NamedSharding:
   """Sharding of a ``[p, v, ...]`` leaf's model order ``[p*v, ...]``."""
   spec = _padded(leaf.sharding.spec, leaf.ndim)
   return NamedSharding(leaf.sharding.mesh, P(spec[0], *spec[2:]))
+
+
+def _manual(specs: PyTree, axes: frozenset[str]) -> PyTree:
+  """``specs`` over the manual ``axes`` of a shard_map only (empty: all)."""
+  if not axes:
+    return specs
+
+  def keep(entry):
+    kept = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
+                 if a in axes)
+    return kept if len(kept) > 1 else (kept[0] if kept else None)
+  return jax.tree.map(lambda s: P(*map(keep, s)), specs,
+                      is_leaf=lambda x: isinstance(x, P))
 
 
 def _check_schedule(schedule: Any, n_stage: int, stage_axis: str) -> None:
@@ -140,8 +155,8 @@ def _check_mask(stage_mask: Any, schedule: Schedule) -> np.ndarray | None:
 def train_step(
     embed_fn: Callable[[PyTree, Any], jax.Array],
     stage_fn: Callable[[PyTree, jax.Array], jax.Array],
-    loss_fn: Callable[[PyTree, jax.Array, Any], jax.Array],
-    optimizer: optax.GradientTransformation,
+    loss_fn: Callable[[PyTree, jax.Array, Any], jax.Array] | None = None,
+    optimizer: optax.GradientTransformation | None = None,
     *,
     schedule: Schedule,
     mesh: Mesh,
@@ -162,7 +177,13 @@ def train_step(
 
   Args:
     embed_fn: ``embed_fn(embed_params, inputs) -> x [b, ...]`` (local
-      shards; may use collectives over ``tensor_axis``).
+      shards; may use collectives over ``tensor_axis``). Or a
+      ``PipelineModel`` (``from_nnx``) in place of the three functions:
+      ``train_step(pm, optimizer, *, schedule, mesh, ...)`` with its
+      ``stage_mask``. Its ``tensor_specs`` (``from_nnx(tensor_rules=...)`` or
+      the model's Flax annotations) split params over ``tensor_axis``; the
+      model's layers run as written and XLA partitions them (the gradient
+      ``shard_map`` is manual over ``data_axis`` and ``stage_axis`` only).
     stage_fn: ``stage_fn(one_stage_params, x) -> y``, ``y`` shaped like ``x``.
     loss_fn: ``loss_fn(head_params, y, targets) -> scalar``, the mean loss of
       a microbatch.
@@ -244,6 +265,16 @@ def train_step(
     >>> state.opt_state[0].mu.layers[1]['ln1']['scale'].shape  # layer 1
     (16,)
   """
+  tensor_specs = None   # a PipelineModel's tensor split, XLA-partitioned
+  if isinstance(embed_fn, PipelineModel):  # train_step(pm, optimizer, ...)
+    if loss_fn is not None or optimizer is not None:
+      raise TypeError('train_step(pm, optimizer, *, schedule, mesh, ...) '
+                      'takes a PipelineModel and the optimizer only.')
+    pm, optimizer = embed_fn, stage_fn
+    embed_fn, stage_fn, loss_fn = pm.functions
+    stage_mask = pm.stage_mask if stage_mask is None else stage_mask
+    layout = {} if layout is None else layout   # the model's own layers
+    tensor_specs = pm.tensor_specs
   for name, fn in (('embed_fn', embed_fn), ('stage_fn', stage_fn),
                    ('loss_fn', loss_fn)):
     checks.check_fn(fn, name)
@@ -255,7 +286,13 @@ def train_step(
   check_max_grad_norm(max_grad_norm)
   n_data = axis_size(mesh, data_axis)
   n_stage = axis_size(mesh, stage_axis)
-  axis_size(mesh, tensor_axis)
+  n_tensor = axis_size(mesh, tensor_axis)
+  manual = frozenset()   # shard_map manual over every axis
+  if tensor_specs is not None:
+    # The model's layers run as written on full-size arrays: 'tensor' stays
+    # an Auto axis that XLA partitions from the params' shardings, inside a
+    # shard_map manual over data and stage only.
+    manual = frozenset({data_axis, stage_axis})
   _check_schedule(schedule, n_stage, stage_axis)
   stage_mask = _check_mask(stage_mask, schedule)
   checks.check_key(key)
@@ -280,8 +317,9 @@ def train_step(
     axis, the optimizer's view: also split over stage, and data with ZeRO)."""
     key = _signature(params)
     if key not in layouts:
-      base = PipelineParams(*(tp.param_specs(part, axis=tensor_axis,
-                                             layout=layout) for part in params))
+      base = (tensor_specs(params, n_tensor) if tensor_specs is not None else
+              PipelineParams(*(tp.param_specs(part, axis=tensor_axis,
+                                              layout=layout) for part in params)))
       base = base._replace(stages=jax.tree.map(
           lambda leaf, s: P(stage_axis, *_padded(s, np.ndim(leaf))[1:]),
           params.stages, base.stages))
@@ -396,11 +434,17 @@ def train_step(
     specs = state_specs(state)
     if key is not None:  # a fresh key each step, a function of (key, step)
       key = jax.random.fold_in(key, state.step)
-    loss, aux, grads = jax.shard_map(
-        functools.partial(local_grads, base=base, split=split), mesh=mesh,
-        in_specs=(specs.params, P(data_axis), P(data_axis), P()),
-        out_specs=(P(), P(), split if zero_stage else base))(
-            state.params, inputs, targets, key)
+    grad_specs = split if zero_stage else base
+    gradients = jax.shard_map(
+        functools.partial(local_grads, base=base, split=split),
+        mesh=None if manual else mesh,   # None: auto_axes' mesh, below
+        in_specs=(_manual(specs.params, manual), P(data_axis), P(data_axis),
+                  P()),
+        out_specs=(P(), P(), _manual(grad_specs, manual)), axis_names=manual)
+    if manual:   # 'tensor' Auto inside: XLA partitions the model as written
+      gradients = jax.sharding.auto_axes(
+          gradients, axes=tensor_axis, out_sharding=(P(), P(), grad_specs))
+    loss, aux, grads = gradients(state.params, inputs, targets, key)
     state, stats = sharded_update(
         state, grads, loss=loss, optimizer=layer_optimizer, mesh=mesh,
         state_specs=specs, max_grad_norm=max_grad_norm,
