@@ -72,6 +72,21 @@ def pytest_unconfigure(config):
     del os.environ['JAX_COMPILATION_CACHE_DIR']
 
 
+# The files whose tests take minutes (a process or a kernel each, programs to
+# compile), slowest first: run first, they overlap the many short tests.
+SLOW_FIRST = ('tests/test_notebooks.py', 'tests/test_distributed.py',
+              'tests/test_cli.py')
+
+
+def pytest_collection_modifyitems(config, items):
+  """The files of ``SLOW_FIRST`` first, in its order; each file's tests
+  together and in their own order (module fixtures are made once)."""
+  def rank(item):
+    path = item.path.relative_to(config.rootpath).as_posix()
+    return SLOW_FIRST.index(path) if path in SLOW_FIRST else len(SLOW_FIRST)
+  items.sort(key=rank)   # stable
+
+
 def pytest_ignore_collect(collection_path, config):
   """Under tests/ only ``test_*.py`` are modules to import: the other scripts
   there (process workers, data exporters) are programs, and
