@@ -78,11 +78,11 @@ SLOW_FIRST = ('tests/test_notebooks.py', 'tests/test_distributed.py',
               'tests/test_cli.py')
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(items):
   """The files of ``SLOW_FIRST`` first, in its order; each file's tests
   together and in their own order (module fixtures are made once)."""
   def rank(item):
-    path = item.path.relative_to(config.rootpath).as_posix()
+    path = item.nodeid.split('::')[0]   # relative to the root directory
     return SLOW_FIRST.index(path) if path in SLOW_FIRST else len(SLOW_FIRST)
   items.sort(key=rank)   # stable
 
