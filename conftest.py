@@ -80,7 +80,8 @@ SLOW_FIRST = ('tests/test_notebooks.py', 'tests/test_distributed.py',
 
 def pytest_collection_modifyitems(items):
   """The files of ``SLOW_FIRST`` first, in its order; each file's tests
-  together and in their own order (module fixtures are made once)."""
+  together and in their own order (module fixtures are made once per
+  worker)."""
   def rank(item):
     path = item.nodeid.split('::')[0]   # relative to the root directory
     return SLOW_FIRST.index(path) if path in SLOW_FIRST else len(SLOW_FIRST)
