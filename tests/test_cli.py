@@ -67,22 +67,25 @@ def good_checkpoint(one_device_run):
   return one_device_run[1]
 
 
-def test_default_demo_learns_with_the_losses_of_one_device(
-    tmp_path, one_device_losses):
+def test_default_demo_learns_with_the_losses_of_one_device(tmp_path, request):
   """The README's first command, as a process: 150 steps of 1F1B on
-  data=2 x stage=2 x tensor=2; its first steps are those of one device."""
+  data=2 x stage=2 x tensor=2; its first steps are those of one device.
+
+  The one-device run is asked for after the process (here and in the launch
+  test): with two workers, the second to ask loads its programs from the
+  compilation cache instead of compiling them at the same time."""
   plot, out = tmp_path / 'run.png', tmp_path / 'run.json'
   result = jaxpar_cli('demo', '--plot', str(plot), '--json', str(out))
   assert result.returncode == 0, result.stderr[-3000:]
   assert '(8 cpu devices, 1 process(es))' in result.stdout
   got = losses(json.loads(out.read_text()))
   assert len(got) == 150 and got[-1] < 0.4 * got[0]
-  np.testing.assert_allclose(got[:3], one_device_losses, rtol=1e-4)
+  np.testing.assert_allclose(
+      got[:3], request.getfixturevalue('one_device_losses'), rtol=1e-4)
   assert plot.stat().st_size > 10_000
 
 
-def test_two_processes_give_the_losses_of_one_device(tmp_path,
-                                                      one_device_losses):
+def test_two_processes_give_the_losses_of_one_device(tmp_path, request):
   """``launch``: 2 processes x 4 devices, ZB-V with ZeRO-3 on 2x2x2 (the
   library tests cover every mesh, schedule and ZeRO stage)."""
   out = tmp_path / 'launch.json'
@@ -92,7 +95,8 @@ def test_two_processes_give_the_losses_of_one_device(tmp_path,
   assert result.returncode == 0, result.stdout[-3000:]
   assert '(8 cpu devices, 2 process(es))' in result.stdout
   np.testing.assert_allclose(losses(json.loads(out.read_text())),
-                             one_device_losses, rtol=1e-4)
+                             request.getfixturevalue('one_device_losses'),
+                             rtol=1e-4)
 
 
 def _snapshot(directory):
