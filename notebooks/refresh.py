@@ -12,6 +12,7 @@ refresh changes only what the notebook prints and draws.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -24,12 +25,18 @@ NOTEBOOKS = sorted(HERE.glob('*.ipynb'))
 
 def execute(path: pathlib.Path) -> nbformat.NotebookNode:
   """The notebook at ``path`` run top to bottom in a fresh kernel (raises
-  ``nbclient.exceptions.CellExecutionError`` at the first failing cell)."""
+  ``nbclient.exceptions.CellExecutionError`` at the first failing cell).
+
+  The kernel imports ``jaxpar`` from this checkout (first on its
+  ``PYTHONPATH``), whichever one the environment has installed.
+  """
   notebook = nbformat.read(path, as_version=4)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(HERE.parent)] + [p for p in [os.environ.get('PYTHONPATH')] if p]))
   nbclient.NotebookClient(notebook, timeout=600, kernel_name='python3',
                           record_timing=False,
                           resources={'metadata': {'path': str(path.parent)}}
-                          ).execute()
+                          ).execute(env=env)
   return notebook
 
 
