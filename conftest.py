@@ -3,9 +3,21 @@
 Eight simulated CPU devices, fixed before JAX starts (this file is imported
 before any test or jaxpar module), and the names every ``>>>`` example may
 use without importing them: ``jax, jnp, np, jaxpar, P, optax, nnx``.
+
+One persistent compilation cache per run (``pytest_configure``), shared by
+the test workers and every process they start (CLI runs, ``launch``ed
+processes, notebook kernels): a program compiled twice in a run (the same
+demo resumed, the kill drill's restart) is compiled once. Its key is the
+program itself with the compiler and its options, so a hit is the executable
+a fresh compile would make. JAX's default threshold stands: only programs
+that take over a second to compile are stored (caching every tiny program
+cost ~5% in files that repeat none). Set ``JAX_COMPILATION_CACHE_DIR`` to
+keep one across runs.
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault('XLA_FLAGS', '')  # no GPU flags leak into CPU tests
 import jax  # noqa: E402
@@ -37,6 +49,42 @@ def _doctest_names(request, doctest_namespace):
                              optax=optax, nnx=nnx)
     request.getfixturevalue('monkeypatch').chdir(
         request.getfixturevalue('tmp_path'))
+
+
+_CACHE = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+  """The run's compilation cache (see the module docstring): made by the
+  controller before ``-n`` starts its workers, which inherit the variable."""
+  if os.environ.get('JAX_COMPILATION_CACHE_DIR'):   # the user's, or a worker
+    return
+  path = tempfile.mkdtemp(prefix='jaxpar-tests-jit-cache-')
+  config.stash[_CACHE] = path
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = path
+  jax.config.update('jax_compilation_cache_dir', path)
+
+
+def pytest_unconfigure(config):
+  if _CACHE in config.stash:
+    shutil.rmtree(config.stash[_CACHE], ignore_errors=True)
+    del os.environ['JAX_COMPILATION_CACHE_DIR']
+
+
+# The files whose tests take minutes (a process or a kernel each, programs to
+# compile), slowest first: run first, they overlap the many short tests.
+SLOW_FIRST = ('tests/test_notebooks.py', 'tests/test_distributed.py',
+              'tests/test_cli.py')
+
+
+def pytest_collection_modifyitems(items):
+  """The files of ``SLOW_FIRST`` first, in its order; each file's tests
+  together and in their own order (module fixtures are made once per
+  worker)."""
+  def rank(item):
+    path = item.nodeid.split('::')[0]   # relative to the root directory
+    return SLOW_FIRST.index(path) if path in SLOW_FIRST else len(SLOW_FIRST)
+  items.sort(key=rank)   # stable
 
 
 def pytest_ignore_collect(collection_path, config):

@@ -1,6 +1,13 @@
 """The command line: the demo learns, any mesh gives the same losses, bad flags
 fail in one line with exit code 2, runs of non-finite steps stop with exit
-code 3, damaged checkpoints are refused with exit code 4."""
+code 3, damaged checkpoints are refused with exit code 4.
+
+``python -m jaxpar`` runs as a process where the process is the point (the
+default demo end to end, ``launch``, an exit code with nothing else on
+stderr); the other runs call the same ``main`` in this process, their
+output and exit code read the same way (``capfd``: file descriptors, so
+what JAX, orbax or absl print is caught as in a subprocess).
+"""
 
 import json
 import shutil
@@ -10,62 +17,86 @@ import sys
 import numpy as np
 import pytest
 
+from jaxpar import __main__ as cli
 from jaxpar import demo
 
 
 def jaxpar_cli(*args, timeout=600):
+  """``python -m jaxpar ARGS`` as a process."""
   return subprocess.run([sys.executable, '-m', 'jaxpar', *args],
                         capture_output=True, text=True, timeout=timeout)
 
 
-def demo_losses(tmp_path, *args):
-  out = tmp_path / f'run{len(list(tmp_path.iterdir()))}.json'
-  result = jaxpar_cli('demo', '--json', str(out), *args)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return [s['loss'] for s in json.loads(out.read_text())['steps']]
+def run_cli(capfd, *args):
+  """``python -m jaxpar ARGS`` in this process: (exit code, stdout, stderr)."""
+  capfd.readouterr()
+  try:
+    code = cli.main(list(args))
+  except SystemExit as e:   # argparse errors
+    code = e.code
+  out, err = capfd.readouterr()
+  return code, out, err
 
 
-def test_default_demo_learns(tmp_path):
-  plot = tmp_path / 'run.png'
-  losses = demo_losses(tmp_path, '--plot', str(plot))
-  assert losses[-1] < 0.4 * losses[0]
-  assert plot.stat().st_size > 10_000
+def losses(report):
+  return [s['loss'] for s in report['steps']]
 
 
-SMALL = ('--steps', '3', '--layers', '4')
-
-
-def test_any_mesh_gives_the_losses_of_one_device(tmp_path):
-  """One CLI case (the library tests cover every mesh, schedule and ZeRO
-  stage): ZB-V with ZeRO-3 on 2x2x2 against one device."""
-  one = demo_losses(tmp_path, *SMALL, '--mesh', 'data=1,stage=1,tensor=1',
-                    '--schedule', '1f1b')
-  three_d = demo_losses(tmp_path, *SMALL, '--mesh', 'data=2,stage=2,tensor=2',
-                        '--schedule', 'zbv', '--zero', '3')
-  np.testing.assert_allclose(three_d, one, rtol=1e-4)
-  assert one[-1] < one[0]
-
-
-def test_launch_two_processes_gives_the_same_losses(tmp_path):
-  out = tmp_path / 'launch.json'
-  result = jaxpar_cli('launch', '-n', '2', '--devices-per-process', '4', '--',
-                      'demo', *SMALL, '--json', str(out))
-  assert result.returncode == 0, result.stdout[-3000:]
-  launched = [s['loss'] for s in json.loads(out.read_text())['steps']]
-  single = demo_losses(tmp_path, *SMALL)
-  np.testing.assert_allclose(launched, single, rtol=1e-5)
-
-
-TINY = ('--layers', '2', '--mesh', 'data=1,stage=1,tensor=1')
+ONE_DEVICE = ('--mesh', 'data=1,stage=1,tensor=1')
 
 
 @pytest.fixture(scope='module')
-def good_checkpoint(tmp_path_factory):
-  """A 2-step tiny demo checkpoint (step 2)."""
-  ckpt = tmp_path_factory.mktemp('good') / 'ckpt'
-  result = jaxpar_cli('demo', '--steps', '2', *TINY, '--checkpoint', str(ckpt))
+def one_device_run(tmp_path_factory):
+  """3 steps of the default demo model on one device, in this process:
+  ``(losses, checkpoint directory)``."""
+  tmp = tmp_path_factory.mktemp('one')
+  assert cli.main(['demo', '--steps', '3', *ONE_DEVICE, '--json',
+                   str(tmp / 'one.json'), '--checkpoint',
+                   str(tmp / 'ckpt')]) == 0
+  return losses(json.loads((tmp / 'one.json').read_text())), tmp / 'ckpt'
+
+
+@pytest.fixture
+def one_device_losses(one_device_run):
+  return one_device_run[0]
+
+
+@pytest.fixture
+def good_checkpoint(one_device_run):
+  """The one-device run's checkpoint (step 3)."""
+  return one_device_run[1]
+
+
+def test_default_demo_learns_with_the_losses_of_one_device(tmp_path, request):
+  """The README's first command, as a process: 150 steps of 1F1B on
+  data=2 x stage=2 x tensor=2; its first steps are those of one device.
+
+  The one-device run is asked for after the process (here and in the launch
+  test): with two workers, the second to ask loads its programs from the
+  compilation cache instead of compiling them at the same time."""
+  plot, out = tmp_path / 'run.png', tmp_path / 'run.json'
+  result = jaxpar_cli('demo', '--plot', str(plot), '--json', str(out))
   assert result.returncode == 0, result.stderr[-3000:]
-  return ckpt
+  assert '(8 cpu devices, 1 process(es))' in result.stdout
+  got = losses(json.loads(out.read_text()))
+  assert len(got) == 150 and got[-1] < 0.4 * got[0]
+  np.testing.assert_allclose(
+      got[:3], request.getfixturevalue('one_device_losses'), rtol=1e-4)
+  assert plot.stat().st_size > 10_000
+
+
+def test_two_processes_give_the_losses_of_one_device(tmp_path, request):
+  """``launch``: 2 processes x 4 devices, ZB-V with ZeRO-3 on 2x2x2 (the
+  library tests cover every mesh, schedule and ZeRO stage)."""
+  out = tmp_path / 'launch.json'
+  result = jaxpar_cli('launch', '-n', '2', '--devices-per-process', '4', '--',
+                      'demo', '--steps', '3', '--schedule', 'zbv', '--zero',
+                      '3', '--json', str(out))
+  assert result.returncode == 0, result.stdout[-3000:]
+  assert '(8 cpu devices, 2 process(es))' in result.stdout
+  np.testing.assert_allclose(losses(json.loads(out.read_text())),
+                             request.getfixturevalue('one_device_losses'),
+                             rtol=1e-4)
 
 
 def _snapshot(directory):
@@ -73,21 +104,20 @@ def _snapshot(directory):
           for p in sorted(directory.rglob('*')) if p.is_file()}
 
 
-def test_non_finite_steps_stop_with_exit_3(tmp_path, good_checkpoint):
-  """lr=1e30 blows the params up at step 2: steps 3, 4 are skipped, the run
-  stops (exit 3, one line), the checkpoint stays at step 2."""
+def test_non_finite_steps_stop_with_exit_3(tmp_path, good_checkpoint, capfd):
+  """lr=1e30 blows the params up at step 3: steps 4, 5 are skipped, the run
+  stops (exit 3, one line), the checkpoint stays at step 3."""
   ckpt = tmp_path / 'ckpt'
   shutil.copytree(good_checkpoint, ckpt)
   before = _snapshot(ckpt)
   out = tmp_path / 'nan.json'
-  result = jaxpar_cli('demo', '--steps', '10', *TINY, '--lr', '1e30',
-                      '--max-skipped', '2', '--checkpoint', str(ckpt),
-                      '--resume', '--json', str(out))
-  assert result.returncode == 3, result.stderr[-3000:]
-  assert 'Traceback' not in result.stderr
-  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-  assert '2 consecutive steps were skipped' in result.stderr
-  assert 'skipped       2 steps' in result.stdout
+  code, stdout, err = run_cli(capfd, 'demo', '--steps', '10', *ONE_DEVICE, '--lr',
+                              '1e30', '--max-skipped', '2', '--checkpoint',
+                              str(ckpt), '--resume', '--json', str(out))
+  assert code == 3, err[-3000:]
+  assert len(err.strip().splitlines()) == 1, err
+  assert '2 consecutive steps were skipped' in err
+  assert 'skipped       2 steps' in stdout
   report = json.loads(out.read_text())
   assert report['skipped'] == 2 and report['stopped']
   assert [s['skipped'] for s in report['steps']] == [False, True, True]
@@ -97,24 +127,24 @@ def test_non_finite_steps_stop_with_exit_3(tmp_path, good_checkpoint):
 @pytest.mark.parametrize('target', ['default/ocdbt.process_0/d/*',
                                     'default/_sharding'])
 def test_damaged_checkpoint_is_refused_in_one_line(tmp_path, good_checkpoint,
-                                                   target):
+                                                   target, capfd):
   ckpt = tmp_path / 'ckpt'
   shutil.copytree(good_checkpoint, ckpt)
-  for f in (ckpt / '2').glob(target):
+  for f in (ckpt / '3').glob(target):
     data = bytearray(f.read_bytes())
     data[len(data) // 2:len(data) // 2 + 16] = bytes(16)
     f.write_bytes(data)
   before = _snapshot(ckpt)
-  result = jaxpar_cli('demo', '--steps', '4', *TINY, '--checkpoint',
-                      str(ckpt), '--resume')
-  assert result.returncode == 4
-  assert 'Traceback' not in result.stderr
-  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-  assert 'checkpoint step 2' in result.stderr and 'damaged' in result.stderr
+  code, _, err = run_cli(capfd, 'demo', '--steps', '5', *ONE_DEVICE,
+                         '--checkpoint', str(ckpt), '--resume')
+  assert code == 4
+  assert len(err.strip().splitlines()) == 1, err
+  assert 'checkpoint step 3' in err and 'damaged' in err
   assert _snapshot(ckpt) == before   # not trained from, not overwritten
 
 
 def test_mesh_larger_than_the_devices_exits_2_in_one_line():
+  """As a process: the exit code, and nothing on stderr but the line."""
   result = jaxpar_cli('demo', '--mesh', 'data=4,stage=4,tensor=4')
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == [
@@ -156,18 +186,28 @@ TEXT_TINY = ('--data', TEXT, '--layers', '2', '--seq-len', '16', '--d-model',
              '--mesh', 'data=1,stage=2,tensor=1', '--eval-every', '2')
 
 
-def test_text_run_evaluates_and_writes_a_sample(tmp_path):
-  out = tmp_path / 'text.json'
-  result = jaxpar_cli('demo', *TEXT_TINY, '--steps', '4', '--sample', '24',
-                      '--prompt', 'The ', '--json', str(out),
-                      '--dtype', 'bfloat16', '--dropout', '0.1')
-  assert result.returncode == 0, result.stderr[-3000:]
-  report = json.loads(out.read_text())
-  assert [e['step'] for e in report['eval']] == [0, 2, 4]
-  assert report['eval'][-1]['loss'] < report['eval'][0]['loss']
-  assert 0 < report['unigram_entropy'] < np.log(256)
-  assert report['sample'].startswith('The ')
-  speed = report['throughput']
+def test_text_run_evaluates_samples_and_resumes_bit_exactly(tmp_path, capfd):
+  """4 steps straight (bfloat16, dropout, a sample at the end) == 2 steps, a
+  checkpoint, and 2 more resumed from it: the same losses, gradient norms
+  and held-out losses, bit for bit."""
+  ckpt = str(tmp_path / 'ckpt')
+  runs = []
+  for args in (('--steps', '4', '--sample', '24', '--prompt', 'The '),
+               ('--steps', '2', '--checkpoint', ckpt),
+               ('--steps', '4', '--checkpoint', ckpt, '--resume')):
+    out = tmp_path / f'{len(runs)}.json'
+    code, stdout, err = run_cli(capfd, 'demo', *TEXT_TINY, *args, '--json',
+                                str(out), '--dtype', 'bfloat16', '--dropout',
+                                '0.1')
+    assert code == 0, err[-3000:]
+    runs.append((json.loads(out.read_text()), stdout))
+  (straight, stdout), (first, _), (rest, _) = runs
+
+  assert [e['step'] for e in straight['eval']] == [0, 2, 4]
+  assert straight['eval'][-1]['loss'] < straight['eval'][0]['loss']
+  assert 0 < straight['unigram_entropy'] < np.log(256)
+  assert straight['sample'].startswith('The ')
+  speed = straight['throughput']
   # 6N + 12LdS, L=2, d=16, S=16, V=256: N = 2 * 3280 (blocks) + 32 (final
   # LayerNorm) + 4352 (LM head) = 10944 (tests/test_text_data.py: by hand).
   assert speed["flops_per_token"] == 6 * 10944 + 12 * 2 * 16 * 16
@@ -177,19 +217,8 @@ def test_text_run_evaluates_and_writes_a_sample(tmp_path):
                'unigram entropy', 'tokens/s', 'GFLOP/s',
                'one device    ', "sample        24 bytes (greedy) after the "
                "prompt 'The '"):
-    assert line in result.stdout, result.stdout
+    assert line in stdout, stdout
 
-
-def test_resume_with_text_data_continues_bit_exactly(tmp_path):
-  ckpt = str(tmp_path / 'ckpt')
-  runs = []
-  for args in (('--steps', '4'), ('--steps', '2', '--checkpoint', ckpt),
-               ('--steps', '4', '--checkpoint', ckpt, '--resume')):
-    out = tmp_path / f'{len(runs)}.json'
-    result = jaxpar_cli('demo', *TEXT_TINY, *args, '--json', str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
-    runs.append(json.loads(out.read_text()))
-  straight, first, rest = runs
   strip = lambda steps: [{k: s[k] for k in ('step', 'loss', 'grad_norm')}
                          for s in steps]
   assert strip(first['steps'] + rest['steps']) == strip(straight['steps'])

@@ -34,6 +34,15 @@ def worker_path(monkeypatch):
 
 
 @pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+  """The launched processes' compilation cache, for this test alone: the
+  processes of one launch must reach their first collective together (gloo
+  waits 30 s), and a cache shared with a launch of the same programs running
+  beside it can hand one process a hit while the other compiles."""
+  monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', str(tmp_path / 'jit_cache'))
+
+
+@pytest.fixture
 def clean_env(monkeypatch):
   for name in ENV:
     monkeypatch.delenv(name, raising=False)
@@ -64,7 +73,7 @@ def _dense_gpt_reference():
 
 
 def test_two_processes_match_one_process(tmp_path, worker_path, clean_env,
-                                         x64):
+                                         own_cache, x64):
   out = tmp_path / 'result.json'
   code = distributed.launch(
       2, [str(out), str(tmp_path / 'ckpt')], devices_per_process=4,
@@ -95,10 +104,11 @@ def _losses(path):
 
 
 def test_kill_one_process_then_resume_bit_exactly(tmp_path, worker_path,
-                                                  clean_env, x64):
+                                                  clean_env, own_cache, x64):
   """SIGKILL process 1 of 2 mid-training: the launcher stops process 0 within
   seconds and returns -9; both resume from the last checkpoint (step 2) and
-  repeat steps 2, 3 with bit-identical losses."""
+  repeat steps 2, 3 with bit-identical losses (the resumed processes load
+  the programs the killed ones compiled)."""
   killed, resumed, ckpt = tmp_path / 'killed', tmp_path / 'resumed', str(
       tmp_path / 'ckpt')
   killed.mkdir()
