@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import vma
 from jaxpar.pipeline import ticks
+from jaxpar.pipeline._vma import full
 from jaxpar.pipeline.checks import (check_axis, check_compute_dtype,
                                     check_fill, check_float, check_fn,
                                     check_key, check_leading, check_loss_fn,
@@ -199,10 +200,13 @@ def pipeline_step_local(
       inputs_dtype = jnp.result_type(inputs)
       inputs = jnp.asarray(inputs, dtype)
   xs, ts = microbatched(inputs, targets, schedule.num_microbatches)
-  x = jax.typeof(xs[0])
+  x = xs[0]
   if embedding:
     x = jax.eval_shape(embed_fn, embed_params, xs[0], *with_key(embed_key))
     check_float(x, 'embed_fn(embed_params, inputs)')
+    # A value, not its aval: under a shard_map manual over some axes only,
+    # eval_shape rejects avals that carry manual-axis types.
+    x = full(x, 0)
   check_stage_fn(stage_fn, local_params, x, key)
   check_loss_fn(loss_fn, loss_params, x, jax.tree.map(lambda t: t[0], ts),
                 key, has_aux)
