@@ -378,13 +378,7 @@ def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
       for p, v in flat.items():
         if p[:len(path)] == path:
           per_layer[p[len(path)]][inner(p)] = v
-    empty = {p: jnp.zeros_like(v) for p, v in per_layer[0].items()}
-    stages, i = [], 0
-    for count in layout.counts:
-      stage = per_layer[i:i + count] + [empty] * (layout.slots - count)
-      stages.append(jax.tree.map(lambda *xs: jnp.stack(xs), *stage))
-      i += count
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stages)
+    stacked = layout.stack(per_layer)
     part = lambda paths: _nest({p: flat[p] for p in sorted(paths, key=_name)})
     return PipelineParams(part(embed_paths), _nest(stacked), part(head_paths))
 

@@ -216,6 +216,17 @@ class PipelineLayout(NamedTuple):
   def mask(self) -> np.ndarray:
     return np.arange(self.slots)[None, :] < np.array(self.counts)[:, None]
 
+  def stack(self, layers: list) -> Any:
+    """``num_layers`` layer pytrees -> one pytree of ``[num_stages, slots,
+    ...]`` leaves, the identity slots zero (frozen by ``mask``)."""
+    zero = jax.tree.map(jnp.zeros_like, layers[0])
+    stages, i = [], 0
+    for count in self.counts:
+      stage = list(layers[i:i + count]) + [zero] * (self.slots - count)
+      stages.append(jax.tree.map(lambda *xs: jnp.stack(xs), *stage))
+      i += count
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *stages)
+
 
 def split_for_pipeline(params: dict, *, num_stages: int,
                        counts: Sequence[int] | None = None):
@@ -262,13 +273,7 @@ def split_for_pipeline(params: dict, *, num_stages: int,
           f'to the {len(blocks)} layers, e.g. jaxpar.pipeline.balance('
           f'layer_costs, {num_stages}).')
   layout = PipelineLayout(len(blocks), int(num_stages), counts)
-  zero = jax.tree.map(jnp.zeros_like, blocks[0])
-  slots, i = [], 0
-  for count in layout.counts:
-    stage = blocks[i:i + count] + [zero] * (layout.slots - count)
-    slots.append(jax.tree.map(lambda *xs: jnp.stack(xs), *stage))
-    i += count
-  stages = jax.tree.map(lambda *xs: jnp.stack(xs), *slots)
+  stages = layout.stack(blocks)
   embed = {'embed': params['embed'], 'pos': params['pos']}
   head = {'ln_f': params['ln_f'], 'lm_head': params['lm_head']}
   return PipelineParams(embed, stages, head), layout
