@@ -95,7 +95,7 @@ from jaxpar.pipeline_params import LayerParams, PipelineParams
 from jaxpar.pipeline_view import LayerView, layerwise, mirror_specs
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 auto_view, check_max_grad_norm, check_optimizer,
-                                placed_init, sharded_update, shardings)
+                                placed_init, sharded_update)
 
 __all__ = ['LayerParams', 'PipelineModel', 'PipelineParams', 'Trainer',
            'from_nnx', 'train_step']
@@ -314,7 +314,9 @@ def train_step(
   def specs_of(params: PipelineParams) -> tuple[PipelineParams, PipelineParams,
                                                 LayerParams]:
     """Specs of placed params: (tensor/stage, the same with ZeRO's data
-    axis, the optimizer's view: also split over stage, and data with ZeRO)."""
+    axis, the optimizer's view: also split over stage, and data with ZeRO),
+    from the logical shapes (``zero.Padded`` leaves at their ``shape``)."""
+    params = zero.logical_shapes(params)
     key = _signature(params)
     if key not in layouts:
       base = (tensor_specs(params, n_tensor) if tensor_specs is not None else
@@ -324,7 +326,8 @@ def train_step(
           lambda leaf, s: P(stage_axis, *_padded(s, np.ndim(leaf))[1:]),
           params.stages, base.stages))
       split = PipelineParams(*(
-          zero.data_specs(part, spec, mesh=mesh, axis=data_axis, skip=lead)
+          zero.data_specs(part, spec, mesh=mesh, axis=data_axis, skip=lead,
+                          pad=True)
           for part, spec, lead in zip(params, base, skip)))
       lead = len(view.shape)
       layer = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(
@@ -335,7 +338,8 @@ def train_step(
           params.stages, base.stages), base.head)
       for axis in (stage_axis,) + ((data_axis,) if zero_stage else ()):
         ops_base = LayerParams(*(zero.data_specs(part, spec, mesh=mesh,
-                                                 axis=axis)
+                                                 axis=axis,
+                                                 pad=axis == data_axis)
                                  for part, spec in zip(ops, ops_base)))
       layouts[key] = base, split, ops_base._replace(
           layers=[ops_base.layers] * len(view.positions))
@@ -350,6 +354,7 @@ def train_step(
                               specs=lambda params: specs_of(params)[2])
 
   def state_specs(state: TrainState) -> TrainState:
+    state = zero.logical_shapes(state)
     base, split, ops = specs_of(state.params)
     return TrainState(P(), split if zero_stage == 3 else base, mirror_specs(
         state.opt_state, optimizer_view(state.params), ops))
@@ -371,16 +376,27 @@ def train_step(
     params = params._replace(
         stages=executor.stages_to_ranks(params.stages, schedule))
     tp.check_axis_used(specs_of(params)[0], mesh=mesh, axis=tensor_axis)
-    return placed_init(params, layer_optimizer, mesh=mesh,
-                       specs=state_specs)
+    specs = state_specs(jax.eval_shape(lambda p: TrainState(
+        jnp.zeros((), jnp.int32), p, optimizer.init(view.of_params(p))),
+                                       params))
+    return placed_init(zero.pad(params, specs.params, mesh=mesh),
+                       padded_optimizer(specs), mesh=mesh,
+                       specs=lambda _: specs)
+
+  def padded_optimizer(specs: TrainState) -> optax.GradientTransformation:
+    """The per-layer optimizer on logical leaves, its state stored padded
+    (``zero.padded_optimizer``) as ``specs.opt_state`` says."""
+    return zero.padded_optimizer(layer_optimizer, specs.opt_state, mesh=mesh)
 
   def to_model_order(state: TrainState) -> PipelineParams:
-    """Stages back in model order ``[num_stages, ...]``, shards kept."""
+    """Stages back in model order ``[num_stages, ...]``, at their logical
+    shapes (``zero.unpadded``), shards kept."""
+    params = zero.unpadded(state.params)
     stages = jax.tree.map(
         lambda a: executor.ranks_to_stages(a, schedule,
                                            out_sharding=_model_sharding(a)),
-        state.params.stages)
-    return auto_view(state.params._replace(stages=stages))
+        params.stages)
+    return auto_view(params._replace(stages=stages))
 
   def masked(stage_grads: PyTree) -> PyTree:
     if stage_mask is None:
@@ -446,7 +462,7 @@ def train_step(
           gradients, axes=tensor_axis, out_sharding=(P(), P(), grad_specs))
     loss, aux, grads = gradients(state.params, inputs, targets, key)
     state, stats = sharded_update(
-        state, grads, loss=loss, optimizer=layer_optimizer, mesh=mesh,
+        state, grads, loss=loss, optimizer=padded_optimizer(specs), mesh=mesh,
         state_specs=specs, max_grad_norm=max_grad_norm,
         update_specs=split if zero_stage == 1 else None)
     return state, stats._replace(aux=aux)
@@ -469,12 +485,13 @@ def train_step(
           f'{n_data * m}.')
     key = _signature(state)
     if key not in checked:
-      check_opt_state(state._replace(params=optimizer_view(state.params)),
+      logical = zero.logical_shapes(state)
+      check_opt_state(logical._replace(params=optimizer_view(logical.params)),
                       optimizer)
       checked.add(key)
 
   def place(state, batch):
-    return (jax.device_put(state, shardings(mesh, state_specs(state))),
+    return (zero.place(state, state_specs(state), mesh=mesh),
             *jax.device_put(batch, batch_sharding))
 
   def step(state: TrainState, batch: tuple) -> tuple[TrainState, StepStats]:
