@@ -51,7 +51,11 @@ Adafactor's factored moments) are replicated.
 
 **ZeRO** (``zero_stage``; ``jaxpar.zero``): on top of its stage/tensor split
 every leaf gets the ``data`` axis on one more dim (``zero.data_spec``; a
-stage leaf's ``[p, v]`` rows are never split):
+stage leaf's ``[p, v]`` rows are never split). A leaf that no dim divides
+by the data size ``N`` is stored zero-padded along its largest dim not split
+over ``tensor`` (``zero.Padded``, as torch FSDP does; the optimizer and the
+user's functions see it unpadded), so each device holds ``~1/N`` of every
+leaf, plus at most one padding row:
 
 * ``zero_stage=1`` -- the optimizer state: gradients are reduce-scattered,
   each data replica updates its ``1/N`` and the params are all-gathered;
@@ -62,11 +66,13 @@ stage leaf's ``[p, v]`` rows are never split):
   gradients. Per microbatch, so it composes with every schedule, including
   interleaved and V-shaped ones with several stages per rank.
 
-A state is a plain ``TrainState`` of global arrays whose shapes do not
-depend on the mesh or on ``zero_stage`` (params in the rank layout
-``[p, v, ...]``, optimizer state per layer): ``jaxpar.checkpoint`` restores it
-onto any mesh and any ``zero_stage``, and a state from one trainer is
-placed into another trainer's layout by its ``step``.
+A state is a plain ``TrainState`` of global arrays (``zero.Padded`` where
+ZeRO pads) whose logical shapes do not depend on the mesh or on
+``zero_stage`` (params in the rank layout ``[p, v, ...]``, optimizer state
+per layer): ``Trainer.params`` gives them unpadded, ``jaxpar.checkpoint``
+saves them unpadded and restores them onto any mesh and any ``zero_stage``,
+and a state from one trainer is placed into another trainer's layout by its
+``step``.
 """
 
 from __future__ import annotations

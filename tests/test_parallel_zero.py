@@ -310,8 +310,9 @@ def test_padded_leaves_on_data_3_match_the_dense_model(x64, tmp_path):
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optimizer,
       schedule=schedule, mesh=mesh, stage_mask=layout.mask, zero_stage=z,
       max_grad_norm=0.5) for z in (0, 1, 3)}
-  plain = jaxpar.zero.bytes_per_device(trainers[0].init(pp))
-  logical = jaxpar.zero.logical_shapes(trainers[0].init(pp))
+  init = trainers[0].init(pp)
+  plain = jaxpar.zero.bytes_per_device(init)
+  logical = jaxpar.zero.logical_shapes(init)
   # One padding row per leaf: a leaf's bytes over its largest dim.
   rows = lambda tree: sum(x.dtype.itemsize * x.size // max(x.shape, default=1)
                           for x in jax.tree.leaves(tree))
@@ -324,8 +325,7 @@ def test_padded_leaves_on_data_3_match_the_dense_model(x64, tmp_path):
     got = trainer.params(state)
     chex.assert_trees_all_close(gpt.merge_from_pipeline(got, layout), ref,
                                 rtol=1e-10, atol=1e-12)
-    chex.assert_trees_all_equal_shapes(got, trainers[0].params(
-        trainers[0].init(pp)))
+    chex.assert_trees_all_equal_shapes(got, trainers[0].params(init))
     held = jaxpar.zero.bytes_per_device(state)
     assert held.opt_state <= ((1 / 3 + 0.1) * plain.opt_state
                               + rows(logical.opt_state)), (held, plain)
@@ -336,10 +336,8 @@ def test_padded_leaves_on_data_3_match_the_dense_model(x64, tmp_path):
   # The ZeRO-3 state's checkpoint holds logical shapes: it restores onto
   # zero_stage=0, and back onto ZeRO-3 bit for bit.
   jaxpar.checkpoint.save(tmp_path, state, schedule=schedule)
-  restored = jaxpar.checkpoint.restore(tmp_path, trainers[0].init(pp),
-                                       schedule=schedule)
+  restored = jaxpar.checkpoint.restore(tmp_path, init, schedule=schedule)
   chex.assert_trees_all_close(trainers[0].params(restored), got, rtol=0,
                               atol=0)
-  again = jaxpar.checkpoint.restore(tmp_path, trainers[3].init(pp),
-                                    schedule=schedule)
+  again = jaxpar.checkpoint.restore(tmp_path, state, schedule=schedule)
   chex.assert_trees_all_equal(again, state)
