@@ -222,9 +222,9 @@ def train_step(
       ``init`` raises ``ValueError`` otherwise.
     data_axis, stage_axis, tensor_axis: the mesh axis names.
     zero_stage: 0 (optimizer state split like the params, and over
-      ``stage_axis``), 1 (also split
-      over ``data_axis``) or 3 (params too, gathered just in time); see the
-      module docstring. Same losses, norms and params in every stage.
+      ``stage_axis``), 1 (also split over ``data_axis``, padded where no dim
+      divides: ``zero.Padded``) or 3 (params too, gathered just in time);
+      see the module docstring. Same losses, norms and params in every stage.
     key: a PRNG key (``jax.random.key(seed)``) for dropout, or ``None``.
       Step ``s`` uses ``fold_in(key, s)`` (``s = state.step``), so a resumed
       run draws the same masks. The three functions then take it as a last
