@@ -51,7 +51,11 @@ Adafactor's factored moments) are replicated.
 
 **ZeRO** (``zero_stage``; ``jaxpar.zero``): on top of its stage/tensor split
 every leaf gets the ``data`` axis on one more dim (``zero.data_spec``; a
-stage leaf's ``[p, v]`` rows are never split):
+stage leaf's ``[p, v]`` rows are never split). A leaf that no dim divides
+by the data size ``N`` is stored zero-padded along its largest dim not split
+over ``tensor`` (``zero.Padded``, as torch FSDP does; the optimizer and the
+user's functions see it unpadded), so each device holds ``~1/N`` of every
+leaf, plus at most one padding row:
 
 * ``zero_stage=1`` -- the optimizer state: gradients are reduce-scattered,
   each data replica updates its ``1/N`` and the params are all-gathered;
@@ -62,11 +66,13 @@ stage leaf's ``[p, v]`` rows are never split):
   gradients. Per microbatch, so it composes with every schedule, including
   interleaved and V-shaped ones with several stages per rank.
 
-A state is a plain ``TrainState`` of global arrays whose shapes do not
-depend on the mesh or on ``zero_stage`` (params in the rank layout
-``[p, v, ...]``, optimizer state per layer): ``jaxpar.checkpoint`` restores it
-onto any mesh and any ``zero_stage``, and a state from one trainer is
-placed into another trainer's layout by its ``step``.
+A state is a plain ``TrainState`` of global arrays (``zero.Padded`` where
+ZeRO pads) whose logical shapes do not depend on the mesh or on
+``zero_stage`` (params in the rank layout ``[p, v, ...]``, optimizer state
+per layer): ``Trainer.params`` gives them unpadded, ``jaxpar.checkpoint``
+saves them unpadded and restores them onto any mesh and any ``zero_stage``,
+and a state from one trainer is placed into another trainer's layout by its
+``step``.
 """
 
 from __future__ import annotations
@@ -95,7 +101,7 @@ from jaxpar.pipeline_params import LayerParams, PipelineParams
 from jaxpar.pipeline_view import LayerView, layerwise, mirror_specs
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 auto_view, check_max_grad_norm, check_optimizer,
-                                placed_init, sharded_update, shardings)
+                                placed_init, sharded_update)
 
 __all__ = ['LayerParams', 'PipelineModel', 'PipelineParams', 'Trainer',
            'from_nnx', 'train_step']
@@ -216,9 +222,9 @@ def train_step(
       ``init`` raises ``ValueError`` otherwise.
     data_axis, stage_axis, tensor_axis: the mesh axis names.
     zero_stage: 0 (optimizer state split like the params, and over
-      ``stage_axis``), 1 (also split
-      over ``data_axis``) or 3 (params too, gathered just in time); see the
-      module docstring. Same losses, norms and params in every stage.
+      ``stage_axis``), 1 (also split over ``data_axis``, padded where no dim
+      divides: ``zero.Padded``) or 3 (params too, gathered just in time);
+      see the module docstring. Same losses, norms and params in every stage.
     key: a PRNG key (``jax.random.key(seed)``) for dropout, or ``None``.
       Step ``s`` uses ``fold_in(key, s)`` (``s = state.step``), so a resumed
       run draws the same masks. The three functions then take it as a last
@@ -314,7 +320,9 @@ def train_step(
   def specs_of(params: PipelineParams) -> tuple[PipelineParams, PipelineParams,
                                                 LayerParams]:
     """Specs of placed params: (tensor/stage, the same with ZeRO's data
-    axis, the optimizer's view: also split over stage, and data with ZeRO)."""
+    axis, the optimizer's view: also split over stage, and data with ZeRO),
+    from the logical shapes (``zero.Padded`` leaves at their ``shape``)."""
+    params = zero.logical_shapes(params)
     key = _signature(params)
     if key not in layouts:
       base = (tensor_specs(params, n_tensor) if tensor_specs is not None else
@@ -324,7 +332,8 @@ def train_step(
           lambda leaf, s: P(stage_axis, *_padded(s, np.ndim(leaf))[1:]),
           params.stages, base.stages))
       split = PipelineParams(*(
-          zero.data_specs(part, spec, mesh=mesh, axis=data_axis, skip=lead)
+          zero.data_specs(part, spec, mesh=mesh, axis=data_axis, skip=lead,
+                          pad=True)
           for part, spec, lead in zip(params, base, skip)))
       lead = len(view.shape)
       layer = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(
@@ -335,7 +344,8 @@ def train_step(
           params.stages, base.stages), base.head)
       for axis in (stage_axis,) + ((data_axis,) if zero_stage else ()):
         ops_base = LayerParams(*(zero.data_specs(part, spec, mesh=mesh,
-                                                 axis=axis)
+                                                 axis=axis,
+                                                 pad=axis == data_axis)
                                  for part, spec in zip(ops, ops_base)))
       layouts[key] = base, split, ops_base._replace(
           layers=[ops_base.layers] * len(view.positions))
@@ -350,6 +360,7 @@ def train_step(
                               specs=lambda params: specs_of(params)[2])
 
   def state_specs(state: TrainState) -> TrainState:
+    state = zero.logical_shapes(state)
     base, split, ops = specs_of(state.params)
     return TrainState(P(), split if zero_stage == 3 else base, mirror_specs(
         state.opt_state, optimizer_view(state.params), ops))
@@ -371,16 +382,27 @@ def train_step(
     params = params._replace(
         stages=executor.stages_to_ranks(params.stages, schedule))
     tp.check_axis_used(specs_of(params)[0], mesh=mesh, axis=tensor_axis)
-    return placed_init(params, layer_optimizer, mesh=mesh,
-                       specs=state_specs)
+    specs = state_specs(jax.eval_shape(lambda p: TrainState(
+        jnp.zeros((), jnp.int32), p, optimizer.init(view.of_params(p))),
+                                       params))
+    return placed_init(zero.pad(params, specs.params, mesh=mesh),
+                       padded_optimizer(specs), mesh=mesh,
+                       specs=lambda _: specs)
+
+  def padded_optimizer(specs: TrainState) -> optax.GradientTransformation:
+    """The per-layer optimizer on logical leaves, its state stored padded
+    (``zero.padded_optimizer``) as ``specs.opt_state`` says."""
+    return zero.padded_optimizer(layer_optimizer, specs.opt_state, mesh=mesh)
 
   def to_model_order(state: TrainState) -> PipelineParams:
-    """Stages back in model order ``[num_stages, ...]``, shards kept."""
+    """Stages back in model order ``[num_stages, ...]``, at their logical
+    shapes (``zero.unpadded``), shards kept."""
+    params = zero.unpadded(state.params)
     stages = jax.tree.map(
         lambda a: executor.ranks_to_stages(a, schedule,
                                            out_sharding=_model_sharding(a)),
-        state.params.stages)
-    return auto_view(state.params._replace(stages=stages))
+        params.stages)
+    return auto_view(params._replace(stages=stages))
 
   def masked(stage_grads: PyTree) -> PyTree:
     if stage_mask is None:
@@ -446,7 +468,7 @@ def train_step(
           gradients, axes=tensor_axis, out_sharding=(P(), P(), grad_specs))
     loss, aux, grads = gradients(state.params, inputs, targets, key)
     state, stats = sharded_update(
-        state, grads, loss=loss, optimizer=layer_optimizer, mesh=mesh,
+        state, grads, loss=loss, optimizer=padded_optimizer(specs), mesh=mesh,
         state_specs=specs, max_grad_norm=max_grad_norm,
         update_specs=split if zero_stage == 1 else None)
     return state, stats._replace(aux=aux)
@@ -469,12 +491,13 @@ def train_step(
           f'{n_data * m}.')
     key = _signature(state)
     if key not in checked:
-      check_opt_state(state._replace(params=optimizer_view(state.params)),
+      logical = zero.logical_shapes(state)
+      check_opt_state(logical._replace(params=optimizer_view(logical.params)),
                       optimizer)
       checked.add(key)
 
   def place(state, batch):
-    return (jax.device_put(state, shardings(mesh, state_specs(state))),
+    return (zero.place(state, state_specs(state), mesh=mesh),
             *jax.device_put(batch, batch_sharding))
 
   def step(state: TrainState, batch: tuple) -> tuple[TrainState, StepStats]:

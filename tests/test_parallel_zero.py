@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from test_parallel import batches, dense_params, reference
 
 import jaxpar
@@ -276,3 +277,67 @@ class TestErrors:
     user, _ = make_trainer(sizes, schedule, optax.adam(0.1), zero_stage=1)
     with pytest.raises(ValueError, match=r'optimizer.init\(state.params\)'):
       user.step(maker.init(pp), batches(1)[0])
+
+
+def test_padded_leaves_on_data_3_match_the_dense_model(x64, tmp_path):
+  """data=3 x stage=2 with GPT sizes no mesh size divides: ZeRO-1/3 pad
+  (``zero.Padded``) instead of keeping leaves whole; the same numbers as
+  the dense model (lamb: per-leaf trust ratios, so padding must not enter a
+  norm), ~1/3 of zero_stage=0's state per device, logical shapes in
+  ``trainer.params`` and in checkpoints (restored onto zero_stage=0)."""
+  config = gpt.GPTConfig(vocab_size=7, seq_len=5, d_model=5, num_heads=1,
+                         num_layers=2, mlp_ratio=1)
+  params = jax.tree.map(lambda x: x.astype(jnp.float64),
+                        gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(0)
+  data = [(rng.integers(0, 7, (6, 5)), rng.integers(0, 7, (6, 5)))
+          for _ in range(2)]
+  optimizer = optax.lamb(0.1)
+  # The dense model, one device.
+  dense = optax.chain(optax.clip_by_global_norm(0.5), optimizer)
+  grad_fn = jax.jit(jax.value_and_grad(functools.partial(gpt.gpt_loss,
+                                                         config=config)))
+  ref, opt_state, want = params, dense.init(params), []
+  for batch in data:
+    loss, grads = grad_fn(ref, batch)
+    updates, opt_state = dense.update(grads, opt_state, ref)
+    ref = optax.apply_updates(ref, updates)
+    want.append(loss)
+  schedule = jaxpar.pipeline.one_f_one_b(2, 2)
+  mesh = jaxpar.make_mesh(data=3, stage=2, devices=jax.devices()[:6])
+  pp, layout = gpt.split_for_pipeline(params, num_stages=2)
+  trainers = {z: jaxpar.parallel.train_step(
+      gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optimizer,
+      schedule=schedule, mesh=mesh, stage_mask=layout.mask, zero_stage=z,
+      max_grad_norm=0.5) for z in (0, 1, 3)}
+  init = trainers[0].init(pp)
+  plain = jaxpar.zero.bytes_per_device(init)
+  logical = jaxpar.zero.logical_shapes(init)
+  # One padding row per leaf: a leaf's bytes over its largest dim.
+  rows = lambda tree: sum(x.dtype.itemsize * x.size // max(x.shape, default=1)
+                          for x in jax.tree.leaves(tree))
+  for zero_stage in (1, 3):
+    trainer = trainers[zero_stage]
+    state = trainer.init(pp)
+    for batch, loss in zip(data, want):
+      state, stats = trainer.step(state, batch)
+      np.testing.assert_allclose(stats.loss, loss, rtol=1e-10)
+    got = trainer.params(state)
+    chex.assert_trees_all_close(gpt.merge_from_pipeline(got, layout), ref,
+                                rtol=1e-10, atol=1e-12)
+    chex.assert_trees_all_equal_shapes(got, trainers[0].params(init))
+    held = jaxpar.zero.bytes_per_device(state)
+    assert held.opt_state <= ((1 / 3 + 0.1) * plain.opt_state
+                              + rows(logical.opt_state)), (held, plain)
+    stored = state.opt_state if zero_stage == 1 else state
+    assert any(map(jaxpar.zero.is_padded, jax.tree.leaves(
+        stored, is_leaf=jaxpar.zero.is_padded)))
+  assert held.params <= (1 / 3 + 0.1) * plain.params + rows(logical.params)
+  # The ZeRO-3 state's checkpoint holds logical shapes: it restores onto
+  # zero_stage=0, and back onto ZeRO-3 bit for bit.
+  jaxpar.checkpoint.save(tmp_path, state, schedule=schedule)
+  restored = jaxpar.checkpoint.restore(tmp_path, init, schedule=schedule)
+  chex.assert_trees_all_close(trainers[0].params(restored), got, rtol=0,
+                              atol=0)
+  again = jaxpar.checkpoint.restore(tmp_path, state, schedule=schedule)
+  chex.assert_trees_all_equal(again, state)
