@@ -239,11 +239,16 @@ def test_zero3_memory_and_collectives():
   # updates are gathered over stage (their 1/N data slices), and the stage
   # gradients and updates move between the rank layout and the view by
   # all-to-all over stage (at most twice the stage bytes).
+  # Counted in the program text, where stage 0's W (which also adds the
+  # embedding's VJP, run per microbatch inside stage 0) is a second copy of
+  # the W block: its stage scatter and its few re-gathers count twice,
+  # though each tick runs one of the two.
   n = sizes['data']
-  assert moved1['reduce-scatter'] == moved3['reduce-scatter'] == p1
+  assert moved1['reduce-scatter'] == p1
+  assert moved3['reduce-scatter'] == p1 + stages
   assert moved1['all-gather'] == p1 + (embed + head) // n
   gathered3 = moved3['all-gather'] - embed - head - (embed + head) // n
-  assert 3 * stages <= gathered3 <= 3.01 * stages
+  assert 3 * stages <= gathered3 <= 3.04 * stages
   assert 0 < moved1['all-to-all'] == moved3['all-to-all'] <= 2 * stages
 
 
