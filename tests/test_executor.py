@@ -1,6 +1,7 @@
 """pipeline_step / pipeline_apply: exactly the sequential model, memory flat in m."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jaxpar.pipeline.executor import (PipelineGrads, pipeline_apply,
                                       pipeline_apply_local, pipeline_step,
                                       pipeline_step_local, ranks_to_stages,
                                       stages_to_ranks)
+from jaxpar.pipeline import ticks
 from jaxpar.pipeline.lower import local_stages, lower
 from test_lower import CONSTRUCTORS as SCHEDULES
 
@@ -271,6 +273,35 @@ def test_memory_and_program_flat_in_m(name):
   # Compile time flat in m: the compiled program has the same instructions.
   lines = lambda c: sum(1 for l in c.as_text().splitlines() if ' = ' in l)
   assert abs(lines(large) - lines(small)) <= 0.02 * lines(small)
+  # The batch's cotangent is summed p rows at a time (edge_rows), not a row
+  # at a time: an all-reduce of [p, mb, width], none of one row.
+  text = large.as_text()
+  assert re.search(rf'f32\[{p},4,32\]\S* all-reduce\(', text)
+  assert not re.search(r'f32\[4,32\]\S* all-reduce\(', text)
+
+
+@pytest.mark.parametrize('name,p,m', [('1f1b', 4, 8), ('1f1b', 2, 7),
+                                      ('zb_h1', 4, 6), ('zbv', 2, 5),
+                                      ('interleaved', 2, 4), ('gpipe', 3, 3)])
+@pytest.mark.parametrize('training', [True, False])
+def test_the_result_is_summed_num_ranks_rows_at_a_time(name, p, m, training):
+  """Each row of the batch-sized result waits in one of ``p`` pending slots
+  until it is summed: ``ceil(m / p)`` sums, every row once, and no slot is
+  written again before the sum that reads it."""
+  low = lower(SCHEDULES[name](p, m), forward_only=not training)
+  slot, rows = ticks.edge_rows(low)
+  sums = np.flatnonzero((rows < m).any(1))
+  assert len(sums) == -(-m // p)
+  assert sorted(rows[rows < m]) == list(range(m))
+  for t in sums:
+    for k, row in enumerate(rows[t]):
+      if row == m:
+        continue
+      written = np.flatnonzero(slot[:t + 1] == k)   # writes of slot k so far
+      done = written[-1]                            # the last one is the row's
+      at = (low.kind[done] == (ticks.I if training else ticks.F)) & (
+          low.stage[done] == (0 if training else low.schedule.num_stages - 1))
+      assert (low.microbatch[done][at] == row).all() and at.any()
 
 
 def test_apply_memory_flat_in_m():
