@@ -38,7 +38,9 @@ def test_end_to_end_two_pinned_processes():
   schedules = _expected_schedules(2, 4)
   assert [r['step'] for r in rows] == (
       [worker.SEQUENTIAL] + [s.name for s in schedules]
-      + [worker.DATA_PARALLEL])
+      + [worker.DATA_PARALLEL, worker.MESSAGE])
+  *rows, message = rows
+  assert message['messages'] == 33 and message['speedup'] == 1
   base = rows[0]['median_ms']
   for row in rows:
     assert row['median_ms'] > 0
@@ -53,8 +55,15 @@ def test_end_to_end_two_pinned_processes():
   for s in schedules:
     sim = s.simulate(worker.IDEAL_COSTS)
     assert ideal[s.name] == pytest.approx(sum(sim.busy) / sim.makespan)
-    assert next(r for r in rows if r['step'] == s.name)['stages'] == (
-        s.num_stages)
+    row = next(r for r in rows if r['step'] == s.name)
+    assert row['stages'] == s.num_stages
+    # 1F1B and GPipe on 2 ranks: a message per tick that sends (the two
+    # directions share one offset), ceil(4 / 2) sums of rows, a final psum.
+    assert row['comm_ms'] == pytest.approx(
+        row['messages'] * message['median_ms'] / 33)
+  assert {r['step']: r['messages'] for r in rows
+          if r['step'] in ('GPipe', '1F1B')} == {'GPipe': 8 + 2 + 1,
+                                                 '1F1B': 6 + 2 + 1}
 
 
 def test_one_core_policies_and_stage1_rows():

@@ -20,6 +20,11 @@ runs after the same one):
 * with ``config['stage1']``: ``parallel.train_step`` on a mesh with one
   pipeline stage against ``data_parallel.train_step`` (Adam, the same model
   written as embed / one stage / head, the same ``m`` microbatches).
+* with ``N > 1`` ranks and a pipeline: ``one message``, 32 ``ppermute``s of
+  one activation ``[mb, D]`` around the ranks in turn and a scalar ``psum``:
+  what one collective over gloo costs between pinned ranks. Each pipeline
+  row counts its collectives (``messages``: the ticks' ``ppermute``s and row
+  sums, the final ``psum``) and prices them at that cost (``comm_ms``).
 
 A barrier (``sync_global_devices``) precedes every timed step, so all ranks
 start it together; rank 0's median wall time and process CPU time are
@@ -49,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar import distributed
+from jaxpar.pipeline import ticks
 from jaxpar.pipeline.stage import DEFAULT_POLICY
 
 # (constructor name in jaxpar.pipeline, extra positional args after (p, m));
@@ -61,6 +67,8 @@ SCHEDULES = (('gpipe', ()), ('one_f_one_b', ()), ('interleaved_1f1b', (2,)),
 IDEAL_COSTS = {'F': 1.0, 'B': 2.0, 'I': 1.0, 'W': 1.0}
 SEQUENTIAL = 'one core, sequential'
 DATA_PARALLEL = 'data parallel'
+MESSAGE = 'one message'
+_MESSAGES = 32   # ppermutes per MESSAGE step
 _LOSS_RTOL = 1e-4   # float32 losses of the same maths, summed in other orders
 _OUT_WIDTH = 8      # the loss head's output features
 
@@ -175,6 +183,7 @@ class Step(NamedTuple):
   ideal: float    # total work / simulated makespan
   policy: str = ''              # the pipeline's stash policy
   baseline: str = SEQUENTIAL    # the step its speed-up is measured against
+  messages: int = 0             # collectives over the pipeline axis per step
 
 
 def _schedules(p: int, m: int, layers: int, names: list | None
@@ -261,7 +270,8 @@ def _steps(config: dict) -> tuple[dict[str, Step], list[dict]]:
       steps[name] = Step(
           jaxpar.pipeline.pipeline_step(stage, loss_fn, schedule=schedule,
                                         mesh=mesh, remat_policy=policy),
-          args, n, s, ideal, policy or DEFAULT_POLICY)
+          args, n, s, ideal, policy or DEFAULT_POLICY,
+          messages=messages(schedule))
 
   if config.get('data_parallel', True) and m % n:
     notes.append({'step': DATA_PARALLEL, 'ranks': n, 'm': m, 'note': (
@@ -276,7 +286,38 @@ def _steps(config: dict) -> tuple[dict[str, Step], list[dict]]:
         n, 1, float(n))
   if config.get('stage1'):
     steps.update(_stage1_steps(config, stage, w, head, x, t))
+  if n > 1 and schedules:
+    steps[MESSAGE] = Step(message_step(jaxpar.make_mesh(stage=n)),
+                          (jax.device_put(split(x)[:n], NamedSharding(
+                              jaxpar.make_mesh(stage=n), P('stage'))),),
+                          n, 1, 1.0, baseline=MESSAGE,
+                          messages=_MESSAGES + 1)
   return steps, notes
+
+
+def messages(schedule) -> int:
+  """The collectives over the pipeline axis in one ``pipeline_step``: the
+  ticks' ``ppermute``s (one per sending offset) and sums of pending result
+  rows (``jaxpar.pipeline.ticks.messages``), plus the final ``psum``."""
+  lowered = jaxpar.pipeline.lower(schedule)
+  code, patterns = ticks.messages(lowered, True)
+  return int(sum(sum(patterns[c]) for c in code)) + 1
+
+
+def message_step(mesh) -> Callable:
+  """``_MESSAGES`` ``ppermute``s of one microbatch's activation ``[mb, D]``
+  in turn around the ranks (each waits for the one before), and a ``psum``
+  of a scalar: the cost of a message between pinned ranks over gloo."""
+  n = mesh.shape['stage']
+  ring = [(r, (r + 1) % n) for r in range(n)]
+
+  def local(x):
+    x, _ = jax.lax.scan(lambda x, _: (jax.lax.ppermute(x, 'stage', ring),
+                                      None), x[0], length=_MESSAGES)
+    return jax.lax.psum(x[0, 0], 'stage'), x[None]
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P('stage'),
+                               out_specs=(P(), P('stage'))))
 
 
 def _barrier() -> None:
@@ -345,19 +386,24 @@ def rows(config: dict) -> list[dict]:
                 'efficiency': speedup / step.ideal,
                 'cpu_ratio': cpu_seconds / base.cpu_seconds,
                 'vs': step.baseline,
-                'cores': ','.join(map(str, config['cores'][:step.ranks]))})
+                'cores': ','.join(map(str, config['cores'][:step.ranks])),
+                'messages': step.messages})
   return _relative(out, steps) + notes
 
 
 def _relative(out: list[dict], steps: dict[str, Step]) -> list[dict]:
   """Adds the issue's targets: a pipeline's efficiency over DP's
   (``eff_vs_dp``) and its speed over 1F1B's with the same stash policy
-  (``vs_1f1b``), where those rows exist."""
+  (``vs_1f1b``), and what its collectives cost at ``MESSAGE``'s time each
+  (``comm_ms``), where those rows exist."""
   by_name = {row['step']: row for row in out}
-  dp = by_name.get(DATA_PARALLEL)
+  dp, message = by_name.get(DATA_PARALLEL), by_name.get(MESSAGE)
   for row in out:
     if not steps[row['step']].policy:   # not a pipeline
       continue
+    if message is not None:
+      row['comm_ms'] = row['messages'] * (message['median_ms'] /
+                                          message['messages'])
     if dp is not None:
       row['eff_vs_dp'] = row['efficiency'] / dp['efficiency']
     one_f_one_b = next((r for r in out if r['policy'] == row['policy'] and

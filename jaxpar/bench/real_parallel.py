@@ -38,6 +38,9 @@ ranks together after a barrier (rank 0's median wall and CPU time):
   rank layout every step, as ``pipeline_step`` does);
 * ``data parallel``: the honest contrast, mesh ``data=N``, each rank running
   ``m/N`` of the microbatches sequentially, then one gradient ``pmean``.
+* ``one message``: 32 ``ppermute``s of one activation ``[mb, D]`` in turn
+  around the ranks, and a scalar ``psum``: the cost of one collective over
+  gloo between the pinned ranks (``median_ms`` is the 33 of them).
 
 Columns: ``speedup`` = baseline (``vs``: the sequential step) wall time /
 this time; ``ideal`` = total work / ``Schedule.simulate(costs).makespan``
@@ -48,9 +51,12 @@ process: with ``N > 1`` ranks it includes time spent waiting in gloo);
 pipelines, ``eff_vs_dp`` = efficiency / data parallelism's and ``vs_1f1b`` =
 speed-up / 1F1B's with the same policy (the targets of issue 21: 1F1B and
 ZB-H1 at ``eff_vs_dp >= 0.95``, ZB-H1 ``vs_1f1b >= 0.97``, GPipe ``>= 0.9``,
-interleaved and V within 10%). With fewer usable cores than ranks the section
-is one ``skipped`` row; a run that fails or times out (all processes are
-killed) is one ``failed`` row, its output on stderr.
+interleaved and V within 10%); ``messages`` = the collectives over the
+pipeline axis in one step (``ppermute``s, sums of result rows, the final
+``psum``) and ``comm_ms`` = ``messages`` times one message's cost. With
+fewer usable cores than ranks the section is one ``skipped`` row; a run that
+fails or times out (all processes are killed) is one ``failed`` row, its
+output on stderr.
 """
 
 from __future__ import annotations
