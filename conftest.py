@@ -32,7 +32,8 @@ import tempfile
 
 _FLAGS = os.environ.get('XLA_FLAGS', '')
 if 'xla_backend_optimization_level' not in _FLAGS:   # see the docstring
-  os.environ['XLA_FLAGS'] = f'{_FLAGS} --xla_backend_optimization_level=0'.strip()
+  os.environ['XLA_FLAGS'] = (
+      f'{_FLAGS} --xla_backend_optimization_level=0'.strip())
 import jax  # noqa: E402
 
 jax.config.update('jax_num_cpu_devices', 8)

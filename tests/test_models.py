@@ -62,8 +62,8 @@ def test_gpt_loss_is_the_nnx_models_loss(x64):
   model = nnx.jit(lambda: gpt.GPT(config, rngs=nnx.Rngs(0),
                                   param_dtype=jnp.float64))()
   ids = np.random.default_rng(0).integers(0, 16, (2, 8))
-  want = nnx.jit(lambda m: optax.losses.softmax_cross_entropy_with_integer_labels(
-      m(ids), ids).mean())(model)
+  xent = optax.losses.softmax_cross_entropy_with_integer_labels
+  want = nnx.jit(lambda m: xent(m(ids), ids).mean())(model)
   got = jax.jit(lambda p: gpt.gpt_loss(p, (ids, ids), config=config))(
       gpt.gpt_params(model))
   np.testing.assert_allclose(got, want, rtol=1e-13)

@@ -217,7 +217,8 @@ def test_column_parallel_linear(case):
   check_exact(
       lambda p, x: tp.column_parallel_linear(x, p['fc_in']['kernel'],
                                              p['fc_in']['bias']),
-      dense_fc_in, params, rand(rng, B, S, D), out_spec=P(None, None, 'tensor'), **case)
+      dense_fc_in, params, rand(rng, B, S, D), out_spec=P(None, None, 'tensor'),
+      **case)
 
 
 def test_row_parallel_linear(case):
@@ -226,7 +227,8 @@ def test_row_parallel_linear(case):
   check_exact(
       lambda p, x: tp.row_parallel_linear(x, p['fc_out']['kernel'],
                                           p['fc_out']['bias']),
-      dense_fc_out, params, rand(rng, B, S, F), x_spec=P(None, None, 'tensor'), **case)
+      dense_fc_out, params, rand(rng, B, S, F), x_spec=P(None, None, 'tensor'),
+      **case)
 
 
 def test_parallel_mlp(case):
@@ -263,8 +265,8 @@ def test_vocab_parallel_cross_entropy_matches_optax(case):
   rng = np.random.default_rng(6)
   check_exact(
       lambda p, logits: tp.vocab_parallel_cross_entropy(logits, LABELS),
-      dense_cross_entropy, {}, rand(rng, B, S, V, scale=3.0), x_spec=P(None, None, 'tensor'),
-      **case)
+      dense_cross_entropy, {}, rand(rng, B, S, V, scale=3.0),
+      x_spec=P(None, None, 'tensor'), **case)
 
 
 # Variants, on tensor=4 in float64.
