@@ -106,6 +106,31 @@ def dense_block(p, x):
   return h + dense_mlp(p['mlp'], dense_norm(p['ln2'], h))
 
 
+# One function object per reference: ``dense_value_and_grads`` is compiled
+# once per (function, shapes, dtype), shared by every tensor size.
+
+
+def dense_fc_in(p, x):
+  return x @ p['fc_in']['kernel'] + p['fc_in']['bias']
+
+
+def dense_fc_out(p, x):
+  return x @ p['fc_out']['kernel'] + p['fc_out']['bias']
+
+
+def dense_embed(p, ids):
+  return p['embed']['embedding'][ids]
+
+
+LABELS = np.random.default_rng(6).integers(0, V, (B, S)).astype(np.int32)
+LABELS[0, :2] = [0, V - 1]   # both ends of the vocabulary
+
+
+def dense_cross_entropy(p, logits):
+  del p
+  return optax.losses.softmax_cross_entropy_with_integer_labels(logits, LABELS)
+
+
 # Harness: value and gradients of sum(y * w), dense and tensor-parallel.
 
 
@@ -192,8 +217,8 @@ def test_column_parallel_linear(case):
   check_exact(
       lambda p, x: tp.column_parallel_linear(x, p['fc_in']['kernel'],
                                              p['fc_in']['bias']),
-      lambda p, x: x @ p['fc_in']['kernel'] + p['fc_in']['bias'],
-      params, rand(rng, B, S, D), out_spec=P(None, None, 'tensor'), **case)
+      dense_fc_in, params, rand(rng, B, S, D), out_spec=P(None, None, 'tensor'),
+      **case)
 
 
 def test_row_parallel_linear(case):
@@ -202,8 +227,8 @@ def test_row_parallel_linear(case):
   check_exact(
       lambda p, x: tp.row_parallel_linear(x, p['fc_out']['kernel'],
                                           p['fc_out']['bias']),
-      lambda p, x: x @ p['fc_out']['kernel'] + p['fc_out']['bias'],
-      params, rand(rng, B, S, F), x_spec=P(None, None, 'tensor'), **case)
+      dense_fc_out, params, rand(rng, B, S, F), x_spec=P(None, None, 'tensor'),
+      **case)
 
 
 def test_parallel_mlp(case):
@@ -232,20 +257,16 @@ def test_vocab_parallel_embed(case):
   ids = rng.integers(0, V, (B, S)).astype(np.int32)
   ids[0, :3] = [0, V - 1, 0]   # both ends of the vocabulary, a repeated id
   check_exact(lambda p, i: tp.vocab_parallel_embed(i, p['embed']['embedding']),
-              lambda p, i: p['embed']['embedding'][i], params, ids, **case)
+              dense_embed, params, ids, **case)
 
 
 def test_vocab_parallel_cross_entropy_matches_optax(case):
   """Per-example loss and d loss / d logits equal optax on gathered logits."""
   rng = np.random.default_rng(6)
-  labels = rng.integers(0, V, (B, S)).astype(np.int32)
-  labels[0, :2] = [0, V - 1]
   check_exact(
-      lambda p, logits: tp.vocab_parallel_cross_entropy(logits, labels),
-      lambda p, logits: optax.losses.softmax_cross_entropy_with_integer_labels(
-          logits, labels),
-      {}, rand(rng, B, S, V, scale=3.0), x_spec=P(None, None, 'tensor'),
-      **case)
+      lambda p, logits: tp.vocab_parallel_cross_entropy(logits, LABELS),
+      dense_cross_entropy, {}, rand(rng, B, S, V, scale=3.0),
+      x_spec=P(None, None, 'tensor'), **case)
 
 
 # Variants, on tensor=4 in float64.
@@ -261,8 +282,6 @@ def test_variants(x64, variant):
   x = rand(rng, B, S, D)
   lin = {'fc_in': linear_params(rng, D, F)}
   row = {'fc_out': linear_params(rng, D, D)}
-  dense_lin = lambda p, x: x @ p['fc_in']['kernel'] + p['fc_in']['bias']
-  dense_row = lambda p, x: x @ p['fc_out']['kernel'] + p['fc_out']['bias']
   col_p = lambda p: (p['fc_in']['kernel'], p['fc_in']['bias'])
   row_p = lambda p: (p['fc_out']['kernel'], p['fc_out']['bias'])
   table = {'embed': {'embedding': rand(rng, V, D)}}
@@ -271,19 +290,19 @@ def test_variants(x64, variant):
       'column_gather_output': (
           lambda p, x: tp.column_parallel_linear(x, *col_p(p),
                                                  gather_output=True),
-          dense_lin, lin, x, REP, REP),
+          dense_fc_in, lin, x, REP, REP),
       'column_sequence_parallel': (
           lambda p, x: tp.column_parallel_linear(x, *col_p(p),
                                                  sequence_parallel=True),
-          dense_lin, lin, x, SEQ, P(None, None, 'tensor')),
+          dense_fc_in, lin, x, SEQ, P(None, None, 'tensor')),
       'row_input_not_parallel': (
           lambda p, x: tp.row_parallel_linear(x, *row_p(p),
                                               input_is_parallel=False),
-          dense_row, row, x, REP, REP),
+          dense_fc_out, row, x, REP, REP),
       'row_sequence_parallel': (
           lambda p, x: tp.row_parallel_linear(x, *row_p(p),
                                               sequence_parallel=True),
-          dense_row, row, x, P(None, None, 'tensor'), SEQ),
+          dense_fc_out, row, x, P(None, None, 'tensor'), SEQ),
       'mlp_sequence_parallel': (
           functools.partial(tp.parallel_mlp, sequence_parallel=True),
           dense_mlp, mlp_params(rng), x, SEQ, SEQ),
@@ -296,7 +315,7 @@ def test_variants(x64, variant):
       'embed_sequence_parallel': (
           lambda p, i: tp.vocab_parallel_embed(i, p['embed']['embedding'],
                                                sequence_parallel=True),
-          lambda p, i: p['embed']['embedding'][i], table, ids, REP, SEQ),
+          dense_embed, table, ids, REP, SEQ),
   }
   tp_fn, dense_fn, params, inputs, x_spec, out_spec = args[variant]
   check_exact(tp_fn, dense_fn, params, inputs, n=4, dtype=np.float64,
@@ -314,11 +333,13 @@ def test_dot_product_attention_core(x64, causal):
     s = np.where(np.tril(np.ones((S, S), bool)), s, -np.inf)
   p = np.exp(s - s.max(-1, keepdims=True))
   want = np.einsum('...hqk,...khd->...qhd', p / p.sum(-1, keepdims=True), v)
-  got64 = tp.dot_product_attention(*map(jnp.asarray, (q, k, v)), causal=causal)
+  attention = jax.jit(functools.partial(tp.dot_product_attention,
+                                        causal=causal))   # not op by op
+  got64 = attention(*map(jnp.asarray, (q, k, v)))
   assert got64.dtype == jnp.float64
   np.testing.assert_allclose(got64, want, rtol=1e-10, atol=1e-12)
   q32, k32, v32 = (jnp.asarray(a, jnp.float32) for a in (q, k, v))
-  got32 = tp.dot_product_attention(q32, k32, v32, causal=causal)
+  got32 = attention(q32, k32, v32)
   assert got32.dtype == jnp.float32 and got32.shape == want.shape
   np.testing.assert_allclose(got32, want, rtol=1e-5, atol=1e-5)
 
@@ -335,7 +356,8 @@ def test_grad_outside_shard_map_is_not_scaled(x64):
   with jax.set_mesh(mesh):
     got = jax.jit(jax.grad(loss(mlp), (0, 1)))(
         tp.shard_params(params, mesh=mesh), put(mesh, x, REP))
-  assert_trees_close(got, jax.grad(loss(dense_mlp), (0, 1))(params, x), 1e-10)
+  assert_trees_close(got, jax.jit(jax.grad(loss(dense_mlp), (0, 1)))(params, x),
+                     1e-10)
 
 
 def test_cross_entropy_is_stable_for_huge_logits():
