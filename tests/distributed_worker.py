@@ -175,6 +175,13 @@ def drill(out_dir: str, ckpt_dir: str, kill: bool) -> int:
 
 def main(argv: list[str]) -> int:
   jaxpar.distributed.initialize()
+  # A compilation cache per process (under the test's): the processes of a
+  # launch then do the same work (all compile, or all load) and reach their
+  # collectives together (gloo gives up after 30 s).
+  cache = os.environ.get('JAX_COMPILATION_CACHE_DIR')
+  if cache:
+    jax.config.update('jax_compilation_cache_dir',
+                      os.path.join(cache, str(jax.process_index())))
   jax.config.update('jax_enable_x64', True)
   return drill(argv[0], argv[1], kill=argv[2:] == ['kill'])
 

@@ -38,9 +38,10 @@ def own_cache(tmp_path, monkeypatch):
   """The launched processes' compilation cache, for this test alone, every
   program in it (not only those over JAX's 1 s): the resumed launch loads
   what the killed one compiled. The processes of one launch must reach their
-  first collective together (gloo waits 30 s), and a cache shared with a
-  launch of the same programs running beside it can hand one process a hit
-  while the other compiles."""
+  collectives together (gloo waits 30 s): a cache shared with a launch of
+  the same programs running beside it, or with the other process (each
+  process has its own folder in it: ``distributed_worker.main``), can hand
+  one process a hit while the other compiles."""
   monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', str(tmp_path / 'jit_cache'))
   monkeypatch.setenv('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 
