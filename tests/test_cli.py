@@ -43,10 +43,11 @@ def losses(report):
   return [s['loss'] for s in report['steps']]
 
 
-# A small model for the runs whose point is not its size: 4 layers (ZB-V on
-# stage=2 has 4 stages), 1 microbatch on one device.
+# A small model for the runs whose point is not its size or speed: 4 layers
+# (ZB-V on stage=2 has 4 stages), 1 microbatch on one device, no throughput
+# baseline (one more program; the text run checks it).
 TINY = ('--layers', '4', '--d-model', '16', '--heads', '2', '--seq-len', '8',
-        '--batch', '8')
+        '--batch', '8', '--no-baseline')
 ONE_DEVICE = ('--mesh', 'data=1,stage=1,tensor=1', '--microbatches', '1',
               *TINY)
 
