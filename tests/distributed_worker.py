@@ -157,13 +157,16 @@ def drill(out_dir: str, ckpt_dir: str, kill: bool) -> int:
       jaxpar.checkpoint.save(ckpt_dir, state, schedule=schedule)
   if kill:
     return 0
-  dense = gpt.merge_from_pipeline(trainer.params(state), layout)
+  # The dense params replicated by one program (to_host would all-gather
+  # the leaves one by one).
+  mesh = state.params.stages['mlp']['fc_in']['kernel'].sharding.mesh
+  dense = jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))(
+      gpt.merge_from_pipeline(trainer.params(state), layout))
   result = {
       'process_count': jax.process_count(),
       'local_device_count': jax.local_device_count(),
       'dp': train_dp(),
-      'gpt': jax.tree.map(lambda x: x.tolist(),
-                          jaxpar.distributed.to_host(dense)),
+      'gpt': jax.tree.map(lambda x: np.asarray(x).tolist(), dense),
       'restored_equal': _same(jaxpar.checkpoint.restore(
           ckpt_dir, state, schedule=schedule), state),
       'gathered_equal': _gathers_right(state)}
