@@ -95,14 +95,18 @@ def good_checkpoint(one_device_run):
 def test_default_demo_learns(tmp_path):
   """The README's first command, as a process: 150 steps of 1F1B on
   data=2 x stage=2 x tensor=2 (its losses against one device: the launch
-  test below)."""
+  test below), with the one-device throughput contrast."""
   plot, out = tmp_path / 'run.png', tmp_path / 'run.json'
   result = jaxpar_cli('demo', '--plot', str(plot), '--json', str(out))
   assert result.returncode == 0, result.stderr[-3000:]
   assert '(8 cpu devices, 1 process(es))' in result.stdout
-  got = losses(json.loads(out.read_text()))
+  report = json.loads(out.read_text())
+  got = losses(report)
   assert len(got) == 150 and got[-1] < 0.4 * got[0]
   assert plot.stat().st_size > 10_000
+  # The throughput contrast on CPU: a plain jitted step on one device.
+  assert report['throughput']['single_device_tokens_per_s'] > 0
+  assert 'one device    ' in result.stdout
 
 
 def test_two_processes_give_the_losses_of_one_device(tmp_path,
@@ -219,7 +223,7 @@ def test_text_run_evaluates_samples_and_resumes_bit_exactly(tmp_path, capfd):
     out = tmp_path / f'{len(runs)}.json'
     code, stdout, err = run_cli(capfd, 'demo', *TEXT_TINY, *args, '--json',
                                 str(out), '--dtype', 'bfloat16', '--dropout',
-                                '0.1')
+                                '0.1', '--no-baseline')
     assert code == 0, err[-3000:]
     runs.append((json.loads(out.read_text()), stdout))
   (straight, stdout), (first, _), (rest, _) = runs
@@ -233,11 +237,11 @@ def test_text_run_evaluates_samples_and_resumes_bit_exactly(tmp_path, capfd):
   # LayerNorm) + 4352 (LM head) = 10944 (tests/test_text_data.py: by hand).
   assert speed["flops_per_token"] == 6 * 10944 + 12 * 2 * 16 * 16
   assert speed['flop_per_s'] == speed['tokens_per_s'] * speed['flops_per_token']
-  assert speed['mfu'] is None and speed['single_device_tokens_per_s'] > 0
+  # The one-device contrast (--baseline): the default demo's test.
+  assert speed['mfu'] is None and speed['single_device_tokens_per_s'] is None
   for line in ('bfloat16 compute, dropout 0.1', 'held-out      ',
                'unigram entropy', 'tokens/s', 'GFLOP/s',
-               'one device    ', "sample        24 bytes (greedy) after the "
-               "prompt 'The '"):
+               "sample        24 bytes (greedy) after the prompt 'The '"):
     assert line in stdout, stdout
 
   strip = lambda steps: [{k: s[k] for k in ('step', 'loss', 'grad_norm')}
