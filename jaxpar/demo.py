@@ -116,6 +116,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument('--max-skipped', type=int, default=5, metavar='K',
                  help='stop (exit code 3) after K consecutive steps skipped '
                  'for non-finite loss or gradients')
+  p.add_argument('--baseline', action=argparse.BooleanOptionalAction,
+                 default=True, help='on CPU, also time a plain jitted step '
+                 'of the dense model on one device, for contrast')
   p.add_argument('--coordinator', metavar='HOST:PORT',
                  help='jax.distributed coordinator (multi-process runs)')
   p.add_argument('--num-processes', type=int)
@@ -392,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     single = (single_device_rate(
         params, batch_of(0), config=config, optimizer=optax.chain(
             optax.clip_by_global_norm(1.0), optax.adam(args.lr)))
-              if history and jax.default_backend() == 'cpu' else None)
+              if history and args.baseline and jax.default_backend() == 'cpu'
+              else None)
     speed = throughput(rate, config, single) if history else None
     print(summary(args, mesh, schedule, config, layout, mem, history, first,
                   text, evals, speed, sample,

@@ -35,11 +35,15 @@ def worker_path(monkeypatch):
 
 @pytest.fixture
 def own_cache(tmp_path, monkeypatch):
-  """The launched processes' compilation cache, for this test alone: the
-  processes of one launch must reach their first collective together (gloo
-  waits 30 s), and a cache shared with a launch of the same programs running
-  beside it can hand one process a hit while the other compiles."""
+  """The launched processes' compilation cache, for this test alone, every
+  program in it (not only those over JAX's 1 s): the resumed launch loads
+  what the killed one compiled. The processes of one launch must reach their
+  collectives together (gloo waits 30 s): a cache shared with a launch of
+  the same programs running beside it, or with the other process (each
+  process has its own folder in it: ``distributed_worker.main``), can hand
+  one process a hit while the other compiles."""
   monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', str(tmp_path / 'jit_cache'))
+  monkeypatch.setenv('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 
 
 @pytest.fixture
@@ -53,8 +57,9 @@ def _leaves(tree) -> np.ndarray:
 
 
 def _dense_gpt_reference():
-  """Single-device optax training of the dense GPT: losses, final params."""
-  cfg, params, batches, opt = worker.gpt_setup()
+  """Single-device optax training of the dense GPT on the drill's batches:
+  the losses of steps 0..DRILL_STEPS-1, the final params."""
+  cfg, params, opt = worker.gpt_setup()
   tx = optax.chain(optax.clip_by_global_norm(1.0), opt)
 
   @jax.jit
@@ -65,37 +70,11 @@ def _dense_gpt_reference():
     return optax.apply_updates(params, updates), opt_state, loss
 
   opt_state, losses = tx.init(params), []
-  for batch in batches:
-    params, opt_state, loss = step(params, opt_state, batch)
+  for i in range(worker.DRILL_STEPS):
+    params, opt_state, loss = step(params, opt_state, worker.gpt_batch(i))
     losses.append(float(loss))
   return losses, json.loads(json.dumps(jax.tree.map(
       lambda x: np.asarray(x).tolist(), params)))
-
-
-def test_two_processes_match_one_process(tmp_path, worker_path, clean_env,
-                                         own_cache, x64):
-  out = tmp_path / 'result.json'
-  code = distributed.launch(
-      2, [str(out), str(tmp_path / 'ckpt')], devices_per_process=4,
-      module='distributed_worker', timeout=300)
-  assert code == 0
-  result = json.loads(out.read_text())
-  assert (result['process_count'], result['local_device_count']) == (2, 4)
-
-  # Data parallel on data=8 over 2 processes == the same step in one process.
-  dp = worker.train_dp()
-  np.testing.assert_allclose(result['dp']['losses'], dp['losses'], rtol=1e-12)
-  np.testing.assert_allclose(_leaves(result['dp']['params']),
-                             _leaves(dp['params']), rtol=1e-12)
-
-  # 3D GPT (data=2 x stage=2 x tensor=2 across the processes) == dense
-  # single-device optax, and its checkpoint restores bit for bit.
-  losses, params = _dense_gpt_reference()
-  np.testing.assert_allclose(result['gpt']['losses'], losses, rtol=1e-10)
-  np.testing.assert_allclose(_leaves(result['gpt']['params']),
-                             _leaves(params), rtol=1e-10, atol=1e-9)
-  assert result['gpt']['restored_equal']
-  assert result['gpt']['gathered_equal']
 
 
 def _losses(path):
@@ -103,17 +82,21 @@ def _losses(path):
   return lines[0]['resumed_from'], {r['step']: r['loss'] for r in lines[1:]}
 
 
-def test_kill_one_process_then_resume_bit_exactly(tmp_path, worker_path,
-                                                  clean_env, own_cache, x64):
-  """SIGKILL process 1 of 2 mid-training: the launcher stops process 0 within
-  seconds and returns -9; both resume from the last checkpoint (step 2) and
-  repeat steps 2, 3 with bit-identical losses (the resumed processes load
-  the programs the killed ones compiled)."""
+def test_two_processes_match_one_process_through_a_kill_and_resume(
+    tmp_path, worker_path, clean_env, own_cache, x64):
+  """2 processes x 4 devices train the 3D GPT (data=2 x stage=2 x tensor=2,
+  float64), saving at steps 2 and 4. SIGKILL process 1 after step 3, before
+  the save of step 4: the launcher stops process 0 within seconds and
+  returns -9. Both resume from the last checkpoint (step 2) and repeat steps
+  2, 3 with bit-identical losses; every loss and the final params are those
+  of dense single-device optax, and the final checkpoint restores bit for
+  bit. Data parallel on data=8 over the 2
+  processes == the same steps in one process."""
   killed, resumed, ckpt = tmp_path / 'killed', tmp_path / 'resumed', str(
       tmp_path / 'ckpt')
   killed.mkdir()
   resumed.mkdir()
-  code = distributed.launch(2, ['drill', str(killed), ckpt, 'kill'],
+  code = distributed.launch(2, [str(killed), ckpt, 'kill'],
                             devices_per_process=4, module='distributed_worker',
                             timeout=400)
   returned = time.time()
@@ -124,14 +107,28 @@ def test_kill_one_process_then_resume_bit_exactly(tmp_path, worker_path,
   assert start == 0 and sorted(before) == [0, 1, 2, 3]
   assert checkpoint.latest_step(ckpt) == 2
 
-  code = distributed.launch(2, ['drill', str(resumed), ckpt],
+  code = distributed.launch(2, [str(resumed), ckpt],
                             devices_per_process=4, module='distributed_worker',
                             timeout=400)
   assert code == 0
   start, after = _losses(resumed / 'losses.jsonl')
-  assert start == 2 and sorted(after) == [2, 3, 4]
+  assert start == 2 and sorted(after) == [2, 3]
   assert [after[2], after[3]] == [before[2], before[3]]   # bit for bit
-  assert np.isfinite(after[4]) and checkpoint.latest_step(ckpt) == 4
+  assert checkpoint.latest_step(ckpt) == worker.DRILL_STEPS
+
+  result = json.loads((resumed / 'result.json').read_text())
+  assert (result['process_count'], result['local_device_count']) == (2, 4)
+  assert result['restored_equal'] and result['gathered_equal']
+  losses, params = _dense_gpt_reference()
+  np.testing.assert_allclose([before[i] for i in range(4)], losses,
+                             rtol=1e-10)
+  np.testing.assert_allclose(_leaves(result['gpt']), _leaves(params),
+                             rtol=1e-10, atol=1e-9)
+
+  dp = worker.train_dp()
+  np.testing.assert_allclose(result['dp']['losses'], dp['losses'], rtol=1e-12)
+  np.testing.assert_allclose(_leaves(result['dp']['params']),
+                             _leaves(dp['params']), rtol=1e-12)
 
 
 def test_launch_sets_the_environment(tmp_path, worker_path):

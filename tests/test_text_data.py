@@ -110,13 +110,22 @@ def test_unigram_entropy():
   assert data.unigram_entropy(np.zeros(10, np.uint8)) == 0.0
 
 
+def random_params(config: gpt.GPTConfig, dtype=np.float32) -> dict:
+  """Random params of ``gpt_params``' structure (``eval_shape``: building
+  the model eagerly compiles dozens of tiny programs)."""
+  shapes = gpt.gpt_params(nnx.eval_shape(lambda: gpt.GPT(config,
+                                                          rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(1)
+  return jax.tree.map(
+      lambda s: rng.normal(scale=0.3, size=s.shape).astype(dtype), shapes)
+
+
 def test_held_out_loss_on_the_mesh_is_the_dense_loss(x64):
   """The demo's evaluation: the dense loss of the sharded params (ZeRO-3,
   interleaved stages on 2x2x2) equals gpt_loss on one device, float64."""
   config = gpt.GPTConfig(vocab_size=256, seq_len=8, d_model=16, num_heads=2,
                          num_layers=4)
-  params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0),
-                                  param_dtype=jnp.float64))
+  params = random_params(config, np.float64)
   pp, layout = gpt.split_for_pipeline(params, num_stages=4)
   trainer = jaxpar.parallel.train_step(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.adam(1e-3),
@@ -159,7 +168,7 @@ def test_peak_flops_only_for_known_gpus():
 
 @pytest.fixture(scope='module')
 def tiny_params():
-  return gpt.gpt_params(gpt.GPT(TINY, rngs=nnx.Rngs(1)))
+  return random_params(TINY)
 
 
 def _reference(params, prompt, length, pick):
