@@ -357,7 +357,9 @@ def test_readme_recipe_runs_as_written():
   code = re.search(r'```python\n(.*?)```', section, re.S).group(1)
   model = llama.Llama(llama.Config(), nnx.Rngs(0))
   ids, targets = batches(num=1)[0]
-  want = nnx.jit(llama.loss)(model, ids, targets)   # one program, not eager
+  graphdef, weights = nnx.split(model)   # one program, not op by op
+  want = jax.jit(lambda w: llama.loss(nnx.merge(graphdef, w), ids,
+                                      targets))(weights)
   scope = dict(jax=jax, jaxpar=jaxpar, nnx=nnx, optax=optax, model=model,
                ids=ids, targets=targets)
   exec(code, scope)  # pylint: disable=exec-used
