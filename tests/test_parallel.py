@@ -75,15 +75,15 @@ def run(mesh_sizes, schedule, params, data, optimizer, max_grad_norm):
 
 # Each case is its own program (the suite's costliest kind), so each mesh and
 # schedule is checked once across the 3D files; the float64 exactness of the
-# others (same model, optimizer and reference unless said):
-#   2x2x2 1F1B        test_optimizers.py::test_3d_2x2x2[0-None-4] (every
+# others (this model, optimizer and reference unless said):
+#   2x2x2 1F1B        test_optimizers.py::test_3d_2x2x2[0-None-3] (every
 #                     optimizer; clipping in its [3-0.5-5] case)
-#   2x2x2 interleaved test_optimizers.py::test_3d_2x2x2[3-0.5-5] (ZeRO-3)
-#   2x2x1 interleaved test_own_model.py '4x2-interleaved-zero3' (4x2x1, the
-#                     Llama), test_parallel_zero.py '4x2x1-interleaved-zero3'
-#   ZB-V              test_parallel_zero.py '2x2x2-zbv-zero3', and
+#   interleaved       test_parallel_zero.py '4x2x1-interleaved-zero3',
+#                     test_optimizers.py::test_3d_2x2x2[3-0.5-5] (2x2x2),
+#                     test_own_model.py '4x2-interleaved-zero3' (the Llama)
+#   ZB-V              test_parallel_zero.py '2x2x2-zbv-zero3', the restore
+#                     onto 1x2x4 ZB-V (zero_stage=0) in its interleaved case,
 #                     test_own_model.py '2x2-zbv-stacked', '1x2x4-zbv-annotated'
-#                     (zero_stage=0)
 CASES = {
     '1x2x4-zb_h1': (dict(data=1, stage=2, tensor=4),
                     lambda: jaxpar.pipeline.zero_bubble_h1(2, 4)),
