@@ -104,16 +104,20 @@ def test_resume_equals_uninterrupted_training(run):
 
 @pytest.mark.parametrize('sizes', [(1, 4, 2), (8, 1, 1), (1, 2, 4)])
 def test_restore_onto_another_mesh(run, sizes):
-  """Other data / tensor sizes, 4 ranks instead of 2, 1F1B <-> interleaved."""
+  """Other data / tensor sizes, 4 ranks instead of 2, 1F1B <-> interleaved.
+
+  The restored state is the saved one, stage by stage in model order and
+  layer by layer in the optimizer state. Training on from a checkpoint on
+  another mesh (its next loss is the reference's, float64) is
+  test_parallel_zero.py::test_matches_single_device_float64's
+  (ZeRO-3 interleaved on 4x2x1 -> ZB-V on 1x2x4).
+  """
   trainer, saved = _trainer(sizes), run['states'][0]
   state = checkpoint.restore(run['model'], _init(sizes), schedule=MESHES[sizes])
   assert state.params.stages['mlp']['fc_in']['kernel'].shape[:2] == (
       MESHES[sizes].num_ranks, 4 // MESHES[sizes].num_ranks)
   assert _equal(trainer.params(state), _trainer((2, 2, 2)).params(saved))
   assert _equal(state.opt_state, saved.opt_state)  # per layer: any schedule
-  if sizes == (1, 4, 2):  # and training goes on with the same loss
-    _, stats = trainer.step(state, _setup()[2][1])
-    np.testing.assert_allclose(float(stats.loss), run['losses'][1], rtol=1e-5)
 
 
 def test_layout_mismatch_errors(run):

@@ -1,7 +1,5 @@
 """ZeRO-1/3 in the 3D train step: exact, ~1/N state per device, checkpointable."""
 
-import functools
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -9,7 +7,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_parallel import batches, dense_params, reference
+from test_parallel import (FLOAT64_OPTIMIZER, batches, dense_of,
+                           dense_params, float64_reference, reference)
 
 import jaxpar
 import jaxpar.hlo
@@ -40,33 +39,33 @@ def param_bytes(state):
              for x in jax.tree.leaves(state.params))
 
 
-@functools.cache
-def reference_run():
-  """3 steps of one-device sgd+momentum, clipped at 0.5 (inside x64 tests)."""
-  optimizer = optax.sgd(0.3, momentum=0.9)
-  return optimizer, reference(dense_params(jnp.float64), batches(3),
-                              optimizer, 0.5)
-
-
+# ZeRO-3 in float64 against test_parallel's one-device run (3 steps of
+# sgd+momentum clipped at 0.5: linear in the gradient, see test_parallel.py
+# on adam). Each case saves a checkpoint after 2 steps and checks the
+# restored state's next step against the reference's third; ``onto``: the
+# checkpoint is saved in model order (schedule=) and also restored onto
+# another mesh, schedule and zero_stage=0 (data 4 -> 1, tensor 1 -> 4,
+# interleaved's stages [[0, 2], [1, 3]] -> ZB-V's [[0, 3], [1, 2]]).
 CASES = {
     '4x2x1-interleaved-zero3': (dict(data=4, stage=2, tensor=1),
                                 lambda: jaxpar.pipeline.interleaved_1f1b(2, 2, 2),
-                                3),
+                                (dict(data=1, stage=2, tensor=4),
+                                 lambda: jaxpar.pipeline.zbv(2, 4))),
     '2x2x2-zbv-zero3': (dict(data=2, stage=2, tensor=2),
-                        lambda: jaxpar.pipeline.zbv(2, 2), 3),
+                        lambda: jaxpar.pipeline.zbv(2, 2), None),
 }
 
 
 @pytest.mark.parametrize('case', list(CASES))
 def test_matches_single_device_float64(x64, case, tmp_path):
-  """Same losses, norms, params as one-device optax; checkpoint round trip."""
-  mesh_sizes, make_schedule, zero_stage = CASES[case]
+  """Same losses, norms, params as one-device optax; checkpoint round trip
+  (bit for bit, then the same next step), onto another layout too."""
+  mesh_sizes, make_schedule, onto = CASES[case]
   schedule = make_schedule()
   params, data = dense_params(jnp.float64), batches(3)
-  # sgd + momentum: linear in the gradient (see test_parallel.py on adam).
-  optimizer, want = reference_run()
-  trainer, layout = make_trainer(mesh_sizes, schedule, optimizer,
-                                 zero_stage=zero_stage, max_grad_norm=0.5)
+  want = float64_reference()
+  trainer, layout = make_trainer(mesh_sizes, schedule, FLOAT64_OPTIMIZER,
+                                 zero_stage=3, max_grad_norm=0.5)
   assert float(want[0][1]) > 0.5   # clipping is exercised
   pp, _ = gpt.split_for_pipeline(params, num_stages=schedule.num_stages)
   state = trainer.init(pp)
@@ -75,40 +74,31 @@ def test_matches_single_device_float64(x64, case, tmp_path):
     assert not bool(stats.skipped)
     np.testing.assert_allclose(stats.loss, ref_loss, rtol=1e-10)
     np.testing.assert_allclose(stats.grad_norm, ref_norm, rtol=1e-10)
-    chex.assert_trees_all_close(
-        gpt.merge_from_pipeline(trainer.params(state), layout), ref_p,
-        rtol=1e-9, atol=1e-11)
+    chex.assert_trees_all_close(dense_of(trainer, state, layout), ref_p,
+                                rtol=1e-9, atol=1e-11)
   kernel = state.params.stages['mlp']['fc_in']['kernel']
-  assert 'data' in str(kernel.sharding.spec) if zero_stage == 3 else True
+  assert 'data' in str(kernel.sharding.spec)
   # Momentum traces are non-zero now; a restored state is bit-identical and
   # its next step equals the reference's third step.
-  jaxpar.checkpoint.save(tmp_path, state)
-  restored = jaxpar.checkpoint.restore(tmp_path, trainer.init(pp))
+  saved_schedule = schedule if onto else None
+  jaxpar.checkpoint.save(tmp_path, state, schedule=saved_schedule)
+  restored = jaxpar.checkpoint.restore(tmp_path, trainer.init(pp),
+                                       schedule=saved_schedule)
   chex.assert_trees_all_equal(restored, state)
   assert all(jax.tree.leaves(jax.tree.map(
       lambda a, b: a.sharding.is_equivalent_to(b.sharding, a.ndim), restored,
       state)))
   _, stats = trainer.step(restored, data[2])
   np.testing.assert_allclose(stats.loss, want[2][0], rtol=1e-10)
-
-
-def test_zero3_checkpoint_restores_onto_another_mesh_and_stage(tmp_path, x64):
-  """ZeRO-3 on data=2 -> zero_stage=0 on data=1 x tensor=4, same numbers."""
-  optimizer, want = reference_run()
-  params, data = dense_params(jnp.float64), batches(3)
-  schedule = jaxpar.pipeline.one_f_one_b(2, 2)
-  pp, layout = gpt.split_for_pipeline(params, num_stages=2)
-  zero3, _ = make_trainer(dict(data=2, stage=2, tensor=2), schedule,
-                          optimizer, zero_stage=3, max_grad_norm=0.5)
-  state, _ = zero3.step(zero3.init(pp), data[0])
-  jaxpar.checkpoint.save(tmp_path, state, schedule=schedule)
-  other = jaxpar.pipeline.zero_bubble_h1(2, 2)
-  plain, _ = make_trainer(dict(data=1, stage=2, tensor=4), other, optimizer,
-                          zero_stage=0, max_grad_norm=0.5)
-  restored = jaxpar.checkpoint.restore(tmp_path, plain.init(pp),
-                                       schedule=other)
-  _, stats = plain.step(restored, data[1])
-  np.testing.assert_allclose(stats.loss, want[1][0], rtol=1e-10)
+  if onto:
+    other_sizes, make_other = onto
+    other = make_other()
+    plain, _ = make_trainer(other_sizes, other, FLOAT64_OPTIMIZER,
+                            zero_stage=0, max_grad_norm=0.5)
+    moved = jaxpar.checkpoint.restore(tmp_path, plain.init(pp),
+                                      schedule=other)
+    _, stats = plain.step(moved, data[2])
+    np.testing.assert_allclose(stats.loss, want[2][0], rtol=1e-10)
 
 
 def test_checkpoint_with_schedule_moves_the_params_not_the_moments(tmp_path):
@@ -122,9 +112,11 @@ def test_checkpoint_with_schedule_moves_the_params_not_the_moments(tmp_path):
   v_shape, _ = make_trainer(sizes, v_schedule, optimizer, zero_stage=1)
   pp, _ = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=4)
   state = inter.init(pp)
-  # Distinct values everywhere, so a wrong permutation shows.
+  # Distinct values everywhere, so a wrong permutation shows (made on the
+  # host: no device program per leaf).
   distinct = lambda tree: jax.tree.map(lambda x: jax.device_put(
-      x + jnp.arange(x.size, dtype=x.dtype).reshape(x.shape), x.sharding), tree)
+      np.asarray(x) + np.arange(x.size, dtype=x.dtype).reshape(x.shape),
+      x.sharding), tree)
   state = state._replace(params=distinct(state.params),
                          opt_state=distinct(state.opt_state))
   jaxpar.checkpoint.save(tmp_path, state, schedule=inter_schedule)
@@ -199,7 +191,11 @@ def test_masked_states_are_split_like_the_params(zero_stage):
 
 
 def test_zero3_memory_and_collectives():
-  """Compiled: 1/N argument bytes for params; exact gather/scatter bytes."""
+  """Compiled: 1/N argument bytes for params; exact gather/scatter bytes.
+
+  The ZeRO-3 step is given the ZeRO-1 state: a state of another zero stage
+  is placed (ZeRO layouts keep the shapes), so its arguments are ZeRO-3's.
+  """
   sizes, schedule = dict(data=4, stage=2, tensor=1), \
       jaxpar.pipeline.one_f_one_b(2, 2)
   pp, _ = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=2)
@@ -209,7 +205,10 @@ def test_zero3_memory_and_collectives():
     trainer, _ = make_trainer(sizes, schedule, optax.sgd(0.1),
                               zero_stage=zero_stage)
     state = trainer.init(pp)
-    compiled = trainer.step.lower(state, batch).compile()
+    given = out[1][0] if zero_stage == 3 else state
+    assert 'data' not in str(given.params.stages['mlp']['fc_in'][
+        'kernel'].sharding.spec)
+    compiled = trainer.step.lower(given, batch).compile()
     out[zero_stage] = (state, compiled.memory_analysis(),
                        jaxpar.hlo.collective_bytes(compiled))
   (state1, mem1, moved1), (state3, mem3, moved3) = out[1], out[3]
@@ -263,17 +262,6 @@ class TestErrors:
                    jaxpar.pipeline.one_f_one_b(2, 2), optax.sgd(0.1),
                    zero_stage=stage)
 
-  def test_state_of_other_zero_stage_is_placed(self):
-    """ZeRO layouts keep the shapes: another trainer's state just fits."""
-    sizes, schedule = dict(data=2, stage=2, tensor=1), \
-        jaxpar.pipeline.one_f_one_b(2, 2)
-    pp, _ = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=2)
-    maker, _ = make_trainer(sizes, schedule, optax.adam(0.1), zero_stage=0)
-    user, _ = make_trainer(sizes, schedule, optax.adam(0.1), zero_stage=3)
-    state, _ = user.step(maker.init(pp), batches(1)[0])
-    assert 'data' in str(state.params.stages['mlp']['fc_in'][
-        'kernel'].sharding.spec)
-
   def test_state_of_other_optimizer(self):
     sizes, schedule = dict(data=2, stage=2, tensor=1), \
         jaxpar.pipeline.one_f_one_b(2, 2)
@@ -298,16 +286,7 @@ def test_padded_leaves_on_data_3_match_the_dense_model(x64, tmp_path):
   data = [(rng.integers(0, 7, (6, 5)), rng.integers(0, 7, (6, 5)))
           for _ in range(2)]
   optimizer = optax.lamb(0.1)
-  # The dense model, one device.
-  dense = optax.chain(optax.clip_by_global_norm(0.5), optimizer)
-  grad_fn = jax.jit(jax.value_and_grad(functools.partial(gpt.gpt_loss,
-                                                         config=config)))
-  ref, opt_state, want = params, dense.init(params), []
-  for batch in data:
-    loss, grads = grad_fn(ref, batch)
-    updates, opt_state = dense.update(grads, opt_state, ref)
-    ref = optax.apply_updates(ref, updates)
-    want.append(loss)
+  want = reference(params, data, optimizer, 0.5, config)  # one device
   schedule = jaxpar.pipeline.one_f_one_b(2, 2)
   mesh = jaxpar.make_mesh(data=3, stage=2, devices=jax.devices()[:6])
   pp, layout = gpt.split_for_pipeline(params, num_stages=2)
@@ -321,16 +300,18 @@ def test_padded_leaves_on_data_3_match_the_dense_model(x64, tmp_path):
   # One padding row per leaf: a leaf's bytes over its largest dim.
   rows = lambda tree: sum(x.dtype.itemsize * x.size // max(x.shape, default=1)
                           for x in jax.tree.leaves(tree))
+  shapes = trainers[0].params(init)
   for zero_stage in (1, 3):
     trainer = trainers[zero_stage]
     state = trainer.init(pp)
-    for batch, loss in zip(data, want):
+    for batch, (loss, norm, _) in zip(data, want):
       state, stats = trainer.step(state, batch)
       np.testing.assert_allclose(stats.loss, loss, rtol=1e-10)
+      np.testing.assert_allclose(stats.grad_norm, norm, rtol=1e-10)
     got = trainer.params(state)
-    chex.assert_trees_all_close(gpt.merge_from_pipeline(got, layout), ref,
+    chex.assert_trees_all_close(dense_of(trainer, state, layout), want[-1][2],
                                 rtol=1e-10, atol=1e-12)
-    chex.assert_trees_all_equal_shapes(got, trainers[0].params(init))
+    chex.assert_trees_all_equal_shapes(got, shapes)
     held = jaxpar.zero.bytes_per_device(state)
     assert held.opt_state <= ((1 / 3 + 0.1) * plain.opt_state
                               + rows(logical.opt_state)), (held, plain)
