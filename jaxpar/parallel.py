@@ -379,15 +379,23 @@ def train_step(
               f'leaf shape {leaf.shape}.')
     for part in params:
       tp.check_divisible(part, mesh=mesh, axis=tensor_axis, layout=layout)
-    params = params._replace(
+    return placed(params)
+
+  def to_ranks(params: PipelineParams) -> PipelineParams:
+    return params._replace(
         stages=executor.stages_to_ranks(params.stages, schedule))
+
+  def init_layout(params: PipelineParams):
+    """(prepare, optimizer, state specs) of model-order params' shapes."""
+    params = jax.eval_shape(to_ranks, params)
     tp.check_axis_used(specs_of(params)[0], mesh=mesh, axis=tensor_axis)
     specs = state_specs(jax.eval_shape(lambda p: TrainState(
         jnp.zeros((), jnp.int32), p, optimizer.init(view.of_params(p))),
                                        params))
-    return placed_init(zero.pad(params, specs.params, mesh=mesh),
-                       padded_optimizer(specs), mesh=mesh,
-                       specs=lambda _: specs)
+    return (lambda p: zero.pad(to_ranks(p), specs.params, mesh=mesh),
+            padded_optimizer(specs), specs)
+
+  placed = placed_init(init_layout, mesh=mesh)
 
   def padded_optimizer(specs: TrainState) -> optax.GradientTransformation:
     """The per-layer optimizer on logical leaves, its state stored padded
