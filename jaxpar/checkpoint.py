@@ -73,14 +73,12 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxpar import integrity, padding
 from jaxpar._validate import check_int
 from jaxpar.integrity import CheckpointError, leaf_name
-from jaxpar.parallel import PipelineParams
-from jaxpar.pipeline import executor
+from jaxpar.parallel import (PipelineParams, _model_sharding,
+                             stages_in_model_order, stages_like)
 from jaxpar.pipeline.schedule import Schedule
 from jaxpar.train_state import PyTree, TrainState
 
@@ -153,25 +151,8 @@ def _check_rank_layout(tree: PyTree, schedule: Schedule, name: str) -> None:
           f'{name}.')
 
 
-def _model_sharding(leaf: Any) -> NamedSharding | None:
-  """Sharding of a ``[p, v, ...]`` leaf's model order ``[p*v, ...]``.
-
-  ``P(a, None, *rest)`` (ranks split over ``a``) -> ``P(a, *rest)``.
-  """
-  sharding = getattr(leaf, 'sharding', None)
-  if not isinstance(sharding, NamedSharding):
-    return None
-  spec = tuple(sharding.spec)
-  spec += (None,) * (len(leaf.shape) - len(spec))
-  return NamedSharding(sharding.mesh, P(spec[0], *spec[2:]))
-
-
 def _to_model_order(state: PyTree, schedule: Schedule) -> PyTree:
-  def one(stages):
-    return jax.tree.map(
-        lambda a: executor.ranks_to_stages(
-            a, schedule, out_sharding=_model_sharding(a)), stages)
-  return _map_stages(one, state)
+  return _map_stages(lambda st: stages_in_model_order(st, schedule), state)
 
 
 def _check_leaves(tree: PyTree, name: str, kinds: tuple[type, ...],
@@ -365,15 +346,6 @@ def _model_target(leaf: Any, schedule: Schedule) -> Any:
   return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=_model_sharding(leaf))
 
 
-def _to_rank_layout(leaf: Any, like: Any, schedule: Schedule) -> Any:
-  """A restored ``[num_stages, ...]`` leaf -> ``like``'s ``[p, v, ...]``."""
-  out = executor.stages_to_ranks(leaf, schedule,
-                                 out_sharding=_model_sharding(like))
-  if isinstance(like, np.ndarray):
-    return np.asarray(out)
-  return jax.device_put(out, like.sharding)
-
-
 def _listing(items: list[str], sep: str) -> str:
   """The first ``_SHOWN`` items joined by ``sep``, and how many are left."""
   more = f'{sep}(+{len(items) - _SHOWN} more)' if len(items) > _SHOWN else ''
@@ -501,6 +473,6 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
   if record is not None:
     integrity.verify_arrays(record, restored, step_dir, step)
   if schedule is not None:
-    restored = _map_stages(lambda st, ref: jax.tree.map(
-        lambda a, r: _to_rank_layout(a, r, schedule), st, ref), restored, refs)
+    restored = _map_stages(lambda st, ref: stages_like(st, ref, schedule),
+                           restored, refs)
   return padding.place_like(restored, like)
