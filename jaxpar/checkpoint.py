@@ -92,14 +92,34 @@ def _path(directory: Any) -> str:
   return os.path.abspath(os.fspath(directory))
 
 
-def _manager(path: str, *, keep: int | None = None,
-             create: bool = False) -> ocp.CheckpointManager:
+def _manager(path: str, *, keep: int | None = None, create: bool = False,
+             handler: Any = None) -> ocp.CheckpointManager:
   # Synchronous: save returns once the step is on disk (and renamed from its
   # temporary name), so an exit right after it cannot leave it half written.
   return ocp.CheckpointManager(
-      path, item_handlers=ocp.StandardCheckpointHandler(),
+      path, item_handlers=handler or ocp.StandardCheckpointHandler(),
       options=ocp.CheckpointManagerOptions(
           max_to_keep=keep, create=create, enable_async_checkpointing=False))
+
+
+def _writer() -> ocp.PyTreeCheckpointHandler:
+  """orbax's standard handler, but each replicated array written whole by
+  its first replica.
+
+  orbax's default on CPU (replica-parallel writing) first slices every
+  replica's shard on its device, an eager op compiled per shape and device
+  (most of a small state's save time: 120 compiles for a 3D GPT on 8
+  devices); on GPU orbax writes whole replicas already. Same files, read
+  back with ``StandardRestore``.
+  """
+  handlers = [(t, ocp.type_handlers.get_type_handler(t))
+              for t in (int, float, bytes, np.number, np.ndarray, str)]
+  registry = ocp.type_handlers.create_type_handler_registry(
+      *handlers,
+      (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)))
+  return ocp.PyTreeCheckpointHandler(
+      save_concurrent_gb=96, restore_concurrent_gb=96,
+      type_handler_registry=registry)
 
 
 def _check_step(step: Any) -> int:
@@ -231,11 +251,11 @@ def save(directory: str | os.PathLike, state: PyTree, *,
     state = _to_model_order(state, schedule)
   checksums, finite = integrity.array_checksums(state)
   _check_finite(finite, params_only=isinstance(state, TrainState), step=step)
-  manager = _manager(path, keep=keep, create=True)
+  manager = _manager(path, keep=keep, create=True, handler=_writer())
   try:
     if step in manager.all_steps():
       manager.delete(step)
-    manager.save(step, args=ocp.args.StandardSave(state), force=True)
+    manager.save(step, args=ocp.args.PyTreeSave(state), force=True)
     manager.wait_until_finished()
   finally:
     manager.close()

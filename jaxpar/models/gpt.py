@@ -218,14 +218,22 @@ class PipelineLayout(NamedTuple):
 
   def stack(self, layers: list) -> Any:
     """``num_layers`` layer pytrees -> one pytree of ``[num_stages, slots,
-    ...]`` leaves, the identity slots zero (frozen by ``mask``)."""
-    zero = jax.tree.map(jnp.zeros_like, layers[0])
-    stages, i = [], 0
-    for count in self.counts:
-      stage = list(layers[i:i + count]) + [zero] * (self.slots - count)
-      stages.append(jax.tree.map(lambda *xs: jnp.stack(xs), *stage))
-      i += count
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *stages)
+    ...]`` leaves, the identity slots zero (frozen by ``mask``).
+
+    One jitted program per layout and layer signature (eager stacking
+    compiles an op per leaf shape)."""
+    return _stacked(self, layers)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _stacked(layout: PipelineLayout, layers: list) -> Any:
+  zero = jax.tree.map(jnp.zeros_like, layers[0])
+  stages, i = [], 0
+  for count in layout.counts:
+    stage = list(layers[i:i + count]) + [zero] * (layout.slots - count)
+    stages.append(jax.tree.map(lambda *xs: jnp.stack(xs), *stage))
+    i += count
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *stages)
 
 
 def split_for_pipeline(params: dict, *, num_stages: int,
