@@ -93,7 +93,7 @@ from jaxpar import vma, zero
 from jaxpar.data_parallel import batch_size_of, check_opt_state
 from jaxpar.mesh import axis_size
 from jaxpar.pipeline import checks, executor
-from jaxpar.pipeline.lower import lower
+from jaxpar.pipeline.lower import local_stages, lower
 from jaxpar.pipeline.schedule import Schedule
 from jaxpar.pipeline.stage import stash_policy
 from jaxpar.pipeline_model import PipelineModel, from_nnx
@@ -379,7 +379,8 @@ def train_step(
   skip = PipelineParams(
       0, 2 if stage_mask is None else 1 + stage_mask.ndim, 0)
   if stage_mask is not None:
-    mask_ranks = np.asarray(executor.stages_to_ranks(stage_mask, schedule))
+    # the mask in the rank layout [p, v, ...], in numpy (no op to compile)
+    mask_ranks = stage_mask[np.array(local_stages(schedule))]
   view = LayerView.of(schedule, stage_mask)
   layouts = {}
 
