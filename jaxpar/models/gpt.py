@@ -305,11 +305,21 @@ def merge_from_pipeline(pipeline_params, layout: PipelineLayout) -> dict:
     embed, layers, head = pipeline_params
     return {'blocks': dict(enumerate(layers)), **embed, **head}
   embed, stages, head = pipeline_params
-  blocks = {}
-  for k, count in enumerate(layout.counts):
-    for j in range(count):
-      blocks[len(blocks)] = jax.tree.map(lambda x: x[k, j], stages)
-  return {'blocks': blocks, **embed, **head}
+  real = tuple((k, j) for k, count in enumerate(layout.counts)
+               for j in range(count))
+  arrays = all(isinstance(x, jax.Array) for x in jax.tree.leaves(stages))
+  blocks = (_blocks_of if arrays else _blocks)(stages, real)
+  return {'blocks': dict(enumerate(blocks)), **embed, **head}
+
+
+def _blocks(stages: Any, real: tuple[tuple[int, int], ...]) -> list:
+  """Block ``i`` of the dense model: slot ``real[i] = (k, j)`` of ``stages``."""
+  return [jax.tree.map(lambda x: x[k, j], stages) for k, j in real]
+
+
+# Global arrays: one program per signature (eager indexing compiles an op
+# per leaf shape and slot); numpy stays numpy.
+_blocks_of = jax.jit(_blocks, static_argnums=1)
 
 
 def functions(config: GPTConfig, *, axis: str = 'tensor'):
