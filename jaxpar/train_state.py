@@ -281,8 +281,8 @@ def sharded_update(state: TrainState, grads: PyTree, *, loss: jax.Array,
 def _signature(tree: PyTree) -> tuple:
   """What a tree's layout depends on: its structure, shapes and dtypes."""
   return (jax.tree.structure(tree),
-          tuple((np.shape(x), getattr(x, 'dtype', None) or np.result_type(x))
-                for x in jax.tree.leaves(tree)))
+          tuple((np.shape(x), x.dtype if hasattr(x, 'dtype')
+                 else np.result_type(x)) for x in jax.tree.leaves(tree)))
 
 
 def _on_mesh(x: Any, mesh: Mesh) -> Any:
