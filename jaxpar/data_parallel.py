@@ -372,15 +372,14 @@ def _shard_map_step(loss_fn, optimizer, *, mesh, axis, max_grad_norm,
     with jax.set_mesh(mesh):
       return compiled.lower(*place(state, batch))
 
-  def init(params: PyTree) -> TrainState:
+  def init_layout(params: PyTree):
     specs, _, padded_optimizer = layout(jax.eval_shape(
         lambda p: TrainState.create(p, optimizer), params))
-    return placed_init(zero.pad(params, specs.params, mesh=mesh),
-                       padded_optimizer, mesh=mesh,
-                       specs=lambda _: specs)
+    return (lambda p: zero.pad(p, specs.params, mesh=mesh), padded_optimizer,
+            specs)
 
   step.lower = lower
-  return step, init
+  return step, placed_init(init_layout, mesh=mesh)
 
 
 def _pmap_step(loss_fn, optimizer, *, mesh, axis, max_grad_norm,

@@ -14,8 +14,9 @@ The second file is the commit mark: a step without it is *incomplete* (a save
 killed after orbax's rename) and is never used. ``verify_files`` re-reads every
 recorded file before a restore (bytes on disk), ``verify_arrays`` checks the
 restored values leaf by leaf (``array_checksums``: a position-weighted sum of
-the values' bits, modulo 2**32, computed on device in integer arithmetic, so it
-does not depend on the sharding or on the reduction order).
+the values' bits, modulo 2**32, in integer arithmetic -- on the devices, or
+with numpy for arrays on CPU devices -- so it does not depend on the sharding
+or on the reduction order).
 
 Every failure is a ``CheckpointError`` (a ``ValueError``) of one line naming
 the step, the file or array, and what to do.
@@ -109,23 +110,47 @@ def _device_sums(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
           jnp.stack([_finite(x, jnp) for x in leaves]))
 
 
-def array_checksums(tree: PyTree) -> tuple[dict[str, int], dict[str, bool]]:
+def _on_host(x: Any) -> bool:
+  """Reduced with numpy: host values, and arrays whose devices are all this
+  host's CPUs (the same memory: no program to compile for each tree)."""
+  return not isinstance(x, jax.Array) or (x.is_fully_addressable and all(
+      d.platform == 'cpu' for d in x.sharding.device_set))
+
+
+def array_checksums(tree: PyTree, *, on_device: bool | None = None
+                    ) -> tuple[dict[str, int], dict[str, bool]]:
   """Per-leaf checksums (uint32 as int) and all-finite flags of ``tree``.
 
-  ``jax.Array`` leaves are reduced on their devices (one jitted program per
-  device set; every process of a multi-process run must call it with the
-  same tree), other leaves with numpy; both give the same numbers, whatever
-  the sharding.
+  ``jax.Array`` leaves on accelerators, or spread over processes, are
+  reduced on their devices (one jitted program per device set; every
+  process of a multi-process run must call it with the same tree); host
+  values, and arrays on this host's CPU devices, with numpy (a program per
+  tree would cost more to compile than the sums). Both give the same
+  numbers, whatever the sharding.
+
+  Args:
+    tree: a pytree of arrays and numbers.
+    on_device: ``True`` reduces every ``jax.Array`` on its devices, ``False``
+      every leaf with numpy (fully addressable arrays only); ``None``
+      chooses as above.
 
   Returns:
     ``(checksums, finite)``: dicts keyed by dotted leaf name.
+
+  Example:
+    >>> x = jax.device_put(jnp.arange(16.).reshape(4, 4), jax.NamedSharding(
+    ...     jaxpar.make_mesh(data=2, tensor=4), P('data', 'tensor')))
+    >>> on_device = jaxpar.integrity.array_checksums([x], on_device=True)
+    >>> on_device == jaxpar.integrity.array_checksums([np.asarray(x)])
+    True
   """
   named = [(leaf_name(p), x) for p, x in jax.tree_util.tree_leaves_with_path(
       tree)]
   groups: dict[Any, list[int]] = {}
   for i, (_, x) in enumerate(named):
-    key = (frozenset(x.sharding.device_set) if isinstance(x, jax.Array)
-           else None)
+    host = (_on_host(x) if on_device is None
+            else not (on_device and isinstance(x, jax.Array)))
+    key = None if host else frozenset(x.sharding.device_set)
     groups.setdefault(key, []).append(i)
   sums, finite = {}, {}
   for key, idx in groups.items():

@@ -17,6 +17,7 @@ and cut inside ``shard_map``. Padded entries are zero and stay zero.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -184,12 +185,79 @@ def logical_sharding(x: Padded) -> Any:
                        _even_spec(sharding.spec, x.shape, sharding.mesh))
 
 
-def _unpadded_leaf(x: Any) -> Any:
-  if not is_padded(x):
-    return x
-  sharding = logical_sharding(x)   # the padded dims whole, then cut
-  value = x.value if sharding is None else jax.device_put(x.value, sharding)
-  return value[_logical_index(x.shape)]
+@functools.partial(jax.jit, static_argnums=1)
+def _moved(values: list, moves: tuple) -> list:
+  """Global arrays ``values`` moved as ``moves`` say, in one program.
+
+  ``moves[i] = (shape, cut, pad_to, sharding)``: ``values[i]`` resharded to
+  ``cut`` (its padded dims whole) and cut to ``shape`` (its logical shape);
+  if ``pad_to`` differs, resharded to ``sharding``'s spec without the
+  axes that do not divide ``shape`` and zero-padded to ``pad_to``; then
+  stored with ``sharding``. One program per signature, where the eager
+  reshard, slice and pad of every leaf compile one program each per shape.
+  """
+  out = []
+  for x, (shape, cut, pad_to, sharding) in zip(values, moves):
+    x = jax.device_put(x, cut)[_logical_index(shape)]
+    if pad_to != shape:
+      x = jax.device_put(x, _even(sharding, shape))
+      x = jnp.pad(x, [(0, f - s) for s, f in zip(shape, pad_to)])
+    out.append(jax.device_put(x, sharding))
+  return out
+
+
+def _even(sharding: NamedSharding, shape: tuple[int, ...],
+          whole: tuple[int, ...] = ()) -> NamedSharding:
+  """``sharding`` without the axes of the dims of ``shape`` they do not
+  divide, nor those of the dims ``whole``."""
+  spec = list(_even_spec(sharding.spec, shape, sharding.mesh))
+  spec += [None] * (len(shape) - len(spec))
+  return NamedSharding(sharding.mesh, P(*(
+      None if d in whole else e for d, e in enumerate(spec))))
+
+
+def _move(leaves: list, targets: list) -> list:
+  """``leaves`` (``Padded`` or not) stored as ``targets`` say: each a
+  ``(stored shape, sharding)``, or ``None`` for the logical array (shards
+  kept, the padded dims whole).
+
+  The global arrays that change shape go through one jitted program
+  (``_moved``); host values and leaves only placed are handled eagerly.
+  """
+  out, todo = list(leaves), []
+  for i, (x, target) in enumerate(zip(leaves, targets)):
+    stored = x.value if is_padded(x) else x
+    shape = x.shape if is_padded(x) else tuple(np.shape(x))
+    if target is None:
+      if not is_padded(x):
+        continue
+      sharding = logical_sharding(x)
+      if sharding is None:   # a host value
+        out[i] = x.value[_logical_index(x.shape)]
+        continue
+      pad_to = shape
+    else:
+      pad_to, sharding = target
+      if tuple(np.shape(stored)) == pad_to:   # placed only: no reshaping
+        moved = jax.device_put(stored, sharding)
+        out[i] = moved if pad_to == shape else Padded(moved, shape)
+        continue
+    padded_dims = tuple(d for d, (s, f) in enumerate(
+        zip(shape, np.shape(stored))) if s != f)
+    if not (isinstance(stored, jax.Array)
+            and isinstance(stored.sharding, NamedSharding)
+            and stored.sharding.mesh == sharding.mesh):
+      # host values, other meshes: onto this one first (one program runs
+      # on one mesh), the padded dims whole.
+      stored = jax.device_put(stored, _even(sharding, np.shape(stored),
+                                            padded_dims))
+    cut = _even(stored.sharding, shape, padded_dims)
+    todo.append((i, stored, (shape, cut, pad_to, sharding)))
+  if todo:
+    moved = _moved([v for _, v, _ in todo], tuple(m for _, _, m in todo))
+    for (i, _, (shape, _, pad_to, _)), value in zip(todo, moved):
+      out[i] = value if pad_to == shape else Padded(value, shape)
+  return out
 
 
 def unpadded(tree: PyTree) -> PyTree:
@@ -197,7 +265,7 @@ def unpadded(tree: PyTree) -> PyTree:
 
   Leaves that are not ``Padded`` come back as they are (shards kept); a
   ``Padded`` one is cut to its shape, no longer split along its padded dim
-  (which the mesh does not divide).
+  (which the mesh does not divide). One jitted program for all of them.
 
   Example:
     >>> mesh = jaxpar.make_mesh(data=8)
@@ -207,7 +275,8 @@ def unpadded(tree: PyTree) -> PyTree:
     >>> b.shape, b.sharding.is_fully_replicated
     ((3,), True)
   """
-  return jax.tree.map(_unpadded_leaf, tree, is_leaf=is_padded)
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_padded)
+  return treedef.unflatten(_move(leaves, [None] * len(leaves)))
 
 
 def place(tree: PyTree, specs: PyTree, *, mesh: Mesh) -> PyTree:
@@ -216,7 +285,7 @@ def place(tree: PyTree, specs: PyTree, *, mesh: Mesh) -> PyTree:
   Leaves already stored at their ``padded_shape`` are only placed
   (``jax.device_put``, nothing moves if they are there); others are
   unpadded and padded anew on ``mesh`` (a ``Padded`` leaf of another data
-  size, or a logical one that now needs padding).
+  size, or a logical one that now needs padding), all in one jitted program.
 
   Example:
     >>> mesh = jaxpar.make_mesh(data=8)
@@ -224,8 +293,12 @@ def place(tree: PyTree, specs: PyTree, *, mesh: Mesh) -> PyTree:
     ...                   mesh=mesh)['b'].value.sharding.spec
     P('data',)
   """
-  return jax.tree.map(lambda spec, x: _place_leaf(x, NamedSharding(mesh, spec)),
-                      specs, tree, is_leaf=_is_spec)
+  spec_tree = jax.tree.structure(specs, is_leaf=_is_spec)
+  leaves = spec_tree.flatten_up_to(tree)
+  shardings = [NamedSharding(mesh, s) for s in spec_tree.flatten_up_to(specs)]
+  return spec_tree.unflatten(_move(leaves, [
+      (padded_shape(x.shape if is_padded(x) else tuple(np.shape(x)), s.spec,
+                    mesh=mesh), s) for x, s in zip(leaves, shardings)]))
 
 
 def place_like(tree: PyTree, like: PyTree) -> PyTree:
@@ -239,23 +312,11 @@ def place_like(tree: PyTree, like: PyTree) -> PyTree:
     >>> jaxpar.zero.place_like({'b': jnp.arange(3.)}, like)['b'].value
     Array([0., 1., 2., 0., 0., 0., 0., 0.], dtype=float32)
   """
-  return jax.tree.map(
-      lambda r, x: _place_leaf(x, r.value.sharding) if is_padded(r) else x,
-      like, tree, is_leaf=is_padded)
-
-
-def _place_leaf(x: Any, sharding: NamedSharding) -> Any:
-  """One leaf (``Padded`` or not) stored for ``sharding``."""
-  mesh, spec = sharding.mesh, sharding.spec
-  shape = x.shape if is_padded(x) else tuple(np.shape(x))
-  full = padded_shape(shape, spec, mesh=mesh)
-  stored = x.value if is_padded(x) else x
-  if tuple(np.shape(stored)) == full:
-    out = jax.device_put(stored, sharding)
-    return out if full == shape else Padded(out, shape)
-  logical = jax.device_put(_unpadded_leaf(x), NamedSharding(
-      mesh, _even_spec(spec, shape, mesh)))
-  return jax.device_put(pad(logical, spec, mesh=mesh), sharding)
+  like_tree = jax.tree.structure(like, is_leaf=is_padded)
+  refs = jax.tree.leaves(like, is_leaf=is_padded)
+  return like_tree.unflatten(_move(like_tree.flatten_up_to(tree), [
+      (r.value.shape, r.value.sharding) if is_padded(r) else None
+      for r in refs]))
 
 
 def _like(tree: PyTree, ref: PyTree) -> PyTree:

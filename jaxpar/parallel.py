@@ -93,7 +93,7 @@ from jaxpar import vma, zero
 from jaxpar.data_parallel import batch_size_of, check_opt_state
 from jaxpar.mesh import axis_size
 from jaxpar.pipeline import checks, executor
-from jaxpar.pipeline.lower import lower
+from jaxpar.pipeline.lower import local_stages, lower
 from jaxpar.pipeline.schedule import Schedule
 from jaxpar.pipeline.stage import stash_policy
 from jaxpar.pipeline_model import PipelineModel, from_nnx
@@ -104,7 +104,7 @@ from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 placed_init, sharded_update)
 
 __all__ = ['LayerParams', 'PipelineModel', 'PipelineParams', 'Trainer',
-           'from_nnx', 'train_step']
+           'from_nnx', 'stages_in_model_order', 'stages_like', 'train_step']
 
 
 
@@ -117,10 +117,76 @@ def _signature(tree: PyTree) -> tuple:
           tuple(np.shape(x) for x in jax.tree.leaves(tree)))
 
 
-def _model_sharding(leaf: jax.Array) -> NamedSharding:
-  """Sharding of a ``[p, v, ...]`` leaf's model order ``[p*v, ...]``."""
-  spec = _padded(leaf.sharding.spec, leaf.ndim)
-  return NamedSharding(leaf.sharding.mesh, P(spec[0], *spec[2:]))
+def _model_sharding(leaf: Any) -> NamedSharding | None:
+  """Sharding of a ``[p, v, ...]`` leaf's model order ``[p*v, ...]``:
+  ``P(a, None, *rest)`` (ranks split over ``a``) -> ``P(a, *rest)``;
+  ``None`` for a leaf without a ``NamedSharding``."""
+  sharding = getattr(leaf, 'sharding', None)
+  if not isinstance(sharding, NamedSharding):
+    return None
+  spec = _padded(sharding.spec, len(leaf.shape))
+  return NamedSharding(sharding.mesh, P(spec[0], *spec[2:]))
+
+
+def stages_in_model_order(stages: PyTree, schedule: Schedule) -> PyTree:
+  """Stage leaves in the rank layout ``[p, v, ...]`` of ``schedule`` back in
+  model order ``[num_stages, ...]``, shards kept (``P(a, None, *rest)`` ->
+  ``P(a, *rest)``): the layout of ``Trainer.params`` and of checkpoints.
+
+  Example:
+    >>> s = jaxpar.pipeline.zbv(2, 2)   # placement (0, 1, 1, 0)
+    >>> jaxpar.parallel.stages_in_model_order(
+    ...     {'w': jnp.array([[0, 3], [1, 2]])}, s)['w'].tolist()
+    [0, 1, 2, 3]
+  """
+  return _relaid(stages, stages, schedule, to_ranks=False)
+
+
+def stages_like(stages: PyTree, like: PyTree, schedule: Schedule) -> PyTree:
+  """Model-order stage leaves ``[num_stages, ...]`` in the rank layout
+  ``[p, v, ...]`` of ``schedule``, stored as ``like``'s leaves are (their
+  shardings; numpy for numpy); inverse of ``stages_in_model_order``.
+
+  Example:
+    >>> s = jaxpar.pipeline.zbv(2, 2)
+    >>> jaxpar.parallel.stages_like({'w': np.arange(4)},
+    ...                             {'w': np.zeros((2, 2))}, s)['w'].tolist()
+    [[0, 3], [1, 2]]
+  """
+  return _relaid(stages, like, schedule, to_ranks=True)
+
+
+def _relaid(stages: PyTree, like: PyTree, schedule: Schedule, *,
+            to_ranks: bool) -> PyTree:
+  """The global arrays in one jitted program (``_relaid_arrays``), others
+  one by one."""
+  leaves, tree = jax.tree.flatten(stages)
+  refs = tree.flatten_up_to(like)
+  move = executor.stages_to_ranks if to_ranks else executor.ranks_to_stages
+  out, todo = [], []
+  for i, (a, ref) in enumerate(zip(leaves, refs)):
+    if isinstance(a, jax.Array) and _model_sharding(ref) is not None:
+      todo.append(i)
+      out.append(None)
+    else:
+      a = move(a, schedule)
+      out.append(np.asarray(a) if isinstance(ref, np.ndarray) else a)
+  if todo:
+    moves = tuple((_model_sharding(refs[i]), refs[i].sharding) if to_ranks
+                  else (_model_sharding(refs[i]),) * 2 for i in todo)
+    for i, a in zip(todo, _relaid_arrays([leaves[i] for i in todo], schedule,
+                                         moves, to_ranks)):
+      out[i] = a
+  return tree.unflatten(out)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _relaid_arrays(leaves: list, schedule: Schedule, moves: tuple,
+                   to_ranks: bool) -> list:
+  """``moves[i] = (model-order sharding, sharding of the result)``."""
+  move = executor.stages_to_ranks if to_ranks else executor.ranks_to_stages
+  return [jax.device_put(move(a, schedule, out_sharding=model), out)
+          for a, (model, out) in zip(leaves, moves)]
 
 
 def _manual(specs: PyTree, axes: frozenset[str]) -> PyTree:
@@ -313,7 +379,8 @@ def train_step(
   skip = PipelineParams(
       0, 2 if stage_mask is None else 1 + stage_mask.ndim, 0)
   if stage_mask is not None:
-    mask_ranks = np.asarray(executor.stages_to_ranks(stage_mask, schedule))
+    # the mask in the rank layout [p, v, ...], in numpy (no op to compile)
+    mask_ranks = stage_mask[np.array(local_stages(schedule))]
   view = LayerView.of(schedule, stage_mask)
   layouts = {}
 
@@ -379,15 +446,23 @@ def train_step(
               f'leaf shape {leaf.shape}.')
     for part in params:
       tp.check_divisible(part, mesh=mesh, axis=tensor_axis, layout=layout)
-    params = params._replace(
+    return placed(params)
+
+  def to_ranks(params: PipelineParams) -> PipelineParams:
+    return params._replace(
         stages=executor.stages_to_ranks(params.stages, schedule))
+
+  def init_layout(params: PipelineParams):
+    """(prepare, optimizer, state specs) of model-order params' shapes."""
+    params = jax.eval_shape(to_ranks, params)
     tp.check_axis_used(specs_of(params)[0], mesh=mesh, axis=tensor_axis)
     specs = state_specs(jax.eval_shape(lambda p: TrainState(
         jnp.zeros((), jnp.int32), p, optimizer.init(view.of_params(p))),
                                        params))
-    return placed_init(zero.pad(params, specs.params, mesh=mesh),
-                       padded_optimizer(specs), mesh=mesh,
-                       specs=lambda _: specs)
+    return (lambda p: zero.pad(to_ranks(p), specs.params, mesh=mesh),
+            padded_optimizer(specs), specs)
+
+  placed = placed_init(init_layout, mesh=mesh)
 
   def padded_optimizer(specs: TrainState) -> optax.GradientTransformation:
     """The per-layer optimizer on logical leaves, its state stored padded
@@ -398,11 +473,8 @@ def train_step(
     """Stages back in model order ``[num_stages, ...]``, at their logical
     shapes (``zero.unpadded``), shards kept."""
     params = zero.unpadded(state.params)
-    stages = jax.tree.map(
-        lambda a: executor.ranks_to_stages(a, schedule,
-                                           out_sharding=_model_sharding(a)),
-        params.stages)
-    return auto_view(params._replace(stages=stages))
+    return auto_view(params._replace(
+        stages=stages_in_model_order(params.stages, schedule)))
 
   def masked(stage_grads: PyTree) -> PyTree:
     if stage_mask is None:

@@ -382,16 +382,31 @@ def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
     part = lambda paths: _nest({p: flat[p] for p in sorted(paths, key=_name)})
     return PipelineParams(part(embed_paths), _nest(stacked), part(head_paths))
 
+  real = [(k, j) for k, c in enumerate(layout.counts) for j in range(c)]
+
+  def layer_paths(stage_paths: Sequence[Path]) -> list[Path]:
+    """The model's paths of the values ``layer_values`` gives, in order."""
+    if layers.stacked:
+      return [path + p for p in stage_paths]
+    return [path + (i,) + p for p in stage_paths for i in range(len(real))]
+
+  def layer_values(leaves: Sequence[Any]) -> list:
+    """The model's layer params from the stage leaves (``stages[k, j]``)."""
+    if layers.stacked:
+      return [jnp.stack([leaf[k, j] for k, j in real]) for leaf in leaves]
+    return [leaf[k, j] for leaf in leaves for k, j in real]
+
+  # Global arrays: one program per signature, where eager indexing compiles
+  # one op per layer and leaf shape.
+  layer_arrays = jax.jit(layer_values)
+
   def merge(pp: PipelineParams) -> nnx.State:
     values = {**_flat(pp.embed), **_flat(pp.head)}
     stages = _flat(pp.stages)
-    real = [(k, j) for k, c in enumerate(layout.counts) for j in range(c)]
-    for p, leaf in stages.items():
-      if layers.stacked:
-        values[path + p] = jnp.stack([leaf[k, j] for k, j in real])
-      else:
-        for i, (k, j) in enumerate(real):
-          values[path + (i,) + p] = leaf[k, j]
+    leaves = list(stages.values())
+    arrays = all(isinstance(v, jax.Array) for v in leaves)
+    values.update(zip(layer_paths(list(stages)),
+                      (layer_arrays if arrays else layer_values)(leaves)))
     return nnx.from_flat_state([(p, template[p].replace(values[p]))
                                 for p in sorted(params, key=_name)])
 

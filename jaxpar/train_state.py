@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -277,20 +278,61 @@ def sharded_update(state: TrainState, grads: PyTree, *, loss: jax.Array,
   return jax.sharding.auto_axes(update, out_sharding=out)(state, grads, loss)
 
 
-def placed_init(params: PyTree, optimizer: optax.GradientTransformation, *,
-                mesh: Mesh, specs: Callable[[TrainState], TrainState]
-                ) -> TrainState:
-  """A fresh ``TrainState`` built on the mesh with ``specs(state)`` shardings.
+def _signature(tree: PyTree) -> tuple:
+  """What a tree's layout depends on: its structure, shapes and dtypes."""
+  return (jax.tree.structure(tree),
+          tuple((np.shape(x), x.dtype if hasattr(x, 'dtype')
+                 else np.result_type(x)) for x in jax.tree.leaves(tree)))
 
-  ``optimizer.init`` runs jitted on the sharded params, so the optimizer
-  state is born sharded (never whole on one device).
+
+def _on_mesh(x: Any, mesh: Mesh) -> Any:
+  """``x`` as an input of a program on ``mesh``.
+
+  Host values stay as they are (the program copies each device its part);
+  an array elsewhere (one device, another mesh) is copied whole to every
+  device of ``mesh``: a copy needs no program, while moving it into a split
+  layout compiles one per shape (``jax.device_put``'s ``_multi_slice``).
   """
-  def create(params):
-    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-    return jax.tree.map(lambda x: jax.lax.convert_element_type(x, x.dtype),
-                        state)  # not weakly typed, as the step's output
-  with jax.set_mesh(_auto(mesh)):  # as inside auto_axes: constraints hint
-    out = shardings(mesh, specs(jax.eval_shape(create, params)))
-  with jax.set_mesh(mesh):
-    params = jax.device_put(params, out.params)
-    return jax.jit(jax.sharding.auto_axes(create, out_sharding=out))(params)
+  if isinstance(x, jax.Array) and not (
+      isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh):
+    return jax.device_put(x, NamedSharding(mesh, P()))
+  return x
+
+
+def placed_init(
+    layout: Callable[[PyTree], tuple[Callable[[PyTree], PyTree],
+                                     optax.GradientTransformation, TrainState]],
+    *, mesh: Mesh) -> Callable[[PyTree], TrainState]:
+  """``init(params) -> TrainState``: a fresh state built on ``mesh``.
+
+  ``layout(params) -> (prepare, optimizer, specs)`` (called once per params
+  signature, on shapes): ``prepare`` (pure ``jnp``) turns the params as given
+  into the params as stored (e.g. padded, in a rank layout), ``optimizer``
+  inits them and ``specs`` is the state's layout. Each signature is one
+  jitted program (prepare, ``optimizer.init`` on the sharded params, so the
+  optimizer state is born sharded, and the placement), compiled once per
+  trainer: no per-leaf eager op compiles.
+  """
+  programs = {}
+
+  def program(prepare, optimizer, specs):
+    def create(params):
+      state = TrainState(jnp.zeros((), jnp.int32), params,
+                         optimizer.init(params))
+      return jax.tree.map(lambda x: jax.lax.convert_element_type(x, x.dtype),
+                          state)  # not weakly typed, as the step's output
+    out = shardings(mesh, specs)
+
+    def placed(params):   # params first split as stored, then the state
+      params = jax.device_put(prepare(params), out.params)
+      return jax.sharding.auto_axes(create, out_sharding=out)(params)
+    return jax.jit(placed)
+
+  def init(params: PyTree) -> TrainState:
+    key = _signature(params)
+    if key not in programs:
+      programs[key] = program(*layout(params))
+    params = jax.tree.map(lambda x: _on_mesh(x, mesh), params)
+    with jax.set_mesh(mesh):
+      return programs[key](params)
+  return init

@@ -218,14 +218,22 @@ class PipelineLayout(NamedTuple):
 
   def stack(self, layers: list) -> Any:
     """``num_layers`` layer pytrees -> one pytree of ``[num_stages, slots,
-    ...]`` leaves, the identity slots zero (frozen by ``mask``)."""
-    zero = jax.tree.map(jnp.zeros_like, layers[0])
-    stages, i = [], 0
-    for count in self.counts:
-      stage = list(layers[i:i + count]) + [zero] * (self.slots - count)
-      stages.append(jax.tree.map(lambda *xs: jnp.stack(xs), *stage))
-      i += count
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *stages)
+    ...]`` leaves, the identity slots zero (frozen by ``mask``).
+
+    One jitted program per layout and layer signature (eager stacking
+    compiles an op per leaf shape)."""
+    return _stacked(self, layers)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _stacked(layout: PipelineLayout, layers: list) -> Any:
+  zero = jax.tree.map(jnp.zeros_like, layers[0])
+  stages, i = [], 0
+  for count in layout.counts:
+    stage = list(layers[i:i + count]) + [zero] * (layout.slots - count)
+    stages.append(jax.tree.map(lambda *xs: jnp.stack(xs), *stage))
+    i += count
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *stages)
 
 
 def split_for_pipeline(params: dict, *, num_stages: int,
@@ -297,11 +305,21 @@ def merge_from_pipeline(pipeline_params, layout: PipelineLayout) -> dict:
     embed, layers, head = pipeline_params
     return {'blocks': dict(enumerate(layers)), **embed, **head}
   embed, stages, head = pipeline_params
-  blocks = {}
-  for k, count in enumerate(layout.counts):
-    for j in range(count):
-      blocks[len(blocks)] = jax.tree.map(lambda x: x[k, j], stages)
-  return {'blocks': blocks, **embed, **head}
+  real = tuple((k, j) for k, count in enumerate(layout.counts)
+               for j in range(count))
+  arrays = all(isinstance(x, jax.Array) for x in jax.tree.leaves(stages))
+  blocks = (_blocks_of if arrays else _blocks)(stages, real)
+  return {'blocks': dict(enumerate(blocks)), **embed, **head}
+
+
+def _blocks(stages: Any, real: tuple[tuple[int, int], ...]) -> list:
+  """Block ``i`` of the dense model: slot ``real[i] = (k, j)`` of ``stages``."""
+  return [jax.tree.map(lambda x: x[k, j], stages) for k, j in real]
+
+
+# Global arrays: one program per signature (eager indexing compiles an op
+# per leaf shape and slot); numpy stays numpy.
+_blocks_of = jax.jit(_blocks, static_argnums=1)
 
 
 def functions(config: GPTConfig, *, axis: str = 'tensor'):
