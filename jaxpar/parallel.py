@@ -547,9 +547,10 @@ def train_step(
 
   compiled = jax.jit(program)
   batch_sharding = NamedSharding(mesh, P(data_axis))
-  checked = set()
+  specs_by_signature = {}   # state specs, each state signature checked once
 
-  def validate(state, batch):
+  def validate(state, batch) -> TrainState:
+    """Checks ``(state, batch)``; returns the state's specs."""
     if not isinstance(state, TrainState):
       raise TypeError('state must be a TrainState from Trainer.init, got '
                       f'{type(state).__name__}.')
@@ -562,23 +563,22 @@ def train_step(
           f'num_microbatches {m} = {n_data * m}; use a multiple of '
           f'{n_data * m}.')
     key = _signature(state)
-    if key not in checked:
+    if key not in specs_by_signature:
       logical = zero.logical_shapes(state)
       check_opt_state(logical._replace(params=optimizer_view(logical.params)),
                       optimizer)
-      checked.add(key)
+      specs_by_signature[key] = state_specs(state)
+    return specs_by_signature[key]
 
   def place(state, batch):
-    return (zero.place(state, state_specs(state), mesh=mesh),
+    return (zero.place(state, validate(state, batch), mesh=mesh),
             *jax.device_put(batch, batch_sharding))
 
   def step(state: TrainState, batch: tuple) -> tuple[TrainState, StepStats]:
-    validate(state, batch)
     with jax.set_mesh(mesh):
       return compiled(*place(state, batch), key)
 
   def lower_step(state: TrainState, batch: tuple):
-    validate(state, batch)
     with jax.set_mesh(mesh):
       return compiled.lower(*place(state, batch), key)
 

@@ -299,6 +299,8 @@ def messages(schedule) -> int:
   """The collectives over the pipeline axis in one ``pipeline_step``: the
   ticks' ``ppermute``s (one per sending offset) and sums of pending result
   rows (``jaxpar.pipeline.ticks.messages``), plus the final ``psum``."""
+  if schedule.num_ranks == 1:   # no ticks (ticks.sequential), no messages
+    return 0
   lowered = jaxpar.pipeline.lower(schedule)
   code, patterns = ticks.messages(lowered, True)
   return int(sum(sum(patterns[c]) for c in code)) + 1
