@@ -374,8 +374,10 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
     if with_edge:  # this rank's share of the row done this tick, if any
       pending, result = edge
       mine = (kind == (I if train else F)) & (stg == (0 if train else last))
-      pending = pending.at[pend].set(
-          jnp.where(mine, payload, jnp.zeros_like(payload)), mode='drop')
+      k = jnp.minimum(pend, p - 1)
+      pending = put(pending, k, jnp.where(
+          pend < p, jnp.where(mine, payload, jnp.zeros_like(payload)),
+          pending[k]))
     if len(patterns) == 1:
       got = exchange(patterns[0], payload, pending)
     else:
@@ -384,8 +386,12 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: LoweredSchedule,
                            payload, pending)
     for k, msg in zip(remote, got):
       mailbox = put(mailbox, jnp.where(recv[k] >= 0, recv[k], spare), msg)
-    if with_edge:  # the rows summed this tick into the result (else dropped)
-      edge = pending, result.at[rows_summed].set(got[-1], mode='drop')
+    if with_edge:  # the rows summed this tick into the result, if any: one
+      for k in range(p):  # in-place row write each (a select keeps the row)
+        i = jnp.minimum(rows_summed[k], m - 1)
+        result = put(result, i, jnp.where(rows_summed[k] < m, got[-1][k],
+                                          result[i]))
+      edge = pending, result
     return (mailbox, stash, wstash, tuple(state), edge), None
 
   stash = wstash = None
