@@ -74,6 +74,9 @@ def test_records_versions_and_layout_independent_checksums(saved):
   sums = integrity.array_checksums(tree(2))[0]
   assert sums == record['arrays']
   assert integrity.array_checksums(tree(2, P(None, 'tensor')))[0] == sums
+  for sharding in (P(), P(None, 'tensor')):   # the device program, as on GPU
+    assert integrity.array_checksums(tree(2, sharding),
+                                     on_device=True)[0] == sums
   assert integrity.array_checksums(jax.tree.map(np.asarray, tree(2)))[0] == sums
   a = np.asarray(tree(2)['a'])
   changed, swapped = a.copy(), a[::-1]
