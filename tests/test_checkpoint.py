@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +15,19 @@ from jax.sharding import PartitionSpec as P
 import jaxpar
 from jaxpar import checkpoint
 from jaxpar.models import gpt
+
+
+def assert_round_trip(path, state, like, *, schedule=None):
+  """Saves ``state`` and restores it onto ``like``'s layout: bit-identical,
+  every leaf on ``state``'s sharding. Returns the restored state."""
+  checkpoint.save(path, state, schedule=schedule)
+  restored = checkpoint.restore(path, like, schedule=schedule)
+  chex.assert_trees_all_equal(restored, state)
+  assert all(jax.tree.leaves(jax.tree.map(
+      lambda a, b: a.sharding.is_equivalent_to(b.sharding, a.ndim), restored,
+      state)))
+  return restored
+
 
 OPT = optax.adam(0.05)
 # A 4-layer GPT: 4 pipeline stages as interleaved 1F1B (2 ranks x 2) or 1F1B

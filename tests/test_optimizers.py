@@ -35,6 +35,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_checkpoint import assert_round_trip
 from test_data_parallel import make_batches
 
 import jaxpar
@@ -225,10 +226,4 @@ def test_3d_2x2x2(x64, zero_stage, max_grad_norm, num_layers, tmp_path):
   # Once, on the ZeRO-3 state (params and moments split over data, identity
   # slots): its optimizer state is laid out as ZeRO-1's, and zero_stage=0
   # states with schedule= are test_checkpoint.py's and test_own_model.py's.
-  jaxpar.checkpoint.save(tmp_path, state, schedule=schedule)
-  restored = jaxpar.checkpoint.restore(tmp_path, trainer.init(pp),
-                                       schedule=schedule)
-  chex.assert_trees_all_equal(restored, state)
-  assert all(jax.tree.leaves(jax.tree.map(
-      lambda a, b: a.sharding.is_equivalent_to(b.sharding, a.ndim), restored,
-      state)))
+  assert_round_trip(tmp_path, state, trainer.init(pp), schedule=schedule)

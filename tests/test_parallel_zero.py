@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_checkpoint import assert_round_trip
 from test_parallel import (FLOAT64_OPTIMIZER, batches, dense_of,
                            dense_params, float64_reference, reference)
 
@@ -81,13 +82,8 @@ def test_matches_single_device_float64(x64, case, tmp_path):
   # Momentum traces are non-zero now; a restored state is bit-identical and
   # its next step equals the reference's third step.
   saved_schedule = schedule if onto else None
-  jaxpar.checkpoint.save(tmp_path, state, schedule=saved_schedule)
-  restored = jaxpar.checkpoint.restore(tmp_path, trainer.init(pp),
-                                       schedule=saved_schedule)
-  chex.assert_trees_all_equal(restored, state)
-  assert all(jax.tree.leaves(jax.tree.map(
-      lambda a, b: a.sharding.is_equivalent_to(b.sharding, a.ndim), restored,
-      state)))
+  restored = assert_round_trip(tmp_path, state, trainer.init(pp),
+                               schedule=saved_schedule)
   _, stats = trainer.step(restored, data[2])
   np.testing.assert_allclose(stats.loss, want[2][0], rtol=1e-10)
   if onto:

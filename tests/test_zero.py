@@ -362,22 +362,10 @@ def padding_entries(tree):
 
 @functools.cache
 def odd_reference():
-  """One device, float64 (call it with x64 on), one jitted optax step."""
-  optimizer = optax.chain(optax.clip_by_global_norm(0.5), per_leaf_optimizer())
-
-  @jax.jit
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(odd_loss)(params, batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state, loss,
-            optax.tree.norm(grads))
-
-  params = odd_params()
-  opt_state, history = optimizer.init(params), []
-  for batch in odd_batches():
-    params, opt_state, loss, norm = step(params, opt_state, batch)
-    history.append((loss, norm, params))
-  return history
+  """One device, float64 (call it with x64 on): clipping and the per-leaf
+  optimizers, ``reference_run``'s jitted optax step."""
+  return reference_run(odd_params(), odd_batches(), per_leaf_optimizer(),
+                       0.5, loss_of=odd_loss)
 
 
 @pytest.mark.parametrize('stage,num_microbatches', [(0, 2), (1, 1), (3, 2)])
