@@ -77,9 +77,10 @@ import orbax.checkpoint as ocp
 from jaxpar import integrity, padding
 from jaxpar._validate import check_int
 from jaxpar.integrity import CheckpointError, leaf_name
-from jaxpar.parallel import (PipelineParams, _model_sharding,
-                             stages_in_model_order, stages_like)
 from jaxpar.pipeline.schedule import Schedule
+from jaxpar.pipeline_params import PipelineParams
+from jaxpar.stage_layout import (model_sharding, stages_in_model_order,
+                                 stages_like)
 from jaxpar.train_state import PyTree, TrainState
 
 _SHOWN = 8  # leaf paths listed in one error message
@@ -363,7 +364,7 @@ def _model_target(leaf: Any, schedule: Schedule) -> Any:
   shape = (schedule.num_stages,) + tuple(leaf.shape[2:])
   if isinstance(leaf, np.ndarray):
     return np.zeros(shape, leaf.dtype)
-  return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=_model_sharding(leaf))
+  return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=model_sharding(leaf))
 
 
 def _listing(items: list[str], sep: str) -> str:

@@ -99,6 +99,8 @@ from jaxpar.pipeline.stage import stash_policy
 from jaxpar.pipeline_model import PipelineModel, from_nnx
 from jaxpar.pipeline_params import LayerParams, PipelineParams
 from jaxpar.pipeline_view import LayerView, layerwise, mirror_specs
+from jaxpar.stage_layout import (padded_spec, stages_in_model_order,
+                                 stages_like)
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 auto_view, check_max_grad_norm, check_optimizer,
                                 placed_init, sharded_update)
@@ -108,85 +110,9 @@ __all__ = ['LayerParams', 'PipelineModel', 'PipelineParams', 'Trainer',
 
 
 
-def _padded(spec: P, ndim: int) -> tuple:
-  return tuple(spec) + (None,) * (ndim - len(spec))
-
-
 def _signature(tree: PyTree) -> tuple:
   return (jax.tree.structure(tree),
           tuple(np.shape(x) for x in jax.tree.leaves(tree)))
-
-
-def _model_sharding(leaf: Any) -> NamedSharding | None:
-  """Sharding of a ``[p, v, ...]`` leaf's model order ``[p*v, ...]``:
-  ``P(a, None, *rest)`` (ranks split over ``a``) -> ``P(a, *rest)``;
-  ``None`` for a leaf without a ``NamedSharding``."""
-  sharding = getattr(leaf, 'sharding', None)
-  if not isinstance(sharding, NamedSharding):
-    return None
-  spec = _padded(sharding.spec, len(leaf.shape))
-  return NamedSharding(sharding.mesh, P(spec[0], *spec[2:]))
-
-
-def stages_in_model_order(stages: PyTree, schedule: Schedule) -> PyTree:
-  """Stage leaves in the rank layout ``[p, v, ...]`` of ``schedule`` back in
-  model order ``[num_stages, ...]``, shards kept (``P(a, None, *rest)`` ->
-  ``P(a, *rest)``): the layout of ``Trainer.params`` and of checkpoints.
-
-  Example:
-    >>> s = jaxpar.pipeline.zbv(2, 2)   # placement (0, 1, 1, 0)
-    >>> jaxpar.parallel.stages_in_model_order(
-    ...     {'w': jnp.array([[0, 3], [1, 2]])}, s)['w'].tolist()
-    [0, 1, 2, 3]
-  """
-  return _relaid(stages, stages, schedule, to_ranks=False)
-
-
-def stages_like(stages: PyTree, like: PyTree, schedule: Schedule) -> PyTree:
-  """Model-order stage leaves ``[num_stages, ...]`` in the rank layout
-  ``[p, v, ...]`` of ``schedule``, stored as ``like``'s leaves are (their
-  shardings; numpy for numpy); inverse of ``stages_in_model_order``.
-
-  Example:
-    >>> s = jaxpar.pipeline.zbv(2, 2)
-    >>> jaxpar.parallel.stages_like({'w': np.arange(4)},
-    ...                             {'w': np.zeros((2, 2))}, s)['w'].tolist()
-    [[0, 3], [1, 2]]
-  """
-  return _relaid(stages, like, schedule, to_ranks=True)
-
-
-def _relaid(stages: PyTree, like: PyTree, schedule: Schedule, *,
-            to_ranks: bool) -> PyTree:
-  """The global arrays in one jitted program (``_relaid_arrays``), others
-  one by one."""
-  leaves, tree = jax.tree.flatten(stages)
-  refs = tree.flatten_up_to(like)
-  move = executor.stages_to_ranks if to_ranks else executor.ranks_to_stages
-  out, todo = [], []
-  for i, (a, ref) in enumerate(zip(leaves, refs)):
-    if isinstance(a, jax.Array) and _model_sharding(ref) is not None:
-      todo.append(i)
-      out.append(None)
-    else:
-      a = move(a, schedule)
-      out.append(np.asarray(a) if isinstance(ref, np.ndarray) else a)
-  if todo:
-    moves = tuple((_model_sharding(refs[i]), refs[i].sharding) if to_ranks
-                  else (_model_sharding(refs[i]),) * 2 for i in todo)
-    for i, a in zip(todo, _relaid_arrays([leaves[i] for i in todo], schedule,
-                                         moves, to_ranks)):
-      out[i] = a
-  return tree.unflatten(out)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _relaid_arrays(leaves: list, schedule: Schedule, moves: tuple,
-                   to_ranks: bool) -> list:
-  """``moves[i] = (model-order sharding, sharding of the result)``."""
-  move = executor.stages_to_ranks if to_ranks else executor.ranks_to_stages
-  return [jax.device_put(move(a, schedule, out_sharding=model), out)
-          for a, (model, out) in zip(leaves, moves)]
 
 
 def _manual(specs: PyTree, axes: frozenset[str]) -> PyTree:
@@ -396,7 +322,7 @@ def train_step(
               PipelineParams(*(tp.param_specs(part, axis=tensor_axis,
                                               layout=layout) for part in params)))
       base = base._replace(stages=jax.tree.map(
-          lambda leaf, s: P(stage_axis, *_padded(s, np.ndim(leaf))[1:]),
+          lambda leaf, s: P(stage_axis, *padded_spec(s, np.ndim(leaf))[1:]),
           params.stages, base.stages))
       split = PipelineParams(*(
           zero.data_specs(part, spec, mesh=mesh, axis=data_axis, skip=lead,
@@ -407,7 +333,7 @@ def train_step(
           np.shape(leaf)[lead:], leaf.dtype), params.stages)
       ops = LayerParams(params.embed, layer, params.head)
       ops_base = LayerParams(base.embed, jax.tree.map(
-          lambda leaf, s: P(*_padded(s, np.ndim(leaf))[lead:]),
+          lambda leaf, s: P(*padded_spec(s, np.ndim(leaf))[lead:]),
           params.stages, base.stages), base.head)
       for axis in (stage_axis,) + ((data_axis,) if zero_stage else ()):
         ops_base = LayerParams(*(zero.data_specs(part, spec, mesh=mesh,

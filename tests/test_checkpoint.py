@@ -249,3 +249,32 @@ def test_save_errors(tmp_path, args, error, match):
   with pytest.raises(error, match=match):
     checkpoint.save(kwargs.pop('directory'), kwargs.pop('state'), **kwargs)
   assert not (tmp_path / 'c').exists()
+
+
+def test_stage_layouts_move_whole_trees_and_keep_shards():
+  """``stages_like`` / ``stages_in_model_order`` (what checkpoints and
+  ``Trainer.params`` use) equal the executor's per-leaf moves, keep the
+  shards of global arrays, and refuse leaves of the wrong layout."""
+  schedule = jaxpar.pipeline.zbv(2, 2)
+  mesh = jaxpar.make_mesh(stage=2, tensor=4)
+  model = {'w': np.arange(4 * 8 * 4, dtype=np.float32).reshape(4, 8, 4),
+           'b': np.arange(4, dtype=np.float32)}
+  ranks = jaxpar.pipeline.stages_to_ranks(model, schedule)
+  like = {'w': jax.device_put(ranks['w'], NamedSharding(
+              mesh, P('stage', None, None, 'tensor'))),
+          'b': jax.device_put(ranks['b'], NamedSharding(mesh, P('stage')))}
+  placed = jaxpar.parallel.stages_like(model, like, schedule)
+  for k in model:
+    np.testing.assert_array_equal(placed[k], ranks[k])
+    assert placed[k].sharding.is_equivalent_to(like[k].sharding, placed[k].ndim)
+  back = jaxpar.parallel.stages_in_model_order(placed, schedule)
+  for k in model:
+    np.testing.assert_array_equal(back[k], model[k])
+  assert back['w'].sharding.spec == P('stage', None, 'tensor')
+  with pytest.raises(ValueError, match=r"stages\['w'\] has shape \(4, 8, 4\)"
+                     r".*\(num_ranks, num_stages // num_ranks\) = \(2, 2\)"):
+    jaxpar.parallel.stages_in_model_order(model, schedule)
+  with pytest.raises(ValueError, match='schedule.num_stages=4'):
+    jaxpar.parallel.stages_like(ranks, like, schedule)
+  with pytest.raises(TypeError, match='must be a jaxpar.pipeline.Schedule'):
+    jaxpar.parallel.stages_in_model_order(placed, 'zbv')
