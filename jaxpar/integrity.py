@@ -144,8 +144,16 @@ def array_checksums(tree: PyTree, *, on_device: bool | None = None
     >>> on_device == jaxpar.integrity.array_checksums([np.asarray(x)])
     True
   """
+  if on_device is not None and not isinstance(on_device, bool):
+    raise TypeError(f'on_device={on_device!r} must be True, False or None.')
   named = [(leaf_name(p), x) for p, x in jax.tree_util.tree_leaves_with_path(
       tree)]
+  if on_device is False and any(
+      isinstance(x, jax.Array) and not x.is_fully_addressable
+      for _, x in named):
+    raise ValueError('on_device=False sums with numpy, which needs every '
+                     'array on this process; arrays spread over processes '
+                     'need on_device=None or True.')
   groups: dict[Any, list[int]] = {}
   for i, (_, x) in enumerate(named):
     host = (_on_host(x) if on_device is None

@@ -77,6 +77,8 @@ def test_records_versions_and_layout_independent_checksums(saved):
   for sharding in (P(), P(None, 'tensor')):   # the device program, as on GPU
     assert integrity.array_checksums(tree(2, sharding),
                                      on_device=True)[0] == sums
+  with pytest.raises(TypeError, match='on_device=1 must be True, False'):
+    integrity.array_checksums(tree(2), on_device=1)
   assert integrity.array_checksums(jax.tree.map(np.asarray, tree(2)))[0] == sums
   a = np.asarray(tree(2)['a'])
   changed, swapped = a.copy(), a[::-1]
