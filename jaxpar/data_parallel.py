@@ -32,7 +32,8 @@ from jaxpar import vma, zero
 from jaxpar.mesh import axis_size
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 apply_gradients, auto_view, check_max_grad_norm,
-                                check_optimizer, placed_init, sharded_update)
+                                check_optimizer, placed_init, sharded_update,
+                                signature)
 
 BACKENDS = ('shard_map', 'pmap')
 
@@ -169,11 +170,6 @@ def _check_options(loss_fn, optimizer, max_grad_norm, backend, zero_stage
   return optimizer, zero_stage
 
 
-def _signature(tree: PyTree) -> tuple:
-  return (jax.tree.structure(tree),
-          tuple((np.shape(x), _dtype(x)) for x in jax.tree.leaves(tree)))
-
-
 def train_step(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -263,7 +259,7 @@ def train_step(
           f'num_microbatches {num_microbatches} = {n * num_microbatches}; use '
           f'a batch size that is a multiple of {n * num_microbatches} (e.g. '
           f'{max(1, size // (n * num_microbatches)) * n * num_microbatches}).')
-    key = _signature((state, batch))
+    key = signature((state, batch))
     if key not in checked:
       # Logical, unsharded shapes: user code need not be valid under
       # sharding types.
@@ -319,7 +315,7 @@ def _shard_map_step(loss_fn, optimizer, *, mesh, axis, max_grad_norm,
     on its padded state: ``zero.padded_optimizer``), from the logical
     shapes: cached."""
     logical = zero.logical_shapes(state)
-    key = _signature(logical)
+    key = signature(logical)
     if key not in layouts:
       base = jax.tree.map(lambda _: P(), logical.params)
       split = zero.data_specs(logical.params, mesh=mesh, axis=axis, pad=True)

@@ -103,16 +103,11 @@ from jaxpar.stage_layout import (padded_spec, stages_in_model_order,
                                  stages_like)
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 auto_view, check_max_grad_norm, check_optimizer,
-                                placed_init, sharded_update)
+                                placed_init, sharded_update, signature)
 
 __all__ = ['LayerParams', 'PipelineModel', 'PipelineParams', 'Trainer',
            'from_nnx', 'stages_in_model_order', 'stages_like', 'train_step']
 
-
-
-def _signature(tree: PyTree) -> tuple:
-  return (jax.tree.structure(tree),
-          tuple(np.shape(x) for x in jax.tree.leaves(tree)))
 
 
 def _manual(specs: PyTree, axes: frozenset[str]) -> PyTree:
@@ -316,7 +311,7 @@ def train_step(
     axis, the optimizer's view: also split over stage, and data with ZeRO),
     from the logical shapes (``zero.Padded`` leaves at their ``shape``)."""
     params = zero.logical_shapes(params)
-    key = _signature(params)
+    key = signature(params)
     if key not in layouts:
       base = (tensor_specs(params, n_tensor) if tensor_specs is not None else
               PipelineParams(*(tp.param_specs(part, axis=tensor_axis,
@@ -488,7 +483,7 @@ def train_step(
           f'batch size {size} is not divisible by {data_axis} size {n_data} x '
           f'num_microbatches {m} = {n_data * m}; use a multiple of '
           f'{n_data * m}.')
-    key = _signature(state)
+    key = signature(state)
     if key not in specs_by_signature:
       logical = zero.logical_shapes(state)
       check_opt_state(logical._replace(params=optimizer_view(logical.params)),

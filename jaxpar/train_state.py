@@ -278,8 +278,9 @@ def sharded_update(state: TrainState, grads: PyTree, *, loss: jax.Array,
   return jax.sharding.auto_axes(update, out_sharding=out)(state, grads, loss)
 
 
-def _signature(tree: PyTree) -> tuple:
-  """What a tree's layout depends on: its structure, shapes and dtypes."""
+def signature(tree: PyTree) -> tuple:
+  """What a tree's layout and programs depend on: its structure, shapes and
+  dtypes (a cache key; the values do not enter it)."""
   return (jax.tree.structure(tree),
           tuple((np.shape(x), x.dtype if hasattr(x, 'dtype')
                  else np.result_type(x)) for x in jax.tree.leaves(tree)))
@@ -329,7 +330,7 @@ def placed_init(
     return jax.jit(placed)
 
   def init(params: PyTree) -> TrainState:
-    key = _signature(params)
+    key = signature(params)
     if key not in programs:
       programs[key] = program(*layout(params))
     params = jax.tree.map(lambda x: _on_mesh(x, mesh), params)
