@@ -18,8 +18,8 @@ import sys
 
 import jax.numpy as jnp
 
-from jaxpar import checkpoint
-from jaxpar import integrity
+from jaxpar.checkpoint import _checkpoint as checkpoint
+from jaxpar.checkpoint import _integrity as integrity
 
 LOOP_SIZE = 1 << 22   # floats per leaf in loop mode (16 MiB)
 

@@ -8,7 +8,7 @@ processes) from the latest checkpoint in ``CKPT_DIR``, saving every
 per step to ``OUT_DIR/losses.jsonl`` (``resumed_from`` first).
 
 * With ``kill``, process 1 dies by SIGKILL mid-training (``DRILL_KILL_AT``).
-* Without, the run also trains ``data_parallel_step`` on ``data=8``
+* Without, the run also trains ``data_parallel.trainer`` on ``data=8``
   (``train_dp``), and process 0 writes ``OUT_DIR/result.json``: both runs'
   results (the dense GPT params at the end), whether a sharded leaf
   all-gathers right (``to_host``) and whether the last checkpoint restores
@@ -51,10 +51,10 @@ def dp_setup():
 
 
 def train_dp() -> dict:
-  """``DP_STEPS`` steps of ``data_parallel_step`` on ``data=8``."""
+  """``DP_STEPS`` steps of ``data_parallel.trainer`` on ``data=8``."""
   loss_fn, params, batches, opt = dp_setup()
-  step = jaxpar.data_parallel_step(loss_fn, opt, mesh=jaxpar.make_mesh(data=8),
-                                   max_grad_norm=1.0)
+  step = jaxpar.data_parallel.trainer(loss_fn, opt, mesh=jaxpar.make_mesh(data=8),
+                                   max_grad_norm=1.0).step
   state = jaxpar.TrainState.create(params, opt)
   losses = []
   for batch in batches:
@@ -132,7 +132,7 @@ def drill(out_dir: str, ckpt_dir: str, kill: bool) -> int:
   _, params, opt = gpt_setup()
   pp, layout = gpt.split_for_pipeline(params, num_stages=2)
   schedule = jaxpar.pipeline.one_f_one_b(2, 2)
-  trainer = jaxpar.parallel.train_step(
+  trainer = jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, opt, schedule=schedule,
       mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
       stage_mask=layout.mask, max_grad_norm=1.0)

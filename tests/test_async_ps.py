@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import jaxpar
-from jaxpar import async_ps
+from jaxpar.async_ps import _server as async_ps
 
 FEATURES = 4
 W_TRUE = np.linspace(-1.0, 2.0, FEATURES)
@@ -293,7 +293,7 @@ def test_run_stops_after_max_skipped_non_finite_pushes():
   bad = make_batches(1, dtype=np.float32)[0]
   bad = dict(bad, x=np.full_like(bad['x'], np.nan))
   forever = iter(lambda: bad, None)           # an endless stream of NaN batches
-  with pytest.raises(jaxpar.guard.TooManySkippedError,
+  with pytest.raises(jaxpar.TooManySkippedError,
                      match=r'3 pushes in a row.*max_skipped=3.*step 3'):
     run_guarded(lambda: ps.run(forever, 5, max_skipped=3), timeout=30)
   assert not worker_threads()

@@ -18,7 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxpar
-from jaxpar import checkpoint, demo, distributed, guard, pipeline
+from jaxpar.checkpoint import _checkpoint as checkpoint
+from jaxpar.cli import demo
+from jaxpar.distributed import _distributed as distributed
+from jaxpar import train_state as guard, pipeline
 
 CASES = collections.Counter()
 EXAMPLES = 25
@@ -67,11 +70,11 @@ TARGETS = {
     'gpipe(num_ranks)': ('num_ranks', lambda v: pipeline.gpipe(v, 4)),
     'one_f_one_b(num_microbatches)': (
         'num_microbatches', lambda v: pipeline.one_f_one_b(2, v)),
-    'interleaved_1f1b(num_virtual)': (
-        'virtual', lambda v: pipeline.interleaved_1f1b(2, 4, v)),
+    'interleaved_one_f_one_b(num_virtual)': (
+        'virtual', lambda v: pipeline.interleaved_one_f_one_b(2, 4, v)),
     'zero_bubble_h1(num_ranks)': ('num_ranks',
                                   lambda v: pipeline.zero_bubble_h1(v, 4)),
-    'zbv(num_microbatches)': ('num_microbatches', lambda v: pipeline.zbv(2, v)),
+    'zero_bubble_v(num_microbatches)': ('num_microbatches', lambda v: pipeline.zero_bubble_v(2, v)),
     'TrainState.create(optimizer)': ('optimizer', lambda v: (
         jaxpar.TrainState.create({'w': jnp.zeros(2)}, v))),
     'AsyncParameterServer(num_workers)': ('num_workers',

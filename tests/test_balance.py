@@ -11,8 +11,8 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.models import gpt
-from jaxpar.pipeline import stage_balance as balance_module
-from jaxpar.pipeline.stage_balance import balance, stage_costs
+from jaxpar.pipeline.schedules import _balance as balance_module
+from jaxpar.pipeline.schedules._balance import balance, stage_costs
 
 
 def brute_force(costs, num_stages, first, last):
@@ -40,7 +40,7 @@ def test_optimal_against_brute_force(seed):
 
 
 def test_even_costs_match_the_gpt_layout():
-  # Equal costs: the first L % S stages one more layer, like PipelineLayout.
+  # Equal costs: the first L % S stages one more layer, like LayerSplit.
   assert balance([1.0] * 6, 4) == (2, 2, 1, 1)
   assert balance([1.0] * 7, 3) == (3, 2, 2)
 

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar import checkpoint
+from jaxpar.checkpoint import _checkpoint as checkpoint
 from jaxpar.models import gpt
 
 
@@ -34,11 +34,11 @@ OPT = optax.adam(0.05)
 # (4 ranks); 4 heads for tensor=4.
 CFG = gpt.GPTConfig(vocab_size=16, seq_len=4, d_model=8, num_heads=4,
                     num_layers=4)
-SCHEDULE = jaxpar.pipeline.interleaved_1f1b(2, 2, 2)
+SCHEDULE = jaxpar.pipeline.interleaved_one_f_one_b(2, 2, 2)
 MESHES = {  # (data, stage, tensor): schedule with 4 stages
     (2, 2, 2): SCHEDULE,
     (1, 4, 2): jaxpar.pipeline.one_f_one_b(4, 4),
-    (8, 1, 1): jaxpar.pipeline.interleaved_1f1b(1, 1, 4),
+    (8, 1, 1): jaxpar.pipeline.interleaved_one_f_one_b(1, 1, 4),
     (1, 2, 4): SCHEDULE,
 }
 
@@ -67,7 +67,7 @@ def _setup():
 def _trainer(sizes):
   pp, layout, _ = _setup()
   d, s, t = sizes
-  return jaxpar.parallel.train_step(
+  return jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, OPT,
       schedule=MESHES[sizes], mesh=jaxpar.make_mesh(data=d, stage=s, tensor=t),
       stage_mask=layout.mask, max_grad_norm=1.0)
@@ -157,8 +157,8 @@ def test_zero_state_round_trip(tmp_path):
   params = {'w': jnp.arange(91.0).reshape(7, 13), 'b': jnp.ones(3)}
   plain = jaxpar.TrainState.create(params, OPT)
   mesh6 = jaxpar.make_mesh(data=6, devices=jax.devices()[:6])
-  state = jaxpar.zero.shard_state(plain, mesh=mesh6, zero_stage=3)
-  assert isinstance(state.params['w'], jaxpar.zero.Padded)
+  state = jaxpar.data_parallel.shard_state(plain, mesh=mesh6, zero_stage=3)
+  assert isinstance(state.params['w'], jaxpar.data_parallel.Padded)
   checkpoint.save(tmp_path / 'zero', state)
   restored = checkpoint.restore(tmp_path / 'zero', state)
   assert jax.tree.structure(restored) == jax.tree.structure(state)
@@ -167,10 +167,10 @@ def test_zero_state_round_trip(tmp_path):
   # Saved at logical shapes: restore onto other data sizes and stages.
   for data, zero_stage in ((8, 1), (4, 0)):
     mesh = jaxpar.make_mesh(data=data, devices=jax.devices()[:data])
-    like = jaxpar.zero.shard_state(plain, mesh=mesh, zero_stage=zero_stage)
+    like = jaxpar.data_parallel.shard_state(plain, mesh=mesh, zero_stage=zero_stage)
     restored = checkpoint.restore(tmp_path / 'zero', like)
     assert jax.tree.structure(restored) == jax.tree.structure(like)
-    assert _equal(jaxpar.zero.unpadded(restored), plain)
+    assert _equal(jaxpar.data_parallel.unpadded(restored), plain)
     mu = restored.opt_state[0].mu['w']
     assert mu.sharding == like.opt_state[0].mu['w'].sharding
     if zero_stage:   # 7 x 13 on 8 devices: 13 padded to 16
@@ -255,7 +255,7 @@ def test_stage_layouts_move_whole_trees_and_keep_shards():
   """``stages_like`` / ``stages_in_model_order`` (what checkpoints and
   ``Trainer.params`` use) equal the executor's per-leaf moves, keep the
   shards of global arrays, and refuse leaves of the wrong layout."""
-  schedule = jaxpar.pipeline.zbv(2, 2)
+  schedule = jaxpar.pipeline.zero_bubble_v(2, 2)
   mesh = jaxpar.make_mesh(stage=2, tensor=4)
   model = {'w': np.arange(4 * 8 * 4, dtype=np.float32).reshape(4, 8, 4),
            'b': np.arange(4, dtype=np.float32)}
@@ -277,4 +277,4 @@ def test_stage_layouts_move_whole_trees_and_keep_shards():
   with pytest.raises(ValueError, match='schedule.num_stages=4'):
     jaxpar.parallel.stages_like(ranks, like, schedule)
   with pytest.raises(TypeError, match='must be a jaxpar.pipeline.Schedule'):
-    jaxpar.parallel.stages_in_model_order(placed, 'zbv')
+    jaxpar.parallel.stages_in_model_order(placed, 'zero_bubble_v')

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxpar import __main__ as cli
-from jaxpar import demo
+from jaxpar.cli import demo
 
 
 def jaxpar_cli(*args, timeout=600):
@@ -116,7 +116,7 @@ def test_two_processes_give_the_losses_of_one_device(tmp_path,
   in one process."""
   out = tmp_path / 'launch.json'
   result = jaxpar_cli('launch', '-n', '2', '--devices-per-process', '4', '--',
-                      'demo', '--steps', '3', *TINY, '--schedule', 'zbv',
+                      'demo', '--steps', '3', *TINY, '--schedule', 'zero_bubble_v',
                       '--microbatches', '2', '--zero', '3', '--json', str(out))
   assert result.returncode == 0, result.stdout[-3000:]
   assert '(8 cpu devices, 2 process(es))' in result.stdout

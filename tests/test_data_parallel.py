@@ -102,9 +102,9 @@ def test_matches_single_device_float64(x64, backend, num_microbatches,
   params = init_params(dtype=jnp.float64)
   batches = make_batches(4, 32, dtype=np.float64)
   optimizer = optax.adam(0.05)
-  step = jaxpar.data_parallel_step(
+  step = jaxpar.data_parallel.trainer(
       loss_fn, optimizer, mesh=jaxpar.make_mesh(data=8), backend=backend,
-      num_microbatches=num_microbatches, max_grad_norm=max_grad_norm)
+      num_microbatches=num_microbatches, max_grad_norm=max_grad_norm).step
   state, got = parallel_run(step, params, batches, optimizer)
   assert_same_history(got, adam_reference(max_grad_norm), rtol=1e-10)
   assert int(state.step) == len(batches)
@@ -120,8 +120,8 @@ def test_any_mesh_shape_float64(x64, sizes):
   params = init_params(dtype=jnp.float64)
   batches = make_batches(3, 16, dtype=np.float64)
   optimizer = optax.sgd(0.1, momentum=0.9)
-  step = jaxpar.data_parallel_step(loss_fn, optimizer, mesh=mesh,
-                                   num_microbatches=2, max_grad_norm=0.5)
+  step = jaxpar.data_parallel.trainer(loss_fn, optimizer, mesh=mesh,
+                                   num_microbatches=2, max_grad_norm=0.5).step
   _, got = parallel_run(step, params, batches, optimizer)
   assert_same_history(got, reference_run(params, batches, optimizer, 0.5),
                       rtol=1e-10)
@@ -131,9 +131,9 @@ def test_matches_single_device_float32():
   params = init_params()
   batches = make_batches(3, 64)
   optimizer = optax.adamw(0.01)
-  step = jaxpar.data_parallel_step(loss_fn, optimizer,
+  step = jaxpar.data_parallel.trainer(loss_fn, optimizer,
                                    mesh=jaxpar.make_mesh(data=8),
-                                   num_microbatches=4, max_grad_norm=1.0)
+                                   num_microbatches=4, max_grad_norm=1.0).step
   _, got = parallel_run(step, params, batches, optimizer)
   assert_same_history(got, reference_run(params, batches, optimizer, 1.0),
                       rtol=1e-5)
@@ -144,9 +144,9 @@ def test_gradient_is_the_mean_not_n_times_it(x64, backend):
   """The shard_map pitfall: an implicit psum would make the step N x larger."""
   params = init_params(dtype=jnp.float64)
   batch = make_batches(1, 16, dtype=np.float64)[0]
-  step = jaxpar.data_parallel_step(loss_fn, optax.sgd(1.0),
+  step = jaxpar.data_parallel.trainer(loss_fn, optax.sgd(1.0),
                                    mesh=jaxpar.make_mesh(data=8),
-                                   backend=backend)
+                                   backend=backend).step
   state, _ = step(jaxpar.TrainState.create(params, optax.sgd(1.0)), batch)
   grads = jax.grad(loss_fn)(params, batch)
   applied = jax.tree.map(jnp.subtract, params, state.params)
@@ -156,9 +156,9 @@ def test_gradient_is_the_mean_not_n_times_it(x64, backend):
 def test_aux_is_averaged(x64):
   params = init_params(dtype=jnp.float64)
   batch = make_batches(1, 16, dtype=np.float64)[0]
-  step = jaxpar.data_parallel_step(loss_with_aux, optax.sgd(0.1),
+  step = jaxpar.data_parallel.trainer(loss_with_aux, optax.sgd(0.1),
                                    mesh=jaxpar.make_mesh(data=8),
-                                   has_aux=True, num_microbatches=2)
+                                   has_aux=True, num_microbatches=2).step
   _, stats = step(jaxpar.TrainState.create(params, optax.sgd(0.1)), batch)
   np.testing.assert_allclose(stats.aux['loss_x2'], 2 * loss_fn(params, batch),
                              rtol=1e-12)
@@ -172,8 +172,8 @@ def test_accepts_numpy_and_unplaced_arrays_and_compiles_once():
     return loss_fn(params, batch)
 
   optimizer = optax.sgd(0.1)
-  step = jaxpar.data_parallel_step(counted_loss, optimizer,
-                                   mesh=jaxpar.make_mesh(data=8))
+  step = jaxpar.data_parallel.trainer(counted_loss, optimizer,
+                                   mesh=jaxpar.make_mesh(data=8)).step
   state = jaxpar.TrainState.create(init_params(), optimizer)
   for i, batch in enumerate(make_batches(4, 16)):
     if i % 2:
@@ -200,9 +200,9 @@ def test_microbatching_bounds_activation_memory():
   state = jaxpar.TrainState.create(params, optax.sgd(0.1))
   temp = {}
   for k in (1, 8):
-    step = jaxpar.data_parallel_step(big_loss, optax.sgd(0.1),
+    step = jaxpar.data_parallel.trainer(big_loss, optax.sgd(0.1),
                                      mesh=jaxpar.make_mesh(data=8),
-                                     num_microbatches=k)
+                                     num_microbatches=k).step
     temp[k] = step.lower(state, batch).compile().memory_analysis(
     ).temp_size_in_bytes
   activations = per_device * wide * 4  # one device's [b, wide] float32 activation
@@ -212,8 +212,8 @@ def test_microbatching_bounds_activation_memory():
 
 def test_non_finite_step_is_skipped():
   optimizer = optax.adam(0.1)
-  step = jaxpar.data_parallel_step(loss_fn, optimizer,
-                                   mesh=jaxpar.make_mesh(data=8))
+  step = jaxpar.data_parallel.trainer(loss_fn, optimizer,
+                                   mesh=jaxpar.make_mesh(data=8)).step
   state = jaxpar.TrainState.create(init_params(), optimizer)
   good, bad = make_batches(2, 16)
   bad['x'][3, 1] = np.nan
@@ -230,8 +230,8 @@ def test_infinite_gradient_is_skipped():
   def loss_inf_grad(params, batch):
     return jnp.sqrt(jnp.abs(params['out']['b'][0] - 0.1)) + loss_fn(params, batch)
 
-  step = jaxpar.data_parallel_step(loss_inf_grad, optax.sgd(0.1),
-                                   mesh=jaxpar.make_mesh(data=8))
+  step = jaxpar.data_parallel.trainer(loss_inf_grad, optax.sgd(0.1),
+                                   mesh=jaxpar.make_mesh(data=8)).step
   state = jaxpar.TrainState.create(init_params(), optax.sgd(0.1))
   new, stats = step(state, make_batches(1, 16)[0])
   assert np.isfinite(stats.loss) and bool(stats.skipped)
@@ -243,7 +243,7 @@ class TestErrors:
 
   def step(self, fn=loss_fn, **kw):
     kw.setdefault('mesh', jaxpar.make_mesh(data=8))
-    return jaxpar.data_parallel_step(fn, optax.sgd(0.1), **kw)
+    return jaxpar.data_parallel.trainer(fn, optax.sgd(0.1), **kw).step
 
   def state(self):
     return jaxpar.TrainState.create(init_params(), optax.sgd(0.1))
@@ -273,8 +273,8 @@ class TestErrors:
 
   def test_not_an_optax_optimizer(self):
     with pytest.raises(TypeError, match='optax.GradientTransformation'):
-      jaxpar.data_parallel_step(loss_fn, lambda g: g,
-                                mesh=jaxpar.make_mesh(data=8))
+      jaxpar.data_parallel.trainer(loss_fn, lambda g: g,
+                                mesh=jaxpar.make_mesh(data=8)).step
 
   def test_bad_options(self):
     with pytest.raises(ValueError, match='num_microbatches=0'):

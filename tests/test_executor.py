@@ -1,4 +1,4 @@
-"""pipeline_step / pipeline_apply: exactly the sequential model, memory flat in m."""
+"""pipeline_value_and_grad / pipeline_apply: exactly the sequential model, memory flat in m."""
 
 import math
 import re
@@ -11,14 +11,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar.bench.pipeline import gpipe_autodiff_step
+from jaxpar.cli.bench.pipeline import gpipe_autodiff_step
 from jaxpar import pipeline as sch
-from jaxpar.pipeline.executor import (PipelineGrads, pipeline_apply,
-                                      pipeline_apply_local, pipeline_step,
-                                      pipeline_step_local, ranks_to_stages,
+from jaxpar.pipeline.executor._pipeline import (PipelineGrads, pipeline_apply,
+                                      pipeline_apply_local, pipeline_value_and_grad,
+                                      pipeline_value_and_grad_local, ranks_to_stages,
                                       stages_to_ranks)
-from jaxpar.pipeline import ticks
-from jaxpar.pipeline.lower import local_stages, lower
+from jaxpar.pipeline.executor import _tick_scan as ticks
+from jaxpar.pipeline.schedules._tick_table import local_stages, tick_table
 from test_lower import CONSTRUCTORS as SCHEDULES
 
 D, MB, OUT = 8, 2, 3  # width, microbatch size, target width
@@ -87,8 +87,8 @@ EXACT = [
     ('interleaved', 1, 2, True), ('interleaved', 2, 4, False),
     ('interleaved', 4, 4, True),
     ('zb_h1', 2, 1, False), ('zb_h1', 4, 6, True),
-    ('zbv', 1, 2, True), ('zbv', 2, 3, False), ('zbv', 4, 5, True),
-    ('zbv', 8, 4, False),
+    ('zero_bubble_v', 1, 2, True), ('zero_bubble_v', 2, 3, False), ('zero_bubble_v', 4, 5, True),
+    ('zero_bubble_v', 8, 4, False),
 ]
 
 
@@ -96,7 +96,7 @@ EXACT = [
 def test_exact_float64(x64, name, p, m, remat):
   schedule = SCHEDULES[name](p, m)
   args = model(schedule.num_stages, m * MB)
-  step = pipeline_step(stage_fn, loss_fn, schedule=schedule, mesh=mesh_for(p),
+  step = pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule, mesh=mesh_for(p),
                        remat=remat, bubble_fill=NAN)
   assert_exact(step(*args), reference(*args, m), rtol=1e-10)
 
@@ -107,7 +107,7 @@ def test_exact_float32_on_a_data_parallel_mesh():
   schedule = sch.zero_bubble_h1(p, m)
   mesh = jaxpar.make_mesh(data=2, stage=p)
   stages, loss_params, x, t = args = model(p, m * MB, np.float32)
-  step = pipeline_step(stage_fn, loss_fn, schedule=schedule, mesh=mesh)
+  step = pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule, mesh=mesh)
   # Arguments placed by the caller (batch split over 'data') work too.
   placed = (jax.device_put(stages, NamedSharding(mesh, P('stage'))),
             loss_params, jax.device_put(x, NamedSharding(mesh, P('data'))), t)
@@ -116,9 +116,9 @@ def test_exact_float32_on_a_data_parallel_mesh():
 
 def test_bubbles_are_inert(x64):
   """NaN in every unwritten slot and idle send changes no bit of the result."""
-  schedule = sch.interleaved_1f1b(2, 4, 2)
+  schedule = sch.interleaved_one_f_one_b(2, 4, 2)
   args = model(4, 4 * MB)
-  nan, zero = (pipeline_step(stage_fn, loss_fn, schedule=schedule,
+  nan, zero = (pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule,
                              mesh=mesh_for(2), bubble_fill=fill)(*args)
                for fill in (NAN, 0.0))
   for a, b in zip(jax.tree.leaves(nan), jax.tree.leaves(zero)):
@@ -127,11 +127,11 @@ def test_bubbles_are_inert(x64):
 
 
 def local_step(lowered, mesh, *, bubble_fill):
-  """``pipeline_step_local`` in a shard_map over 'stage' (as pipeline_step)."""
+  """``pipeline_value_and_grad_local`` in a shard_map over 'stage' (as pipeline_value_and_grad)."""
   schedule = lowered.schedule
 
   def body(params, loss_params, x, t):
-    loss, g = pipeline_step_local(
+    loss, g = pipeline_value_and_grad_local(
         stage_fn, loss_fn, jax.tree.map(lambda a: a[0], params), loss_params,
         x, t, lowered=lowered, bubble_fill=bubble_fill)
     return loss, g._replace(stages=jax.tree.map(lambda a: a[None], g.stages))
@@ -146,7 +146,7 @@ def local_step(lowered, mesh, *, bubble_fill):
 def test_nan_fill_exposes_a_bad_table(x64):
   """The NaN test can fail: a table that reads an unwritten slot gives NaN."""
   schedule = sch.one_f_one_b(2, 2)
-  low = lower(schedule)
+  low = tick_table(schedule)
   assert low.num_mailbox_slots == 2 and low.read_slot[1, 1] == 0
   bad = low._replace(read_slot=low.read_slot.copy())
   bad.read_slot[1, 1] = 1  # rank 1's first F reads the never-written slot 1
@@ -164,21 +164,21 @@ def tp_stage_fn(params, x):
 
 
 def test_composes_with_data_and_tensor_axes(x64):
-  """pipeline_step_local inside a (data, stage, tensor) shard_map is exact."""
+  """pipeline_value_and_grad_local inside a (data, stage, tensor) shard_map is exact."""
   mesh = jaxpar.make_mesh(data=2, stage=2, tensor=2)
-  schedule = sch.zbv(2, 3)  # V shape, split backward: psum in F, I and W
+  schedule = sch.zero_bubble_v(2, 3)  # V shape, split backward: psum in F, I and W
   m, n, hidden = 3, schedule.num_stages, 8
   rng = np.random.default_rng(1)
   stages = {'w1': rng.normal(size=(n, D, hidden)) / math.sqrt(D),
             'w2': rng.normal(size=(n, hidden, D)) / math.sqrt(hidden)}
   _, loss_params, x, t = model(n, 2 * m * MB, seed=2)
-  lowered = lower(schedule)
+  lowered = tick_table(schedule)
   specs = {'w1': P('stage', None, None, 'tensor'),
            'w2': P('stage', None, 'tensor', None)}
 
   def body(params, loss_params, x, t):
     params = jax.tree.map(lambda a: a[0], params)
-    loss, g = pipeline_step_local(tp_stage_fn, loss_fn, params, loss_params,
+    loss, g = pipeline_value_and_grad_local(tp_stage_fn, loss_fn, params, loss_params,
                                   x, t, lowered=lowered, bubble_fill=NAN)
     loss, dstages, dloss = jax.lax.pmean((loss, g.stages, g.loss), 'data')
     # g.inputs is d(this shard's mean)/dx: 1/2 of it is d(global mean)/dx.
@@ -209,7 +209,7 @@ def test_composes_with_data_and_tensor_axes(x64):
                                atol=1e-10 * float(np.max(np.abs(w))))
 
 
-@pytest.mark.parametrize('name,p,m', [('1f1b', 4, 6), ('zbv', 2, 3),
+@pytest.mark.parametrize('name,p,m', [('1f1b', 4, 6), ('zero_bubble_v', 2, 3),
                                       ('interleaved', 1, 3)])
 def test_apply_is_the_sequential_forward(x64, name, p, m):
   schedule = SCHEDULES[name](p, m)
@@ -223,8 +223,8 @@ def test_apply_is_the_sequential_forward(x64, name, p, m):
 
 
 def test_layout_round_trip():
-  for schedule in (sch.one_f_one_b(4, 4), sch.interleaved_1f1b(2, 2, 3),
-                   sch.zbv(4, 4)):
+  for schedule in (sch.one_f_one_b(4, 4), sch.interleaved_one_f_one_b(2, 2, 3),
+                   sch.zero_bubble_v(4, 4)):
     tree = {'a': np.arange(schedule.num_stages * 2).reshape(-1, 2)}
     ranks = stages_to_ranks(tree, schedule)
     assert ranks['a'].shape == (schedule.num_ranks,
@@ -234,7 +234,7 @@ def test_layout_round_trip():
         np.testing.assert_array_equal(ranks['a'][r, j], tree['a'][k])
     np.testing.assert_array_equal(ranks_to_stages(ranks, schedule)['a'],
                                   tree['a'])
-  ranks = stages_to_ranks(np.arange(4), sch.zbv(2, 2))
+  ranks = stages_to_ranks(np.arange(4), sch.zero_bubble_v(2, 2))
   np.testing.assert_array_equal(ranks, [[0, 3], [1, 2]])
 
 
@@ -251,7 +251,7 @@ def compiled(step, num_stages, m, mb=4, width=32):
   return step.lower(*args).compile()
 
 
-@pytest.mark.parametrize('name', ['1f1b', 'zb_h1', 'zbv'])
+@pytest.mark.parametrize('name', ['1f1b', 'zb_h1', 'zero_bubble_v'])
 def test_memory_and_program_flat_in_m(name):
   """Fixed microbatch size, 8x the microbatches: same scratch, same program.
 
@@ -260,7 +260,7 @@ def test_memory_and_program_flat_in_m(name):
   """
   p = 4
   small, large = (compiled(
-      pipeline_step(stage_fn, loss_fn, schedule=SCHEDULES[name](p, m),
+      pipeline_value_and_grad(stage_fn, loss_fn, schedule=SCHEDULES[name](p, m),
                     mesh=mesh_for(p)), SCHEDULES[name](p, m).num_stages, m)
       for m in (8, 64))
   mem_s, mem_l = small.memory_analysis(), large.memory_analysis()
@@ -281,7 +281,7 @@ def test_memory_and_program_flat_in_m(name):
 
 
 @pytest.mark.parametrize('name,p,m', [('1f1b', 4, 8), ('1f1b', 2, 7),
-                                      ('zb_h1', 4, 6), ('zbv', 2, 5),
+                                      ('zb_h1', 4, 6), ('zero_bubble_v', 2, 5),
                                       ('interleaved', 2, 4), ('gpipe', 3, 3)])
 @pytest.mark.parametrize('training', [True, False])
 def test_the_result_is_summed_num_ranks_rows_at_a_time(name, p, m, training):
@@ -347,7 +347,7 @@ def test_errors_before_compiling():
   schedule = sch.one_f_one_b(p, m)
   mesh = mesh_for(p)
   stages, loss_params, x, t = model(p, m * MB, np.float32)
-  step = pipeline_step(stage_fn, loss_fn, schedule=schedule, mesh=mesh)
+  step = pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule, mesh=mesh)
   bad_stages = jax.tree.map(lambda a: a[:1], stages)
   with pytest.raises(ValueError, match=r"stage_params\['b'\] has shape \(1, "
                      r"\d+\); stage_params\['gate'\]\['s'\] has shape \(1,\); "
@@ -359,34 +359,34 @@ def test_errors_before_compiling():
   with pytest.raises(ValueError, match=r'targets has shape \(2, 3\).*batch size 4'):
     step(stages, loss_params, x, t[:2])
   with pytest.raises(ValueError, match=r'float32\[2, 8\] to float32\[2, 4\]'):
-    pipeline_step(lambda p_, x: x[:, :4], loss_fn, schedule=schedule,
+    pipeline_value_and_grad(lambda p_, x: x[:, :4], loss_fn, schedule=schedule,
                   mesh=mesh)(stages, loss_params, x, t)
   with pytest.raises(TypeError, match='must be floating point'):
     step(stages, loss_params, x.astype(np.int32), t)
   with pytest.raises(ValueError, match="axis 'stage' has size 4.*num_ranks=2"):
-    pipeline_step(stage_fn, loss_fn, schedule=schedule, mesh=mesh_for(4))
+    pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule, mesh=mesh_for(4))
   with pytest.raises(ValueError, match="no axis 'pipe'"):
-    pipeline_step(stage_fn, loss_fn, schedule=schedule, mesh=mesh, axis='pipe')
+    pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule, mesh=mesh, axis='pipe')
   with pytest.raises(TypeError, match='schedule must be'):
-    pipeline_step(stage_fn, loss_fn, schedule='1f1b', mesh=mesh)
+    pipeline_value_and_grad(stage_fn, loss_fn, schedule='1f1b', mesh=mesh)
   with pytest.raises(TypeError, match='loss_fn must be callable'):
-    pipeline_step(stage_fn, None, schedule=schedule, mesh=mesh)
+    pipeline_value_and_grad(stage_fn, None, schedule=schedule, mesh=mesh)
   with pytest.raises(TypeError, match='bubble_fill'):
-    pipeline_step(stage_fn, loss_fn, schedule=schedule, mesh=mesh,
+    pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule, mesh=mesh,
                   bubble_fill='nan')
   with pytest.raises(ValueError, match='stage_params.*num_stages=2'):
     pipeline_apply(stage_fn, bad_stages, x, schedule=schedule, mesh=mesh)
   with pytest.raises(ValueError, match='use pipeline_apply_local'):
-    pipeline_step_local(stage_fn, loss_fn, stages, loss_params, x, t,
-                        lowered=lower(schedule, forward_only=True))
+    pipeline_value_and_grad_local(stage_fn, loss_fn, stages, loss_params, x, t,
+                        lowered=tick_table(schedule, forward_only=True))
   with pytest.raises(ValueError, match='F actions only'):
-    pipeline_apply_local(stage_fn, stages, x, lowered=lower(schedule))
-  with pytest.raises(TypeError, match='LoweredSchedule'):
+    pipeline_apply_local(stage_fn, stages, x, lowered=tick_table(schedule))
+  with pytest.raises(TypeError, match='TickTable'):
     pipeline_apply_local(stage_fn, stages, x, lowered=schedule)
   four = model(4, m * MB, np.float32)[0]
   with pytest.raises(ValueError, match="axis 'stage' has size 4.*num_ranks=2"):
-    jax.shard_map(lambda s: pipeline_step_local(
-        stage_fn, loss_fn, s, loss_params, x, t, lowered=lower(schedule)),
+    jax.shard_map(lambda s: pipeline_value_and_grad_local(
+        stage_fn, loss_fn, s, loss_params, x, t, lowered=tick_table(schedule)),
                   mesh=mesh_for(4), in_specs=P('stage'), out_specs=P(),
                   axis_names={'stage'})(four)
 
@@ -402,11 +402,11 @@ def test_apply_and_value_and_grad_have_the_step_shape():
       pipeline_apply(stage_fn, stages, x, schedule=schedule, mesh=mesh_for(p)))
   with pytest.raises(TypeError, match='together'):
     pipeline_apply(stage_fn, stages, schedule=schedule, mesh=mesh_for(p))
-  assert sch.pipeline_step is sch.pipeline_value_and_grad
+  assert sch.pipeline_value_and_grad is sch.pipeline_value_and_grad
 
 
 def test_gpt_3d_step_memory_flat_in_m():
-  """parallel.train_step embeds per microbatch inside stage 0: nothing
+  """parallel.trainer embeds per microbatch inside stage 0: nothing
   batch-sized in temp memory."""
   stages = 2
   from flax import nnx
@@ -418,7 +418,7 @@ def test_gpt_3d_step_memory_flat_in_m():
   pp, layout = gpt.split_for_pipeline(params, num_stages=stages)
   temps = []
   for m in (4, 32):
-    trainer = jaxpar.parallel.train_step(
+    trainer = jaxpar.parallel.trainer(
         gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(0.1),
         schedule=sch.one_f_one_b(stages, m), mesh=mesh_for(stages),
         stage_mask=layout.mask)
@@ -442,10 +442,10 @@ def test_embed_fn_runs_inside_stage_0(x64):
                      table[ids] / 0.7, 0)
 
   def body(params, loss_params, table, ids, t):
-    loss, g = pipeline_step_local(
+    loss, g = pipeline_value_and_grad_local(
         lambda p, x, k: stage_fn(p, x), lambda lp, y, t, k: loss_fn(lp, y, t),
         jax.tree.map(lambda a: a[0], params), loss_params, ids, t,
-        lowered=lower(schedule), key=key, embed_fn=embed_fn,
+        lowered=tick_table(schedule), key=key, embed_fn=embed_fn,
         embed_params=table, embed_key=embed_key, bubble_fill=NAN)
     assert g.inputs is None
     return loss, jax.tree.map(lambda a: a[None], g.stages), g.loss, g.embed

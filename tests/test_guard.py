@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar import guard
+from jaxpar import train_state as guard
 
 
 def stats(skipped):

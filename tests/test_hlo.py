@@ -194,20 +194,20 @@ def loss_fn(scale, y, t):
 
 
 @pytest.mark.parametrize('schedule', [
-    jaxpar.pipeline.one_f_one_b(4, 8), jaxpar.pipeline.zbv(2, 4)],
+    jaxpar.pipeline.one_f_one_b(4, 8), jaxpar.pipeline.zero_bubble_v(2, 4)],
                          ids=lambda s: s.name)
 def test_a_training_tick_has_four_whiles_and_one_conditional(schedule):
   """One zero-or-one-trip while per block (F, the last stage's F, I, W), in
   place, and one switch over the tick's messages (the ppermutes and the
   psum of a row of the batch's cotangent). It was 6 + K whiles (9 here)."""
   p = schedule.num_ranks
-  step = jaxpar.pipeline.pipeline_step(
+  step = jaxpar.pipeline.pipeline_value_and_grad(
       stage_fn, loss_fn, schedule=schedule,
       mesh=jaxpar.make_mesh(stage=p, devices=jax.devices()[:p]))
   w = jnp.zeros((schedule.num_stages, 8, 8))
   x = jnp.zeros((schedule.num_microbatches * 2, 8))
   text = jax.jit(step).lower(w, 1.0, x, x).compile().as_text()
-  body = tick_body(text, jaxpar.pipeline.lower(schedule).num_ticks)
+  body = tick_body(text, jaxpar.pipeline.tick_table(schedule).num_ticks)
   assert data_dependent_control_flow(text, body) == {
       'while': 4, 'conditional': 1}
 
@@ -215,8 +215,8 @@ def test_a_training_tick_has_four_whiles_and_one_conditional(schedule):
 def test_one_rank_runs_no_ticks():
   """One stage rank is data parallelism: a scan over microbatches, nothing
   data-dependent."""
-  step = jaxpar.pipeline.pipeline_step(
-      stage_fn, loss_fn, schedule=jaxpar.pipeline.interleaved_1f1b(1, 4, 2),
+  step = jaxpar.pipeline.pipeline_value_and_grad(
+      stage_fn, loss_fn, schedule=jaxpar.pipeline.interleaved_one_f_one_b(1, 4, 2),
       mesh=jaxpar.make_mesh(stage=1, devices=jax.devices()[:1]))
   x = jnp.zeros((8, 8))
   text = jax.jit(step).lower(jnp.zeros((2, 8, 8)), 1.0, x, x).compile(

@@ -20,9 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 import checkpoint_killer
 import jaxpar
-from jaxpar import checkpoint
-from jaxpar import integrity
-from jaxpar.checkpoint import CheckpointError
+from jaxpar.checkpoint import _checkpoint as checkpoint
+from jaxpar.checkpoint import _integrity as integrity
+from jaxpar.checkpoint._checkpoint import CheckpointError
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from jaxpar import pipeline as sch
-from jaxpar.pipeline.lower import F, I, IDLE, W, local_stages, lower
+from jaxpar.pipeline.schedules._tick_table import F, I, IDLE, W, local_stages, tick_table
 
 CONSTRUCTORS = {
     'gpipe': sch.gpipe,
     '1f1b': sch.one_f_one_b,
-    'interleaved': lambda p, m: sch.interleaved_1f1b(p, m, 2),
+    'interleaved': lambda p, m: sch.interleaved_one_f_one_b(p, m, 2),
     'zb_h1': sch.zero_bubble_h1,
-    'zbv': sch.zbv,
+    'zero_bubble_v': sch.zero_bubble_v,
     'v_half': sch.v_half,
     'v_min': sch.v_min,
 }
@@ -95,7 +95,7 @@ def expected(sched):
 @pytest.mark.parametrize('name,p,m', CASES)
 def test_table_replays(name, p, m):
   sched = CONSTRUCTORS[name](p, m)
-  low = lower(sched)
+  low = tick_table(sched)
   done = replay(low)
   assert set(done) == expected(sched)
   # Dependencies are satisfied strictly earlier (messages usable at t + 1);
@@ -125,16 +125,16 @@ GRID = [(name, p, m) for name in CONSTRUCTORS for p in (1, 2, 3, 4, 8)
 
 @pytest.mark.parametrize('name', CONSTRUCTORS)
 def test_lockstep_time_is_the_simulated_time(name):
-  """``lower(s).makespan()`` (what the executor scans) == ``simulate``'s."""
+  """``tick_table(s).makespan()`` (what the executor scans) == ``simulate``'s."""
   for n, p, m in GRID:
     if n == name:
       sched = CONSTRUCTORS[name](p, m)
-      assert lower(sched).makespan() == sched.simulate().makespan, (p, m)
+      assert tick_table(sched).makespan() == sched.simulate().makespan, (p, m)
 
 
 def test_lockstep_time_by_hand():
   # 1F1B, p=2, m=3: (m + p - 1)(F + B) = 12 with F=1, B = I + W = 2.
-  low = lower(sch.one_f_one_b(2, 3))
+  low = tick_table(sch.one_f_one_b(2, 3))
   assert low.render() == 'rank 0: FF..IWFIW.IW\nrank 1: .FIWFIWFIW..'
   assert low.makespan() == 12
   # A tick lasts as long as its slowest action.
@@ -152,7 +152,7 @@ def test_forward_only_table_replays(name, p, m):
   assert len(replay(low)) == low.schedule.num_stages * m
 
 
-@pytest.mark.parametrize('name', ['1f1b', 'interleaved', 'zb_h1', 'zbv'])
+@pytest.mark.parametrize('name', ['1f1b', 'interleaved', 'zb_h1', 'zero_bubble_v'])
 def test_buffers_are_flat_in_m(name):
   small, large = (lower(CONSTRUCTORS[name](4, m)) for m in (8, 64))
   assert small.num_stash_slots == large.num_stash_slots
@@ -162,7 +162,7 @@ def test_buffers_are_flat_in_m(name):
 
 def test_gpipe_buffers_grow_with_m():
   for m in (3, 8):
-    low = lower(sch.gpipe(4, m))
+    low = tick_table(sch.gpipe(4, m))
     assert low.num_stash_slots == m
     np.testing.assert_array_equal(low.peak_stash, [m] * 4)
 
@@ -170,7 +170,7 @@ def test_gpipe_buffers_grow_with_m():
 @pytest.mark.parametrize('p,m', [(4, 8), (4, 2), (3, 5)])
 def test_1f1b_stash_matches_simulate(p, m):
   sched = sch.one_f_one_b(p, m)
-  low = lower(sched)
+  low = tick_table(sched)
   np.testing.assert_array_equal(low.peak_stash,
                                 sched.simulate().peak_activations)
   np.testing.assert_array_equal(low.peak_stash,
@@ -178,16 +178,16 @@ def test_1f1b_stash_matches_simulate(p, m):
 
 
 def test_offsets():
-  assert lower(sch.one_f_one_b(4, 4)).offsets == (0, 1, 3)
-  assert lower(sch.one_f_one_b(1, 2)).offsets == (0,)
-  assert lower(sch.one_f_one_b(4, 4), forward_only=True).offsets == (1,)
-  assert lower(sch.zbv(4, 4)).offsets == (0, 1, 3)  # V turns locally
-  assert lower(sch.zbv(2, 2)).offsets == (0, 1)      # +1 == -1 for p = 2
+  assert tick_table(sch.one_f_one_b(4, 4)).offsets == (0, 1, 3)
+  assert tick_table(sch.one_f_one_b(1, 2)).offsets == (0,)
+  assert tick_table(sch.one_f_one_b(4, 4), forward_only=True).offsets == (1,)
+  assert tick_table(sch.zero_bubble_v(4, 4)).offsets == (0, 1, 3)  # V turns locally
+  assert tick_table(sch.zero_bubble_v(2, 2)).offsets == (0, 1)      # +1 == -1 for p = 2
 
 
 def test_local_stages():
-  assert local_stages(sch.interleaved_1f1b(2, 2, 2)) == ((0, 2), (1, 3))
-  assert local_stages(sch.zbv(2, 2)) == ((0, 3), (1, 2))
+  assert local_stages(sch.interleaved_one_f_one_b(2, 2, 2)) == ((0, 2), (1, 3))
+  assert local_stages(sch.zero_bubble_v(2, 2)) == ((0, 3), (1, 2))
 
 
 def test_errors():
@@ -196,12 +196,12 @@ def test_errors():
   bad = dataclasses.replace(sch.one_f_one_b(2, 2), actions=(
       sch.one_f_one_b(2, 2).actions[0][:-1], sch.one_f_one_b(2, 2).actions[1]))
   with pytest.raises(ValueError, match='missing'):
-    lower(bad)
+    tick_table(bad)
   # Three stages on two ranks: rank 0 would hold two, rank 1 one.
   uneven = sch.Schedule(2, 3, 1, (0, 0, 1), (
       (sch.Action(0, 'F', 0), sch.Action(1, 'F', 0), sch.Action(1, 'B', 0),
        sch.Action(0, 'B', 0)),
       (sch.Action(2, 'F', 0), sch.Action(2, 'B', 0))), 'uneven')
   with pytest.raises(ValueError, match=r'\[2, 1\] stages'):
-    lower(uneven)
+    tick_table(uneven)
 

@@ -6,7 +6,7 @@ per-layer GPT), each with ZeRO stages 0, 1 and 3. The update runs on global
 arrays under ``jit`` (XLA partitions it), so transforms that look across
 elements -- a global norm, LAMB/LARS trust ratios, Adafactor's factored
 moments, Muon's matrix products -- see whole tensors, and in 3D they see one
-layer's tensors in the model's shapes (``jaxpar.pipeline_view``). The bugs
+layer's tensors in the model's shapes (``jaxpar.parallel``). The bugs
 this guards against (an update on local shards or ZeRO slices, or on stacked
 layers) were off by 5e-5 to 7e-3 after 3 steps; the tolerances are 1e-9.
 
@@ -153,7 +153,7 @@ def mlp_reference(max_grad_norm):
 def test_data_parallel(x64, zero_stage, max_grad_norm):
   """Every optimizer in DP with ZeRO 0/1/3; ``max_grad_norm=c`` (ZeRO-3)
   equals ``chain(clip_by_global_norm(c), optimizer)``."""
-  trainer = jaxpar.data_parallel.train_step(
+  trainer = jaxpar.data_parallel.trainer(
       mlp_loss, each_optimizer(DP_GROUPS), mesh=jaxpar.make_mesh(data=8),
       zero_stage=zero_stage, num_microbatches=2, max_grad_norm=max_grad_norm)
   want = mlp_reference(max_grad_norm)
@@ -170,7 +170,7 @@ CONFIG = gpt.GPTConfig(vocab_size=16, seq_len=8, d_model=16, num_heads=2,
 # two layers, the other one and an identity slot; 5 layers on 4 interleaved
 # stages, counts (2, 1, 1, 1), so 3 identity slots (no layers, no state).
 SCHEDULES = {3: lambda: jaxpar.pipeline.one_f_one_b(2, 2),
-             5: lambda: jaxpar.pipeline.interleaved_1f1b(2, 2, 2)}
+             5: lambda: jaxpar.pipeline.interleaved_one_f_one_b(2, 2, 2)}
 # Per-layer statistics see one layer (LAMB, LARS, Adafactor, Muon), and the
 # ndim mask of clip_adamw sees the dense shapes (attention biases are 2-D:
 # not decayed), as on the dense model.
@@ -209,7 +209,7 @@ def test_3d_2x2x2(x64, zero_stage, max_grad_norm, num_layers, tmp_path):
   """Every optimizer in 3D with ZeRO 0/1/3 gives the dense GPT's numbers
   (``SCHEDULES``); the ZeRO-3 state saves and restores with schedule=."""
   _, _, schedule, pp, layout, data = gpt_setup(num_layers)
-  trainer = jaxpar.parallel.train_step(
+  trainer = jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, each_optimizer(GPT_GROUPS),
       schedule=schedule, mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
       stage_mask=layout.mask, zero_stage=zero_stage,

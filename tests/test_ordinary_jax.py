@@ -167,7 +167,7 @@ def test_data_parallel(x64, model, zero_stage, num_microbatches):
   """A scanned stack of layers and an RNN as a DP loss: one sgd step."""
   x, t, head = data()
   params = {'stages': stage_params(model, 2), 'head': head}
-  trainer = jaxpar.data_parallel.train_step(
+  trainer = jaxpar.data_parallel.trainer(
       dp_loss(model), optax.sgd(LR),
       mesh=jaxpar.make_mesh(data=4, devices=jax.devices()[:4]),
       zero_stage=zero_stage, num_microbatches=num_microbatches)
@@ -203,7 +203,7 @@ def test_custom_rules_in_data_parallel(x64):
   """custom_jvp, custom_vjp and remat keep their rules (ZeRO-3)."""
   x, t, w = data()
   params, batch = {'w': w}, {'x': x, 't': t}
-  trainer = jaxpar.data_parallel.train_step(
+  trainer = jaxpar.data_parallel.trainer(
       rnn_loss, optax.sgd(LR), zero_stage=3,
       mesh=jaxpar.make_mesh(data=2, devices=jax.devices()[:2]))
   state, stats = trainer.step(trainer.init(params), batch)
@@ -216,7 +216,7 @@ def test_custom_rules_in_data_parallel(x64):
 
 
 SCHEDULES = {'1f1b': lambda: jaxpar.pipeline.one_f_one_b(2, 4),
-             'zbv': lambda: jaxpar.pipeline.zbv(2, 4)}
+             'zero_bubble_v': lambda: jaxpar.pipeline.zero_bubble_v(2, 4)}
 
 
 @pytest.mark.parametrize('model', list(MODELS))
@@ -303,7 +303,7 @@ def test_3d_trainer(x64, model):
   x, t, head = data()
   params = jaxpar.parallel.PipelineParams(
       np.eye(D) / 2, stage_params(model, schedule.num_stages), head)
-  trainer = jaxpar.parallel.train_step(
+  trainer = jaxpar.parallel.trainer(
       embed_fn, fn, head_loss, optax.sgd(LR), schedule=schedule,
       mesh=jaxpar.make_mesh(data=2, stage=2, devices=jax.devices()[:4]),
       zero_stage=3)

@@ -84,15 +84,15 @@ def annotated_llama(config, rngs):
 # model, mesh, schedule, train_step options, from_nnx options
 CASES = {
     '4x2-interleaved-zero3': (llama.Llama, dict(data=4, stage=2),
-                              lambda: jaxpar.pipeline.interleaved_1f1b(2, 2, 2),
+                              lambda: jaxpar.pipeline.interleaved_one_f_one_b(2, 2, 2),
                               dict(zero_stage=3), {}),
-    '2x2-zbv-stacked': (llama.ScannedLlama, dict(data=2, stage=2),
-                        lambda: jaxpar.pipeline.zbv(2, 2), {}, {}),
+    '2x2-zero_bubble_v-stacked': (llama.ScannedLlama, dict(data=2, stage=2),
+                        lambda: jaxpar.pipeline.zero_bubble_v(2, 2), {}, {}),
     '2x2x2-1f1b-rules': (llama.Llama, dict(data=2, stage=2, tensor=2),
                          lambda: jaxpar.pipeline.one_f_one_b(2, 2),
                          dict(zero_stage=1), dict(tensor_rules=RULES)),
-    '1x2x4-zbv-annotated': (annotated_llama, dict(data=1, stage=2, tensor=4),
-                            lambda: jaxpar.pipeline.zbv(2, 2), {}, {}),
+    '1x2x4-zero_bubble_v-annotated': (annotated_llama, dict(data=1, stage=2, tensor=4),
+                            lambda: jaxpar.pipeline.zero_bubble_v(2, 2), {}, {}),
 }
 
 
@@ -111,7 +111,7 @@ def trained(case):
     pm = jaxpar.parallel.from_nnx(model, blocks='blocks',
                                   num_stages=schedule.num_stages,
                                   embed=embed, head_loss=head_loss, **split)
-    trainer = jaxpar.parallel.train_step(
+    trainer = jaxpar.parallel.trainer(
         pm, OPTIMIZER, schedule=schedule, mesh=mesh(**mesh_sizes),
         max_grad_norm=MAX_GRAD_NORM, **options)
     state = trainer.init(pm.params)
@@ -142,7 +142,7 @@ def test_pipeline_matches_single_device_float64(x64, case):
     chex.assert_trees_all_close(p, ref_p, rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize('case', ['2x2x2-1f1b-rules', '1x2x4-zbv-annotated'])
+@pytest.mark.parametrize('case', ['2x2x2-1f1b-rules', '1x2x4-zero_bubble_v-annotated'])
 def test_tensor_split_params_are_sharded(x64, case):
   """The split params are stored split over 'tensor' (Megatron's layout)."""
   state = trained(case)[4]
@@ -156,10 +156,10 @@ def test_data_parallel_zero3_matches_single_device_float64(x64):
   """DP + ZeRO-3 needs no split: the user's loss on nnx.split params."""
   model = llama.Llama(CONFIG, nnx.Rngs(0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  step = jaxpar.data_parallel_step(
+  step = jaxpar.data_parallel.trainer(
       lambda p, batch: llama.loss(nnx.merge(graphdef, p, rest), *batch),
       OPTIMIZER, mesh=jaxpar.make_mesh(data=8), zero_stage=3,
-      max_grad_norm=MAX_GRAD_NORM)
+      max_grad_norm=MAX_GRAD_NORM).step
   state = jaxpar.TrainState.create(params, OPTIMIZER)
   for batch, (ref_loss, ref_norm, ref_p) in zip(batches(),
                                                 reference(llama.Llama)):
@@ -287,7 +287,7 @@ class TestErrors:
     model = llama.Llama(CONFIG._replace(dtype=jnp.float32, vocab=33),
                         nnx.Rngs(0))
     pm = self.from_nnx(model, tensor_rules=RULES)
-    trainer = jaxpar.parallel.train_step(
+    trainer = jaxpar.parallel.trainer(
         pm, optax.sgd(0.1), schedule=jaxpar.pipeline.one_f_one_b(2, 2),
         mesh=mesh(data=1, stage=2, tensor=2))
     with pytest.raises(ValueError, match=r"param 'head/kernel' \(16, 33\): "
@@ -297,7 +297,7 @@ class TestErrors:
   def test_train_step_takes_the_model_and_optimizer_only(self):
     pm = self.from_nnx()
     with pytest.raises(TypeError, match='PipelineModel and the optimizer'):
-      jaxpar.parallel.train_step(pm, pm.functions[1], optax.sgd(0.1),
+      jaxpar.parallel.trainer(pm, pm.functions[1], optax.sgd(0.1),
                                  schedule=jaxpar.pipeline.one_f_one_b(2, 2),
                                  mesh=jaxpar.make_mesh(data=4, stage=2))
 

@@ -59,7 +59,7 @@ def run(mesh_sizes, schedule, params, data, optimizer, max_grad_norm):
   n = int(np.prod(list(mesh_sizes.values())))
   mesh = jaxpar.make_mesh(**mesh_sizes, devices=jax.devices()[:n])
   pp, layout = gpt.split_for_pipeline(params, num_stages=schedule.num_stages)
-  trainer = jaxpar.parallel.train_step(
+  trainer = jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optimizer,
       schedule=schedule, mesh=mesh, stage_mask=layout.mask,
       max_grad_norm=max_grad_norm)
@@ -81,9 +81,9 @@ def run(mesh_sizes, schedule, params, data, optimizer, max_grad_norm):
 #   interleaved       test_parallel_zero.py '4x2x1-interleaved-zero3',
 #                     test_optimizers.py::test_3d_2x2x2[3-0.5-5] (2x2x2),
 #                     test_own_model.py '4x2-interleaved-zero3' (the Llama)
-#   ZB-V              test_parallel_zero.py '2x2x2-zbv-zero3', the restore
+#   ZB-V              test_parallel_zero.py '2x2x2-zero_bubble_v-zero3', the restore
 #                     onto 1x2x4 ZB-V (zero_stage=0) in its interleaved case,
-#                     test_own_model.py '2x2-zbv-stacked', '1x2x4-zbv-annotated'
+#                     test_own_model.py '2x2-zero_bubble_v-stacked', '1x2x4-zero_bubble_v-annotated'
 CASES = {
     '1x2x4-zb_h1': (dict(data=1, stage=2, tensor=4),
                     lambda: jaxpar.pipeline.zero_bubble_h1(2, 4)),
@@ -129,7 +129,7 @@ def test_uneven_layers_keep_identity_slots():
   assert layout.counts == (2, 2, 1, 1)
   chex.assert_trees_all_equal(gpt.merge_from_pipeline(pp, layout), params)
   mesh = jaxpar.make_mesh(stage=4, tensor=2)
-  trainer = jaxpar.parallel.train_step(
+  trainer = jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(1.0),
       schedule=jaxpar.pipeline.one_f_one_b(4, 2), mesh=mesh,
       stage_mask=layout.mask)
@@ -153,7 +153,7 @@ class TestErrors:
   def test_schedule_ranks_must_match_mesh(self):
     with pytest.raises(ValueError, match="num_ranks=4 but the mesh axis "
                        "'stage' has size 2"):
-      jaxpar.parallel.train_step(
+      jaxpar.parallel.trainer(
           gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(0.1),
           schedule=jaxpar.pipeline.one_f_one_b(4, 4),
           mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2))
@@ -164,7 +164,7 @@ class TestErrors:
 
   def test_batch_not_divisible(self):
     pp, layout = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=2)
-    trainer = jaxpar.parallel.train_step(
+    trainer = jaxpar.parallel.trainer(
         gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(0.1),
         schedule=jaxpar.pipeline.one_f_one_b(2, 4),
         mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2), stage_mask=layout.mask)
@@ -174,7 +174,7 @@ class TestErrors:
 
   def test_tensor_size_must_divide_heads(self):
     pp, _ = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=1)
-    trainer = jaxpar.parallel.train_step(
+    trainer = jaxpar.parallel.trainer(
         gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(0.1),
         schedule=jaxpar.pipeline.one_f_one_b(1, 1),
         mesh=jaxpar.make_mesh(tensor=8))
@@ -198,13 +198,13 @@ def gpipe_one_rank(num_stages, m):
 
 
 def make_trainer(mesh_sizes, schedule, config, **options):
-  """``parallel.train_step`` of the GPT ``config`` with sgd(0.1), and its
+  """``parallel.trainer`` of the GPT ``config`` with sgd(0.1), and its
   pipeline layout."""
   n = int(np.prod(list(mesh_sizes.values())))
   mesh = jaxpar.make_mesh(**mesh_sizes, devices=jax.devices()[:n])
   _, layout = gpt.split_for_pipeline(dense_params(jnp.float32, config),
                                      num_stages=schedule.num_stages)
-  return jaxpar.parallel.train_step(
+  return jaxpar.parallel.trainer(
       *gpt.functions(config), optax.sgd(0.1), schedule=schedule, mesh=mesh,
       stage_mask=layout.mask, **options), layout
 
@@ -259,7 +259,7 @@ def test_aux_accuracy_is_the_dense_models(x64):
   data = batches(1)
   mesh = jaxpar.make_mesh(data=2, stage=2, tensor=2)
   pp, layout = gpt.split_for_pipeline(params, num_stages=2)
-  trainer = jaxpar.parallel.train_step(
+  trainer = jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_and_accuracy_fn,
       optax.sgd(0.1), schedule=jaxpar.pipeline.zero_bubble_h1(2, 2),
       mesh=mesh, stage_mask=layout.mask, has_aux=True)

@@ -22,7 +22,7 @@ def make_trainer(mesh_sizes, schedule, optimizer, *, zero_stage,
   mesh = jaxpar.make_mesh(**mesh_sizes, devices=jax.devices()[:n])
   _, layout = gpt.split_for_pipeline(dense_params(jnp.float32),
                                      num_stages=schedule.num_stages)
-  return jaxpar.parallel.train_step(
+  return jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optimizer,
       schedule=schedule, mesh=mesh, stage_mask=layout.mask,
       max_grad_norm=max_grad_norm, zero_stage=zero_stage), layout
@@ -49,11 +49,11 @@ def param_bytes(state):
 # interleaved's stages [[0, 2], [1, 3]] -> ZB-V's [[0, 3], [1, 2]]).
 CASES = {
     '4x2x1-interleaved-zero3': (dict(data=4, stage=2, tensor=1),
-                                lambda: jaxpar.pipeline.interleaved_1f1b(2, 2, 2),
+                                lambda: jaxpar.pipeline.interleaved_one_f_one_b(2, 2, 2),
                                 (dict(data=1, stage=2, tensor=4),
-                                 lambda: jaxpar.pipeline.zbv(2, 4))),
-    '2x2x2-zbv-zero3': (dict(data=2, stage=2, tensor=2),
-                        lambda: jaxpar.pipeline.zbv(2, 2), None),
+                                 lambda: jaxpar.pipeline.zero_bubble_v(2, 4))),
+    '2x2x2-zero_bubble_v-zero3': (dict(data=2, stage=2, tensor=2),
+                        lambda: jaxpar.pipeline.zero_bubble_v(2, 2), None),
 }
 
 
@@ -102,8 +102,8 @@ def test_checkpoint_with_schedule_moves_the_params_not_the_moments(tmp_path):
   per layer (LayerParams), the same for every schedule, saved as it is."""
   optimizer = optax.sgd(0.1, momentum=0.9)
   sizes = dict(data=2, stage=2, tensor=1)
-  inter_schedule = jaxpar.pipeline.interleaved_1f1b(2, 2, 2)  # [[0, 2], [1, 3]]
-  v_schedule = jaxpar.pipeline.zbv(2, 2)                      # [[0, 3], [1, 2]]
+  inter_schedule = jaxpar.pipeline.interleaved_one_f_one_b(2, 2, 2)  # [[0, 2], [1, 3]]
+  v_schedule = jaxpar.pipeline.zero_bubble_v(2, 2)                      # [[0, 3], [1, 2]]
   inter, _ = make_trainer(sizes, inter_schedule, optimizer, zero_stage=1)
   v_shape, _ = make_trainer(sizes, v_schedule, optimizer, zero_stage=1)
   pp, _ = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=4)
@@ -219,7 +219,7 @@ def test_zero3_memory_and_collectives():
     return sum(x.addressable_shards[0].data.nbytes for x, y in zip(
         jax.tree.leaves(getattr(state1.params, part)),
         jax.tree.leaves(getattr(state3.params, part)))
-               if jaxpar.zero.data_dim(y.sharding.spec) is not None)
+               if jaxpar.data_parallel.data_dim(y.sharding.spec) is not None)
   embed, stages, head = local('embed'), local('stages'), local('head')
   assert embed + stages + head == p1     # every leaf splits 4 ways here
   # Both: each device's gradients reduce-scattered once. ZeRO-1: the
@@ -286,13 +286,13 @@ def test_padded_leaves_on_data_3_match_the_dense_model(x64, tmp_path):
   schedule = jaxpar.pipeline.one_f_one_b(2, 2)
   mesh = jaxpar.make_mesh(data=3, stage=2, devices=jax.devices()[:6])
   pp, layout = gpt.split_for_pipeline(params, num_stages=2)
-  trainers = {z: jaxpar.parallel.train_step(
+  trainers = {z: jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optimizer,
       schedule=schedule, mesh=mesh, stage_mask=layout.mask, zero_stage=z,
       max_grad_norm=0.5) for z in (0, 1, 3)}
   init = trainers[0].init(pp)
-  plain = jaxpar.zero.bytes_per_device(init)
-  logical = jaxpar.zero.logical_shapes(init)
+  plain = jaxpar.data_parallel.bytes_per_device(init)
+  logical = jaxpar.data_parallel.logical_shapes(init)
   # One padding row per leaf: a leaf's bytes over its largest dim.
   rows = lambda tree: sum(x.dtype.itemsize * x.size // max(x.shape, default=1)
                           for x in jax.tree.leaves(tree))
@@ -308,12 +308,12 @@ def test_padded_leaves_on_data_3_match_the_dense_model(x64, tmp_path):
     chex.assert_trees_all_close(dense_of(trainer, state, layout), want[-1][2],
                                 rtol=1e-10, atol=1e-12)
     chex.assert_trees_all_equal_shapes(got, shapes)
-    held = jaxpar.zero.bytes_per_device(state)
+    held = jaxpar.data_parallel.bytes_per_device(state)
     assert held.opt_state <= ((1 / 3 + 0.1) * plain.opt_state
                               + rows(logical.opt_state)), (held, plain)
     stored = state.opt_state if zero_stage == 1 else state
-    assert any(map(jaxpar.zero.is_padded, jax.tree.leaves(
-        stored, is_leaf=jaxpar.zero.is_padded)))
+    assert any(map(jaxpar.data_parallel.is_padded, jax.tree.leaves(
+        stored, is_leaf=jaxpar.data_parallel.is_padded)))
   assert held.params <= (1 / 3 + 0.1) * plain.params + rows(logical.params)
   # The ZeRO-3 state's checkpoint holds logical shapes: it restores onto
   # zero_stage=0, and back onto ZeRO-3 bit for bit.

@@ -9,8 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar.bench import _real_parallel_worker as worker
-from jaxpar.bench import real_parallel
+from jaxpar.cli.bench import _real_parallel_worker as worker
+from jaxpar.cli.bench import real_parallel
 
 TINY = dict(layers=4, width=32, microbatch=8, num_microbatches=4, repeats=2,
             warmup=1, timeout=300)
@@ -73,12 +73,12 @@ def test_one_core_policies_and_stage1_rows():
       num_processes=1, **{**TINY, 'layers': 2, 'num_microbatches': 2},
       variant='gelu', schedules=['one_f_one_b'], policies=['everything', 'dots'],
       data_parallel=False, stage1=True)
-  dp = 'data_parallel.train_step (m=2)'
+  dp = 'data_parallel.trainer (m=2)'
   assert [(r['step'], r['policy'], r['vs']) for r in rows] == [
       (worker.SEQUENTIAL, '', worker.SEQUENTIAL),
       ('1F1B [everything]', 'everything', worker.SEQUENTIAL),
       ('1F1B [dots]', 'dots', worker.SEQUENTIAL),
-      (dp, '', dp), ('parallel.train_step, stage=1 (m=2)', '', dp)]
+      (dp, '', dp), ('parallel.trainer, stage=1 (m=2)', '', dp)]
   for row in rows:
     assert row['variant'] == 'gelu' and row['cpu_ms'] > 0
     base = next(r for r in rows if r['step'] == row['vs'])

@@ -13,8 +13,8 @@ import pytest
 
 from jaxpar import hlo
 from jaxpar import pipeline as sch
-from jaxpar.pipeline.executor import cast_params, pipeline_step
-from jaxpar.pipeline.stage import StageVJP
+from jaxpar.pipeline.executor._pipeline import cast_params, pipeline_value_and_grad
+from jaxpar.pipeline.executor._stage_vjp import StageVJP
 from test_executor import MB, loss_fn, mesh_for, model, stage_fn
 from test_lower import CONSTRUCTORS as SCHEDULES
 
@@ -57,14 +57,14 @@ reference = jax.jit(jax.value_and_grad(sequential, argnums=(0, 1, 2),
 
 
 @pytest.mark.parametrize('name,p,m,remat', [
-    ('1f1b', 2, 3, False), ('zbv', 2, 3, False), ('interleaved', 2, 4, True)])
+    ('1f1b', 2, 3, False), ('zero_bubble_v', 2, 3, False), ('interleaved', 2, 4, True)])
 def test_dropout_is_the_sequential_models_with_the_same_keys(
     x64, name, p, m, remat):
   """I/W split (ZB-V), remat, interleaved: one mask per microbatch."""
   schedule = SCHEDULES[name](p, m)
   args = model(schedule.num_stages, m * MB)
   key = jax.random.key(3)
-  step = pipeline_step(dropout_stage, dropout_loss, schedule=schedule,
+  step = pipeline_value_and_grad(dropout_stage, dropout_loss, schedule=schedule,
                        mesh=mesh_for(p), remat=remat, has_aux=True,
                        bubble_fill=float('nan'))
   (loss, aux), grads = step(*args, key=key)
@@ -86,7 +86,7 @@ def test_aux_is_averaged_like_the_loss(x64):
 
   def loss_and_aux(lp, y, t):
     return loss_fn(lp, y, t), {'y2': jnp.mean(y ** 2), 'max': jnp.max(y)}
-  (loss, aux), grads = pipeline_step(
+  (loss, aux), grads = pipeline_value_and_grad(
       stage_fn, loss_and_aux, schedule=schedule, mesh=mesh_for(2),
       has_aux=True)(*args)
 
@@ -129,7 +129,7 @@ def test_bf16_messages_and_stashes_are_half_the_bytes():
   p, m = 2, 4
   schedule = sch.one_f_one_b(p, m)
   args = model(p, m * 512, np.float32)
-  steps = {dtype: pipeline_step(stage_fn, loss_fn, schedule=schedule,
+  steps = {dtype: pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule,
                                 mesh=mesh_for(p), compute_dtype=dtype)
            for dtype in (None, jnp.bfloat16)}
   lowered = {d: s.lower(*args) for d, s in steps.items()}
@@ -156,14 +156,14 @@ def test_errors():
   mesh = mesh_for(2)
   args = model(2, 2 * MB, np.float32)
   with pytest.raises(TypeError, match="compute_dtype='int8'.*floating"):
-    pipeline_step(stage_fn, loss_fn, schedule=schedule, mesh=mesh,
+    pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule, mesh=mesh,
                   compute_dtype='int8')
-  step = pipeline_step(stage_fn, loss_fn, schedule=schedule, mesh=mesh)
+  step = pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule, mesh=mesh)
   with pytest.raises(TypeError, match='key must be one PRNG key'):
     step(*args, key=np.zeros(3, np.uint32))
   with pytest.raises(TypeError, match='pass has_aux=True'):
-    pipeline_step(stage_fn, lambda *a: (loss_fn(*a), {}), schedule=schedule,
+    pipeline_value_and_grad(stage_fn, lambda *a: (loss_fn(*a), {}), schedule=schedule,
                   mesh=mesh)(*args)
   with pytest.raises(TypeError, match=r"aux\['n'\] has dtype int32"):
-    pipeline_step(stage_fn, lambda *a: (loss_fn(*a), {'n': jnp.int32(1)}),
+    pipeline_value_and_grad(stage_fn, lambda *a: (loss_fn(*a), {'n': jnp.int32(1)}),
                   schedule=schedule, mesh=mesh, has_aux=True)(*args)

@@ -10,12 +10,12 @@ import pytest
 
 import jaxpar
 from jaxpar import pipeline as pp
-from jaxpar.pipeline import _action as action_module
-from jaxpar.pipeline import constructors as constructors_module
-from jaxpar.pipeline import plot as plot_module
-from jaxpar.pipeline import schedule as schedule_module
-from jaxpar.pipeline import simulate as simulate_module
-from jaxpar.pipeline.schedule import Action, Schedule, ScheduleError
+from jaxpar.pipeline.schedules import _action as action_module
+from jaxpar.pipeline.schedules import _constructors as constructors_module
+from jaxpar.pipeline.schedules import _plot as plot_module
+from jaxpar.pipeline.schedules import _schedule as schedule_module
+from jaxpar.pipeline.schedules import _simulate as simulate_module
+from jaxpar.pipeline.schedules._schedule import Action, Schedule, ScheduleError
 
 matplotlib.use('Agg')
 DATA = os.path.join(os.path.dirname(__file__), 'data')
@@ -84,9 +84,9 @@ def test_zero_bubble_h1_order():
 
 
 def test_placements():
-  assert pp.interleaved_1f1b(3, 3, 2).placement == (0, 1, 2, 0, 1, 2)
-  assert pp.zbv(3, 5).placement == (0, 1, 2, 2, 1, 0)
-  assert pp.zbv(3, 5).num_stages == 6
+  assert pp.interleaved_one_f_one_b(3, 3, 2).placement == (0, 1, 2, 0, 1, 2)
+  assert pp.zero_bubble_v(3, 5).placement == (0, 1, 2, 2, 1, 0)
+  assert pp.zero_bubble_v(3, 5).num_stages == 6
 
 
 # --- constructors match PyTorch's exported orders ------------------------------
@@ -95,12 +95,12 @@ def test_placements():
 @pytest.mark.parametrize('file, built', [
     ('torch_gpipe_p4_m8.csv', lambda: pp.gpipe(4, 8)),
     ('torch_interleaved_1f1b_p4_m8_v2.csv',
-     lambda: pp.interleaved_1f1b(4, 8, 2)),
+     lambda: pp.interleaved_one_f_one_b(4, 8, 2)),
     ('torch_interleaved_1f1b_p2_m4_v3.csv',
-     lambda: pp.interleaved_1f1b(2, 4, 3)),
+     lambda: pp.interleaved_one_f_one_b(2, 4, 3)),
     ('torch_zero_bubble_p4_m8.csv', lambda: pp.zero_bubble_h1(4, 8)),
-    ('torch_zbv_p4_m8.csv', lambda: pp.zbv(4, 8)),
-    ('torch_zbv_p4_m5.csv', lambda: pp.zbv(4, 5)),
+    ('torch_zbv_p4_m8.csv', lambda: pp.zero_bubble_v(4, 8)),
+    ('torch_zbv_p4_m5.csv', lambda: pp.zero_bubble_v(4, 5)),
 ])
 def test_pytorch_export_loads_validates_and_equals_constructor(file, built):
   loaded = Schedule.from_csv(os.path.join(DATA, file))
@@ -153,12 +153,12 @@ def _csv_rows(path):
      r'num_ranks=0 must be >= 1; nearest valid choice: num_ranks=1'),
     (lambda: pp.one_f_one_b(2, 0), 'num_microbatches=0 must be >= 1'),
     (lambda: pp.zero_bubble_h1(-1, 2), 'num_ranks=-1 must be >= 1'),
-    (lambda: pp.zbv(2, -3), r'zbv\(.*num_microbatches=-3 must be >= 1'),
-    (lambda: pp.interleaved_1f1b(2, 4, 0),
+    (lambda: pp.zero_bubble_v(2, -3), r'zero_bubble_v\(.*num_microbatches=-3 must be >= 1'),
+    (lambda: pp.interleaved_one_f_one_b(2, 4, 0),
      'virtual_stages=0 must be >= 1; nearest valid choice: virtual_stages=1'),
-    (lambda: pp.interleaved_1f1b(4, 6, 2), 'num_microbatches must be a '
+    (lambda: pp.interleaved_one_f_one_b(4, 6, 2), 'num_microbatches must be a '
      'multiple of num_ranks=4.*nearest valid choice: num_microbatches=4 or 8'),
-    (lambda: pp.interleaved_1f1b(4, 3, 2),
+    (lambda: pp.interleaved_one_f_one_b(4, 3, 2),
      'nearest valid choice: num_microbatches=4\\.'),
 ])
 def test_constructor_bad_values(call, message):
@@ -168,7 +168,7 @@ def test_constructor_bad_values(call, message):
 
 @pytest.mark.parametrize('call', [lambda: pp.gpipe(2.0, 4),
                                   lambda: pp.one_f_one_b(True, 4),
-                                  lambda: pp.interleaved_1f1b(2, 4, '2')])
+                                  lambda: pp.interleaved_one_f_one_b(2, 4, '2')])
 def test_constructor_bad_types(call):
   with pytest.raises(TypeError, match='must be an int'):
     call()
@@ -198,7 +198,7 @@ def test_gpipe_and_1f1b_closed_forms(p, m):
 @pytest.mark.parametrize('p, m, v', [(2, 2, 3), (4, 8, 2), (3, 6, 1),
                                      (4, 4, 3)])
 def test_interleaved_closed_form(p, m, v):
-  s = pp.interleaved_1f1b(p, m, v)
+  s = pp.interleaved_one_f_one_b(p, m, v)
   for costs in (UNIT, None):  # every chunk F = B, or B = 2F
     r = s.simulate(costs)
     assert close(r.bubble_fraction, (p - 1) / (v * m + p - 1))
@@ -226,7 +226,7 @@ def test_zero_bubble_h1_below_p_microbatches_still_beats_1f1b():
 
 @pytest.mark.parametrize('p, m', [(1, 2), (2, 3), (3, 5), (4, 8)])
 def test_zbv_closed_form(p, m):
-  r = pp.zbv(p, m).simulate(UNIT)
+  r = pp.zero_bubble_v(p, m).simulate(UNIT)
   assert close(r.bubble_fraction, (p - 1) / (6 * m + p - 1))
   assert r.peak_activations == (2 * p,) * p
 
@@ -254,8 +254,8 @@ def check_timing(s, r, costs, comm):
 
 @pytest.mark.parametrize('build, costs, comm', [
     (lambda: pp.one_f_one_b(4, 6), {'F': 1.5, 'B': 2.5}, 0.25),
-    (lambda: pp.interleaved_1f1b(2, 4, 2), None, 0.5),
-    (lambda: pp.zbv(3, 4), {'F': 1, 'I': 0.5, 'W': 2}, 1.0),
+    (lambda: pp.interleaved_one_f_one_b(2, 4, 2), None, 0.5),
+    (lambda: pp.zero_bubble_v(3, 4), {'F': 1, 'I': 0.5, 'W': 2}, 1.0),
 ])
 def test_simulation_is_as_early_as_possible(build, costs, comm):
   s = build()
@@ -267,7 +267,7 @@ def test_comm_delay_closed_form_and_same_rank_is_free():
   r = pp.gpipe(p, m).simulate(UNIT, comm=c)
   assert r.makespan == 2 * m + 2 * (p - 1) * (1 + c)
   # ZB-V on one rank: both stages local, no communication, no bubble.
-  r = pp.zbv(1, 3).simulate(UNIT, comm=5.0)
+  r = pp.zero_bubble_v(1, 3).simulate(UNIT, comm=5.0)
   assert (r.makespan, r.bubble_fraction) == (18.0, 0.0)
 
 
@@ -446,7 +446,7 @@ def test_plot_gantt_chart():
   assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == [
       'F', 'I', 'W']
   target = Figure().add_subplot()
-  assert pp.zbv(2, 3).plot(ax=target) is target.figure
+  assert pp.zero_bubble_v(2, 3).plot(ax=target) is target.figure
 
 
 def test_docstring_examples(tmp_path, monkeypatch):

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 import pytest
 
 from jaxpar import pipeline as pp
-from jaxpar.pipeline.schedule import Schedule, ScheduleError
-from jaxpar.pipeline.simulate import dependency_graph
+from jaxpar.pipeline.schedules._schedule import Schedule, ScheduleError
+from jaxpar.pipeline.schedules._simulate import dependency_graph
 
 SETTINGS = settings(max_examples=40, deadline=None)
 
@@ -17,14 +17,14 @@ SETTINGS = settings(max_examples=40, deadline=None)
 def schedules(draw):
   """Any constructor's output for random p, m, v."""
   p = draw(st.integers(1, 6))
-  kind = draw(st.sampled_from(['gpipe', '1f1b', 'interleaved', 'zbh1', 'zbv',
-                               'dualpipev', 'v_half', 'v_min']))
+  kind = draw(st.sampled_from(['gpipe', '1f1b', 'interleaved', 'zbh1', 'zero_bubble_v',
+                               'dualpipe_v', 'v_half', 'v_min']))
   if kind == 'interleaved':
-    return pp.interleaved_1f1b(p, p * draw(st.integers(1, 3)),
+    return pp.interleaved_one_f_one_b(p, p * draw(st.integers(1, 3)),
                                draw(st.integers(1, 3)))
   m = draw(st.integers(1, 12))
   return {'gpipe': pp.gpipe, '1f1b': pp.one_f_one_b, 'zbh1': pp.zero_bubble_h1,
-          'zbv': pp.zbv, 'dualpipev': pp.dualpipev, 'v_half': pp.v_half,
+          'zero_bubble_v': pp.zero_bubble_v, 'dualpipe_v': pp.dualpipe_v, 'v_half': pp.v_half,
           'v_min': pp.v_min}[kind](p, m)
 
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar import demo
+from jaxpar.cli import demo
 from jaxpar import pipeline as pp
-from jaxpar.pipeline import schedule_search as search_module
-from jaxpar.pipeline.schedule import Action, Schedule, ScheduleError
-from jaxpar.pipeline.schedule_search import makespan, search
+from jaxpar.pipeline.schedules import _search as search_module
+from jaxpar.pipeline.schedules._schedule import Action, Schedule, ScheduleError
+from jaxpar.pipeline.schedules._search import makespan, search
 from test_executor import (MB, NAN, assert_exact, loss_fn, mesh_for, model,
                            reference, stage_fn)
 
@@ -85,9 +85,9 @@ def test_as_fast_as_exhaustive_search(p, m, costs):
 @pytest.mark.parametrize('costs', [None, UNEQUAL, {'F': 1, 'I': 1, 'W': 2}])
 def test_never_slower_than_a_constructor_that_fits(p, m, costs):
   built = [pp.gpipe(p, m), pp.one_f_one_b(p, m), pp.zero_bubble_h1(p, m),
-           pp.zbv(p, m), pp.dualpipev(p, m), pp.v_half(p, m), pp.v_min(p, m),
-           pp.interleaved_1f1b(p, m, 2)]
-  built += [pp.interleaved_1f1b(p, m, v) for v in (2, 3, 4)]
+           pp.zero_bubble_v(p, m), pp.dualpipe_v(p, m), pp.v_half(p, m), pp.v_min(p, m),
+           pp.interleaved_one_f_one_b(p, m, 2)]
+  built += [pp.interleaved_one_f_one_b(p, m, v) for v in (2, 3, 4)]
   for limit in (1, 1.5, p / 2, p, p + 0.5, 2 * p):
     s = search(p, m, memory_limit=limit, costs=costs)
     assert max(pp.peak_memory(s)) <= limit
@@ -110,7 +110,7 @@ def test_strictly_faster_between_zb_h1_and_zb_h2_memory(p, m):
 def test_strictly_faster_with_unequal_costs_on_a_v():
   costs = {'F': 1, 'I': 1, 'W': 2, 'B': 3}  # B = I + W: no fused discount
   s = search(4, 8, memory_limit=4, costs=costs)
-  fits = [pp.zbv(4, 8), pp.v_half(4, 8), pp.one_f_one_b(4, 8),
+  fits = [pp.zero_bubble_v(4, 8), pp.v_half(4, 8), pp.one_f_one_b(4, 8),
           pp.zero_bubble_h1(4, 8)]
   assert makespan(s, costs) < min(makespan(b, costs) for b in fits)
 
@@ -133,7 +133,7 @@ def test_search_ranks_by_the_time_the_executor_takes():
     for limit in (1.5, 3):
       s = search(3, 6, memory_limit=limit, costs=costs)
       per_action = search_module.action_costs(s, costs)
-      assert makespan(s, costs) == pp.lower(s).makespan(per_action)
+      assert makespan(s, costs) == pp.tick_table(s).makespan(per_action)
       if costs is None:
         assert makespan(s) == s.simulate(per_action).makespan
   # With I > W 1F1B's lock-step ticks wait for an I on some rank: slower
@@ -142,7 +142,7 @@ def test_search_ranks_by_the_time_the_executor_takes():
   assert makespan(one, UNEQUAL) == 44.5
   assert one.simulate(search_module.action_costs(one, UNEQUAL)).makespan == 33
   # A tick that sends a message between ranks pays comm once.
-  low = pp.lower(one)
+  low = pp.tick_table(one)
   sends = sum(1 for t in range(low.num_ticks) if (low.recv_slot[t][
       :, [k for k, o in enumerate(low.offsets) if o]] >= 0).any())
   assert makespan(one, comm=0.25) == 33 + 0.25 * sends
@@ -154,7 +154,7 @@ def test_exact_in_the_executor(x64, v_shape, p, m, limit):
   schedule = search(p, m, memory_limit=limit, v_shape=v_shape)
   assert schedule.name.startswith('Search')
   args = model(schedule.num_stages, m * MB)
-  step = pp.pipeline_step(stage_fn, loss_fn, schedule=schedule,
+  step = pp.pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule,
                           mesh=mesh_for(p), bubble_fill=NAN)
   assert_exact(step(*args), reference(*args, m), rtol=1e-10)
 

@@ -11,7 +11,7 @@ import pytest
 
 import jaxpar
 from jaxpar import pipeline as pp
-from jaxpar.pipeline.stage import POLICIES, StageVJP, stash_policy
+from jaxpar.pipeline.executor._stage_vjp import POLICIES, StageVJP, stash_policy
 from test_rng_precision import dropout_loss, dropout_stage, reference
 from test_executor import model
 
@@ -119,7 +119,7 @@ def test_zero_bubble_halves_do_one_backward_of_flops(fn):
 
 def _temp_bytes(fn, stages):
   p, m = 2, 4
-  step = pp.pipeline_step(
+  step = pp.pipeline_value_and_grad(
       fn, lambda h, y, t: jnp.mean((y @ h - t) ** 2),
       schedule=pp.one_f_one_b(p, m),
       mesh=jaxpar.make_mesh(stage=p, devices=jax.devices()[:p]))
@@ -164,7 +164,7 @@ def test_every_policy_is_exact_with_zero_bubble_and_dropout(x64, policy):
   schedule = pp.zero_bubble_h1(p, m)
   args = model(p, m * MB)
   key = jax.random.key(3)
-  step = pp.pipeline_step(
+  step = pp.pipeline_value_and_grad(
       dropout_stage, dropout_loss, schedule=schedule, has_aux=True,
       mesh=jaxpar.make_mesh(stage=p, devices=jax.devices()[:p]),
       remat_policy=policy, bubble_fill=float('nan'))
@@ -184,7 +184,7 @@ def test_every_policy_is_exact_with_zero_bubble_and_dropout(x64, policy):
 ])
 def test_bad_policy_raises_when_the_step_is_built(kwargs, error, match):
   with pytest.raises(error, match=match):
-    pp.pipeline_step(stacked, lambda h, y, t: jnp.mean(y), schedule=pp.gpipe(
+    pp.pipeline_value_and_grad(stacked, lambda h, y, t: jnp.mean(y), schedule=pp.gpipe(
         2, 2), mesh=jaxpar.make_mesh(stage=2, devices=jax.devices()[:2]),
                      **kwargs)
 
@@ -200,7 +200,7 @@ def test_policy_reaches_the_executor():
   w = jax.tree.map(lambda a: np.stack([a, a]), params(dtype=np.float32))
   args = (w, np.ones((D, 2), np.float32), np.ones((m * mb, D), np.float32),
           np.ones((m * mb, 2), np.float32))
-  temp = {policy: pp.pipeline_step(
+  temp = {policy: pp.pipeline_value_and_grad(
       stacked, lambda h, y, t: jnp.mean((y @ h - t) ** 2),
       schedule=pp.gpipe(p, m), remat_policy=policy,
       mesh=jaxpar.make_mesh(stage=p, devices=jax.devices()[:p])).lower(

@@ -555,7 +555,7 @@ def test_default_layout_matches_full_paths_of_jaxpar_modules_only():
 
 
 def user_trainer(layout=None, **sizes):
-  """parallel.train_step of a user's residual MLP stages (not jaxpar's
+  """parallel.trainer of a user's residual MLP stages (not jaxpar's
   layers), and its params."""
   def stage_fn(p, x):
     return x + jnp.tanh(x @ p['up']['kernel']) @ p['down']['kernel']
@@ -566,7 +566,7 @@ def user_trainer(layout=None, **sizes):
       embed={}, stages={'up': {'kernel': rand(rng, 2, D, F)},
                         'down': {'kernel': rand(rng, 2, F, D)}},
       head={'w': rand(rng, D, 1)})
-  trainer = jaxpar.parallel.train_step(
+  trainer = jaxpar.parallel.trainer(
       lambda p, x: x, stage_fn, loss_fn, optax.sgd(0.1),
       schedule=jaxpar.pipeline.one_f_one_b(2, 2),
       mesh=jaxpar.make_mesh(**sizes), layout=layout)

@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar import data, demo, flops
+from jaxpar.cli import text_data as data, demo
+from jaxpar.models import flops
 from jaxpar.models import gpt, sampling
 
 
@@ -127,9 +128,9 @@ def test_held_out_loss_on_the_mesh_is_the_dense_loss(x64):
                          num_layers=4)
   params = random_params(config, np.float64)
   pp, layout = gpt.split_for_pipeline(params, num_stages=4)
-  trainer = jaxpar.parallel.train_step(
+  trainer = jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.adam(1e-3),
-      schedule=jaxpar.pipeline.interleaved_1f1b(2, 2, 2),
+      schedule=jaxpar.pipeline.interleaved_one_f_one_b(2, 2, 2),
       mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
       stage_mask=layout.mask, zero_stage=3)
   text = data.split(np.frombuffer(open(__file__, 'rb').read(), np.uint8))

@@ -6,9 +6,9 @@ import pytest
 
 import jaxpar
 from jaxpar import pipeline as pp
-from jaxpar.pipeline import _building_block as building_block
-from jaxpar.pipeline import plot as plot_module
-from jaxpar.pipeline import vshape
+from jaxpar.pipeline.schedules import _building_block as building_block
+from jaxpar.pipeline.schedules import _plot as plot_module
+from jaxpar.pipeline.schedules import _vshape as vshape
 from test_executor import (MB, NAN, assert_exact, loss_fn, mesh_for, model,
                            reference, stage_fn)
 
@@ -19,7 +19,7 @@ def v(p):
   return tuple(list(range(p)) + list(range(p - 1, -1, -1)))
 
 
-@pytest.mark.parametrize('build', [pp.dualpipev, pp.v_half, pp.v_min])
+@pytest.mark.parametrize('build', [pp.dualpipe_v, pp.v_half, pp.v_min])
 @pytest.mark.parametrize('p, m', [(1, 1), (1, 3), (2, 1), (2, 4), (3, 5),
                                   (4, 8), (5, 13)])
 def test_v_schedules_validate_on_a_v(build, p, m):
@@ -33,7 +33,7 @@ def test_dualpipev_follows_deepseeks_eight_steps():
   # p=2, m=4, rank 0 (stages 0 and 3): 2(p-r-1)=2 F0; r+1=1 pair F0 F1;
   # p-r-1=1 triple I1 W1 F1; m-2p+r+1=1 round F0 B1 F1 B0; 1 round B1 F1 B0;
   # r+1=1 pair B1 B0 (rank 0 even: B0 split); 1 pair W I0; the last W.
-  s = pp.dualpipev(2, 4)
+  s = pp.dualpipe_v(2, 4)
   assert [str(a) for a in s.actions[0]] == (
       '0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 '
       '0W2 0I3 0W3').split()
@@ -45,7 +45,7 @@ def test_dualpipev_follows_deepseeks_eight_steps():
 
 @pytest.mark.parametrize('p, m', [(2, 4), (3, 6), (4, 8), (4, 13), (6, 12)])
 def test_dualpipev_bubble_and_memory_formulas(p, m):
-  s = pp.dualpipev(p, m)
+  s = pp.dualpipe_v(p, m)
   # Bubble: the V sends microbatch 0 through 2p stages before rank 0 can
   # start a backward; every rank is busy 6m (2 F, 2 I, 2 W per microbatch at
   # F = I = W = 1) and idles exactly the p-1 forward hops its V-partner does
@@ -113,19 +113,19 @@ def test_bubbles_are_the_papers_and_below_1f1bs(p):
 
 
 @pytest.mark.parametrize('build, p, m', [
-    (pp.dualpipev, 2, 4), (pp.dualpipev, 2, 3), (pp.v_half, 2, 4),
-    (pp.v_min, 2, 3), (pp.dualpipev, 4, 8)])
+    (pp.dualpipe_v, 2, 4), (pp.dualpipe_v, 2, 3), (pp.v_half, 2, 4),
+    (pp.v_min, 2, 3), (pp.dualpipe_v, 4, 8)])
 def test_exact_in_the_executor(x64, build, p, m):
   schedule = build(p, m)
   args = model(schedule.num_stages, m * MB)
-  step = pp.pipeline_step(stage_fn, loss_fn, schedule=schedule,
+  step = pp.pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule,
                           mesh=mesh_for(p), bubble_fill=NAN)
   assert_exact(step(*args), reference(*args, m), rtol=1e-10)
 
 
 def test_bad_sizes():
-  with pytest.raises(ValueError, match=r'dualpipev\(.*num_ranks=0 must be'):
-    pp.dualpipev(0, 4)
+  with pytest.raises(ValueError, match=r'dualpipe_v\(.*num_ranks=0 must be'):
+    pp.dualpipe_v(0, 4)
   with pytest.raises(TypeError, match='must be an int'):
     pp.v_half(2.0, 4)
   with pytest.raises(ValueError, match='num_microbatches=0'):
@@ -140,7 +140,7 @@ def test_docstring_examples():
 def test_plot_frames_the_f_and_b_pairs():
   import matplotlib
   matplotlib.use('Agg')
-  s = pp.dualpipev(2, 4)
+  s = pp.dualpipe_v(2, 4)
   pairs = plot_module.fb_pairs(s)
   # Steps 4 and 5 of each rank: F0&B1, F1&B0 per main-step round, F1&B0
   # per step-5 round: rank 0 has 2 + 1, rank 1 has 2 * 2 + 0.

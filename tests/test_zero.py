@@ -18,8 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 import jaxpar.hlo
-from jaxpar import data_parallel, train_state, zero
-from jaxpar.bench import zero as zero_bench
+from jaxpar.data_parallel import _trainer as data_parallel, _zero as zero
+from jaxpar import train_state
+from jaxpar.cli.bench import zero as zero_bench
 from test_data_parallel import (assert_same_history, loss_fn, make_batches,
                                 reference_run)
 
@@ -76,9 +77,9 @@ def test_matches_single_device_float64(x64, stage, mesh_name):
   params = wide_params(dtype=jnp.float64)
   batches = make_batches(3, 16, dtype=np.float64)
   optimizer = optax.adamw(0.05, weight_decay=0.1)
-  step = jaxpar.data_parallel_step(wide_loss, optimizer, mesh=mesh,
+  step = jaxpar.data_parallel.trainer(wide_loss, optimizer, mesh=mesh,
                                    zero_stage=stage, num_microbatches=2,
-                                   max_grad_norm=0.5)
+                                   max_grad_norm=0.5).step
   state = zero.shard_state(jaxpar.TrainState.create(params, optimizer),
                            mesh=mesh, stage=stage)   # the old keyword works
   state, got = zero_run(step, state, batches)
@@ -121,7 +122,7 @@ def test_float32_with_aux_compiles_once():
   mesh = jaxpar.make_mesh(data=8)
   params, batches = wide_params(), make_batches(3, 64)
   optimizer = optax.sgd(0.1, momentum=0.9)
-  trainer = data_parallel.train_step(counted_loss, optimizer, mesh=mesh,
+  trainer = data_parallel.trainer(counted_loss, optimizer, mesh=mesh,
                                      zero_stage=3, num_microbatches=4,
                                      max_grad_norm=1.0, has_aux=True)
   want = reference_run(params, batches, optimizer, 1.0, loss_of=wide_loss)
@@ -143,7 +144,7 @@ def test_gradient_is_the_mean_not_n_times_it(x64, stage):
   mesh = jaxpar.make_mesh(data=8)
   params = wide_params(dtype=jnp.float64)
   batch = make_batches(1, 16, dtype=np.float64)[0]
-  trainer = data_parallel.train_step(wide_loss, optax.sgd(1.0), mesh=mesh,
+  trainer = data_parallel.trainer(wide_loss, optax.sgd(1.0), mesh=mesh,
                                      zero_stage=stage)
   state, _ = trainer.step(trainer.init(params), batch)
   applied = jax.tree.map(jnp.subtract, params, zero.gather_params(state))
@@ -158,7 +159,7 @@ def adam_steps():
   batch = make_batches(1, 16)[0]
   out = {}
   for stage in (0, 1, 3):
-    trainer = data_parallel.train_step(wide_loss, optax.adam(0.01), mesh=mesh,
+    trainer = data_parallel.trainer(wide_loss, optax.adam(0.01), mesh=mesh,
                                        zero_stage=stage)
     state = trainer.init(wide_params(400))
     out[stage] = (trainer, state, trainer.step(state, batch)[0])
@@ -294,11 +295,11 @@ def test_checkpoint_restores_onto_another_mesh_and_stage(tmp_path, x64):
   params = wide_params(dtype=jnp.float64)
   batches = make_batches(2, 24, dtype=np.float64)
   optimizer = optax.adam(0.05)
-  trainer6 = data_parallel.train_step(wide_loss, optimizer,
+  trainer6 = data_parallel.trainer(wide_loss, optimizer,
                                       mesh=data6_mesh(), zero_stage=3)
   state, _ = trainer6.step(trainer6.init(params), batches[0])
   assert isinstance(state.params['hidden']['w'], zero.Padded)   # 16 rows
-  trainer4 = data_parallel.train_step(wide_loss, optimizer,
+  trainer4 = data_parallel.trainer(wide_loss, optimizer,
                                       mesh=mesh_of('data4'), zero_stage=1)
   like = trainer4.init(params)
   jaxpar.checkpoint.save(tmp_path / 'ckpt', state)
@@ -372,7 +373,7 @@ def odd_reference():
 def test_padded_leaves_exact_float64(x64, stage, num_microbatches):
   params, batches = odd_params(), odd_batches()
   optimizer = per_leaf_optimizer()
-  trainer = data_parallel.train_step(
+  trainer = data_parallel.trainer(
       odd_loss, optimizer, mesh=data6_mesh(), zero_stage=stage,
       num_microbatches=num_microbatches, max_grad_norm=0.5)
   state = trainer.init(params)
@@ -402,7 +403,7 @@ def test_each_device_holds_one_nth_on_data6():
   batch = {'ids': np.arange(12, dtype=np.int32)}
   held = {}
   for stage in (0, 1, 3):
-    trainer = data_parallel.train_step(loss, optax.adam(0.1),
+    trainer = data_parallel.trainer(loss, optax.adam(0.1),
                                        mesh=data6_mesh(), zero_stage=stage)
     state = trainer.init(params)
     held[stage] = zero.bytes_per_device(state)
@@ -431,7 +432,7 @@ def test_masked_states_split_like_plain_ones(x64):
       optax.multi_transform({'train': optax.adam(0.05),
                              'frozen': optax.set_to_zero()}, frozen))
   mesh = jaxpar.make_mesh(data=8)
-  trainer = data_parallel.train_step(wide_loss, optimizer, mesh=mesh,
+  trainer = data_parallel.trainer(wide_loss, optimizer, mesh=mesh,
                                      zero_stage=1)
   batches = make_batches(2, 16, dtype=np.float64)
   state = trainer.init(params)
@@ -500,9 +501,9 @@ class TestErrors:
     assert zero.check_zero_stage(np.int64(3)) == 3
 
   def test_state_of_another_optimizer(self):
-    step = jaxpar.data_parallel_step(wide_loss, optax.adam(0.1),
+    step = jaxpar.data_parallel.trainer(wide_loss, optax.adam(0.1),
                                      mesh=jaxpar.make_mesh(data=8),
-                                     zero_stage=1)
+                                     zero_stage=1).step
     sgd = jaxpar.TrainState.create(wide_params(), optax.sgd(0.1, 0.9))
     with pytest.raises(ValueError, match=r'structure and shapes of '
                        r'optimizer.init\(state.params\).*create the state '
@@ -511,5 +512,5 @@ class TestErrors:
 
   def test_pmap_backend(self):
     with pytest.raises(ValueError, match="zero_stage=3 needs backend='shard_map'"):
-      jaxpar.data_parallel_step(loss_fn, optax.sgd(0.1), zero_stage=3,
-                                mesh=jaxpar.make_mesh(data=8), backend='pmap')
+      jaxpar.data_parallel.trainer(loss_fn, optax.sgd(0.1), zero_stage=3,
+                                mesh=jaxpar.make_mesh(data=8), backend='pmap').step

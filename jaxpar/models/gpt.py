@@ -13,7 +13,7 @@ step (``jaxpar.parallel``) needs::
 
 Uneven layer counts (``L`` layers on ``S`` stages) are balanced -- the first
 ``L % S`` stages get one layer more -- and the missing slots are *identity*
-blocks (all-zero params: ``x + 0 + 0 == x`` exactly). ``PipelineLayout.mask``
+blocks (all-zero params: ``x + 0 + 0 == x`` exactly). ``LayerSplit.mask``
 marks the real slots; the train step zeroes the gradients of the others, so
 they stay identity and the maths is that of the ``L``-layer model.
 """
@@ -32,7 +32,7 @@ from flax import nnx
 
 from jaxpar import tensor_parallel as tp
 from jaxpar.models.mlp import MLP
-from jaxpar.pipeline_params import LayerParams, PipelineParams
+from jaxpar.parallel import LayerParams, LayerSplit, PipelineParams
 
 PyTree = Any
 
@@ -189,53 +189,6 @@ def gpt_loss(params: dict, batch: tuple[jax.Array, jax.Array], *,
 # shard_map whose 'tensor' axis splits heads, MLP features and vocabulary.
 
 
-class PipelineLayout(NamedTuple):
-  """How ``num_layers`` blocks sit on ``num_stages`` pipeline stages.
-
-  Stage ``k`` holds ``counts[k]`` real blocks (``stage_counts`` if given,
-  e.g. from ``jaxpar.pipeline.balance``; else balanced, the first
-  ``num_layers % num_stages`` stages one more) in ``slots`` slots; the rest
-  are identity. ``mask[k, j]``: slot ``j`` of stage ``k`` is real.
-  """
-  num_layers: int
-  num_stages: int
-  stage_counts: tuple[int, ...] | None = None
-
-  @property
-  def counts(self) -> tuple[int, ...]:
-    if self.stage_counts is not None:
-      return self.stage_counts
-    q, r = divmod(self.num_layers, self.num_stages)
-    return tuple(q + (k < r) for k in range(self.num_stages))
-
-  @property
-  def slots(self) -> int:
-    return max(self.counts)
-
-  @property
-  def mask(self) -> np.ndarray:
-    return np.arange(self.slots)[None, :] < np.array(self.counts)[:, None]
-
-  def stack(self, layers: list) -> Any:
-    """``num_layers`` layer pytrees -> one pytree of ``[num_stages, slots,
-    ...]`` leaves, the identity slots zero (frozen by ``mask``).
-
-    One jitted program per layout and layer signature (eager stacking
-    compiles an op per leaf shape)."""
-    return _stacked(self, layers)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _stacked(layout: PipelineLayout, layers: list) -> Any:
-  zero = jax.tree.map(jnp.zeros_like, layers[0])
-  stages, i = [], 0
-  for count in layout.counts:
-    stage = list(layers[i:i + count]) + [zero] * (layout.slots - count)
-    stages.append(jax.tree.map(lambda *xs: jnp.stack(xs), *stage))
-    i += count
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *stages)
-
-
 def split_for_pipeline(params: dict, *, num_stages: int,
                        counts: Sequence[int] | None = None):
   """Dense ``gpt_params`` -> (``PipelineParams(embed, stages, head)``, layout).
@@ -280,14 +233,14 @@ def split_for_pipeline(params: dict, *, num_stages: int,
           f'counts={counts}: need {num_stages} positive layer counts summing '
           f'to the {len(blocks)} layers, e.g. jaxpar.pipeline.balance('
           f'layer_costs, {num_stages}).')
-  layout = PipelineLayout(len(blocks), int(num_stages), counts)
+  layout = LayerSplit(len(blocks), int(num_stages), counts)
   stages = layout.stack(blocks)
   embed = {'embed': params['embed'], 'pos': params['pos']}
   head = {'ln_f': params['ln_f'], 'lm_head': params['lm_head']}
   return PipelineParams(embed, stages, head), layout
 
 
-def merge_from_pipeline(pipeline_params, layout: PipelineLayout) -> dict:
+def merge_from_pipeline(pipeline_params, layout: LayerSplit) -> dict:
   """Inverse of ``split_for_pipeline``: back to dense ``gpt_params``.
 
   Also takes the per-layer view the 3D trainer's optimizer sees
@@ -325,7 +278,7 @@ _blocks_of = jax.jit(_blocks, static_argnums=1)
 def functions(config: GPTConfig, *, axis: str = 'tensor'):
   """``(embed_fn, stage_fn, head_loss_fn)`` with ``config.dropout`` bound.
 
-  The three functions ``jaxpar.parallel.train_step`` takes; with a ``key``
+  The three functions ``jaxpar.parallel.trainer`` takes; with a ``key``
   there, dropout is on. ``head_loss_fn`` is ``head_loss_and_accuracy_fn``
   for ``has_aux=True``.
 
@@ -335,7 +288,7 @@ def functions(config: GPTConfig, *, axis: str = 'tensor'):
     ...                        num_heads=2, num_layers=2, dropout=0.1)
     >>> params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0)))
     >>> pp, layout = gpt.split_for_pipeline(params, num_stages=2)
-    >>> trainer = jaxpar.parallel.train_step(
+    >>> trainer = jaxpar.parallel.trainer(
     ...     *gpt.functions(config), optax.adam(1e-3),
     ...     schedule=jaxpar.pipeline.one_f_one_b(2, 2),
     ...     mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),

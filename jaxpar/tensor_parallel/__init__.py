@@ -26,35 +26,35 @@ Example:
   True
 """
 
-from jaxpar.tensor_parallel.attention import (
+from jaxpar.tensor_parallel._attention import (
     dot_product_attention as dot_product_attention)
-from jaxpar.tensor_parallel.attention import (
+from jaxpar.tensor_parallel._attention import (
     parallel_self_attention as parallel_self_attention)
-from jaxpar.tensor_parallel.attention import (
+from jaxpar.tensor_parallel._attention import (
     transformer_block as transformer_block)
-from jaxpar.tensor_parallel.layers import (
+from jaxpar.tensor_parallel._layers import (
     column_parallel_linear as column_parallel_linear)
-from jaxpar.tensor_parallel.layers import dropout as dropout
-from jaxpar.tensor_parallel.layers import layer_norm as layer_norm
-from jaxpar.tensor_parallel.layers import parallel_mlp as parallel_mlp
-from jaxpar.tensor_parallel.layers import (
+from jaxpar.tensor_parallel._layers import dropout as dropout
+from jaxpar.tensor_parallel._layers import layer_norm as layer_norm
+from jaxpar.tensor_parallel._layers import parallel_mlp as parallel_mlp
+from jaxpar.tensor_parallel._layers import (
     row_parallel_linear as row_parallel_linear)
-from jaxpar.tensor_parallel.layout import DEFAULT_LAYOUT as DEFAULT_LAYOUT
-from jaxpar.tensor_parallel.layout import check_axis_used as check_axis_used
-from jaxpar.tensor_parallel.layout import check_divisible as check_divisible
-from jaxpar.tensor_parallel.layout import param_specs as param_specs
-from jaxpar.tensor_parallel.layout import shard_params as shard_params
-from jaxpar.tensor_parallel.layout import unshard_params as unshard_params
-from jaxpar.tensor_parallel.modules import (
+from jaxpar.tensor_parallel._rules import DEFAULT_LAYOUT as DEFAULT_LAYOUT
+from jaxpar.tensor_parallel._rules import check_axis_used as check_axis_used
+from jaxpar.tensor_parallel._rules import check_divisible as check_divisible
+from jaxpar.tensor_parallel._rules import param_specs as param_specs
+from jaxpar.tensor_parallel._rules import shard_params as shard_params
+from jaxpar.tensor_parallel._rules import unshard_params as unshard_params
+from jaxpar.tensor_parallel._modules import (
     ColumnParallelLinear as ColumnParallelLinear)
-from jaxpar.tensor_parallel.modules import ParallelMLP as ParallelMLP
-from jaxpar.tensor_parallel.modules import (
+from jaxpar.tensor_parallel._modules import ParallelMLP as ParallelMLP
+from jaxpar.tensor_parallel._modules import (
     ParallelSelfAttention as ParallelSelfAttention)
-from jaxpar.tensor_parallel.modules import (
+from jaxpar.tensor_parallel._modules import (
     RowParallelLinear as RowParallelLinear)
-from jaxpar.tensor_parallel.vocab import (
+from jaxpar.tensor_parallel._vocab import (
     vocab_parallel_cross_entropy as vocab_parallel_cross_entropy)
-from jaxpar.tensor_parallel.vocab import (
+from jaxpar.tensor_parallel._vocab import (
     vocab_parallel_embed as vocab_parallel_embed)
 
 __all__ = [

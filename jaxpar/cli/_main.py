@@ -1,0 +1,68 @@
+"""Command line: ``python -m jaxpar demo|bench|launch ...``.
+
+``demo`` and ``bench`` own their options (``python -m jaxpar demo --help``);
+this parser only picks the command and hands them the rest of the line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxpar import distributed
+from jaxpar.cli import bench, demo
+
+
+def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+  command = args.args[1:] if args.args[:1] == ['--'] else args.args
+  if not command:
+    parser.error('give the command after --, e.g. -- demo --steps 10')
+  if args.num_processes < 1:
+    parser.error(f'-n must be >= 1, got {args.num_processes}')
+  return distributed.launch(args.num_processes, command,
+                            devices_per_process=args.devices_per_process,
+                            port=args.port)
+
+
+def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+  """The top-level parser and the ``launch`` subparser."""
+  parser = argparse.ArgumentParser(
+      prog='python -m jaxpar',
+      description='Data, tensor and pipeline parallelism for JAX.',
+      epilog='`python -m jaxpar <command> --help` for the options of a '
+      'command.')
+  commands = parser.add_subparsers(dest='command', metavar='<command>')
+  # demo and bench parse their own options (and --help) from the rest.
+  commands.add_parser('demo', add_help=False, help='train a model on '
+                      'simulated CPU devices (the main job)')
+  commands.add_parser('bench', add_help=False, help='run the benchmarks: '
+                      'python -m jaxpar bench [--quick] [--json PATH]')
+  launch = commands.add_parser(
+      'launch', prog='python -m jaxpar launch',
+      help='start N local processes (gloo on CPU): python -m jaxpar launch '
+      '-n N [--devices-per-process K] -- demo ...',
+      description='Run `python -m jaxpar <args>` in N local processes that '
+      'form one jax.distributed job (gloo collectives on CPU).')
+  launch.add_argument('-n', '--num-processes', type=int, required=True)
+  launch.add_argument('--devices-per-process', type=int,
+                      help='simulated CPU devices in each process')
+  launch.add_argument('--port', type=int,
+                      help='coordinator port (default: free)')
+  launch.add_argument('args', nargs=argparse.REMAINDER,
+                      help='-- followed by the jaxpar command to run')
+  return parser, launch
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  parser, launch = _parser()
+  if not argv:
+    parser.print_help()
+    return 2
+  command, rest = argv[0], argv[1:]
+  if command == 'demo':
+    return demo.main(rest)
+  if command == 'bench':
+    return bench.main(rest)
+  args = parser.parse_args(argv)   # launch, --help, or an error (exit 2)
+  return _launch(args, launch)

@@ -1,0 +1,119 @@
+"""Stage leaves in two layouts: the schedule's ranks and the model's order.
+
+The pipeline keeps stage leaves in the rank layout ``[p, v, ...]`` of a
+``Schedule`` (``jaxpar.pipeline.stages_to_ranks``: rank ``r`` holds its
+``v`` stages); users, ``Trainer.params`` and checkpoints see them in model
+order ``[num_stages, ...]``. The two functions here move whole trees of
+global arrays between the two in one jitted program per signature, keeping
+their shards (``P(a, None, *rest)`` <-> ``P(a, *rest)``), where moving leaf
+by leaf eagerly compiled a program per leaf.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.pipeline import executor
+from jaxpar.pipeline.executor import (check_leading)
+from jaxpar.pipeline.schedules import Schedule
+
+PyTree = Any
+
+
+def padded_spec(spec: P, ndim: int) -> tuple:
+  """``spec``'s entries, ``None`` for the trailing dims it leaves out."""
+  return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def model_sharding(leaf: Any) -> NamedSharding | None:
+  """Sharding of a ``[p, v, ...]`` leaf's model order ``[p*v, ...]``:
+  ``P(a, None, *rest)`` (ranks split over ``a``) -> ``P(a, *rest)``;
+  ``None`` for a leaf without a ``NamedSharding``."""
+  sharding = getattr(leaf, 'sharding', None)
+  if not isinstance(sharding, NamedSharding):
+    return None
+  spec = padded_spec(sharding.spec, len(leaf.shape))
+  return NamedSharding(sharding.mesh, P(spec[0], *spec[2:]))
+
+
+def stages_in_model_order(stages: PyTree, schedule: Schedule) -> PyTree:
+  """Stage leaves in the rank layout ``[p, v, ...]`` of ``schedule`` back in
+  model order ``[num_stages, ...]``, shards kept (``P(a, None, *rest)`` ->
+  ``P(a, *rest)``): the layout of ``Trainer.params`` and of checkpoints.
+
+  Example:
+    >>> s = jaxpar.pipeline.zero_bubble_v(2, 2)   # placement (0, 1, 1, 0)
+    >>> jaxpar.parallel.stages_in_model_order(
+    ...     {'w': jnp.array([[0, 3], [1, 2]])}, s)['w'].tolist()
+    [0, 1, 2, 3]
+  """
+  return _relaid(stages, stages, schedule, to_ranks=False)
+
+
+def stages_like(stages: PyTree, like: PyTree, schedule: Schedule) -> PyTree:
+  """Model-order stage leaves ``[num_stages, ...]`` in the rank layout
+  ``[p, v, ...]`` of ``schedule``, stored as ``like``'s leaves are (their
+  shardings; numpy for numpy); inverse of ``stages_in_model_order``.
+
+  Example:
+    >>> s = jaxpar.pipeline.zero_bubble_v(2, 2)
+    >>> jaxpar.parallel.stages_like({'w': np.arange(4)},
+    ...                             {'w': np.zeros((2, 2))}, s)['w'].tolist()
+    [[0, 3], [1, 2]]
+  """
+  return _relaid(stages, like, schedule, to_ranks=True)
+
+
+def _relaid(stages: PyTree, like: PyTree, schedule: Schedule, *,
+            to_ranks: bool) -> PyTree:
+  """Leaves laid out like a global array of ``like`` in one jitted program
+  (``_relaid_arrays``), the others one by one."""
+  if not isinstance(schedule, Schedule):
+    raise TypeError('schedule must be a jaxpar.pipeline.Schedule, got '
+                    f'{type(schedule).__name__}.')
+  if to_ranks:
+    check_leading(stages, schedule.num_stages, 'stages',
+                         'schedule.num_stages')
+  else:
+    lead = (schedule.num_ranks, schedule.num_stages // schedule.num_ranks)
+    wrong = [f'stages{jax.tree_util.keystr(k)} has shape {np.shape(a)}'
+             for k, a in jax.tree_util.tree_leaves_with_path(stages)
+             if np.shape(a)[:2] != lead]
+    if wrong:
+      raise ValueError(
+          f'{"; ".join(wrong)}, but rank-layout stage leaves start with '
+          f'(num_ranks, num_stages // num_ranks) = {lead} for schedule '
+          f'{schedule.name!r}; model-order leaves go to stages_like.')
+  leaves, tree = jax.tree.flatten(stages)
+  refs = tree.flatten_up_to(like)
+  move = executor.stages_to_ranks if to_ranks else executor.ranks_to_stages
+  out, todo = [], []
+  for i, (a, ref) in enumerate(zip(leaves, refs)):
+    if model_sharding(ref) is not None:   # a global array's layout
+      todo.append(i)
+      out.append(None)
+    else:
+      a = move(a, schedule)
+      out.append(np.asarray(a) if isinstance(ref, np.ndarray) else a)
+  if todo:
+    moves = tuple((model_sharding(refs[i]), refs[i].sharding) if to_ranks
+                  else (model_sharding(refs[i]),) * 2 for i in todo)
+    for i, a in zip(todo, _relaid_arrays([leaves[i] for i in todo], schedule,
+                                         moves, to_ranks)):
+      out[i] = a
+  return tree.unflatten(out)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _relaid_arrays(leaves: list, schedule: Schedule, moves: tuple,
+                   to_ranks: bool) -> list:
+  """``moves[i] = (model-order sharding, sharding of the result)``."""
+  move = executor.stages_to_ranks if to_ranks else executor.ranks_to_stages
+  return [jax.device_put(move(a, schedule, out_sharding=model), out)
+          for a, (model, out) in zip(leaves, moves)]

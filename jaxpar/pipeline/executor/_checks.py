@@ -1,0 +1,198 @@
+"""Checks of user input shared by the pipeline steps (``ValueError``/``TypeError``).
+
+Public to the package: ``jaxpar.parallel`` and the executor both use them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxpar.mesh import axis_size
+from jaxpar.pipeline.schedules import Schedule, TickTable, tick_table
+
+PyTree = Any
+StageFn = Callable[[PyTree, jax.Array], jax.Array]
+
+
+def check_fn(fn: Any, name: str) -> None:
+  if not callable(fn):
+    raise TypeError(f'{name} must be callable, got {type(fn).__name__}: '
+                    f'{fn!r}.')
+
+
+def check_float(tree: PyTree, name: str) -> None:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+      raise TypeError(
+          f'{name}{jax.tree_util.keystr(path)} has dtype '
+          f'{jnp.result_type(leaf)}; the pipeline differentiates it, so it '
+          'must be floating point (cast it, or close over integer data in '
+          'stage_fn/loss_fn instead).')
+
+
+def check_leading(tree: PyTree, size: int, name: str, rule: str) -> None:
+  """``ValueError`` listing every leaf whose leading axis is not ``size``."""
+  wrong = [f'{name}{jax.tree_util.keystr(path)} has shape {np.shape(leaf)}'
+           for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+           if not np.shape(leaf) or np.shape(leaf)[0] != size]
+  if wrong:
+    raise ValueError(
+        f'{"; ".join(wrong)} but the leading axis must be {rule}={size}: '
+        'stack one slice per stage (e.g. jax.tree.map(lambda *a: '
+        'jnp.stack(a), *per_stage)).')
+
+
+def microbatched(inputs: jax.Array, targets: PyTree, m: int):
+  """``inputs`` and every ``targets`` leaf reshaped to ``[m, batch/m, ...]``."""
+  if np.ndim(inputs) == 0:
+    raise ValueError(f'inputs must have a leading batch axis, got shape '
+                     f'{np.shape(inputs)}.')
+  batch = np.shape(inputs)[0]
+  if batch % m:
+    raise ValueError(
+        f'inputs batch size {batch} is not divisible by the schedule\'s '
+        f'num_microbatches={m}: use a batch that is a multiple of {m} or a '
+        f'schedule whose microbatch count divides {batch}.')
+  for path, leaf in jax.tree_util.tree_leaves_with_path(targets):
+    if not np.shape(leaf) or np.shape(leaf)[0] != batch:
+      raise ValueError(
+          f'targets{jax.tree_util.keystr(path)} has shape {np.shape(leaf)} but '
+          f'inputs has batch size {batch}: inputs and targets must share the '
+          'leading batch axis.')
+  split = lambda a: jnp.reshape(a, (m, batch // m) + np.shape(a)[1:])
+  return split(inputs), jax.tree.map(split, targets)
+
+
+def check_stage_fn(stage_fn: StageFn, params: PyTree, x: Any,
+                   key: Any = None) -> None:
+  """``ValueError`` unless ``stage_fn`` keeps the shape and dtype of ``x``
+  (one microbatch's activation, an array or its aval)."""
+  out = jax.eval_shape(stage_fn, jax.tree.map(lambda a: a[0], params), x,
+                       *with_key(key))
+  if (not isinstance(out, jax.ShapeDtypeStruct) or out.shape != x.shape
+      or out.dtype != x.dtype):
+    got = (f'{out.dtype}{list(out.shape)}' if isinstance(
+        out, jax.ShapeDtypeStruct) else f'a {type(out).__name__}')
+    raise ValueError(
+        f'stage_fn maps a microbatch {x.dtype}{list(x.shape)} to {got}; '
+        'a pipeline stage must return an array of the same shape and dtype '
+        'as its input. Move shape-changing layers (embedding, head) out of '
+        'the stages: in front of the pipeline (embed_fn of '
+        'pipeline_value_and_grad_local, or chain PipelineGrads.inputs, their '
+        'cotangent) or into loss_fn.')
+
+
+def with_key(key: Any) -> tuple:
+  """The trailing arguments of a user function: ``(key,)``, or ``()``."""
+  return () if key is None else (key,)
+
+
+def check_loss_fn(loss_fn: Callable[..., Any], loss_params: PyTree,
+                  y: jax.Array, target: PyTree, key: Any,
+                  has_aux: bool) -> None:
+  """``TypeError`` unless ``loss_fn`` gives a float scalar (and float aux)."""
+  out = jax.eval_shape(loss_fn, loss_params, y, target, *with_key(key))
+  if has_aux:
+    if not (isinstance(out, tuple) and len(out) == 2):
+      raise TypeError('has_aux=True needs loss_fn to return a pair (loss, '
+                      f'aux), got {out}.')
+    out, aux = out
+    for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
+      if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+        raise TypeError(
+            f'loss_fn aux{jax.tree_util.keystr(path)} has dtype {leaf.dtype}; '
+            'aux is averaged over microbatches like the loss, so return '
+            'float metrics (e.g. accuracy as float32).')
+  if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()
+          and jnp.issubdtype(out.dtype, jnp.floating)):
+    hint = ('' if has_aux else
+            '; if it returns (loss, aux), pass has_aux=True')
+    raise TypeError(f'loss_fn must return a float scalar, the mean loss of '
+                    f'one microbatch, got {out}{hint}.')
+
+
+def check_key(key: Any) -> None:
+  """``TypeError`` unless ``key`` is ``None`` or one PRNG key."""
+  if key is None:
+    return
+  dtype, shape = getattr(key, 'dtype', None), np.shape(key)
+  typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+  raw = dtype == np.uint32 and shape == (2,)
+  if not (typed and shape == () or raw):
+    raise TypeError(
+        f'key must be one PRNG key, e.g. jax.random.key(0), got '
+        f'{type(key).__name__} {dtype}{list(shape)}: to train with a fresh '
+        'key each step pass the step key (the executor folds in the '
+        'microbatch and stage).')
+
+
+def check_offset(offset: Any) -> None:
+  """``TypeError`` unless ``offset`` is one integer (NumPy/JAX ints too)."""
+  if (isinstance(offset, bool) or np.ndim(offset)
+      or not jnp.issubdtype(jnp.result_type(offset), jnp.integer)):
+    raise TypeError(f'microbatch_offset={offset!r} must be one integer, the '
+                    "global index of this shard's first microbatch (e.g. "
+                    "jax.lax.axis_index('data') * num_microbatches).")
+
+
+def check_compute_dtype(compute_dtype: Any) -> np.dtype | None:
+  """``None`` or a floating dtype (``'bfloat16'``, ``jnp.bfloat16``, ...)."""
+  if compute_dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(compute_dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f'compute_dtype={compute_dtype!r} must be None (compute in the '
+        "params' dtype) or a floating dtype, e.g. jnp.bfloat16 or "
+        "'bfloat16'.")
+  return dtype
+
+
+def check_axis(axis: str, schedule: Schedule) -> None:
+  """Inside ``shard_map``: ``axis`` must have ``schedule.num_ranks`` ranks."""
+  size = jax.lax.axis_size(axis)
+  if size != schedule.num_ranks:
+    raise ValueError(
+        f'axis {axis!r} has size {size} but schedule {schedule.name!r} has '
+        f'num_ranks={schedule.num_ranks}: lower a schedule for {size} ranks.')
+
+
+def check_lowered(lowered: Any) -> TickTable:
+  if not isinstance(lowered, TickTable):
+    raise TypeError(f'lowered must be a TickTable from '
+                    f'jaxpar.pipeline.tick_table(schedule), got '
+                    f'{type(lowered).__name__}.')
+  return lowered
+
+
+def check_fill(bubble_fill: Any) -> float:
+  if isinstance(bubble_fill, bool) or not isinstance(
+      bubble_fill, (int, float, np.floating)):
+    raise TypeError(f'bubble_fill={bubble_fill!r} must be a float (e.g. 0.0, '
+                    "or float('nan') to check that bubbles are inert).")
+  return float(bubble_fill)
+
+
+def lowered_for(schedule: Any, mesh: Mesh, axis: str,
+                training: bool) -> TickTable:
+  """Lowers ``schedule`` after checking it against ``mesh`` and the mode."""
+  if not isinstance(schedule, Schedule):
+    raise TypeError(f'schedule must be a jaxpar.pipeline.Schedule (e.g. '
+                    f'jaxpar.pipeline.one_f_one_b(p, m)), got '
+                    f'{type(schedule).__name__}.')
+  size = axis_size(mesh, axis)
+  if size != schedule.num_ranks:
+    raise ValueError(
+        f'mesh axis {axis!r} has size {size} but schedule {schedule.name!r} '
+        f'has num_ranks={schedule.num_ranks}: build the schedule for {size} '
+        f'ranks or a mesh with {axis}={schedule.num_ranks}.')
+  return tick_table(schedule, forward_only=not training)

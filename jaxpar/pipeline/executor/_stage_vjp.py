@@ -1,0 +1,239 @@
+"""A pipeline stage cut into the blocks the executor runs: ``F``, ``I``, ``W``.
+
+``StageVJP(stage_fn, remat, remat_policy)`` turns ``stage_fn(params, x) -> y``
+(or ``stage_fn(params, x, key)``: every block then takes the same ``key``)
+into
+
+* ``forward(params, x) -> (y, stash)``: the output and the VJP residuals
+  that depend on ``x`` -- the **stash holds activations only**. Which
+  activations is the **stash policy** (``stash_policy``): ``'everything'``
+  keeps every residual ``jax.vjp`` lists; ``'dots'`` (the default) keeps the
+  outputs of matrix products and recomputes the elementwise work after them
+  in the backward
+  (``jax.checkpoint_policies.dots_saveable``); ``'nothing'``
+  (``remat=True``) keeps ``x`` and recomputes the whole forward; any
+  ``jax.checkpoint`` policy may be given. Residuals that depend on the
+  parameters alone (a layer sliced out of a stacked leaf, a transposed or
+  cast weight, the weights themselves) are found by a dataflow pass over the
+  forward's jaxpr and recomputed from the parameters in the backward, where
+  XLA keeps only the (cheap) operations that produce them. The ``key``
+  counts as a parameter: a dropout mask, drawn from the key alone, is
+  recomputed in the backward (the forward's mask), not stashed.
+* ``input_grad(params, stash, dy) -> (dx, kept)`` and
+  ``weight_grad(params, stash, dy, kept) -> dparams``: the backward's jaxpr
+  (``(dparams, dx)`` from ``(params, stash, dy)``, with the policy's
+  recomputation) cut in two. ``I`` runs the operations ``dx`` needs; ``W``
+  runs the rest of what ``dparams`` needs and reads the values of ``I`` it
+  would otherwise recompute -- the cotangents at the parameter-consuming
+  operations, recomputed activations -- from ``kept``. Each operation of
+  the backward runs once (``I + W = B`` in FLOPs); values that depend on the
+  parameters alone are recomputed in ``W`` rather than kept, so ``kept``
+  holds activation-sized values. The cut sees through ``jax.jit`` and
+  ``jax.checkpoint`` calls and unrolls ``lax.scan`` (a stage that scans over
+  its layers is cut layer by layer); the compiled blocks are then as long as
+  a Python loop's.
+
+Stash per microbatch for ``L`` residual layers ``x + gelu(x @ w_k)`` of
+``[mb, d]`` activations: ``'everything'`` ``6 L`` arrays (the input, the
+product and four of gelu's intermediates per layer), ``'dots'`` ``L + 1``
+(the input and the ``L`` products), ``'nothing'`` one.
+
+Example:
+  >>> stage = StageVJP(lambda w, x: jnp.tanh(x @ w[0]) + x)
+  >>> w, x = jnp.ones((2, 4, 4)), jnp.ones((3, 4))
+  >>> _ = stage.trace(w, x)
+  >>> y, stash = stage.forward(w, x)
+  >>> [a.shape for a in stash]     # x and x @ w[0]; w[0] is not stashed
+  [(3, 4), (3, 4)]
+  >>> _ = stage.split(w, stash, y)
+  >>> dx, kept = stage.input_grad(w, stash, jnp.ones((3, 4)))
+  >>> dw = stage.weight_grad(w, stash, jnp.ones((3, 4)), kept)
+  >>> dw.shape, dx.shape
+  ((2, 4, 4), (3, 4))
+  >>> len(StageVJP(stage.stage_fn, remat_policy='everything').trace(w, x)[1])
+  3
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jaxpar.pipeline.executor import _jaxpr, _vma
+
+PyTree = Any
+
+
+# Only jax's policies: one that also saved what collectives produce would
+# turn ZeRO-3's gathered params into residuals of the params alone, which
+# XLA then hoists out of the tick loop and keeps (+55% scratch measured).
+POLICIES: dict[str, Callable[..., Any] | None] = {
+    'everything': None,   # every residual jax.vjp lists
+    'dots': jax.checkpoint_policies.dots_saveable,
+    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'nothing': jax.checkpoint_policies.nothing_saveable,   # x alone: remat
+}
+# The fastest for GPipe, 1F1B and ZB-H1 on one core (bench ``one_core``,
+# docs/executor.md "Stash policy"): recomputing elementwise work costs less
+# than storing and reloading its intermediates.
+DEFAULT_POLICY = 'dots'
+
+
+def stash_policy(remat: bool = False, remat_policy: Any = None
+                 ) -> Callable[..., Any] | None:
+  """The ``jax.checkpoint`` policy of a stage's stash (``None``: everything).
+
+  Args:
+    remat: ``True`` is ``remat_policy='nothing'``: stash the stage input
+      alone and recompute the forward in the backward.
+    remat_policy: a name of ``POLICIES``: ``'everything'``, ``'dots'``
+      (``jax.checkpoint_policies.dots_saveable``), ``'dots_no_batch'``
+      (``dots_with_no_batch_dims_saveable``: attention scores are
+      recomputed), ``'nothing'``; a ``jax.checkpoint_policies``
+      policy (e.g. ``save_only_these_names('ffn')`` for values tagged with
+      ``jax.ad_checkpoint.checkpoint_name``), or ``None`` for
+      ``DEFAULT_POLICY`` (``'nothing'`` with ``remat``).
+
+  Raises:
+    ValueError: an unknown name, or ``remat=True`` with another policy.
+    TypeError: a policy that is neither a name nor callable.
+
+  Example:
+    >>> stash_policy() is jax.checkpoint_policies.dots_saveable
+    True
+    >>> stash_policy(remat=True) is jax.checkpoint_policies.nothing_saveable
+    True
+  """
+  if remat_policy is None:
+    return POLICIES['nothing' if remat else DEFAULT_POLICY]
+  if isinstance(remat_policy, str):
+    if remat_policy not in POLICIES:
+      raise ValueError(f'remat_policy={remat_policy!r} is not one of '
+                       f'{sorted(POLICIES)}; pass one of them or a '
+                       'jax.checkpoint_policies policy.')
+    policy = POLICIES[remat_policy]
+  elif callable(remat_policy):
+    policy = remat_policy
+  else:
+    raise TypeError(f'remat_policy={remat_policy!r} must be a name '
+                    f'({sorted(POLICIES)}) or a jax.checkpoint policy.')
+  if remat and policy is not POLICIES['nothing']:
+    raise ValueError(f'remat=True stashes the stage input alone, but '
+                     f'remat_policy={remat_policy!r} asks for another stash; '
+                     'pass one of them.')
+  return policy
+
+
+class StageVJP:
+  """``stage_fn`` split into the forward and backward blocks; see module doc.
+
+  Call ``trace(params, x)`` once (with the avals the blocks will see) before
+  the blocks; it fixes the residual structure and the ``I``/``W`` cut.
+  ``remat`` and ``remat_policy`` choose the stash (``stash_policy``).
+  """
+
+  def __init__(self, stage_fn: Callable[..., jax.Array], remat: bool = False,
+               remat_policy: Any = None):
+    self.stage_fn = stage_fn
+    self.policy = stash_policy(remat, remat_policy)
+    self._from_x = None      # per closure leaf: depends on x (is stashed)
+    self._x = None           # aval of x
+    self._input = self._weight = None
+    self._args_def = None
+
+  def _fn(self, key):
+    """``stage_fn`` of ``(params, x)`` under the policy, ``key`` bound."""
+    fn = self.stage_fn
+    if self.policy is not None:
+      # The blocks are separate programs: no CSE across them to prevent.
+      fn = jax.checkpoint(fn, policy=self.policy, prevent_cse=False)
+    return fn if key is None else lambda params, x: fn(params, x, key)
+
+  def _closure(self, params, x, key):
+    y, vjp = jax.vjp(self._fn(key), params, x)
+    leaves, treedef = jax.tree.flatten(vjp)
+    return y, leaves, treedef
+
+  def trace(self, params: PyTree, x: jax.Array, key: Any = None):
+    """Records the residual structure; returns ``(y, stash)`` avals."""
+    self._x = jax.typeof(x)
+    closed = jax.make_jaxpr(lambda p, x, k: self._closure(p, x, k)[:2])(
+        params, x, key)
+    jaxpr = closed.jaxpr
+    at = len(jax.tree.leaves(params))
+    from_x = _jaxpr.depends_on(jaxpr, jaxpr.invars[at:at + 1])
+    self._from_x = tuple(_jaxpr.is_var(v) and v in from_x
+                         for v in jaxpr.outvars[1:])
+    y, leaves = closed.out_avals[0], closed.out_avals[1:]
+    return y, [a for a, keep in zip(leaves, self._from_x) if keep]
+
+  def forward(self, params: PyTree, x: jax.Array, key: Any = None):
+    """``(y, stash)`` for the ``F`` block (traced, as in the executor)."""
+    y, leaves, _ = self._closure(params, x, key)
+    if len(leaves) != len(self._from_x):
+      raise RuntimeError('stage_fn traced to a different VJP structure twice; '
+                         'it must be a pure function of (params, x).')
+    return y, [a for a, keep in zip(leaves, self._from_x) if keep]
+
+  def backward(self, params: PyTree, stash: Any, dy: jax.Array,
+               key: Any = None):
+    """``(dparams, dx)`` in one piece (the ``I`` and ``W`` blocks together)."""
+    zeros = _vma.full(self._x, 0.0)
+    # The closure at x = 0: its x-dependent parts are dead code, the rest
+    # are the residuals of the parameters and the key alone (a dropout mask).
+    _, from_params, treedef = self._closure(params, zeros, key)
+    if len(from_params) != len(self._from_x):
+      raise RuntimeError('stage_fn traced to a different VJP structure twice; '
+                         'call the blocks under jit, as the executor does.')
+    stashed = iter(stash)
+    leaves = [next(stashed) if keep else leaf
+              for leaf, keep in zip(from_params, self._from_x)]
+    return jax.tree.unflatten(treedef, leaves)(dy)
+
+  def split(self, params: PyTree, stash: Any, dy: jax.Array,
+            key: Any = None) -> PyTree:
+    """Cuts the backward into ``I`` and ``W``; returns the ``kept`` avals."""
+    args, self._args_def = jax.tree.flatten(((params, key), stash, dy))
+    num_consts = len(jax.tree.leaves((params, key)))
+
+    def flat(*args):
+      (params, key), stash, dy = jax.tree.unflatten(self._args_def, args)
+      dparams, dx = self.backward(params, stash, dy, key)
+      return jax.tree.leaves(dparams) + [dx]
+    closed = _jaxpr.flatten(flat, *args)  # every operation its own eqn
+    jaxpr = closed.jaxpr
+    *dparams, dx = jaxpr.outvars
+    in_i = _jaxpr.needed(jaxpr, [dx])
+    # Values from the parameters and key alone: W recomputes them rather
+    # than keep.
+    params_only = set(jaxpr.constvars) | (set(jaxpr.invars) - _jaxpr.depends_on(
+        jaxpr, jaxpr.invars[num_consts:]))
+    for eqn in jaxpr.eqns:
+      if all(not _jaxpr.is_var(v) or v in params_only for v in eqn.invars):
+        params_only.update(eqn.outvars)
+    from_i = {o for k in in_i for o in jaxpr.eqns[k].outvars
+              if o not in params_only}
+    in_w = _jaxpr.needed(jaxpr, dparams, from_i)
+    used = [v for k in in_w for v in jaxpr.eqns[k].invars] + dparams
+    kept = list(dict.fromkeys(
+        v for v in used if _jaxpr.is_var(v) and v in from_i))
+    self._input = _jaxpr.subfunction(closed, in_i, jaxpr.invars, [dx] + kept)
+    self._weight = _jaxpr.subfunction(closed, in_w, jaxpr.invars + kept,
+                                      dparams)
+    self._dparams_def = jax.tree.structure(params)
+    return [v.aval for v in kept]
+
+  def input_grad(self, params: PyTree, stash: Any, dy: jax.Array,
+                 key: Any = None):
+    """The ``I`` block: ``(dx, kept)``."""
+    dx, *kept = self._input(*jax.tree.leaves(((params, key), stash, dy)))
+    return dx, kept
+
+  def weight_grad(self, params: PyTree, stash: Any, dy: jax.Array,
+                  kept: list, key: Any = None) -> PyTree:
+    """The ``W`` block: ``dparams`` from what ``I`` kept."""
+    dparams = self._weight(*jax.tree.leaves(((params, key), stash, dy)),
+                           *kept)
+    return jax.tree.unflatten(self._dparams_def, dparams)
