@@ -135,6 +135,8 @@ def collectives(program: Any) -> list[Collective]:
     TypeError: for a ``Lowered`` (not yet compiled) program or other objects.
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
     >>> total = jax.shard_map(lambda x: jax.lax.psum(x, 'tensor'), mesh=mesh,
     ...                       in_specs=P('tensor'), out_specs=P())
@@ -191,6 +193,8 @@ def collective_counts(program: Any) -> dict[str, int]:
     collective counts once, a loop body's ops once.
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
     >>> total = jax.shard_map(lambda x: jax.lax.psum(x, 'tensor'), mesh=mesh,
     ...                       in_specs=P('tensor'), out_specs=P())
@@ -218,6 +222,8 @@ def collective_bytes(program: Any) -> dict[str, int]:
     ``f32[4]`` shard over 4 devices counts its ``f32[16]`` result, 64 bytes.
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
     >>> gather = jax.shard_map(
     ...     lambda x: jax.lax.all_gather(x, 'tensor', tiled=True), mesh=mesh,

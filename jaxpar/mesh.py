@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxpar import _compat
@@ -70,6 +69,7 @@ def make_mesh(*, data: int = 1, stage: int = 1, tensor: int = 1,
       devices.
 
   Example:
+    >>> import jax, jaxpar
     >>> mesh = jaxpar.make_mesh(data=2, stage=2, tensor=2)   # 8 devices
     >>> dict(mesh.shape)
     {'data': 2, 'stage': 2, 'tensor': 2}

@@ -1,4 +1,4 @@
-"""Training state, per-step statistics, the ``Trainer`` triple, the update and the skip guard.
+"""The training state, step statistics, ``Trainer``, the update, the skip guard.
 
 Every jaxpar train step has one shape, like optax's ``(init, update)`` pair:
 ``Trainer(init, step, params)``. Every step also ends in the same update,
@@ -7,17 +7,18 @@ under ``jit``, so that XLA's partitioner inserts whatever collectives an
 optax transform needs (a global norm, LAMB's per-leaf trust ratios,
 Adafactor's factored moments, Muon's matrix products). Any optax
 ``GradientTransformation`` therefore gives single-device results under any
-layout; the layout only decides where the bytes live.
+sharding; the sharding only decides where the bytes live.
 
-**The skip guard.** Every jaxpar train step skips an update whose loss or gradient is not finite
-(``StepStats.skipped``): one bad batch costs one step. Many in a row mean the
-run has diverged (or the data is broken) and further steps only burn time.
-``count_skipped`` keeps the count in a small NamedTuple and raises
-``TooManySkippedError`` after ``max_skipped`` consecutive skips, so the loop
-stops before it saves anything: the last good checkpoint stays the newest
-(``jaxpar.checkpoint.save`` also refuses non-finite params).
+**The skip guard.** Every jaxpar train step skips an update whose loss or
+gradient is not finite (``StepStats.skipped``): one bad batch costs one step.
+Many in a row mean the run has diverged (or the data is broken) and further
+steps only burn time. ``count_skipped`` keeps the count in a small NamedTuple
+and raises ``TooManySkippedError`` after ``max_skipped`` consecutive skips, so
+the loop stops before it saves anything: the last good checkpoint stays the
+newest (``jaxpar.checkpoint.save`` also refuses non-finite params).
 
 Example:
+  >>> import jaxpar
   >>> count = jaxpar.SkipCount()
   >>> for skipped in [False, True, False]:       # e.g. stats from a step
   ...   count = jaxpar.count_skipped(count, skipped, max_skipped=2)
@@ -49,6 +50,7 @@ def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
   ``gradient_transformation()``.
 
   Example:
+    >>> import optax, jaxpar
     >>> opt = jaxpar.train_state.check_optimizer(
     ...     optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
     >>> isinstance(opt, optax.GradientTransformation)
@@ -64,7 +66,7 @@ def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
 
 
 def check_max_grad_norm(max_grad_norm: Any) -> None:
-  """``TypeError``/``ValueError`` unless ``max_grad_norm`` is ``None`` or > 0."""
+  """``TypeError``/``ValueError`` unless ``max_grad_norm`` is None or > 0."""
   if max_grad_norm is None:
     return
   if isinstance(max_grad_norm, bool) or not isinstance(
@@ -74,7 +76,8 @@ def check_max_grad_norm(max_grad_norm: Any) -> None:
                     f'{type(max_grad_norm).__name__}: {max_grad_norm!r}.')
   if not max_grad_norm > 0:
     raise ValueError(
-        f'max_grad_norm={max_grad_norm!r} must be > 0, or None for no clipping.')
+        f'max_grad_norm={max_grad_norm!r} must be > 0, or None for no '
+        'clipping.')
 
 
 class TrainState(NamedTuple):
@@ -96,6 +99,7 @@ class TrainState(NamedTuple):
     """A fresh state: ``step=0`` and ``opt_state=optimizer.init(params)``.
 
     Example:
+      >>> import jax.numpy as jnp, optax, jaxpar
       >>> state = jaxpar.TrainState.create({'w': jnp.zeros(3)}, optax.sgd(0.1))
       >>> int(state.step)
       0
@@ -128,8 +132,8 @@ class Trainer(NamedTuple):
   ``jaxpar.parallel.trainer``.
 
   Attributes:
-    init: ``init(params) -> TrainState``, placed and sharded on the mesh in
-      the step's layout (ZeRO layouts included).
+    init: ``init(params) -> TrainState``, placed and sharded on the mesh as
+      the step expects it (ZeRO shardings included).
     step: ``step(state, batch) -> (state, StepStats)``, jitted; accepts plain
       (numpy or unplaced) arrays and places them; ``step.lower(state, batch)``
       gives the lowered program (for ``.compile().memory_analysis()``).
@@ -138,6 +142,7 @@ class Trainer(NamedTuple):
       gathers one leaf to the host, a jitted function uses them in place).
 
   Example:
+    >>> import jax.numpy as jnp, numpy as np, optax, jaxpar
     >>> loss_fn = lambda p, b: jnp.mean((b['x'] @ p['w'] - b['y']) ** 2)
     >>> trainer = jaxpar.data_parallel.trainer(
     ...     loss_fn, optax.adam(1e-3), mesh=jaxpar.make_mesh(data=8))
@@ -162,6 +167,7 @@ def global_norm(tree: PyTree) -> jax.Array:
   the norm is over all shards. Equals ``optax.tree.norm`` in float32/64.
 
   Example:
+    >>> import jax.numpy as jnp, jaxpar
     >>> float(jaxpar.train_state.global_norm({'a': jnp.array([3.0, 4.0])}))
     5.0
   """
@@ -203,6 +209,7 @@ def apply_gradients(state: TrainState, grads: PyTree, *, loss: jax.Array,
     ``(new_state, StepStats(loss, grad_norm, skipped))``.
 
   Example:
+    >>> import jax.numpy as jnp, optax, jaxpar
     >>> state = jaxpar.TrainState.create({'w': jnp.ones(2)}, optax.sgd(0.5))
     >>> new, stats = jaxpar.train_state.apply_gradients(
     ...     state, {'w': jnp.ones(2)}, loss=jnp.float32(1.0),
@@ -251,6 +258,8 @@ def auto_view(tree: PyTree) -> PyTree:
   ``Trainer.params`` returns for evaluation and checkpoints.
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
     >>> x = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(
     ...     jaxpar.make_mesh(data=8), P('data')))
     >>> y = jaxpar.train_state.auto_view(x)
@@ -282,7 +291,7 @@ def sharded_update(state: TrainState, grads: PyTree, *, loss: jax.Array,
 
   Runs under ``jax.sharding.auto_axes``: inside, the mesh axes are ``Auto``
   and XLA's SPMD partitioner inserts the collectives every transform needs;
-  the new state comes out with ``state_specs`` (the layout it went in with).
+  the new state comes out with ``state_specs`` (the shardings it went in with).
   Call it inside ``jax.set_mesh(mesh)``.
   """
   def update(state, grads, loss):
@@ -296,7 +305,7 @@ def sharded_update(state: TrainState, grads: PyTree, *, loss: jax.Array,
 
 
 def signature(tree: PyTree) -> tuple:
-  """What a tree's layout and programs depend on: its structure, shapes and
+  """What a tree's shardings and programs depend on: its structure, shapes and
   dtypes (a cache key; the values do not enter it)."""
   return (jax.tree.structure(tree),
           tuple((np.shape(x), x.dtype if hasattr(x, 'dtype')
@@ -309,7 +318,7 @@ def _on_mesh(x: Any, mesh: Mesh) -> Any:
   Host values stay as they are (the program copies each device its part);
   an array elsewhere (one device, another mesh) is copied whole to every
   device of ``mesh``: a copy needs no program, while moving it into a split
-  layout compiles one per shape (``jax.device_put``'s ``_multi_slice``).
+  sharding compiles one per shape (``jax.device_put``'s ``_multi_slice``).
   """
   if isinstance(x, jax.Array) and not (
       isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh):
@@ -317,43 +326,51 @@ def _on_mesh(x: Any, mesh: Mesh) -> Any:
   return x
 
 
+def _init_program(prepare: Callable[[PyTree], PyTree],
+                  optimizer: optax.GradientTransformation, specs: TrainState,
+                  mesh: Mesh) -> Callable[[PyTree], TrainState]:
+  """One jitted ``params -> TrainState``: ``prepare``, then the params split
+  as stored (``specs.params``), then ``optimizer.init`` on the sharded params
+  (the optimizer state is born sharded), the state placed by ``specs``."""
+  out = shardings(mesh, specs)
+
+  def create(params):
+    state = TrainState(jnp.zeros((), jnp.int32), params,
+                       optimizer.init(params))
+    return jax.tree.map(lambda x: jax.lax.convert_element_type(x, x.dtype),
+                        state)  # not weakly typed, as the step's output
+
+  def placed(params):
+    params = jax.device_put(prepare(params), out.params)
+    return jax.sharding.auto_axes(create, out_sharding=out)(params)
+  return jax.jit(placed)
+
+
 def placed_init(
-    layout: Callable[[PyTree], tuple[Callable[[PyTree], PyTree],
-                                     optax.GradientTransformation, TrainState]],
+    storage: Callable[[PyTree], tuple[Callable[[PyTree], PyTree],
+                                      optax.GradientTransformation,
+                                      TrainState]],
     *, mesh: Mesh) -> Callable[[PyTree], TrainState]:
   """``init(params) -> TrainState``: a fresh state built on ``mesh``.
 
-  ``layout(params) -> (prepare, optimizer, specs)`` (called once per params
+  ``storage(params) -> (prepare, optimizer, specs)`` (called once per params
   signature, on shapes): ``prepare`` (pure ``jnp``) turns the params as given
-  into the params as stored (e.g. padded, in a rank layout), ``optimizer``
-  inits them and ``specs`` is the state's layout. Each signature is one
-  jitted program (prepare, ``optimizer.init`` on the sharded params, so the
-  optimizer state is born sharded, and the placement), compiled once per
-  trainer: no per-leaf eager op compiles.
+  into the params as stored (e.g. padded, in a rank placement), ``optimizer``
+  inits them and ``specs`` are the state's ``PartitionSpec``s. Each signature
+  is one jitted program (``_init_program``), compiled once per trainer: no
+  per-leaf eager op compiles.
   """
   programs = {}
-
-  def program(prepare, optimizer, specs):
-    def create(params):
-      state = TrainState(jnp.zeros((), jnp.int32), params,
-                         optimizer.init(params))
-      return jax.tree.map(lambda x: jax.lax.convert_element_type(x, x.dtype),
-                          state)  # not weakly typed, as the step's output
-    out = shardings(mesh, specs)
-
-    def placed(params):   # params first split as stored, then the state
-      params = jax.device_put(prepare(params), out.params)
-      return jax.sharding.auto_axes(create, out_sharding=out)(params)
-    return jax.jit(placed)
 
   def init(params: PyTree) -> TrainState:
     key = signature(params)
     if key not in programs:
-      programs[key] = program(*layout(params))
+      programs[key] = _init_program(*storage(params), mesh)
     params = jax.tree.map(lambda x: _on_mesh(x, mesh), params)
     with jax.set_mesh(mesh):
       return programs[key](params)
   return init
+
 
 class SkipCount(NamedTuple):
   """Skipped steps so far: the current run of consecutive ones, and all."""
@@ -384,6 +401,7 @@ def count_skipped(count: SkipCount, skipped: StepStats | Any, *,
     TypeError / ValueError: a bad ``count``, ``skipped`` or ``max_skipped``.
 
   Example:
+    >>> import jaxpar
     >>> c = jaxpar.count_skipped(jaxpar.SkipCount(), True)
     >>> c.consecutive, c.total
     (1, 1)
@@ -391,8 +409,9 @@ def count_skipped(count: SkipCount, skipped: StepStats | Any, *,
   if not isinstance(count, SkipCount):
     raise TypeError(f'count must be a jaxpar.SkipCount (start with '
                     f'SkipCount()), got {type(count).__name__}.')
-  max_skipped = check_int('max_skipped', max_skipped,
-                          fix='It counts the consecutive skipped steps allowed.')
+  max_skipped = check_int(
+      'max_skipped', max_skipped,
+      fix='It counts the consecutive skipped steps allowed.')
   flag = skipped.skipped if isinstance(skipped, StepStats) else skipped
   if np.ndim(flag) != 0 or np.asarray(flag).dtype != bool:
     raise TypeError(f'skipped must be a StepStats or a bool, got '

@@ -70,6 +70,8 @@ def lift(fn: Callable[..., Any], *, axes: Iterable[str]) -> Callable[..., Any]:
     ``shard_map`` it is ``fn``. Lifting a lifted function adds the axes.
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
     >>> def rnn_loss(w, xs):                     # [T, B, D] -> scalar
     ...   h0 = jnp.zeros((xs.shape[1], w.shape[1]))
     ...   h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ w + x), None), h0, xs)

@@ -135,7 +135,8 @@ def drill(out_dir: str, ckpt_dir: str, kill: bool) -> int:
   trainer = jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, opt, schedule=schedule,
       mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
-      stage_mask=layout.mask, max_grad_norm=1.0)
+      stage_mask=layout.mask, max_grad_norm=1.0,
+      tensor_rules=gpt.TENSOR_RULES)
   state = trainer.init(pp)
   if jaxpar.checkpoint.latest_step(ckpt_dir) is not None:
     state = jaxpar.checkpoint.restore(ckpt_dir, state, schedule=schedule)

@@ -1,7 +1,6 @@
 """Asynchronous parameter server: simulator vs hand-rolled stale SGD, threaded
 runtime vs simulator replay, bounded staleness, convergence, faults, errors."""
 
-import doctest
 import threading
 import time
 
@@ -12,7 +11,7 @@ import optax
 import pytest
 
 import jaxpar
-from jaxpar.async_ps import _server as async_ps
+from jaxpar import async_ps
 
 FEATURES = 4
 W_TRUE = np.linspace(-1.0, 2.0, FEATURES)
@@ -398,9 +397,3 @@ def test_invalid_arguments():
     async_ps.simulate(loss_fn, opt, p, 3, staleness=[0])
   with pytest.raises(TypeError, match='batches must be an iterable'):
     make().run(None, 2)
-
-
-def test_docstring_examples():
-  result = doctest.testmod(async_ps, extraglobs={
-      'jaxpar': jaxpar, 'jnp': jnp, 'np': np, 'optax': optax})
-  assert result.failed == 0 and result.attempted > 0

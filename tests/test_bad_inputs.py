@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import jaxpar
 from jaxpar.checkpoint import _checkpoint as checkpoint
 from jaxpar.cli import demo
-from jaxpar.distributed import _distributed as distributed
+from jaxpar import distributed
 from jaxpar import train_state as guard, pipeline
 
 CASES = collections.Counter()

@@ -1,4 +1,5 @@
-"""jaxpar.checkpoint: sharded TrainStates save and restore bit for bit, on any mesh."""
+"""jaxpar.checkpoint: sharded TrainStates save and restore bit for bit, on any
+mesh."""
 
 import functools
 
@@ -13,12 +14,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar.checkpoint import _checkpoint as checkpoint
+from jaxpar import checkpoint
 from jaxpar.models import gpt
 
 
 def assert_round_trip(path, state, like, *, schedule=None):
-  """Saves ``state`` and restores it onto ``like``'s layout: bit-identical,
+  """Saves ``state`` and restores it onto ``like``'s shardings: bit-identical,
   every leaf on ``state``'s sharding. Returns the restored state."""
   checkpoint.save(path, state, schedule=schedule)
   restored = checkpoint.restore(path, like, schedule=schedule)
@@ -51,26 +52,26 @@ def _equal(a, b) -> bool:
 
 @functools.cache
 def _setup():
-  """Random GPT params (eval_shape: no eager init), layout and 3 batches."""
+  """Random GPT params (eval_shape: no eager init), their split, 3 batches."""
   shapes = jax.eval_shape(
       lambda: gpt.gpt_params(gpt.GPT(CFG, rngs=nnx.Rngs(0))))
   rng = np.random.default_rng(0)
   params = jax.tree.map(
       lambda s: rng.normal(scale=0.3, size=s.shape).astype(np.float32), shapes)
-  pp, layout = gpt.split_for_pipeline(params, num_stages=4)
+  pp, split = gpt.split_for_pipeline(params, num_stages=4)
   batches = [tuple(rng.integers(0, 16, (8, 4)) for _ in range(2))
              for _ in range(3)]
-  return pp, layout, batches
+  return pp, split, batches
 
 
 @functools.cache
 def _trainer(sizes):
-  pp, layout, _ = _setup()
+  pp, split, _ = _setup()
   d, s, t = sizes
   return jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, OPT,
       schedule=MESHES[sizes], mesh=jaxpar.make_mesh(data=d, stage=s, tensor=t),
-      stage_mask=layout.mask, max_grad_norm=1.0)
+      stage_mask=split.mask, tensor_rules=gpt.TENSOR_RULES, max_grad_norm=1.0)
 
 
 def _init(sizes):
@@ -134,9 +135,9 @@ def test_restore_onto_another_mesh(run, sizes):
   assert _equal(state.opt_state, saved.opt_state)  # per layer: any schedule
 
 
-def test_layout_mismatch_errors(run):
-  # Rank-layout checkpoint onto 4 ranks: [2, 2, ...] vs [4, 1, ...].
-  with pytest.raises(ValueError, match=r'params\.stages\.attn\.key\.bias: '
+def test_placement_mismatch_errors(run):
+  # Rank-placement checkpoint onto 4 ranks: [2, 2, ...] vs [4, 1, ...].
+  with pytest.raises(ValueError, match=r'params/stages/attn/key/bias: '
                      r'checkpoint \(2, 2, 1, 4, 2\) float32 vs like '
                      r'\(4, 1, 1, 4, 2\) float32'):
     checkpoint.restore(run['ranks'], _init((1, 4, 2)))
@@ -144,7 +145,7 @@ def test_layout_mismatch_errors(run):
   with pytest.raises(ValueError, match='restore with schedule='):
     checkpoint.restore(run['model'], _init((2, 2, 2)))
   # A schedule that is not the like's.
-  with pytest.raises(ValueError, match=r"rank layout of schedule '1F1B' "
+  with pytest.raises(ValueError, match=r"rank placement of schedule '1F1B' "
                      r'\(4 ranks, 4 stages\) starts with \(4, 1\)'):
     checkpoint.restore(run['model'], _init((2, 2, 2)),
                        schedule=MESHES[(1, 4, 2)])
@@ -153,7 +154,7 @@ def test_layout_mismatch_errors(run):
 
 
 def test_zero_state_round_trip(tmp_path):
-  """Padded ZeRO leaves are saved at their shapes, restored onto any layout."""
+  """Padded ZeRO leaves are saved at their shapes, restored onto any mesh."""
   params = {'w': jnp.arange(91.0).reshape(7, 13), 'b': jnp.ones(3)}
   plain = jaxpar.TrainState.create(params, OPT)
   mesh6 = jaxpar.make_mesh(data=6, devices=jax.devices()[:6])
@@ -167,7 +168,8 @@ def test_zero_state_round_trip(tmp_path):
   # Saved at logical shapes: restore onto other data sizes and stages.
   for data, zero_stage in ((8, 1), (4, 0)):
     mesh = jaxpar.make_mesh(data=data, devices=jax.devices()[:data])
-    like = jaxpar.data_parallel.shard_state(plain, mesh=mesh, zero_stage=zero_stage)
+    like = jaxpar.data_parallel.shard_state(plain, mesh=mesh,
+                                            zero_stage=zero_stage)
     restored = checkpoint.restore(tmp_path / 'zero', like)
     assert jax.tree.structure(restored) == jax.tree.structure(like)
     assert _equal(jaxpar.data_parallel.unpadded(restored), plain)
@@ -217,10 +219,10 @@ def test_restore_errors(tmp_path):
     checkpoint.restore(tmp_path / 'empty', tree)
   checkpoint.save(tmp_path / 'c', tree, step=0)
   with pytest.raises(ValueError, match=r'in like but not in the checkpoint: '
-                     r'b\.d\n.*in the checkpoint but not in like: b\.c'):
+                     r'b/d\n.*in the checkpoint but not in like: b/c'):
     checkpoint.restore(tmp_path / 'c', {'a': tree['a'], 'b': {'d': tree['a']}})
   with pytest.raises(ValueError, match=r'a: checkpoint \(3,\) float32 vs like '
-                     r'\(4,\) float32\n    b\.c: checkpoint \(2, 2\) float32 vs '
+                     r'\(4,\) float32\n    b/c: checkpoint \(2, 2\) float32 vs '
                      r'like \(2, 2\) int32'):
     checkpoint.restore(tmp_path / 'c', {'a': jnp.ones(4),
                                         'b': {'c': jnp.zeros((2, 2), int)}})
@@ -251,10 +253,10 @@ def test_save_errors(tmp_path, args, error, match):
   assert not (tmp_path / 'c').exists()
 
 
-def test_stage_layouts_move_whole_trees_and_keep_shards():
+def test_stage_placements_move_whole_trees_and_keep_shards():
   """``stages_like`` / ``stages_in_model_order`` (what checkpoints and
   ``Trainer.params`` use) equal the executor's per-leaf moves, keep the
-  shards of global arrays, and refuse leaves of the wrong layout."""
+  shards of global arrays, and refuse leaves of the wrong placement."""
   schedule = jaxpar.pipeline.zero_bubble_v(2, 2)
   mesh = jaxpar.make_mesh(stage=2, tensor=4)
   model = {'w': np.arange(4 * 8 * 4, dtype=np.float32).reshape(4, 8, 4),

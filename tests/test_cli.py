@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 
+import jaxpar
 from jaxpar import __main__ as cli
 from jaxpar.cli import demo
 
@@ -179,7 +180,7 @@ def test_mesh_larger_than_the_devices_exits_2_in_one_line():
 
 @pytest.mark.parametrize('args, message', [
     (['--layers', '1'], '--layers 1 is fewer than the 2 pipeline stages of '
-     '1f1b on stage=2; use --layers 2 or more'),
+     'one_f_one_b on stage=2; use --layers 2 or more'),
     (['--schedule', 'pipedream'], "invalid choice: 'pipedream'"),
     (['--steps', '0'], '--steps must be >= 1, got 0'),
     (['--max-skipped', '0'], '--max-skipped must be >= 1, got 0'),
@@ -193,6 +194,14 @@ def test_mesh_larger_than_the_devices_exits_2_in_one_line():
     (['--resume'], '--resume needs --checkpoint DIR'),
     (['--batch', '30'], '--batch 30 must be a multiple of data x microbatches '
      '= 8'),
+    (['--schedule', '1f1b'], "invalid choice: '1f1b'"),
+    (['--schedule', 'interleaved_one_f_one_b', '--microbatches', '3',
+      '--batch', '6'], '--schedule interleaved_one_f_one_b needs '
+     '--microbatches divisible by stage=2'),
+    (['--schedule', 'auto'], '--schedule auto needs --memory-limit X'),
+    (['--memory-limit', '2'], '--schedule auto needs --memory-limit X'),
+    (['--schedule', 'auto', '--memory-limit', '0.5'],
+     'minimum feasible memory is 1'),
 ])
 def test_bad_flags_exit_2_in_one_line(capsys, args, message):
   """Flag errors stop before any JAX work: one line naming the rule."""
@@ -203,6 +212,26 @@ def test_bad_flags_exit_2_in_one_line(capsys, args, message):
   assert err.count('\n') == 1 and err.startswith(
       'python -m jaxpar demo: error: '), err
   assert message in err, err
+
+
+@pytest.mark.parametrize('name', [n for n in demo.SCHEDULES if n != 'auto'])
+def test_schedule_flag_names_the_constructor(name):
+  """``--schedule NAME`` builds ``jaxpar.pipeline.NAME``; the stage count the
+  flags are checked against is the schedule's."""
+  args, _ = demo.parse_args(['--schedule', name, '--layers', '8'])
+  s = demo.make_schedule(args)
+  extra = (2,) if name == 'interleaved_one_f_one_b' else ()
+  assert s == getattr(jaxpar.pipeline, name)(2, 4, *extra)
+  assert demo.num_stages(args) == s.num_stages
+
+
+def test_schedule_flag_auto_picks_the_searched_schedule():
+  args, _ = demo.parse_args(['--mesh', 'data=1,stage=4,tensor=1', '--schedule',
+                             'auto', '--memory-limit', '2', '--layers', '8',
+                             '--microbatches', '8', '--batch', '8'])
+  s = demo.make_schedule(args)
+  assert max(jaxpar.pipeline.peak_memory(s)) <= 2 and s.num_ranks == 4
+  assert demo.num_stages(args) == s.num_stages
 
 
 TEXT = str(__import__('pathlib').Path(__file__).parent.parent / 'README.md')

@@ -44,23 +44,26 @@ def make_batches(num_steps, batch_size, seed=1, dtype=np.float32):
 
 
 def reference_run(params, batches, optimizer, max_grad_norm=None, *,
-                  loss_of=loss_fn):
+                  loss_of=loss_fn, with_step=False):
   """Plain single-device optax training: the ground truth. Its step is
-  jitted (one compile, instead of one per operation and leaf shape)."""
+  jitted (one compile, instead of one per operation and leaf shape).
+  ``with_step``: ``loss_of(params, batch, step)``, ``step`` the number of
+  updates so far."""
   if max_grad_norm is not None:
     optimizer = optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)
 
   @jax.jit
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_of)(params, batch)
+  def step(params, opt_state, batch, i):
+    args = (i,) if with_step else ()
+    loss, grads = jax.value_and_grad(loss_of)(params, batch, *args)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state, loss,
             optax.tree.norm(grads))
 
   opt_state = jax.jit(optimizer.init)(params)
   history = []
-  for batch in batches:
-    params, opt_state, loss, norm = step(params, opt_state, batch)
+  for i, batch in enumerate(batches):
+    params, opt_state, loss, norm = step(params, opt_state, batch, i)
     history.append((loss, norm, params))
   return history
 
@@ -238,6 +241,169 @@ def test_infinite_gradient_is_skipped():
   chex.assert_trees_all_equal(new.params, state.params)
 
 
+# -- The options shared with the 3D trainer: key, compute_dtype, remat_policy
+
+
+KEY = 42
+
+
+def dropout_loss(params, batch, key):
+  """``loss_fn`` with dropout on the hidden units: the key matters."""
+  keep = jax.random.bernoulli(key, 0.7, (batch['x'].shape[0], D_HID))
+  h = jnp.tanh(batch['x'] @ params['hidden']['w'] + params['hidden']['b'])
+  y = (h * keep / 0.7) @ params['out']['w'] + params['out']['b']
+  return optax.losses.squared_error(y, batch['y']).mean()
+
+
+def keyed_reference_loss(num_microbatches):
+  """What ``trainer(key=...)`` computes, on one device: step ``s``'s key
+  ``fold_in(key, s)``, microbatch ``g`` of ``M`` (consecutive rows) with
+  ``fold_in(that, g)``, the mean over the ``M`` microbatches."""
+  def loss(params, batch, step):
+    step_key = jax.random.fold_in(jax.random.key(KEY), step)
+    mbs = jax.tree.map(lambda x: x.reshape(num_microbatches, -1,
+                                           *x.shape[1:]), batch)
+    losses = [dropout_loss(params, jax.tree.map(lambda x: x[g], mbs),
+                           jax.random.fold_in(step_key, g))
+              for g in range(num_microbatches)]
+    return sum(losses) / num_microbatches
+  return loss
+
+
+@functools.cache
+def keyed_reference():
+  """Float64, 8 microbatches in all (call it under x64)."""
+  return reference_run(init_params(dtype=jnp.float64),
+                       make_batches(3, 32, dtype=np.float64), optax.adam(0.05),
+                       loss_of=keyed_reference_loss(8), with_step=True)
+
+
+# N x k = 8 microbatches in all, spread over devices differently: the masks
+# follow the rows, not the mesh.
+@pytest.mark.parametrize('backend,data,num_microbatches,zero_stage', [
+    ('shard_map', 8, 1, 0), ('shard_map', 4, 2, 3), ('shard_map', 2, 4, 1),
+    ('pmap', 4, 2, 0)])
+def test_key_matches_single_device_float64(x64, backend, data,
+                                           num_microbatches, zero_stage):
+  trainer = jaxpar.data_parallel.trainer(
+      dropout_loss, optax.adam(0.05), backend=backend, zero_stage=zero_stage,
+      mesh=jaxpar.make_mesh(data=data, devices=jax.devices()[:data]),
+      num_microbatches=num_microbatches, key=jax.random.key(KEY))
+  state = trainer.init(init_params(dtype=jnp.float64))
+  got = []
+  for batch in make_batches(3, 32, dtype=np.float64):
+    state, stats = trainer.step(state, batch)
+    got.append((stats.loss, stats.grad_norm, trainer.params(state)))
+  assert_same_history(got, keyed_reference(), rtol=1e-10)
+
+
+def test_key_is_folded_with_the_step_and_the_microbatch(x64):
+  """The reference above is not a fixed point: other key handling (one
+  key for every step or every microbatch) gives other losses."""
+  params = init_params(dtype=jnp.float64)
+  batch = make_batches(1, 32, dtype=np.float64)[0]
+  want = keyed_reference_loss(8)
+  key = jax.random.key(KEY)
+  assert abs(want(params, batch, 0) - want(params, batch, 1)) > 1e-3
+  assert abs(want(params, batch, 0) - dropout_loss(
+      params, batch, jax.random.fold_in(key, 0))) > 1e-3
+
+
+def bf16_reference(params, batch, num_microbatches=1):
+  """Loss and gradient of ``loss_fn`` on params cast to bfloat16, on one
+  device: the mean over ``num_microbatches`` consecutive slices of
+  ``batch`` (each slice's gradient is rounded to bfloat16 by the cast's
+  transpose, then they are averaged in float32, as the step does)."""
+  def cast(p, mb):
+    return loss_fn(optax.tree.cast(p, jnp.bfloat16), mb).astype(jnp.float32)
+  mbs = jax.tree.map(lambda x: x.reshape(num_microbatches, -1, *x.shape[1:]),
+                     batch)
+  loss, grads = jax.vmap(jax.value_and_grad(cast), in_axes=(None, 0))(
+      params, mbs)
+  return loss.mean(), jax.tree.map(lambda g: g.mean(0), grads)
+
+
+@pytest.mark.parametrize('backend,zero_stage', [
+    ('shard_map', 0), ('shard_map', 3), ('pmap', 0)])
+def test_compute_dtype_casts_params_inside_the_loss(backend, zero_stage):
+  """float32 batch: the maths is float32 on bfloat16-rounded params, so the
+  step equals the one-device reference (16 microbatches: 8 devices x 2) to
+  float32 rounding, and differs from the uncast loss's gradient."""
+  params = init_params()
+  batch = make_batches(1, 32)[0]
+  trainer = jaxpar.data_parallel.trainer(
+      loss_fn, optax.sgd(1.0), mesh=jaxpar.make_mesh(data=8), backend=backend,
+      zero_stage=zero_stage, num_microbatches=2, compute_dtype=jnp.bfloat16)
+  state = trainer.init(params)
+  assert state.params['out']['w'].dtype == jnp.float32
+  new, stats = trainer.step(state, batch)
+  want_loss, want_grads = bf16_reference(params, batch, 16)
+  applied = jax.tree.map(jnp.subtract, params, trainer.params(new))
+  np.testing.assert_allclose(stats.loss, want_loss, rtol=1e-5)
+  chex.assert_trees_all_close(applied, want_grads, rtol=1e-5, atol=1e-6)
+  plain = jax.grad(loss_fn)(params, batch)
+  assert max(jax.tree.leaves(jax.tree.map(
+      lambda a, b: float(jnp.max(jnp.abs(a - b))), applied, plain))) > 1e-4
+  assert stats.loss.dtype == jnp.float32
+  assert all(x.dtype == jnp.float32
+             for x in jax.tree.leaves((new.params, new.opt_state)))
+
+
+def test_compute_dtype_bfloat16_batch_loosely():
+  """A bfloat16 batch: the loss runs in bfloat16 (each device, each
+  microbatch), comes back float32, and follows the reference loosely."""
+  params = init_params()
+  batch = jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                       make_batches(1, 32)[0])
+  trainer = jaxpar.data_parallel.trainer(
+      loss_fn, optax.sgd(1.0), mesh=jaxpar.make_mesh(data=8),
+      num_microbatches=2, compute_dtype='bfloat16')
+  new, stats = trainer.step(trainer.init(params), batch)
+  want_loss, want_grads = bf16_reference(params, batch)
+  assert stats.loss.dtype == jnp.float32
+  np.testing.assert_allclose(stats.loss, want_loss, rtol=2e-2)
+  applied = jax.tree.map(jnp.subtract, params, trainer.params(new))
+  chex.assert_trees_all_close(applied, want_grads, rtol=5e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize('remat_policy,zero_stage', [
+    ('nothing', 0), ('dots', 3), ('everything', 1),
+    (jax.checkpoint_policies.dots_with_no_batch_dims_saveable, 0)])
+def test_remat_policy_matches_single_device_float64(x64, remat_policy,
+                                                    zero_stage):
+  trainer = jaxpar.data_parallel.trainer(
+      loss_fn, optax.adam(0.05), mesh=jaxpar.make_mesh(data=8),
+      num_microbatches=2, max_grad_norm=0.5, zero_stage=zero_stage,
+      remat_policy=remat_policy)
+  state = trainer.init(init_params(dtype=jnp.float64))
+  got = []
+  for batch in make_batches(4, 32, dtype=np.float64):
+    state, stats = trainer.step(state, batch)
+    got.append((stats.loss, stats.grad_norm, trainer.params(state)))
+  assert_same_history(got, adam_reference(0.5), rtol=1e-10)
+
+
+def test_remat_policy_decides_what_the_backward_keeps(capsys):
+  """``remat_policy`` is ``jax.checkpoint`` of the loss: with ``'nothing'``
+  the backward keeps only the inputs, without remat the [b, D_HID]
+  activations too."""
+  from jax.ad_checkpoint import print_saved_residuals
+  from jaxpar.data_parallel import _trainer
+
+  def saved(remat_policy):
+    options = _trainer._check_options(
+        loss_fn, optax.sgd(0.1), mesh=jaxpar.make_mesh(data=8), axis='data',
+        max_grad_norm=None, num_microbatches=1, zero_stage=0, has_aux=False,
+        backend='shard_map', key=None, compute_dtype=None,
+        remat_policy=remat_policy)
+    print_saved_residuals(_trainer._differentiated(loss_fn, options),
+                          init_params(), make_batches(1, 16)[0])
+    return capsys.readouterr().out
+
+  assert 'f32[16,7]' in saved(None)
+  assert 'f32[16,7]' not in saved('nothing')
+
+
 class TestErrors:
   mesh = None
 
@@ -285,6 +451,18 @@ class TestErrors:
       self.step(backend='vmap')
     with pytest.raises(ValueError, match='zero_stage=2'):
       self.step(zero_stage=2)
+    with pytest.raises(TypeError, match='key must be one PRNG key'):
+      self.step(key=0)
+    with pytest.raises(TypeError, match="compute_dtype='int8'"):
+      self.step(compute_dtype='int8')
+    with pytest.raises(ValueError, match="remat_policy='some'"):
+      self.step(remat_policy='some')
+
+  def test_key_needs_a_key_argument(self):
+    step = self.step(key=jax.random.key(0))
+    with pytest.raises(TypeError, match=r'loss_fn\(params, batch, key\): '
+                       'loss_fn must take the key as its last argument'):
+      step(self.state(), make_batches(1, 16)[0])
 
 
 def test_make_mesh_errors_name_both_counts():

@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 import distributed_worker as worker
 import launch_probe
 import jaxpar
-from jaxpar.checkpoint import _checkpoint as checkpoint
-from jaxpar.distributed import _distributed as distributed
+from jaxpar import checkpoint
+from jaxpar import distributed
 from jaxpar.models import gpt
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

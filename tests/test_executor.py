@@ -13,12 +13,11 @@ from jax.sharding import PartitionSpec as P
 import jaxpar
 from jaxpar.cli.bench.pipeline import gpipe_autodiff_step
 from jaxpar import pipeline as sch
-from jaxpar.pipeline.executor._pipeline import (PipelineGrads, pipeline_apply,
-                                      pipeline_apply_local, pipeline_value_and_grad,
-                                      pipeline_value_and_grad_local, ranks_to_stages,
-                                      stages_to_ranks)
-from jaxpar.pipeline.executor import _tick_scan as ticks
-from jaxpar.pipeline.schedules._tick_table import local_stages, tick_table
+from jaxpar.pipeline import (PipelineGrads, local_stages, pipeline_apply,
+                             pipeline_apply_local, pipeline_value_and_grad,
+                             pipeline_value_and_grad_local, ranks_to_stages,
+                             stages_to_ranks, tick_table)
+from jaxpar.pipeline.executor import _tick_scan
 from test_lower import CONSTRUCTORS as SCHEDULES
 
 D, MB, OUT = 8, 2, 3  # width, microbatch size, target width
@@ -65,7 +64,7 @@ def assert_exact(got, want, rtol):
   loss, grads = got
   want_loss, want_grads = want
   np.testing.assert_allclose(loss, want_loss, rtol=rtol)
-  got_leaves = jax.tree.leaves((grads.stages, grads.loss, grads.inputs))
+  got_leaves = jax.tree.leaves((grads.stages, grads.head, grads.inputs))
   want_leaves = jax.tree.leaves(want_grads)
   assert len(got_leaves) == len(want_leaves) == 6
   for g, w in zip(got_leaves, want_leaves):
@@ -180,7 +179,7 @@ def test_composes_with_data_and_tensor_axes(x64):
     params = jax.tree.map(lambda a: a[0], params)
     loss, g = pipeline_value_and_grad_local(tp_stage_fn, loss_fn, params, loss_params,
                                   x, t, lowered=lowered, bubble_fill=NAN)
-    loss, dstages, dloss = jax.lax.pmean((loss, g.stages, g.loss), 'data')
+    loss, dstages, dloss = jax.lax.pmean((loss, g.stages, g.head), 'data')
     # g.inputs is d(this shard's mean)/dx: 1/2 of it is d(global mean)/dx.
     return (loss, jax.tree.map(lambda a: a[None], dstages), dloss,
             g.inputs / 2)
@@ -222,7 +221,7 @@ def test_apply_is_the_sequential_forward(x64, name, p, m):
   np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
 
 
-def test_layout_round_trip():
+def test_placement_round_trip():
   for schedule in (sch.one_f_one_b(4, 4), sch.interleaved_one_f_one_b(2, 2, 3),
                    sch.zero_bubble_v(4, 4)):
     tree = {'a': np.arange(schedule.num_stages * 2).reshape(-1, 2)}
@@ -288,8 +287,8 @@ def test_the_result_is_summed_num_ranks_rows_at_a_time(name, p, m, training):
   """Each row of the batch-sized result waits in one of ``p`` pending slots
   until it is summed: ``ceil(m / p)`` sums, every row once, and no slot is
   written again before the sum that reads it."""
-  low = lower(SCHEDULES[name](p, m), forward_only=not training)
-  slot, rows = ticks.edge_rows(low)
+  low = tick_table(SCHEDULES[name](p, m), forward_only=not training)
+  slot, rows = _tick_scan.edge_rows(low)
   sums = np.flatnonzero((rows < m).any(1))
   assert len(sums) == -(-m // p)
   assert sorted(rows[rows < m]) == list(range(m))
@@ -299,7 +298,7 @@ def test_the_result_is_summed_num_ranks_rows_at_a_time(name, p, m, training):
         continue
       written = np.flatnonzero(slot[:t + 1] == k)   # writes of slot k so far
       done = written[-1]                            # the last one is the row's
-      at = (low.kind[done] == (ticks.I if training else ticks.F)) & (
+      at = (low.kind[done] == (_tick_scan.I if training else _tick_scan.F)) & (
           low.stage[done] == (0 if training else low.schedule.num_stages - 1))
       assert (low.microbatch[done][at] == row).all() and at.any()
 
@@ -379,7 +378,7 @@ def test_errors_before_compiling():
   with pytest.raises(ValueError, match='use pipeline_apply_local'):
     pipeline_value_and_grad_local(stage_fn, loss_fn, stages, loss_params, x, t,
                         lowered=tick_table(schedule, forward_only=True))
-  with pytest.raises(ValueError, match='F actions only'):
+  with pytest.raises(ValueError, match='forward_only=True'):
     pipeline_apply_local(stage_fn, stages, x, lowered=tick_table(schedule))
   with pytest.raises(TypeError, match='TickTable'):
     pipeline_apply_local(stage_fn, stages, x, lowered=schedule)
@@ -389,7 +388,6 @@ def test_errors_before_compiling():
         stage_fn, loss_fn, s, loss_params, x, t, lowered=tick_table(schedule)),
                   mesh=mesh_for(4), in_specs=P('stage'), out_specs=P(),
                   axis_names={'stage'})(four)
-
 
 
 def test_apply_and_value_and_grad_have_the_step_shape():
@@ -402,7 +400,6 @@ def test_apply_and_value_and_grad_have_the_step_shape():
       pipeline_apply(stage_fn, stages, x, schedule=schedule, mesh=mesh_for(p)))
   with pytest.raises(TypeError, match='together'):
     pipeline_apply(stage_fn, stages, schedule=schedule, mesh=mesh_for(p))
-  assert sch.pipeline_value_and_grad is sch.pipeline_value_and_grad
 
 
 def test_gpt_3d_step_memory_flat_in_m():
@@ -415,13 +412,13 @@ def test_gpt_3d_step_memory_flat_in_m():
   config = gpt.GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2,
                          num_layers=2)
   params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0)))
-  pp, layout = gpt.split_for_pipeline(params, num_stages=stages)
+  pp, split = gpt.split_for_pipeline(params, num_stages=stages)
   temps = []
   for m in (4, 32):
     trainer = jaxpar.parallel.trainer(
         gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(0.1),
         schedule=sch.one_f_one_b(stages, m), mesh=mesh_for(stages),
-        stage_mask=layout.mask)
+        stage_mask=split.mask, tensor_rules=gpt.TENSOR_RULES)
     ids = np.zeros((2 * m, config.seq_len), np.int32)
     temps.append(trainer.step.lower(trainer.init(pp), (ids, ids)).compile()
                  .memory_analysis().temp_size_in_bytes)
@@ -448,7 +445,7 @@ def test_embed_fn_runs_inside_stage_0(x64):
         lowered=tick_table(schedule), key=key, embed_fn=embed_fn,
         embed_params=table, embed_key=embed_key, bubble_fill=NAN)
     assert g.inputs is None
-    return loss, jax.tree.map(lambda a: a[None], g.stages), g.loss, g.embed
+    return loss, jax.tree.map(lambda a: a[None], g.stages), g.head, g.embed
 
   step = jax.jit(jax.shard_map(
       body, mesh=mesh_for(2), in_specs=(P('stage'), P(), P(), P(), P()),

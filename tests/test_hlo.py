@@ -216,7 +216,8 @@ def test_one_rank_runs_no_ticks():
   """One stage rank is data parallelism: a scan over microbatches, nothing
   data-dependent."""
   step = jaxpar.pipeline.pipeline_value_and_grad(
-      stage_fn, loss_fn, schedule=jaxpar.pipeline.interleaved_one_f_one_b(1, 4, 2),
+      stage_fn, loss_fn,
+      schedule=jaxpar.pipeline.interleaved_one_f_one_b(1, 4, 2),
       mesh=jaxpar.make_mesh(stage=1, devices=jax.devices()[:1]))
   x = jnp.zeros((8, 8))
   text = jax.jit(step).lower(jnp.zeros((2, 8, 8)), 1.0, x, x).compile(

@@ -2,6 +2,7 @@
 line, never used; non-finite params are never written."""
 
 import glob
+import importlib.metadata
 import json
 import os
 import random
@@ -20,9 +21,9 @@ from jax.sharding import PartitionSpec as P
 
 import checkpoint_killer
 import jaxpar
-from jaxpar.checkpoint import _checkpoint as checkpoint
+from jaxpar import checkpoint
 from jaxpar.checkpoint import _integrity as integrity
-from jaxpar.checkpoint._checkpoint import CheckpointError
+from jaxpar.checkpoint import CheckpointError
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -61,9 +62,10 @@ def saved(tmp_path):
   return tmp_path / 'c'
 
 
-def test_records_versions_and_layout_independent_checksums(saved):
+def test_records_versions_and_sharding_independent_checksums(saved):
   record = json.loads((saved / '2' / integrity.RECORD).read_text())
-  assert record['jax'] == jax.__version__ and record['jaxpar'] == '0.1.0'
+  assert record['jax'] == jax.__version__ and record['format'] == 2
+  assert record['jaxpar'] == importlib.metadata.version('jaxpar')
   assert record['num_processes'] == 1 and record['step'] == 2
   assert set(record['arrays']) == {'a', 'n', 'h'}
   files = json.loads((saved / '2' / integrity.FILES.format(0)).read_text())
@@ -126,6 +128,26 @@ def test_value_mismatch_names_the_array(saved):
     checkpoint.restore(saved, tree(0), step=2)
 
 
+def test_arrays_are_named_by_slash_paths_and_format_1_still_verified(
+    tmp_path):
+  nested = {'params': {'w': jnp.arange(4.0)}, 'opt': [jnp.ones(2)]}
+  checkpoint.save(tmp_path / 'c', nested, step=1)
+  path = tmp_path / 'c' / '1' / integrity.RECORD
+  record = json.loads(path.read_text())
+  assert set(record['arrays']) == {'params/w', 'opt/0'}
+  # jaxpar 0.1 wrote format 1, its arrays keyed by '.'-joined paths.
+  record['format'] = 1
+  record['arrays'] = {k.replace('/', '.'): v
+                      for k, v in record['arrays'].items()}
+  path.write_text(json.dumps(record))
+  assert equal(checkpoint.restore(tmp_path / 'c', nested), nested)
+  record['arrays']['params.w'] ^= 1
+  path.write_text(json.dumps(record))
+  with pytest.raises(CheckpointError, match=r"step 1 .* array 'params/w' "
+                     r'read back with checksum \d+, \d+ was saved'):
+    checkpoint.restore(tmp_path / 'c', nested)
+
+
 @pytest.mark.parametrize('remove', [integrity.RECORD,
                                     integrity.FILES.format(0)])
 def test_incomplete_step_is_skipped(saved, remove):
@@ -157,7 +179,7 @@ def test_non_finite_params_are_never_written(tmp_path):
   checkpoint.save(tmp_path / 'c', state._replace(
       params={'w': jnp.ones(2), 'b': jnp.ones(2)}))   # inf opt state is fine
   with pytest.raises(CheckpointError, match=r"refusing to save step 3: leaves "
-                     r"params\.w hold NaN or inf"):
+                     r"params/w hold NaN or inf"):
     checkpoint.save(tmp_path / 'c', state)
   with pytest.raises(CheckpointError, match=r'leaves x hold NaN'):
     checkpoint.save(tmp_path / 'c', {'x': np.array([np.inf])}, step=4)

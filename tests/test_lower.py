@@ -1,4 +1,4 @@
-"""lower(): the tick table, replayed symbolically against the schedule."""
+"""tick_table(): the tick table, replayed symbolically against the schedule."""
 
 import dataclasses
 
@@ -145,7 +145,7 @@ def test_lockstep_time_by_hand():
 
 @pytest.mark.parametrize('name,p,m', [c for c in CASES if c[0] != 'gpipe'])
 def test_forward_only_table_replays(name, p, m):
-  low = lower(CONSTRUCTORS[name](p, m), forward_only=True)
+  low = tick_table(CONSTRUCTORS[name](p, m), forward_only=True)
   assert not low.training
   assert set(np.unique(low.kind)) <= {IDLE, F}
   assert low.num_stash_slots == 0
@@ -154,7 +154,7 @@ def test_forward_only_table_replays(name, p, m):
 
 @pytest.mark.parametrize('name', ['1f1b', 'interleaved', 'zb_h1', 'zero_bubble_v'])
 def test_buffers_are_flat_in_m(name):
-  small, large = (lower(CONSTRUCTORS[name](4, m)) for m in (8, 64))
+  small, large = (tick_table(CONSTRUCTORS[name](4, m)) for m in (8, 64))
   assert small.num_stash_slots == large.num_stash_slots
   assert small.num_mailbox_slots == large.num_mailbox_slots
   assert large.num_ticks > 7 * small.num_ticks // 2
@@ -192,7 +192,7 @@ def test_local_stages():
 
 def test_errors():
   with pytest.raises(TypeError, match='Schedule'):
-    lower('1f1b')
+    tick_table('1f1b')
   bad = dataclasses.replace(sch.one_f_one_b(2, 2), actions=(
       sch.one_f_one_b(2, 2).actions[0][:-1], sch.one_f_one_b(2, 2).actions[1]))
   with pytest.raises(ValueError, match='missing'):

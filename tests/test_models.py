@@ -29,18 +29,18 @@ def params_of(config, dtype=jnp.float32):
 
 
 def split(params, num_stages):
-  """``split_for_pipeline(params, num_stages=...)``: (params, layout)."""
-  layouts = []
+  """``split_for_pipeline(params, num_stages=...)``: (params, LayerSplit)."""
+  splits = []
 
   def pipeline_params(params):
-    pp, layout = gpt.split_for_pipeline(params, num_stages=num_stages)
-    layouts.append(layout)   # static: sizes
+    pp, layer_split = gpt.split_for_pipeline(params, num_stages=num_stages)
+    splits.append(layer_split)   # static: sizes
     return pp
-  return jax.jit(pipeline_params)(params), layouts[0]
+  return jax.jit(pipeline_params)(params), splits[0]
 
 
-def merge(pp, layout):
-  return jax.jit(lambda pp: gpt.merge_from_pipeline(pp, layout))(pp)
+def merge(pp, layer_split):
+  return jax.jit(lambda pp: gpt.merge_from_pipeline(pp, layer_split))(pp)
 
 
 def test_mlp_runs_tensor_parallel_exactly(x64):
@@ -49,9 +49,13 @@ def test_mlp_runs_tensor_parallel_exactly(x64):
   params = nnx.to_pure_dict(nnx.state(mlp, nnx.Param))
   x = np.random.default_rng(1).standard_normal((3, 8))
   mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
-  fn = jax.shard_map(tp.parallel_mlp, mesh=mesh,
-                     in_specs=(tp.param_specs(params), P()), out_specs=P())
-  y = jax.jit(fn)(tp.shard_params(params, mesh=mesh), x)
+  rules = jaxpar.models.mlp.TENSOR_RULES
+  specs = tp.param_specs(params, rules=rules)
+  assert specs['fc_in']['kernel'] == P(None, 'tensor')
+  assert specs['fc_out'] == {'kernel': P('tensor', None), 'bias': P()}
+  fn = jax.shard_map(tp.parallel_mlp, mesh=mesh, in_specs=(specs, P()),
+                     out_specs=P())
+  y = jax.jit(fn)(tp.shard_params(params, mesh=mesh, rules=rules), x)
   np.testing.assert_allclose(y, nnx.jit(lambda m, x: m(x))(mlp, x),
                              rtol=1e-12)
 
@@ -72,10 +76,10 @@ def test_gpt_loss_is_the_nnx_models_loss(x64):
 def test_pipeline_split_round_trips():
   config = gpt.GPTConfig(num_layers=5)
   params = params_of(config)
-  pp, layout = split(params, 3)
-  assert layout.counts == (2, 2, 1) and layout.slots == 2
+  pp, layer_split = split(params, 3)
+  assert layer_split.counts == (2, 2, 1) and layer_split.slots == 2
   assert jax.tree.leaves(pp.stages)[0].shape[:2] == (3, 2)
-  chex.assert_trees_all_equal(merge(pp, layout), params)
+  chex.assert_trees_all_equal(merge(pp, layer_split), params)
   assert gpt.split_for_pipeline(params, num_stages=np.int64(5))[1].slots == 1
 
 
@@ -99,8 +103,8 @@ def test_parallel_gpt_functions_equal_the_dense_model(dtype, tol):
     params = params_of(config, dtype)
     ids = np.random.default_rng(0).integers(0, 16, (2, 8))
     targets = np.roll(ids, -1, axis=1)
-    pp, layout = split(params, 2)
-    assert layout.counts == (2, 1)
+    pp, layer_split = split(params, 2)
+    assert layer_split.counts == (2, 1)
     mesh = jaxpar.make_mesh(tensor=2, devices=jax.devices()[:2])
 
     def loss(pp, ids, targets):
@@ -109,17 +113,19 @@ def test_parallel_gpt_functions_equal_the_dense_model(dtype, tol):
         x = gpt.stage_fn(jax.tree.map(lambda a: a[k], pp.stages), x)
       return gpt.head_loss_fn(pp.head, x, targets)
 
-    specs = type(pp)(*(tp.param_specs(part) for part in pp))
+    rules = gpt.TENSOR_RULES
+    specs = type(pp)(*(tp.param_specs(part, rules=rules) for part in pp))
     fn = jax.shard_map(jax.value_and_grad(loss), mesh=mesh,
                        in_specs=(specs, P(), P()), out_specs=(P(), specs))
-    placed = type(pp)(*(tp.shard_params(part, mesh=mesh) for part in pp))
+    placed = type(pp)(*(tp.shard_params(part, mesh=mesh, rules=rules)
+                        for part in pp))
     got, grads = jax.jit(fn)(placed, ids, targets)
     want, want_grads = jax.jit(jax.value_and_grad(functools.partial(
         gpt.gpt_loss, config=config)))(params, (ids, targets))  # one compile
     assert got.dtype == dtype
     np.testing.assert_allclose(got, want, rtol=tol)
-    chex.assert_trees_all_close(merge(grads, layout), want_grads, rtol=tol,
-                                atol=tol)
+    chex.assert_trees_all_close(merge(grads, layer_split), want_grads,
+                                rtol=tol, atol=tol)
 
 
 def test_gpt_stage_identity_slots_are_exact():
@@ -133,10 +139,12 @@ def test_gpt_stage_identity_slots_are_exact():
   x = np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32)
 
   def run(stage):
-    spec = tp.param_specs(stage)
+    spec = tp.param_specs(stage, rules=gpt.TENSOR_RULES)
     return jax.jit(jax.shard_map(gpt.stage_fn, mesh=mesh,
                                  in_specs=(spec, P()), out_specs=P()))(
-                                     tp.shard_params(stage, mesh=mesh), x)
+                                     tp.shard_params(stage, mesh=mesh,
+                                                     rules=gpt.TENSOR_RULES),
+                                     x)
 
   np.testing.assert_array_equal(run(padded), run(real))
 
@@ -147,13 +155,14 @@ def test_block_dropout_masks_match_with_sequence_parallelism():
   mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
   x = np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32)
   key = jax.random.key(1)
+  specs = tp.param_specs(params, rules=gpt.TENSOR_RULES)
+  placed = tp.shard_params(params, mesh=mesh, rules=gpt.TENSOR_RULES)
 
   def run(spec, **kw):
     block = jax.shard_map(
         lambda p, x, k: tp.transformer_block(p, x, dropout=0.5, key=k, **kw),
-        mesh=mesh, in_specs=(tp.param_specs(params), spec, P()),
-        out_specs=spec)
-    return jax.jit(block)(tp.shard_params(params, mesh=mesh),
+        mesh=mesh, in_specs=(specs, spec, P()), out_specs=spec)
+    return jax.jit(block)(placed,
                           jax.device_put(x, jax.NamedSharding(mesh, spec)),
                           key)
 
@@ -161,8 +170,8 @@ def test_block_dropout_masks_match_with_sequence_parallelism():
   sequence = run(P(None, 'tensor', None), sequence_parallel=True)
   np.testing.assert_allclose(sequence, replicated, rtol=1e-5, atol=1e-5)
   plain = jax.jit(jax.shard_map(
-      tp.transformer_block, mesh=mesh, in_specs=(tp.param_specs(params), P()),
-      out_specs=P()))(tp.shard_params(params, mesh=mesh), x)
+      tp.transformer_block, mesh=mesh, in_specs=(specs, P()),
+      out_specs=P()))(placed, x)
   assert np.abs(np.asarray(replicated) - np.asarray(plain)).max() > 0.1
   with pytest.raises(ValueError, match=r'rate=1.0 must be in \[0, 1\)'):
     tp.dropout(x, 1.0, key)

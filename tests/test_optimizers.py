@@ -1,4 +1,4 @@
-"""Every optax optimizer gives single-device results under every layout.
+"""Every optax optimizer gives single-device results on every mesh and ZeRO stage.
 
 Float64, against plain optax on one device on the model as written, in data
 parallelism and in 3D (data x stage x tensor; the reference is the dense
@@ -10,16 +10,16 @@ layer's tensors in the model's shapes (``jaxpar.parallel``). The bugs
 this guards against (an update on local shards or ZeRO slices, or on stacked
 layers) were off by 5e-5 to 7e-3 after 3 steps; the tolerances are 1e-9.
 
-One program per layout checks all the optimizers at once: ``optax.partition``
+One program per mesh and ZeRO stage checks all the optimizers at once: ``optax.partition``
 gives each optimizer its own part of the model (``DP_GROUPS``,
 ``GPT_GROUPS``), so a transform that sees one shard of one of its leaves
 shows up in that part's params, and the suite compiles 6 programs instead of
-one per optimizer and layout.
+one per optimizer, mesh and ZeRO stage.
 
 Exactly-zero gradients: in the GPT the attention key bias has a gradient
 that is zero in exact arithmetic (softmax ignores a per-row shift), so in
 floating point it is rounding noise (~1e-17) whose value depends on the
-summation order, i.e. on the layout. Adaptive optimizers divide by
+summation order, i.e. on the mesh. Adaptive optimizers divide by
 ``sqrt(v) + eps``, which turns noise into full-sized steps when ``eps`` is
 tiny; the optimizers here use ``eps=1e-6`` (Adafactor: ``eps=1e-12`` on the
 squared gradient) so that noise stays ~1e-11 of a step, far below what a
@@ -187,12 +187,12 @@ def gpt_setup(num_layers):
   params = jax.tree.map(lambda x: x.astype(jnp.float64),
                         gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0))))
   schedule = SCHEDULES[num_layers]()
-  pp, layout = gpt.split_for_pipeline(params,
+  pp, split = gpt.split_for_pipeline(params,
                                       num_stages=schedule.num_stages)
   rng = np.random.default_rng(0)
   data = [(rng.integers(0, 16, (8, 8)), rng.integers(0, 16, (8, 8)))
           for _ in range(3)]
-  return config, params, schedule, pp, layout, data
+  return config, params, schedule, pp, split, data
 
 
 @functools.cache
@@ -208,17 +208,18 @@ def gpt_reference(num_layers, max_grad_norm):
 def test_3d_2x2x2(x64, zero_stage, max_grad_norm, num_layers, tmp_path):
   """Every optimizer in 3D with ZeRO 0/1/3 gives the dense GPT's numbers
   (``SCHEDULES``); the ZeRO-3 state saves and restores with schedule=."""
-  _, _, schedule, pp, layout, data = gpt_setup(num_layers)
+  _, _, schedule, pp, split, data = gpt_setup(num_layers)
   trainer = jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, each_optimizer(GPT_GROUPS),
       schedule=schedule, mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
-      stage_mask=layout.mask, zero_stage=zero_stage,
+      stage_mask=split.mask, tensor_rules=gpt.TENSOR_RULES,
+      zero_stage=zero_stage,
       max_grad_norm=max_grad_norm)
   got, state = trained(trainer, pp, data)
   want = gpt_reference(num_layers, max_grad_norm)
   if max_grad_norm is not None:
     assert float(want[0][1]) > max_grad_norm     # clipping is exercised
-  assert_close_history([(loss, norm, gpt.merge_from_pipeline(p, layout))
+  assert_close_history([(loss, norm, gpt.merge_from_pipeline(p, split))
                         for loss, norm, p in got], want)
   if zero_stage != 3:
     return

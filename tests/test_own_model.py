@@ -1,7 +1,7 @@
 """A user's own Flax NNX model (tests/llama.py) trained with jaxpar as written.
 
-Every layout against the single-device reference: the model as the user
-wrote it, ``jax.value_and_grad`` and optax on one device, float64.
+Every mesh and schedule against the single-device reference: the model as
+the user wrote it, ``jax.value_and_grad`` and optax on one device, float64.
 """
 
 import functools
@@ -119,7 +119,7 @@ def trained(case):
     for batch in batches():
       state, stats = trainer.step(state, batch)
       # Back into the user's model (host copies: no per-leaf device ops;
-      # test_checkpoint_through_the_pipeline_model merges device arrays).
+      # test_checkpoint_through_the_pipeline_model converts device arrays).
       pm.update(model, jax.device_get(trainer.params(state)))
       out.append((stats.loss, stats.grad_norm, params_of(model)))
     return model, pm, trainer, schedule, state, out
@@ -144,7 +144,7 @@ def test_pipeline_matches_single_device_float64(x64, case):
 
 @pytest.mark.parametrize('case', ['2x2x2-1f1b-rules', '1x2x4-zero_bubble_v-annotated'])
 def test_tensor_split_params_are_sharded(x64, case):
-  """The split params are stored split over 'tensor' (Megatron's layout)."""
+  """The split params are stored split over 'tensor' (Megatron's split)."""
   state = trained(case)[4]
   spec = lambda leaf: tuple(leaf.sharding.spec)
   assert spec(state.params.stages['attn']['wq']['kernel'])[-1] == 'tensor'
@@ -170,7 +170,7 @@ def test_data_parallel_zero3_matches_single_device_float64(x64):
                                 ref_p, rtol=1e-9, atol=1e-11)
 
 
-def test_split_layout_and_merge_inverse():
+def test_cut_and_its_state_round_trip():
   model = llama.Llama(CONFIG._replace(dtype=jnp.float32), nnx.Rngs(0))
   pm = jaxpar.parallel.from_nnx(model, blocks='blocks', num_stages=2,
                                 embed=embed, head_loss=head_loss)
@@ -181,9 +181,10 @@ def test_split_layout_and_merge_inverse():
   np.testing.assert_array_equal(pm.params.stages['mlp']['w_up']['kernel'][1, 1],
                                 model.blocks[4].mlp.w_up.kernel[...])
   assert not pm.params.stages['mlp']['w_up']['kernel'][1, 2].any()  # identity
-  back = nnx.to_pure_dict(pm.merge(pm.params))
+  back = nnx.to_pure_dict(pm.to_state(pm.params))
   chex.assert_trees_all_equal(back, params_of(model))
-  chex.assert_trees_all_equal(pm.split(pm.merge(pm.params)), pm.params)
+  chex.assert_trees_all_equal(pm.from_state(pm.to_state(pm.params)),
+                              pm.params)
 
 
 def test_checkpoint_through_the_pipeline_model(x64, tmp_path):
@@ -196,7 +197,7 @@ def test_checkpoint_through_the_pipeline_model(x64, tmp_path):
   chex.assert_trees_all_equal(jax.device_get(restored),
                               jax.device_get(state))
 
-  saved = nnx.to_pure_dict(pm.merge(trainer.params(state)))
+  saved = nnx.to_pure_dict(pm.to_state(trainer.params(state)))
   jaxpar.checkpoint.save(tmp_path / 'model', jax.device_get(saved), step=2)
   fresh = llama.Llama(CONFIG, nnx.Rngs(1))
   nnx.update(fresh, jaxpar.checkpoint.restore(tmp_path / 'model',
@@ -206,7 +207,7 @@ def test_checkpoint_through_the_pipeline_model(x64, tmp_path):
                                    embed=embed, head_loss=head_loss)
   assert other.stage_mask.tolist() == [[True, True], [True, True],
                                        [True, False]]
-  chex.assert_trees_all_equal(nnx.to_pure_dict(other.merge(other.params)),
+  chex.assert_trees_all_equal(nnx.to_pure_dict(other.to_state(other.params)),
                               params_of(model))
 
 
@@ -294,12 +295,18 @@ class TestErrors:
                        r"dim 1 of size 33 is split over 'tensor'.*size 2"):
       trainer.init(pm.params)
 
-  def test_train_step_takes_the_model_and_optimizer_only(self):
+  def test_trainer_takes_the_model_and_optimizer_only(self):
     pm = self.from_nnx()
     with pytest.raises(TypeError, match='PipelineModel and the optimizer'):
       jaxpar.parallel.trainer(pm, pm.functions[1], optax.sgd(0.1),
-                                 schedule=jaxpar.pipeline.one_f_one_b(2, 2),
-                                 mesh=jaxpar.make_mesh(data=4, stage=2))
+                              schedule=jaxpar.pipeline.one_f_one_b(2, 2),
+                              mesh=jaxpar.make_mesh(data=4, stage=2))
+    # A PipelineModel's tensor split is from_nnx's: the error names where.
+    with pytest.raises(TypeError, match=r'pass the rules there: '
+                       r'from_nnx\(model, \.\.\., tensor_rules=rules\)'):
+      jaxpar.parallel.trainer(pm, optax.sgd(0.1), tensor_rules=RULES,
+                              schedule=jaxpar.pipeline.one_f_one_b(2, 2),
+                              mesh=jaxpar.make_mesh(data=4, stage=2))
 
 
 class _DropBlock(nnx.Module):

@@ -29,11 +29,11 @@ def batches(num, size=8, seed=0):
           for _ in range(num)]
 
 
-def dense_of(trainer, state, layout):
+def dense_of(trainer, state, split):
   """The trained params as ``gpt_params``, on the host: one transfer, then
   numpy slices (no small device programs per leaf and layer)."""
   return gpt.merge_from_pipeline(jax.device_get(trainer.params(state)),
-                                 layout)
+                                 split)
 
 
 def reference(params, data, optimizer, max_grad_norm, config=CONFIG):
@@ -58,18 +58,18 @@ def reference(params, data, optimizer, max_grad_norm, config=CONFIG):
 def run(mesh_sizes, schedule, params, data, optimizer, max_grad_norm):
   n = int(np.prod(list(mesh_sizes.values())))
   mesh = jaxpar.make_mesh(**mesh_sizes, devices=jax.devices()[:n])
-  pp, layout = gpt.split_for_pipeline(params, num_stages=schedule.num_stages)
+  pp, split = gpt.split_for_pipeline(params, num_stages=schedule.num_stages)
   trainer = jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optimizer,
-      schedule=schedule, mesh=mesh, stage_mask=layout.mask,
-      max_grad_norm=max_grad_norm)
+      schedule=schedule, mesh=mesh, stage_mask=split.mask,
+      tensor_rules=gpt.TENSOR_RULES, max_grad_norm=max_grad_norm)
   state = trainer.init(pp)
   out = []
   for batch in data:
     state, stats = trainer.step(state, batch)
     assert not bool(stats.skipped)
     out.append((stats.loss, stats.grad_norm,
-                dense_of(trainer, state, layout)))
+                dense_of(trainer, state, split)))
   return out
 
 
@@ -125,26 +125,26 @@ def test_uneven_layers_keep_identity_slots():
   update is minus the gradient)."""
   config = CONFIG._replace(num_layers=6)
   params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(1)))
-  pp, layout = gpt.split_for_pipeline(params, num_stages=4)
-  assert layout.counts == (2, 2, 1, 1)
-  chex.assert_trees_all_equal(gpt.merge_from_pipeline(pp, layout), params)
+  pp, split = gpt.split_for_pipeline(params, num_stages=4)
+  assert split.counts == (2, 2, 1, 1)
+  chex.assert_trees_all_equal(gpt.merge_from_pipeline(pp, split), params)
   mesh = jaxpar.make_mesh(stage=4, tensor=2)
   trainer = jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(1.0),
       schedule=jaxpar.pipeline.one_f_one_b(4, 2), mesh=mesh,
-      stage_mask=layout.mask)
+      stage_mask=split.mask, tensor_rules=gpt.TENSOR_RULES)
   batch = batches(1, size=4)[0]
   state, stats = trainer.step(trainer.init(pp), batch)
   stages = trainer.params(state).stages
   for leaf in jax.tree.leaves(stages):
-    assert not np.any(np.asarray(leaf)[~layout.mask])
+    assert not np.any(np.asarray(leaf)[~split.mask])
   ref, grads = jax.jit(jax.value_and_grad(functools.partial(
       gpt.gpt_loss, config=config)))(params, batch)
   np.testing.assert_allclose(stats.loss, ref, rtol=1e-5)
   np.testing.assert_allclose(stats.grad_norm, optax.tree.norm(grads),
                              rtol=1e-5)
   chex.assert_trees_all_close(
-      dense_of(trainer, state, layout),
+      dense_of(trainer, state, split),
       jax.tree.map(lambda p, g: p - g, params, grads), rtol=1e-5, atol=1e-6)
 
 
@@ -163,11 +163,12 @@ class TestErrors:
       gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=5)
 
   def test_batch_not_divisible(self):
-    pp, layout = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=2)
+    pp, split = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=2)
     trainer = jaxpar.parallel.trainer(
         gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(0.1),
         schedule=jaxpar.pipeline.one_f_one_b(2, 4),
-        mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2), stage_mask=layout.mask)
+        mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2), stage_mask=split.mask,
+        tensor_rules=gpt.TENSOR_RULES)
     with pytest.raises(ValueError, match=r'batch size 12 .* data size 2 x '
                        r'num_microbatches 4 = 8'):
       trainer.step(trainer.init(pp), batches(1, size=12)[0])
@@ -177,7 +178,7 @@ class TestErrors:
     trainer = jaxpar.parallel.trainer(
         gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(0.1),
         schedule=jaxpar.pipeline.one_f_one_b(1, 1),
-        mesh=jaxpar.make_mesh(tensor=8))
+        mesh=jaxpar.make_mesh(tensor=8), tensor_rules=gpt.TENSOR_RULES)
     with pytest.raises(ValueError, match='not divisible'):
       trainer.init(pp)
 
@@ -199,14 +200,14 @@ def gpipe_one_rank(num_stages, m):
 
 def make_trainer(mesh_sizes, schedule, config, **options):
   """``parallel.trainer`` of the GPT ``config`` with sgd(0.1), and its
-  pipeline layout."""
+  ``LayerSplit``."""
   n = int(np.prod(list(mesh_sizes.values())))
   mesh = jaxpar.make_mesh(**mesh_sizes, devices=jax.devices()[:n])
-  _, layout = gpt.split_for_pipeline(dense_params(jnp.float32, config),
+  _, split = gpt.split_for_pipeline(dense_params(jnp.float32, config),
                                      num_stages=schedule.num_stages)
   return jaxpar.parallel.trainer(
       *gpt.functions(config), optax.sgd(0.1), schedule=schedule, mesh=mesh,
-      stage_mask=layout.mask, **options), layout
+      stage_mask=split.mask, tensor_rules=gpt.TENSOR_RULES, **options), split
 
 
 @functools.cache
@@ -216,14 +217,14 @@ def small_trainer(**options):
                       jaxpar.pipeline.one_f_one_b(2, 2), SMALL, **options)
 
 
-def trained(trainer, layout, params, data):
+def trained(trainer, split, params, data):
   """(stats, merged params) after each step of ``trainer``."""
-  pp, _ = gpt.split_for_pipeline(params, num_stages=layout.num_stages)
+  pp, _ = gpt.split_for_pipeline(params, num_stages=split.num_stages)
   state = trainer.init(pp)
   out = []
   for batch in data:
     state, stats = trainer.step(state, batch)
-    out.append((stats, dense_of(trainer, state, layout)))
+    out.append((stats, dense_of(trainer, state, split)))
   return out
 
 
@@ -258,11 +259,12 @@ def test_aux_accuracy_is_the_dense_models(x64):
   params = dense_params(jnp.float64, SMALL)
   data = batches(1)
   mesh = jaxpar.make_mesh(data=2, stage=2, tensor=2)
-  pp, layout = gpt.split_for_pipeline(params, num_stages=2)
+  pp, split = gpt.split_for_pipeline(params, num_stages=2)
   trainer = jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_and_accuracy_fn,
       optax.sgd(0.1), schedule=jaxpar.pipeline.zero_bubble_h1(2, 2),
-      mesh=mesh, stage_mask=layout.mask, has_aux=True)
+      mesh=mesh, stage_mask=split.mask, tensor_rules=gpt.TENSOR_RULES,
+      has_aux=True)
   _, stats = trainer.step(trainer.init(pp), data[0])
   ids, targets = data[0]
   logits, loss = jax.jit(lambda p: (gpt.gpt_apply(p, ids, config=SMALL),
@@ -303,8 +305,8 @@ def test_non_finite_step_is_skipped():
   """A NaN param: the step is skipped (step count and state unchanged)."""
   params = dense_params(jnp.float32, SMALL)
   params['ln_f']['scale'] = params['ln_f']['scale'].at[0].set(jnp.nan)
-  trainer, layout = small_trainer()    # test_bf16's float32 program
-  pp, _ = gpt.split_for_pipeline(params, num_stages=layout.num_stages)
+  trainer, split = small_trainer()    # test_bf16's float32 program
+  pp, _ = gpt.split_for_pipeline(params, num_stages=split.num_stages)
   state = trainer.init(pp)
   new, stats = trainer.step(state, batches(1)[0])
   assert bool(stats.skipped) and int(new.step) == 0

@@ -20,12 +20,13 @@ def make_trainer(mesh_sizes, schedule, optimizer, *, zero_stage,
                  max_grad_norm=None):
   n = int(np.prod(list(mesh_sizes.values())))
   mesh = jaxpar.make_mesh(**mesh_sizes, devices=jax.devices()[:n])
-  _, layout = gpt.split_for_pipeline(dense_params(jnp.float32),
+  _, split = gpt.split_for_pipeline(dense_params(jnp.float32),
                                      num_stages=schedule.num_stages)
   return jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optimizer,
-      schedule=schedule, mesh=mesh, stage_mask=layout.mask,
-      max_grad_norm=max_grad_norm, zero_stage=zero_stage), layout
+      schedule=schedule, mesh=mesh, stage_mask=split.mask,
+      tensor_rules=gpt.TENSOR_RULES, max_grad_norm=max_grad_norm,
+      zero_stage=zero_stage), split
 
 
 def opt_state_bytes(state):
@@ -60,12 +61,12 @@ CASES = {
 @pytest.mark.parametrize('case', list(CASES))
 def test_matches_single_device_float64(x64, case, tmp_path):
   """Same losses, norms, params as one-device optax; checkpoint round trip
-  (bit for bit, then the same next step), onto another layout too."""
+  (bit for bit, then the same next step), onto another mesh and schedule too."""
   mesh_sizes, make_schedule, onto = CASES[case]
   schedule = make_schedule()
   params, data = dense_params(jnp.float64), batches(3)
   want = float64_reference()
-  trainer, layout = make_trainer(mesh_sizes, schedule, FLOAT64_OPTIMIZER,
+  trainer, split = make_trainer(mesh_sizes, schedule, FLOAT64_OPTIMIZER,
                                  zero_stage=3, max_grad_norm=0.5)
   assert float(want[0][1]) > 0.5   # clipping is exercised
   pp, _ = gpt.split_for_pipeline(params, num_stages=schedule.num_stages)
@@ -75,7 +76,7 @@ def test_matches_single_device_float64(x64, case, tmp_path):
     assert not bool(stats.skipped)
     np.testing.assert_allclose(stats.loss, ref_loss, rtol=1e-10)
     np.testing.assert_allclose(stats.grad_norm, ref_norm, rtol=1e-10)
-    chex.assert_trees_all_close(dense_of(trainer, state, layout), ref_p,
+    chex.assert_trees_all_close(dense_of(trainer, state, split), ref_p,
                                 rtol=1e-9, atol=1e-11)
   kernel = state.params.stages['mlp']['fc_in']['kernel']
   assert 'data' in str(kernel.sharding.spec)
@@ -190,7 +191,7 @@ def test_zero3_memory_and_collectives():
   """Compiled: 1/N argument bytes for params; exact gather/scatter bytes.
 
   The ZeRO-3 step is given the ZeRO-1 state: a state of another zero stage
-  is placed (ZeRO layouts keep the shapes), so its arguments are ZeRO-3's.
+  is placed (ZeRO storage keeps the shapes), so its arguments are ZeRO-3's.
   """
   sizes, schedule = dict(data=4, stage=2, tensor=1), \
       jaxpar.pipeline.one_f_one_b(2, 2)
@@ -232,7 +233,7 @@ def test_zero3_memory_and_collectives():
   # scale and bias here) rather than keep them from I: under 1% of a stage.
   # The update runs on the per-layer view, split over stage too: embed and head
   # updates are gathered over stage (their 1/N data slices), and the stage
-  # gradients and updates move between the rank layout and the view by
+  # gradients and updates move between the rank placement and the view by
   # all-to-all over stage (at most twice the stage bytes).
   # Counted in the program text, where stage 0's W (which also adds the
   # embedding's VJP, run per microbatch inside stage 0) is a second copy of
@@ -285,11 +286,12 @@ def test_padded_leaves_on_data_3_match_the_dense_model(x64, tmp_path):
   want = reference(params, data, optimizer, 0.5, config)  # one device
   schedule = jaxpar.pipeline.one_f_one_b(2, 2)
   mesh = jaxpar.make_mesh(data=3, stage=2, devices=jax.devices()[:6])
-  pp, layout = gpt.split_for_pipeline(params, num_stages=2)
+  pp, split = gpt.split_for_pipeline(params, num_stages=2)
   trainers = {z: jaxpar.parallel.trainer(
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optimizer,
-      schedule=schedule, mesh=mesh, stage_mask=layout.mask, zero_stage=z,
-      max_grad_norm=0.5) for z in (0, 1, 3)}
+      schedule=schedule, mesh=mesh, stage_mask=split.mask,
+      tensor_rules=gpt.TENSOR_RULES, zero_stage=z, max_grad_norm=0.5)
+      for z in (0, 1, 3)}
   init = trainers[0].init(pp)
   plain = jaxpar.data_parallel.bytes_per_device(init)
   logical = jaxpar.data_parallel.logical_shapes(init)
@@ -305,7 +307,7 @@ def test_padded_leaves_on_data_3_match_the_dense_model(x64, tmp_path):
       np.testing.assert_allclose(stats.loss, loss, rtol=1e-10)
       np.testing.assert_allclose(stats.grad_norm, norm, rtol=1e-10)
     got = trainer.params(state)
-    chex.assert_trees_all_close(dense_of(trainer, state, layout), want[-1][2],
+    chex.assert_trees_all_close(dense_of(trainer, state, split), want[-1][2],
                                 rtol=1e-10, atol=1e-12)
     chex.assert_trees_all_equal_shapes(got, shapes)
     held = jaxpar.data_parallel.bytes_per_device(state)

@@ -1,18 +1,16 @@
 """search: the fastest schedule under a memory cap, checked by brute force."""
 
-import doctest
 import functools
 import itertools
 
 import numpy as np
 import pytest
 
-import jaxpar
-from jaxpar.cli import demo
 from jaxpar import pipeline as pp
+from jaxpar.pipeline.schedules import (Action, Schedule, ScheduleError,
+                                       makespan, search)
+# action_costs is _search's own helper, tested here (not exported).
 from jaxpar.pipeline.schedules import _search as search_module
-from jaxpar.pipeline.schedules._schedule import Action, Schedule, ScheduleError
-from jaxpar.pipeline.schedules._search import makespan, search
 from test_executor import (MB, NAN, assert_exact, loss_fn, mesh_for, model,
                            reference, stage_fn)
 
@@ -172,32 +170,3 @@ def test_errors(kwargs, error, message):
     search(4, 8, **kwargs)
   with pytest.raises(ValueError, match='num_ranks=0 must be >= 1'):
     search(0, 8, memory_limit=2)
-
-
-def test_docstring_examples():
-  result = doctest.testmod(search_module, extraglobs={'jaxpar': jaxpar})
-  assert result.failed == 0 and result.attempted > 0
-
-
-def test_demo_flags_pick_the_searched_schedule():
-  args, _ = demo.parse_args(['--mesh', 'data=1,stage=4,tensor=1', '--schedule',
-                             'auto', '--memory-limit', '2', '--layers', '8',
-                             '--microbatches', '8', '--batch', '8'])
-  s = demo.make_schedule(args)
-  assert max(pp.peak_memory(s)) <= 2 and s.num_ranks == 4
-  assert demo.num_stages(args) == s.num_stages
-  args, _ = demo.parse_args(['--schedule', 'v_min', '--layers', '4'])
-  assert demo.make_schedule(args).name == 'V-Min'
-
-
-@pytest.mark.parametrize('flags, message', [
-    (['--schedule', 'auto'], '--schedule auto needs --memory-limit X'),
-    (['--memory-limit', '2'], '--schedule auto needs --memory-limit X'),
-    (['--schedule', 'auto', '--memory-limit', '0.5'],
-     'minimum feasible memory is 1'),
-])
-def test_demo_flag_errors(flags, message, capsys):
-  with pytest.raises(SystemExit) as exit_info:
-    demo.parse_args(flags)
-  assert exit_info.value.code == 2
-  assert message in capsys.readouterr().err

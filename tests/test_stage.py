@@ -11,7 +11,7 @@ import pytest
 
 import jaxpar
 from jaxpar import pipeline as pp
-from jaxpar.pipeline.executor._stage_vjp import POLICIES, StageVJP, stash_policy
+from jaxpar.pipeline import POLICIES, StageVJP, stash_policy
 from test_rng_precision import dropout_loss, dropout_stage, reference
 from test_executor import model
 

@@ -24,6 +24,21 @@ from jaxpar.models import gpt
 B, S, D, F, H, V = 2, 8, 16, 32, 8, 32   # H, S, V divisible by 1, 2, 4, 8
 REP, SEQ = P(), P(None, 'tensor', None)   # replicated / sequence-sharded
 
+# Tensor rules of the test param trees (an MLP, an attention, a block, an
+# embedding, as pure dicts), each matching its param at any depth.
+RULES = {
+    r'(.*/)?fc_in/(kernel|bias)': ('tensor',),                 # columns
+    r'(.*/)?fc_out/kernel': ('tensor', None),                  # rows
+    r'(.*/)?(query|key|value)/(kernel|bias)': ('tensor', None),   # heads
+    r'(.*/)?out/kernel': ('tensor', None, None),               # heads
+    r'(.*/)?embed/embedding': ('tensor', None),                # vocabulary
+}
+
+
+def rules_for(params):
+  """``RULES`` for a pure dict; ``None`` (Flax metadata) for an nnx.State."""
+  return None if isinstance(params, nnx.State) else RULES
+
 # (tensor size, dtype, tolerance relative to each tensor's largest entry).
 CASES = [pytest.param((n, np.float64, 1e-10), id=f'tp{n}-f64')
          for n in (1, 2, 4, 8)] + [pytest.param((8, np.float32, 1e-5),
@@ -149,7 +164,8 @@ def dense_value_and_grads(fn, params, x, w):
 def tp_value_and_grads(fn, params, x, w, *, n, x_spec, out_spec):
   """Runs fn(local params, local x) in shard_map; grads taken inside it."""
   mesh = mesh_of(n)
-  specs = tp.param_specs(params)
+  rules = rules_for(params)
+  specs = tp.param_specs(params, rules=rules)
   diff_x = np.issubdtype(x.dtype, np.floating)
   out_sharded = 'tensor' in tuple(out_spec)
 
@@ -165,8 +181,8 @@ def tp_value_and_grads(fn, params, x, w, *, n, x_spec, out_spec):
   f = jax.jit(jax.shard_map(
       inner, mesh=mesh, in_specs=(specs, x_spec, out_spec),
       out_specs=(out_spec, (specs, x_spec) if diff_x else specs)))
-  return f(tp.shard_params(params, mesh=mesh), put(mesh, x, x_spec),
-           put(mesh, w, out_spec))
+  return f(tp.shard_params(params, mesh=mesh, rules=rules),
+           put(mesh, x, x_spec), put(mesh, w, out_spec))
 
 
 def assert_trees_close(actual, expected, tol):
@@ -349,13 +365,13 @@ def test_grad_outside_shard_map_is_not_scaled(x64):
   rng = np.random.default_rng(9)
   params, x = mlp_params(rng), rand(rng, B, S, D)
   mesh = mesh_of(4)
-  specs = tp.param_specs(params)
+  specs = tp.param_specs(params, rules=RULES)
   mlp = jax.shard_map(tp.parallel_mlp, mesh=mesh, in_specs=(specs, REP),
                       out_specs=REP)
   loss = lambda f: (lambda p, x: jnp.sum(f(p, x) ** 2))
   with jax.set_mesh(mesh):
     got = jax.jit(jax.grad(loss(mlp), (0, 1)))(
-        tp.shard_params(params, mesh=mesh), put(mesh, x, REP))
+        tp.shard_params(params, mesh=mesh, rules=RULES), put(mesh, x, REP))
   assert_trees_close(got, jax.jit(jax.grad(loss(dense_mlp), (0, 1)))(params, x),
                      1e-10)
 
@@ -384,7 +400,7 @@ NONE = dict.fromkeys(hlo.KINDS, 0)
 
 def compile_tp(fn, params, x, x_spec, out_spec, *, grad=False):
   mesh = mesh_of(4)
-  specs = tp.param_specs(params)
+  specs = tp.param_specs(params, rules=RULES)
   if grad:   # loss and its gradient w.r.t. params and x
     def loss(p, x):
       local = jnp.sum(fn(p, x) ** 2)
@@ -396,7 +412,7 @@ def compile_tp(fn, params, x, x_spec, out_spec, *, grad=False):
     body, out_specs = fn, out_spec
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, x_spec),
                             out_specs=out_specs))
-  return f.lower(tp.shard_params(params, mesh=mesh),
+  return f.lower(tp.shard_params(params, mesh=mesh, rules=RULES),
                  put(mesh, x, x_spec)).compile()
 
 
@@ -480,7 +496,8 @@ def test_sequence_parallel_block_backward_all_reduces_only_replicated_grads():
   assert counts | {'all-reduce': 0} == NONE | {'all-gather': 4,
                                                'reduce-scatter': 4}, counts
   replicated = [leaf for leaf, spec in zip(
-      jax.tree.leaves(params), jax.tree.leaves(tp.param_specs(params)))
+      jax.tree.leaves(params),
+      jax.tree.leaves(tp.param_specs(params, rules=RULES)))
                 if spec == P()]
   want = 4 * (1 + sum(leaf.size for leaf in replicated))   # float32
   assert hlo.collective_bytes(compiled)['all-reduce'] == want
@@ -490,11 +507,14 @@ def test_sequence_parallel_block_backward_all_reduces_only_replicated_grads():
 # Dense params <-> shards, and Flax NNX modules.
 
 
-def test_param_specs_layouts_and_stacked_layers():
+def test_param_specs_rules_and_stacked_layers():
+  """A rule gives the entries of a param's trailing dims: one rule fits a
+  kernel and its bias, and stacked layers (extra leading dims)."""
   rng = np.random.default_rng(12)
   params = block_params(rng)
   params['mlp']['fc_in']['kernel'] = np.zeros((3, D, F))   # 3 stacked layers
-  specs = tp.param_specs(params | {'embed': {'embedding': rand(rng, V, D)}})
+  specs = tp.param_specs(params | {'embed': {'embedding': rand(rng, V, D)}},
+                         rules=gpt.TENSOR_RULES)
   assert specs['attn']['query'] == {'kernel': P(None, 'tensor', None),
                                     'bias': P('tensor', None)}
   assert specs['attn']['out'] == {'kernel': P('tensor', None, None),
@@ -504,24 +524,54 @@ def test_param_specs_layouts_and_stacked_layers():
                           'fc_out': {'kernel': P('tensor', None), 'bias': P()}}
   assert specs['ln1'] == {'scale': P(), 'bias': P()}
   assert specs['embed']['embedding'] == P('tensor', None)
-  custom = tp.param_specs({'wte': {'embedding': np.zeros((V, D))}},
-                          axis='model', layout={'wte': 'vocab'})
-  assert custom['wte']['embedding'] == P('model', None)
+  # Rules name mesh axes as written; the first matching rule wins, and an
+  # all-None spec keeps a param whole.
+  custom = tp.param_specs(
+      {'wte': {'embedding': np.zeros((V, D))}, 'w': np.zeros((D, F)),
+       'w2': np.zeros((D, F))}, axis='model',
+      rules={'wte/embedding': ('model', None), 'w2': (None, None),
+             'w.*': (('data', 'model'),)})
+  assert custom == {'wte': {'embedding': P('model', None)}, 'w2': P(),
+                    'w': P(None, ('data', 'model'))}
 
 
-def test_default_layout_matches_full_paths_of_jaxpar_modules_only():
-  """A user's layers named like jaxpar's (query, out, fc_in, embed) but at
-  other paths stay whole; the user's own layout splits them, ``*`` standing
-  for one key."""
+def test_match_rules_is_the_one_matcher():
+  """Whole paths (re.fullmatch), first rule in order, unused rules left out
+  of the matches; metadata keeps its ``axis`` entries only."""
+  rules = {r'attn/w[qkv]/kernel': (None, 'tensor'), r'attn/.*': (),
+           r'never/used': ('tensor',)}
+  paths = {'attn/wq/kernel': 2, 'attn/wo/kernel': 2, 'x/attn/wq/kernel': 2}
+  got = tp.match_rules(paths, rules)
+  assert got == {'attn/wq/kernel': tp.RuleMatch(r'attn/w[qkv]/kernel',
+                                                (None, 'tensor')),
+                 'attn/wo/kernel': tp.RuleMatch(r'attn/.*', ())}
+  assert set(rules) - {m.rule for m in got.values()} == {'never/used'}
+  metadata = {'a': ('data', 'tensor'), 'b': P(('data', 'tensor'), None),
+              'c': ('data', None), 'd': None}
+  got = tp.match_rules({k: 2 for k in metadata}, metadata=metadata)
+  assert got == {'a': tp.RuleMatch(None, (None, 'tensor')),
+                 'b': tp.RuleMatch(None, ('tensor', None))}
+
+
+def all_replicated(specs):
+  return all(spec == P() for spec in jax.tree.leaves(
+      specs, is_leaf=lambda s: isinstance(s, P)))
+
+
+def test_rules_match_whole_paths():
+  """A user's layers named like jaxpar's (query, out, fc_in, embed) at other
+  paths stay whole under jaxpar's rules; the user's own rules split them."""
   rng = np.random.default_rng(14)
   user = {'encoder': {'layers': {str(i): block_params(rng) for i in range(2)}},
           'tok': {'embed': {'embedding': rand(rng, V, D)}},
           'query': {'fc_in': linear_params(rng, D, F)}}
-  assert all(spec == P() for spec in jax.tree.leaves(
-      tp.param_specs(user), is_leaf=lambda s: isinstance(s, P)))
-  layout = {'encoder.layers.*.attn.query': 'heads_in',
-            'encoder.layers.*.mlp.fc_in': 'column', 'tok.embed': 'vocab'}
-  specs = tp.param_specs(user, layout=layout)
+  assert all_replicated(tp.param_specs(user))                # no metadata
+  assert all_replicated(tp.param_specs(user, rules=gpt.TENSOR_RULES))
+  rules = {r'encoder/layers/\d+/attn/query/(kernel|bias)': ('tensor', None),
+           r'encoder/layers/\d+/mlp/fc_in/kernel': ('tensor',),
+           r'tok/embed/embedding': ('tensor', None),
+           r'fc_in/kernel': ('tensor',)}   # matches no whole path here
+  specs = tp.param_specs(user, rules=rules)
   for i in '01':
     layer = specs['encoder']['layers'][i]
     assert layer['attn']['query']['kernel'] == P(None, 'tensor', None)
@@ -530,31 +580,58 @@ def test_default_layout_matches_full_paths_of_jaxpar_modules_only():
     assert layer['attn']['key']['kernel'] == P()
   assert specs['tok']['embed']['embedding'] == P('tensor', None)
   assert specs['query']['fc_in']['kernel'] == P()
-  # jaxpar's NNX modules are marked and laid out wherever they sit; Flax's
-  # own nnx.MultiHeadAttention (query, key, ... too) in a user's model is not.
+
+
+def test_flax_metadata_is_the_default():
+  """Without rules, the params' Flax metadata splits them wherever they sit:
+  jaxpar's NNX modules carry it; Flax's own nnx.MultiHeadAttention (query,
+  key, ... too) carries none; a user's ``nnx.with_partitioning`` is read,
+  its ``axis`` entries only."""
   model = nnx.eval_shape(lambda: nnx.Dict(
       ffn=tp.ParallelMLP(D, F, rngs=nnx.Rngs(0)),
       self_attn=tp.ParallelSelfAttention(D, H, rngs=nnx.Rngs(0)),
       flax_attn=nnx.MultiHeadAttention(H, D, decode=False, rngs=nnx.Rngs(0))))
-  specs = tp.param_specs(nnx.state(model, nnx.Param))
+  state = nnx.state(model, nnx.Param)
+  specs = jax.tree.map(lambda v: v.get_value(), tp.param_specs(state),
+                       is_leaf=lambda v: isinstance(v, nnx.Variable))
+  assert specs['ffn']['fc_in']['bias'] == P('tensor')
   assert specs['ffn']['fc_out']['kernel'] == P('tensor', None)
+  assert specs['ffn']['fc_out']['bias'] == P()
   assert specs['self_attn']['out']['kernel'] == P('tensor', None, None)
   assert specs['self_attn']['key']['bias'] == P('tensor', None)
-  assert all(spec == P() for spec in jax.tree.leaves(
-      specs['flax_attn'], is_leaf=lambda s: isinstance(s, P)))
-  # jaxpar's GPT: its stages, embed and head parts are laid out by default
-  # (shapes only: param_specs reads paths and ranks).
-  pp = jax.eval_shape(lambda: gpt.split_for_pipeline(gpt.gpt_params(gpt.GPT(
-      gpt.GPTConfig(num_layers=2), rngs=nnx.Rngs(0))), num_stages=2)[0])
-  embed, stages, head = (tp.param_specs(part) for part in pp)
+  assert all_replicated(specs['flax_attn'])
+  flax_specs = nnx.get_partition_spec(state)   # Flax reads the same specs
+  assert flax_specs['ffn']['fc_in']['kernel'].get_value() == P(None, 'tensor')
+  with jax.set_mesh(jaxpar.make_mesh(data=2, tensor=2,
+                                     devices=jax.devices()[:4])):
+    linear = nnx.Linear(D, F, rngs=nnx.Rngs(0), kernel_init=(
+        nnx.with_partitioning(nnx.initializers.lecun_normal(),
+                              ('data', 'tensor'))))
+  specs = tp.param_specs(nnx.state(linear, nnx.Param))
+  assert specs['kernel'].get_value() == P(None, 'tensor')
+  assert specs['bias'].get_value() == P()
+
+
+def test_gpt_tensor_rules_fit_its_dense_params_and_pipeline_parts():
+  """``gpt.TENSOR_RULES`` split the dense ``gpt_params`` and each part of
+  ``split_for_pipeline`` alike (shapes only: rules read paths and ranks)."""
+  params = jax.eval_shape(lambda: gpt.gpt_params(gpt.GPT(
+      gpt.GPTConfig(num_layers=2), rngs=nnx.Rngs(0))))
+  dense = tp.param_specs(params, rules=gpt.TENSOR_RULES)
+  assert dense['blocks'][1]['attn']['value']['kernel'] == P(None, 'tensor',
+                                                            None)
+  assert dense['pos'] == dense['blocks'][0]['ln1']['scale'] == P()
+  pp = jax.eval_shape(lambda: gpt.split_for_pipeline(params, num_stages=2)[0])
+  embed, stages, head = (tp.param_specs(part, rules=gpt.TENSOR_RULES)
+                         for part in pp)
   assert embed['embed']['embedding'] == P('tensor', None)
   assert stages['attn']['value']['kernel'] == P(None, None, None, 'tensor',
                                                 None)
   assert stages['mlp']['fc_out']['kernel'] == P(None, None, 'tensor', None)
-  assert head['lm_head']['kernel'] == P(None, 'tensor')
+  assert head['lm_head'] == {'kernel': P(None, 'tensor'), 'bias': P('tensor')}
 
 
-def user_trainer(layout=None, **sizes):
+def user_trainer(rules=None, **sizes):
   """parallel.trainer of a user's residual MLP stages (not jaxpar's
   layers), and its params."""
   def stage_fn(p, x):
@@ -569,12 +646,12 @@ def user_trainer(layout=None, **sizes):
   trainer = jaxpar.parallel.trainer(
       lambda p, x: x, stage_fn, loss_fn, optax.sgd(0.1),
       schedule=jaxpar.pipeline.one_f_one_b(2, 2),
-      mesh=jaxpar.make_mesh(**sizes), layout=layout)
+      mesh=jaxpar.make_mesh(**sizes), tensor_rules=rules)
   return trainer, params
 
 
 def test_unused_tensor_axis_raises():
-  """data=2, stage=2, tensor=2 with a user's stage_fn and no layout for it:
+  """data=2, stage=2, tensor=2 with a user's stage_fn and no rules for it:
   every tensor rank would compute the whole model; init says so."""
   trainer, params = user_trainer(data=2, stage=2, tensor=2)
   with pytest.raises(ValueError) as err:
@@ -582,13 +659,14 @@ def test_unused_tensor_axis_raises():
   msg = str(err.value)
   for part in ("{'data': 2, 'stage': 2, 'tensor': 2} has a 'tensor' axis of "
                'size 2', "no parameter is split over 'tensor'",
-               'tensor_rules=', 'layout=', 'jaxpar.tensor_parallel',
-               'jaxpar.make_mesh(data=4, stage=2)'):
+               'tensor_rules=', 'jaxpar.models.gpt.TENSOR_RULES',
+               'nnx.with_partitioning', 'jaxpar.make_mesh(data=4, stage=2)'):
     assert part in msg, (part, msg)
-  # Without the tensor axis, or with a layout splitting a layer, init runs.
+  # Without the tensor axis, or with a rule splitting a layer, init runs.
   trainer, params = user_trainer(data=4, stage=2)
   trainer.init(params)
-  trainer, params = user_trainer({'up': 'column'}, data=2, stage=2, tensor=2)
+  trainer, params = user_trainer({'up/kernel': ('tensor',)}, data=2, stage=2,
+                                 tensor=2)
   state = trainer.init(params)
   kernel = state.params.stages['up']['kernel']
   assert kernel.sharding.shard_shape(kernel.shape)[-1] == F // 2
@@ -598,7 +676,7 @@ def test_shard_and_unshard_round_trip():
   rng = np.random.default_rng(13)
   params = block_params(rng)
   mesh = mesh_of(4)
-  sharded = tp.shard_params(params, mesh=mesh)
+  sharded = tp.shard_params(params, mesh=mesh, rules=gpt.TENSOR_RULES)
   kernel = sharded['mlp']['fc_in']['kernel']
   assert kernel.sharding.shard_shape(kernel.shape) == (D, F // 4)
   dense = tp.unshard_params(sharded)
@@ -619,8 +697,9 @@ def test_flax_multi_head_attention_runs_tensor_parallel():
   mesh = mesh_of(4)
   attn = jax.jit(jax.shard_map(
       functools.partial(tp.parallel_self_attention, causal=True), mesh=mesh,
-      in_specs=(tp.param_specs(params), REP), out_specs=REP))
-  got = attn(tp.shard_params(params, mesh=mesh), put(mesh, x, REP))
+      in_specs=(tp.param_specs(params, rules=RULES), REP), out_specs=REP))
+  got = attn(tp.shard_params(params, mesh=mesh, rules=RULES),
+             put(mesh, x, REP))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -704,11 +783,27 @@ def test_shard_params_rejects_indivisible_sizes():
             'attn': {'query': {'kernel': np.zeros((D, 6, 2))}},
             'embed': {'embedding': np.zeros((30, D))}}
   with pytest.raises(ValueError) as err:
-    tp.shard_params(params, mesh=mesh_of(4))
+    tp.shard_params(params, mesh=mesh_of(4), rules=gpt.TENSOR_RULES)
   msg = str(err.value)
-  for part in ('output features 30', 'heads 6', 'vocab size 30',
-               "'tensor' axis size 4", 'mlp.fc_in.bias'):
-    assert part in msg
+  rule = repr(r'(blocks/\d+/)?mlp/fc_in/(kernel|bias)')
+  for part in ("param 'mlp/fc_in/kernel' (16, 30): dim 1 of size 30 is split "
+               f"over 'tensor' by rule {rule} but does not divide by its size "
+               '4',
+               "'mlp/fc_in/bias' (30,): dim 0",
+               "'attn/query/kernel' (16, 6, 2): dim 1 of size 6",
+               "'embed/embedding' (30, 16): dim 0 of size 30",
+               "over the mesh {'data': 1, 'stage': 1, 'tensor': 4}"):
+    assert part in msg, (part, msg)
+  with pytest.raises(ValueError, match="dim 1 is split over 'model' by rule "
+                     "'w', an axis the mesh does not have"):
+    tp.check_divisible({'w': np.zeros((4, 4))}, mesh=mesh_of(2),
+                       rules={'w': ('model',)})
+  # The split of Flax metadata is named too.
+  bad = {'w': nnx.Param(np.zeros((4, 6)), out_sharding=(None, 'tensor'),
+                        eager_sharding=False)}
+  with pytest.raises(ValueError, match="param 'w' \\(4, 6\\): dim 1 of size "
+                     "6 is split over 'tensor' by its Flax metadata"):
+    tp.check_divisible(bad, mesh=mesh_of(4))
 
 
 def test_shard_params_rejects_missing_axis():
@@ -716,26 +811,28 @@ def test_shard_params_rejects_missing_axis():
     tp.shard_params({}, mesh=mesh_of(2), axis='model')
 
 
-def test_param_specs_rejects_unknown_leaf_and_layout():
-  with pytest.raises(ValueError, match="layer 'fc_in' has layout 'column'.*"
-                     "not 'scale'"):
-    tp.param_specs({'fc_in': {'scale': np.zeros(3)}})
-  with pytest.raises(ValueError, match="layout\\['fc_in'\\] = 'diagonal' is "
-                     'not one of'):
-    tp.param_specs({'fc_in': {'kernel': np.zeros((3, 3))}},
-                   layout={'fc_in': 'diagonal'})
-  with pytest.raises(TypeError, match='layout must map layer paths'):
-    tp.param_specs({}, layout=['fc_in'])
-  with pytest.raises(TypeError, match=r'keys must be layer paths.*\[0\]'):
-    tp.param_specs({}, layout={0: 'column'})
-  with pytest.raises(ValueError, match='fewer than the 2 dims'):
-    tp.param_specs({'fc_in': {'kernel': np.zeros(3)}})
-  # Every bad leaf is listed, not just the first.
-  with pytest.raises(ValueError) as err:
-    tp.param_specs({'fc_in': {'scale': np.zeros(3)},
-                    'attn': {'out': {'kernel': np.zeros(3)}}})
-  assert "'fc_in.scale'" in str(err.value)
-  assert "'attn.out.kernel' of shape (3,)" in str(err.value)
+def test_param_specs_rejects_bad_rules():
+  with pytest.raises(TypeError, match='tensor rules must map regexes'):
+    tp.param_specs({}, rules=['fc_in'])
+  with pytest.raises(TypeError, match='tensor rule 0 must be a regex string'):
+    tp.param_specs({}, rules={0: ('tensor',)})
+  with pytest.raises(ValueError, match=r"tensor rule 'fc_in/\(' is not a "
+                     'valid regex'):
+    tp.param_specs({}, rules={'fc_in/(': ('tensor',)})
+  for spec in ('tensor', ('tensor', 0), None):
+    with pytest.raises(TypeError, match=r"tensor rule 'w': .* must be the "
+                       'PartitionSpec entries'):
+      tp.param_specs({}, rules={'w': spec})
+  with pytest.raises(ValueError, match=r"tensor rule 'fc_in/kernel': \(None, "
+                     r"'tensor'\) has 2 entries but param 'fc_in/kernel' has "
+                     '1 dims'):
+    tp.param_specs({'fc_in': {'kernel': np.zeros(3)}},
+                   rules={'fc_in/kernel': (None, 'tensor')})
+  bad = {'w': nnx.Param(np.zeros(3), out_sharding=(None, 'tensor'),
+                        eager_sharding=False)}
+  with pytest.raises(ValueError, match=r"Flax metadata out_sharding=\(None, "
+                     r"'tensor'\) has 2 entries but param 'w' has 1 dims"):
+    tp.param_specs(bad)
 
 
 def test_layer_outside_shard_map_names_the_fix():
@@ -794,12 +891,12 @@ def test_attention_shape_errors_list_every_mismatch():
   params['out']['kernel'] = params['out']['kernel'][:, :1]   # head_dim 1 != 2
   params['key']['bias'] = params['key']['bias'][:, :1]
   mesh = mesh_of(4)
-  specs = tp.param_specs(params)
+  specs = tp.param_specs(params, rules=RULES)
   attn = jax.shard_map(tp.parallel_self_attention, mesh=mesh,
                        in_specs=(specs, REP), out_specs=REP)
   with pytest.raises(ValueError) as err:
-    attn(tp.shard_params(params, mesh=mesh), put(mesh, np.ones((B, S, D)),
-                                                 REP))
+    attn(tp.shard_params(params, mesh=mesh, rules=RULES),
+         put(mesh, np.ones((B, S, D)), REP))
   msg = str(err.value)
   for part in ('for 2 local heads (of 8 over 4 devices) of size 2',
                "params['key']['bias'] has shape (2, 1), expected (2, 2)",

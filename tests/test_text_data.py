@@ -132,7 +132,7 @@ def test_held_out_loss_on_the_mesh_is_the_dense_loss(x64):
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.adam(1e-3),
       schedule=jaxpar.pipeline.interleaved_one_f_one_b(2, 2, 2),
       mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
-      stage_mask=layout.mask, zero_stage=3)
+      stage_mask=layout.mask, zero_stage=3, tensor_rules=gpt.TENSOR_RULES)
   text = data.split(np.frombuffer(open(__file__, 'rb').read(), np.uint8))
   evaluate = demo.held_out_loss(trainer, layout, config, text, batch=8)
   held = data.held_out_batch(text.held_out, batch=8, seq_len=8)

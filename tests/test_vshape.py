@@ -1,14 +1,10 @@
 """DualPipeV, V-Half, V-Min: orders, the papers' formulas, exactness."""
 
-import doctest
-
 import pytest
 
-import jaxpar
 from jaxpar import pipeline as pp
 from jaxpar.pipeline.schedules import _building_block as building_block
 from jaxpar.pipeline.schedules import _plot as plot_module
-from jaxpar.pipeline.schedules import _vshape as vshape
 from test_executor import (MB, NAN, assert_exact, loss_fn, mesh_for, model,
                            reference, stage_fn)
 
@@ -29,7 +25,7 @@ def test_v_schedules_validate_on_a_v(build, p, m):
   assert {a.kind for row in s.actions for a in row} <= set('FBIW')
 
 
-def test_dualpipev_follows_deepseeks_eight_steps():
+def test_dualpipe_v_follows_deepseeks_eight_steps():
   # p=2, m=4, rank 0 (stages 0 and 3): 2(p-r-1)=2 F0; r+1=1 pair F0 F1;
   # p-r-1=1 triple I1 W1 F1; m-2p+r+1=1 round F0 B1 F1 B0; 1 round B1 F1 B0;
   # r+1=1 pair B1 B0 (rank 0 even: B0 split); 1 pair W I0; the last W.
@@ -44,7 +40,7 @@ def test_dualpipev_follows_deepseeks_eight_steps():
 
 
 @pytest.mark.parametrize('p, m', [(2, 4), (3, 6), (4, 8), (4, 13), (6, 12)])
-def test_dualpipev_bubble_and_memory_formulas(p, m):
+def test_dualpipe_v_bubble_and_memory_formulas(p, m):
   s = pp.dualpipe_v(p, m)
   # Bubble: the V sends microbatch 0 through 2p stages before rank 0 can
   # start a backward; every rank is busy 6m (2 F, 2 I, 2 W per microbatch at
@@ -130,11 +126,6 @@ def test_bad_sizes():
     pp.v_half(2.0, 4)
   with pytest.raises(ValueError, match='num_microbatches=0'):
     pp.v_min(2, 0)
-
-
-def test_docstring_examples():
-  result = doctest.testmod(vshape, extraglobs={'jaxpar': jaxpar})
-  assert result.failed == 0 and result.attempted > 0
 
 
 def test_plot_frames_the_f_and_b_pairs():

@@ -1,6 +1,5 @@
 """ZeRO-1/3 equal single-device optax training, with 1/N state per device."""
 
-import doctest
 import functools
 import math
 import re
@@ -10,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding
@@ -18,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 import jaxpar.hlo
-from jaxpar.data_parallel import _trainer as data_parallel, _zero as zero
+from jaxpar import data_parallel as dp
 from jaxpar import train_state
 from jaxpar.cli.bench import zero as zero_bench
 from test_data_parallel import (assert_same_history, loss_fn, make_batches,
@@ -48,13 +46,20 @@ def wide_params(hidden=16, dtype=jnp.float32):
           'out': {'w': w2 / hidden**0.5, 'b': np.full(3, 0.1, dtype)}}
 
 
-def zero_run(step, state, batches):
+def zero_run(trainer, state, batches):
   history = []
   for batch in batches:
-    state, stats = step(state, batch)
+    state, stats = trainer.step(state, batch)
     assert not bool(stats.skipped)
-    history.append((stats.loss, stats.grad_norm, zero.gather_params(state)))
+    history.append((stats.loss, stats.grad_norm, trainer.params(state)))
   return state, history
+
+
+def logical(tree):
+  """``tree`` on the host at its logical shapes (``np.asarray`` of each
+  leaf: a ``Padded`` one without its padding)."""
+  return jax.tree.map(np.asarray, tree,
+                      is_leaf=lambda x: isinstance(x, dp.Padded))
 
 
 def spec_of(x):
@@ -77,19 +82,18 @@ def test_matches_single_device_float64(x64, stage, mesh_name):
   params = wide_params(dtype=jnp.float64)
   batches = make_batches(3, 16, dtype=np.float64)
   optimizer = optax.adamw(0.05, weight_decay=0.1)
-  step = jaxpar.data_parallel.trainer(wide_loss, optimizer, mesh=mesh,
-                                   zero_stage=stage, num_microbatches=2,
-                                   max_grad_norm=0.5).step
-  state = zero.shard_state(jaxpar.TrainState.create(params, optimizer),
-                           mesh=mesh, stage=stage)   # the old keyword works
-  state, got = zero_run(step, state, batches)
+  trainer = dp.trainer(wide_loss, optimizer, mesh=mesh, zero_stage=stage,
+                       num_microbatches=2, max_grad_norm=0.5)
+  state = dp.shard_state(jaxpar.TrainState.create(params, optimizer),
+                         mesh=mesh, zero_stage=stage)
+  state, got = zero_run(trainer, state, batches)
   assert_same_history(got, adamw_reference(), rtol=1e-10)
   assert max(float(norm) for _, norm, _ in got) > 0.5  # clipping was active
   assert int(state.step) == len(batches)
   mu = state.opt_state[0].mu
   assert spec_of(mu['hidden']['w']) == P(None, 'data')
   # 3 does not split N ways: padded to N.
-  assert isinstance(mu['out']['b'], zero.Padded)
+  assert isinstance(mu['out']['b'], dp.Padded)
   assert spec_of(mu['out']['b']) == P('data')
   params_spec = spec_of(state.params['out']['w'])
   assert params_spec == (P('data') if stage == 3 else P())
@@ -122,16 +126,16 @@ def test_float32_with_aux_compiles_once():
   mesh = jaxpar.make_mesh(data=8)
   params, batches = wide_params(), make_batches(3, 64)
   optimizer = optax.sgd(0.1, momentum=0.9)
-  trainer = data_parallel.trainer(counted_loss, optimizer, mesh=mesh,
-                                     zero_stage=3, num_microbatches=4,
-                                     max_grad_norm=1.0, has_aux=True)
+  trainer = dp.trainer(counted_loss, optimizer, mesh=mesh,
+                       zero_stage=3, num_microbatches=4,
+                       max_grad_norm=1.0, has_aux=True)
   want = reference_run(params, batches, optimizer, 1.0, loss_of=wide_loss)
   state = trainer.init(params)
   got = []
   for batch, (want_loss, _, _) in zip(batches, want):
     state, stats = trainer.step(state, batch)
     np.testing.assert_allclose(stats.aux['loss_x2'], 2 * want_loss, rtol=1e-5)
-    got.append((stats.loss, stats.grad_norm, zero.gather_params(state)))
+    got.append((stats.loss, stats.grad_norm, trainer.params(state)))
     if len(got) == 1:
       after_first = len(traces)
   assert_same_history(got, want, rtol=1e-5)
@@ -144,10 +148,10 @@ def test_gradient_is_the_mean_not_n_times_it(x64, stage):
   mesh = jaxpar.make_mesh(data=8)
   params = wide_params(dtype=jnp.float64)
   batch = make_batches(1, 16, dtype=np.float64)[0]
-  trainer = data_parallel.trainer(wide_loss, optax.sgd(1.0), mesh=mesh,
-                                     zero_stage=stage)
+  trainer = dp.trainer(wide_loss, optax.sgd(1.0), mesh=mesh,
+                       zero_stage=stage)
   state, _ = trainer.step(trainer.init(params), batch)
-  applied = jax.tree.map(jnp.subtract, params, zero.gather_params(state))
+  applied = jax.tree.map(jnp.subtract, params, trainer.params(state))
   chex.assert_trees_all_close(applied, jax.grad(wide_loss)(params, batch),
                               rtol=1e-12)
 
@@ -159,8 +163,8 @@ def adam_steps():
   batch = make_batches(1, 16)[0]
   out = {}
   for stage in (0, 1, 3):
-    trainer = data_parallel.trainer(wide_loss, optax.adam(0.01), mesh=mesh,
-                                       zero_stage=stage)
+    trainer = dp.trainer(wide_loss, optax.adam(0.01), mesh=mesh,
+                         zero_stage=stage)
     state = trainer.init(wide_params(400))
     out[stage] = (trainer, state, trainer.step(state, batch)[0])
   return out
@@ -187,7 +191,7 @@ def test_each_device_holds_one_nth(adam_steps, stage):
     assert w.sharding.shard_shape(w.shape) == (5, 50)
   else:
     assert device_bytes(params) == (split + odd, split + odd)  # replicated
-  held = zero.bytes_per_device(state)
+  held = dp.bytes_per_device(state)
   assert held.params == device_bytes(params)[0]
   assert held.opt_state == device_bytes(mu_nu)[0] + 2 * 4  # + 2 counts
   plain = adam_steps[0][2]
@@ -235,7 +239,7 @@ def test_collectives_in_compiled_step(adam_steps, stage):
 def test_stage3_backward_regathers_instead_of_saving_params(capsys):
   mesh = jaxpar.make_mesh(data=8)
   params = wide_params()
-  specs = zero.data_specs(params, mesh=mesh)
+  specs = dp.data_specs(params, mesh=mesh)
   sliced = jax.device_put(params, train_state.shardings(mesh, specs))
   batch = jax.device_put(make_batches(1, 16)[0], NamedSharding(mesh, P('data')))
 
@@ -252,8 +256,8 @@ def test_stage3_backward_regathers_instead_of_saving_params(capsys):
 
   full = {(5, 16), (16,), (16, 3)}   # gathered shapes
   plain = residual_shapes(
-      lambda p, b: wide_loss(zero.gather(p, specs, axis='data'), b))
-  remat = residual_shapes(zero.gathered(wide_loss, specs, axis='data'))
+      lambda p, b: wide_loss(dp.gather(p, specs, axis='data'), b))
+  remat = residual_shapes(dp.gathered(wide_loss, specs, axis='data'))
   assert full & plain           # without remat a gathered param is kept
   assert not full & remat       # with it, only the slices are
   assert {(5, 2), (2,), (2, 3)} <= remat
@@ -275,19 +279,19 @@ def test_layouts_and_round_trip():
   for stage in (1, 3):
     for name in ('data8', 'data4', 'data2_stage2_tensor2'):
       mesh = mesh_of(name)
-      state = zero.shard_state(plain, mesh=mesh, zero_stage=stage)
-      chex.assert_trees_all_equal(zero.gather_params(state), params)
-      back = zero.unshard_state(state)
+      state = dp.shard_state(plain, mesh=mesh, zero_stage=stage)
+      chex.assert_trees_all_equal(logical(state.params), params)
+      # Another stage or mesh: shard_state re-lays out any state.
+      back = dp.shard_state(state, mesh=mesh, zero_stage=0)
       chex.assert_trees_all_equal(back, plain)
       assert all(s == P() for s in jax.tree.leaves(spec_tree(back)))
-      # Another stage or mesh: shard_state re-lays out any state.
-      again = zero.shard_state(state, mesh=mesh_of('data4'), zero_stage=1)
-      chex.assert_trees_all_equal(zero.unpadded(again), plain)
-  assert zero.data_spec((8, 6), P(None, 'tensor'), mesh=mesh_of(
+      again = dp.shard_state(state, mesh=mesh_of('data4'), zero_stage=1)
+      chex.assert_trees_all_equal(logical(again), plain)
+  assert dp.data_spec((8, 6), P(None, 'tensor'), mesh=mesh_of(
       'data2_stage2_tensor2')) == P('data', 'tensor')
-  assert zero.data_spec((6, 3), mesh=mesh_of('data4')) == P()
-  assert zero.data_spec((6, 3), mesh=mesh_of('data4'), pad=True) == P('data')
-  assert zero.data_spec((3, 0), mesh=mesh_of('data4'), pad=True) == P()
+  assert dp.data_spec((6, 3), mesh=mesh_of('data4')) == P()
+  assert dp.data_spec((6, 3), mesh=mesh_of('data4'), pad=True) == P('data')
+  assert dp.data_spec((3, 0), mesh=mesh_of('data4'), pad=True) == P()
 
 
 def test_checkpoint_restores_onto_another_mesh_and_stage(tmp_path, x64):
@@ -295,21 +299,21 @@ def test_checkpoint_restores_onto_another_mesh_and_stage(tmp_path, x64):
   params = wide_params(dtype=jnp.float64)
   batches = make_batches(2, 24, dtype=np.float64)
   optimizer = optax.adam(0.05)
-  trainer6 = data_parallel.trainer(wide_loss, optimizer,
-                                      mesh=data6_mesh(), zero_stage=3)
+  trainer6 = dp.trainer(wide_loss, optimizer,
+                        mesh=data6_mesh(), zero_stage=3)
   state, _ = trainer6.step(trainer6.init(params), batches[0])
-  assert isinstance(state.params['hidden']['w'], zero.Padded)   # 16 rows
-  trainer4 = data_parallel.trainer(wide_loss, optimizer,
-                                      mesh=mesh_of('data4'), zero_stage=1)
+  assert isinstance(state.params['hidden']['w'], dp.Padded)   # 16 rows
+  trainer4 = dp.trainer(wide_loss, optimizer,
+                        mesh=mesh_of('data4'), zero_stage=1)
   like = trainer4.init(params)
   jaxpar.checkpoint.save(tmp_path / 'ckpt', state)
   restored = jaxpar.checkpoint.restore(tmp_path / 'ckpt', like)
-  chex.assert_trees_all_equal(zero.unpadded(restored), zero.unpadded(state))
+  chex.assert_trees_all_equal(logical(restored), logical(state))
   assert spec_tree(restored) == spec_tree(like)
   state, stats = trainer4.step(restored, batches[1])
   want = reference_run(params, batches, optimizer, loss_of=wide_loss)
   np.testing.assert_allclose(stats.loss, want[1][0], rtol=1e-10)
-  chex.assert_trees_all_close(zero.gather_params(state), want[1][2],
+  chex.assert_trees_all_close(trainer4.params(state), want[1][2],
                               rtol=1e-10, atol=1e-10)
 
 
@@ -353,8 +357,8 @@ def odd_batches(dtype=np.float64):
 def padding_entries(tree):
   """Every stored entry of every Padded leaf outside its logical shape."""
   out = []
-  for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, zero.Padded)):
-    if isinstance(x, zero.Padded):
+  for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, dp.Padded)):
+    if isinstance(x, dp.Padded):
       value = np.array(x.value)
       value[tuple(slice(0, s) for s in x.shape)] = 0
       out.append(value)
@@ -373,7 +377,7 @@ def odd_reference():
 def test_padded_leaves_exact_float64(x64, stage, num_microbatches):
   params, batches = odd_params(), odd_batches()
   optimizer = per_leaf_optimizer()
-  trainer = data_parallel.trainer(
+  trainer = dp.trainer(
       odd_loss, optimizer, mesh=data6_mesh(), zero_stage=stage,
       num_microbatches=num_microbatches, max_grad_norm=0.5)
   state = trainer.init(params)
@@ -403,10 +407,10 @@ def test_each_device_holds_one_nth_on_data6():
   batch = {'ids': np.arange(12, dtype=np.int32)}
   held = {}
   for stage in (0, 1, 3):
-    trainer = data_parallel.trainer(loss, optax.adam(0.1),
-                                       mesh=data6_mesh(), zero_stage=stage)
+    trainer = dp.trainer(loss, optax.adam(0.1),
+                         mesh=data6_mesh(), zero_stage=stage)
     state = trainer.init(params)
-    held[stage] = zero.bytes_per_device(state)
+    held[stage] = dp.bytes_per_device(state)
   counts = 4 + 4   # step, adam count
   assert held[0] == (total, 2 * total + counts)
   assert held[1].params == total
@@ -416,7 +420,7 @@ def test_each_device_holds_one_nth_on_data6():
   # The compiled ZeRO-3 step holds the same: its arguments are the state
   # (1/6 + padding) and the batch.
   new, _ = trainer.step(state, batch)
-  assert zero.bytes_per_device(new) == held[3]
+  assert dp.bytes_per_device(new) == held[3]
   args = trainer.step.lower(state, batch).compile().memory_analysis(
       ).argument_size_in_bytes
   assert args <= sum(held[3]) + batch['ids'].nbytes
@@ -432,8 +436,8 @@ def test_masked_states_split_like_plain_ones(x64):
       optax.multi_transform({'train': optax.adam(0.05),
                              'frozen': optax.set_to_zero()}, frozen))
   mesh = jaxpar.make_mesh(data=8)
-  trainer = data_parallel.trainer(wide_loss, optimizer, mesh=mesh,
-                                     zero_stage=1)
+  trainer = dp.trainer(wide_loss, optimizer, mesh=mesh,
+                       zero_stage=1)
   batches = make_batches(2, 16, dtype=np.float64)
   state = trainer.init(params)
   got = []
@@ -448,9 +452,9 @@ def test_masked_states_split_like_plain_ones(x64):
   leaves = jax.tree.leaves((trace, adam.mu, adam.nu))
   assert len(leaves) == 2 + 3 + 3
   for leaf in leaves:
-    assert zero.data_dim(leaf.sharding.spec) is not None, leaf.shape
+    assert dp.data_dim(leaf.sharding.spec) is not None, leaf.shape
   split = 8 * (5 * 400 + 400 + 400 * 3)   # float64 w1, b1, w2
-  held = zero.bytes_per_device(state).opt_state
+  held = dp.bytes_per_device(state).opt_state
   trace_bytes = 8 * (5 * 400 + 400 * 3)
   assert held <= (trace_bytes + 2 * split) / 8 + 8 * 4  # + counts
 
@@ -466,19 +470,11 @@ def test_masked_state_specs_follow_the_params():
   base = {'w': P(None, 'tensor'), 'b': P('tensor')}
   split = {'w': P('data', 'tensor'), 'b': P(('tensor', 'data'))}
   for zero_stage, want in ((0, base), (1, split)):
-    specs = zero.state_specs(state, zero_stage=zero_stage, param_specs=base,
-                             zero_specs=split)
+    specs = dp.state_specs(state, zero_stage=zero_stage, param_specs=base,
+                           zero_specs=split)
     adam = specs.opt_state.inner_states['train'].inner_state[0]
     assert adam.mu == adam.nu == {'w': want['w'], 'b': optax.MaskedNode()}
     assert adam.count == P()
-
-
-def test_doctests():
-  for module in (zero, train_state, data_parallel):
-    result = doctest.testmod(module, extraglobs={
-        'jax': jax, 'jnp': jnp, 'np': np, 'jaxpar': jaxpar, 'P': P,
-        'optax': optax})
-    assert result.attempted and not result.failed, module.__name__
 
 
 class TestErrors:
@@ -488,22 +484,20 @@ class TestErrors:
     state = jaxpar.TrainState.create(wide_params(), optax.adam(0.1))
     with pytest.raises(ValueError, match=r'zero_stage=2; choose 0 .*, 1 .* '
                        r'or 3'):
-      zero.shard_state(state, mesh=mesh, zero_stage=2)
-    with pytest.raises(TypeError, match=r'zero_stage must be an int .* got '
-                       r'bool: True'):
-      zero.shard_state(state, mesh=mesh, zero_stage=True)
-    with pytest.raises(TypeError, match='zero_stage= only'):
-      zero.shard_state(state, mesh=mesh, zero_stage=1, stage=1)
+      dp.shard_state(state, mesh=mesh, zero_stage=2)
+    with pytest.raises(TypeError, match=r'zero_stage=True must be an int '
+                       r'>= 0, got a bool'):
+      dp.shard_state(state, mesh=mesh, zero_stage=True)
     with pytest.raises(ValueError, match="no axis 'batch'"):
-      zero.shard_state(state, mesh=mesh, axis='batch')
+      dp.shard_state(state, mesh=mesh, axis='batch')
     with pytest.raises(TypeError, match='needs a jaxpar.TrainState'):
-      zero.shard_state(wide_params(), mesh=mesh)
-    assert zero.check_zero_stage(np.int64(3)) == 3
+      dp.shard_state(wide_params(), mesh=mesh)
+    assert dp.check_zero_stage(np.int64(3)) == 3
 
   def test_state_of_another_optimizer(self):
-    step = jaxpar.data_parallel.trainer(wide_loss, optax.adam(0.1),
-                                     mesh=jaxpar.make_mesh(data=8),
-                                     zero_stage=1).step
+    step = dp.trainer(wide_loss, optax.adam(0.1),
+                      mesh=jaxpar.make_mesh(data=8),
+                      zero_stage=1).step
     sgd = jaxpar.TrainState.create(wide_params(), optax.sgd(0.1, 0.9))
     with pytest.raises(ValueError, match=r'structure and shapes of '
                        r'optimizer.init\(state.params\).*create the state '
@@ -512,5 +506,5 @@ class TestErrors:
 
   def test_pmap_backend(self):
     with pytest.raises(ValueError, match="zero_stage=3 needs backend='shard_map'"):
-      jaxpar.data_parallel.trainer(loss_fn, optax.sgd(0.1), zero_stage=3,
-                                mesh=jaxpar.make_mesh(data=8), backend='pmap').step
+      dp.trainer(loss_fn, optax.sgd(0.1), zero_stage=3,
+                 mesh=jaxpar.make_mesh(data=8), backend='pmap').step

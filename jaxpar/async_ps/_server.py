@@ -49,10 +49,11 @@ server's ``state`` stays that of its last applied update.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import queue
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -202,6 +203,7 @@ def simulate(loss_fn: Callable[[PyTree, PyTree], jax.Array],
       ``n`` batches.
 
   Example:
+    >>> import jax.numpy as jnp, optax, jaxpar
     >>> loss = lambda w, b: jnp.mean((b['x'] @ w - b['y']) ** 2)
     >>> data = [{'x': jnp.ones((4, 2)), 'y': jnp.ones(4)}] * 3
     >>> res = jaxpar.async_ps.simulate(loss, optax.sgd(0.1), jnp.zeros(2),
@@ -293,6 +295,7 @@ class AsyncParameterServer:
       fewer (distinct) devices than workers.
 
   Example:
+    >>> import jax.numpy as jnp, numpy as np, optax, jaxpar
     >>> loss = lambda w, b: jnp.mean((b['x'] @ w - b['y']) ** 2)
     >>> ps = jaxpar.AsyncParameterServer(loss, optax.sgd(0.1), jnp.zeros(2),
     ...                                  num_workers=4, max_staleness=2)
@@ -365,113 +368,181 @@ class AsyncParameterServer:
                             fix='Ask for at least one update.')
     max_skipped = check_int('max_skipped', max_skipped, fix=
                             'It counts the non-finite pushes allowed in a row.')
-    batch_iter = _iterate(batches)
-    if hasattr(batches, '__len__') and len(batches) < num_updates:
-      raise ValueError(
-          f'batches has {len(batches)} batches but run(num_updates='
-          f'{num_updates}) takes one batch per update; pass at least '
-          f'{num_updates} batches.')
-    value_and_grad, apply = self._compiled
-    server = self.devices[0]
-    # JAX config contexts are thread-local: run the workers with the
-    # caller's precision (e.g. under `with jax.enable_x64(True)`).
-    x64 = jax.enable_x64.value
-    version = int(self._state.step)
-    latest = [(version, self._state.params)]  # replaced, never mutated
-    taken, dropped = [0], [0]   # batches taken / dropped as non-finite
-    take_lock = threading.Lock()
-    stop = threading.Event()
-    pushes: queue.SimpleQueue = queue.SimpleQueue()
-    replies = [queue.SimpleQueue() for _ in self.devices]
-
-    def work(k: int) -> None:
-      device = self.devices[k]
-      try:
-        with jax.enable_x64(x64):
-          while True:
-            with take_lock:
-              if stop.is_set() or taken[0] - dropped[0] >= num_updates:
-                return
-              batch_id = taken[0]
-              batch = next(batch_iter, _END)
-              if batch is _END:
-                raise ValueError(
-                    f'batches ran out after {batch_id} batches but run('
-                    f'num_updates={num_updates}) takes one batch per update; '
-                    f'pass at least {num_updates} batches.')
-              taken[0] += 1
-            batch = jax.device_put(batch, device)
-            retries = 0
-            while True:
-              pulled, params = latest[0]
-              loss, grads, finite = value_and_grad(
-                  jax.device_put(params, device), batch)
-              # Push when the gradient exists, not when it is dispatched.
-              loss = float(jax.block_until_ready((loss, grads))[0])
-              if stop.is_set():
-                return
-              pushes.put(_Push(k, pulled, batch_id, retries, loss, grads,
-                               bool(finite)))
-              reply = replies[k].get()
-              if reply in (_ACCEPTED, _DROPPED):
-                break
-              if reply == _STOP:
-                return
-              retries += 1
-      except BaseException as e:  # pylint: disable=broad-except
-        pushes.put(_Failure(k, e))
-
-    threads = [threading.Thread(target=work, args=(k,),
-                                name=f'jaxpar-async-ps-worker-{k}')
-               for k in range(self.num_workers)]
-    record, skipped, in_a_row = [], [], 0
+    channel = _open_channel(batches, num_updates, self._state,
+                            num_workers=self.num_workers)
+    threads = [threading.Thread(
+        target=_work, args=(k, device, self._compiled.value_and_grad, channel),
+        name=f'jaxpar-async-ps-worker-{k}')
+               for k, device in enumerate(self.devices)]
     try:
       for t in threads:
         t.start()
-      while len(record) < num_updates:
-        msg = pushes.get()
-        if isinstance(msg, _Failure):
-          msg.error.add_note(
-              f'Raised in jaxpar.AsyncParameterServer worker {msg.worker} '
-              f'({self.devices[msg.worker]}); the run stopped after '
-              f'{len(record)} of {num_updates} updates, which are kept in '
-              f'.state (step {version}).')
-          raise msg.error
-        if not msg.finite:   # dropped; the worker takes another batch
-          with take_lock:
-            dropped[0] += 1
-          skipped.append(msg.batch_id)
-          in_a_row += 1
-          if in_a_row >= max_skipped:
-            raise TooManySkippedError(
-                f'{in_a_row} pushes in a row had a non-finite loss or '
-                f'gradient (batches {skipped[-in_a_row:]} of this run); '
-                f'stopped (max_skipped={max_skipped}) after {len(record)} of '
-                f'{num_updates} updates. The server keeps its params and '
-                f'optimizer state of step {version} in .state; check the '
-                'data and loss_fn for NaN/inf, lower the learning rate, or '
-                'raise max_skipped.')
-          replies[msg.worker].put(_DROPPED)
-          continue
-        staleness = version - msg.version
-        if staleness > self.max_staleness:
-          replies[msg.worker].put(_RETRY)
-          continue
-        self._state = apply(self._state, jax.device_put(msg.grads, server))
-        version += 1
-        latest[0] = (version, self._state.params)
-        replies[msg.worker].put(_ACCEPTED)
-        in_a_row = 0
-        record.append((staleness, msg.loss, msg.worker, msg.batch_id,
-                       msg.retries))
+      updates, skipped = self._serve(channel, max_skipped)
     finally:
-      stop.set()
-      for r in replies:
-        r.put(_STOP)
-      for t in threads:
-        t.join()
+      _close_channel(channel, threads)
     staleness, losses, workers, batch_ids, retries = map(np.asarray,
-                                                          zip(*record))
+                                                          zip(*updates))
     return AsyncResult(self._state.params, staleness, losses, workers,
                        batch_ids, retries,
                        np.asarray(sorted(skipped), np.int64))
+
+  def _serve(self, channel: _Channel, max_skipped: int
+             ) -> tuple[list[_Update], list[int]]:
+    """Applies pushes in arrival order until ``num_updates`` are applied."""
+    server = self.devices[0]
+    version = int(self._state.step)
+    updates, skipped, in_a_row = [], [], 0
+    while len(updates) < channel.num_updates:
+      msg = channel.pushes.get()
+      if isinstance(msg, _Failure):
+        msg.error.add_note(
+            f'Raised in jaxpar.AsyncParameterServer worker {msg.worker} '
+            f'({self.devices[msg.worker]}); the run stopped after '
+            f'{len(updates)} of {channel.num_updates} updates, which are kept '
+            f'in .state (step {version}).')
+        raise msg.error
+      if not msg.finite:   # dropped; the worker takes another batch
+        with channel.take_lock:
+          channel.board.dropped += 1
+        skipped.append(msg.batch_id)
+        in_a_row += 1
+        if in_a_row >= max_skipped:
+          raise _too_many_skipped(skipped[-in_a_row:], max_skipped,
+                                  len(updates), channel.num_updates, version)
+        channel.replies[msg.worker].put(_DROPPED)
+        continue
+      staleness = version - msg.version
+      if staleness > self.max_staleness:
+        channel.replies[msg.worker].put(_RETRY)
+        continue
+      self._state = self._compiled.apply(self._state,
+                                         jax.device_put(msg.grads, server))
+      version += 1
+      channel.board.latest = (version, self._state.params)
+      channel.replies[msg.worker].put(_ACCEPTED)
+      in_a_row = 0
+      updates.append(_Update(staleness, msg.loss, msg.worker, msg.batch_id,
+                             msg.retries))
+    return updates, skipped
+
+
+class _Update(NamedTuple):
+  """One applied update, as ``AsyncResult`` lists it."""
+  staleness: int
+  loss: float
+  worker: int
+  batch_id: int
+  retries: int
+
+
+@dataclasses.dataclass
+class _Board:
+  """What the server and the workers of one run read and write."""
+  latest: tuple[int, PyTree]   # (version, params): replaced, never mutated
+  taken: int = 0               # batches taken from the iterator
+  dropped: int = 0             # ... dropped for a non-finite gradient
+
+
+class _Channel(NamedTuple):
+  """The plumbing between the server (the calling thread) and its workers."""
+  batches: Iterator[PyTree]
+  num_updates: int
+  x64: bool                     # the caller's jax.enable_x64 (thread-local)
+  board: _Board
+  take_lock: threading.Lock     # guards board.taken / board.dropped
+  stop: threading.Event
+  pushes: queue.SimpleQueue     # worker -> server: _Push or _Failure
+  replies: list[queue.SimpleQueue]   # server -> worker k: _ACCEPTED, ...
+
+
+def _open_channel(batches: Iterable[PyTree], num_updates: int,
+                  state: TrainState, *, num_workers: int) -> _Channel:
+  batch_iter = _iterate(batches)
+  if hasattr(batches, '__len__') and len(batches) < num_updates:
+    raise ValueError(
+        f'batches has {len(batches)} batches but run(num_updates='
+        f'{num_updates}) takes one batch per update; pass at least '
+        f'{num_updates} batches.')
+  # JAX config contexts are thread-local: run the workers with the
+  # caller's precision (e.g. under `with jax.enable_x64(True)`).
+  return _Channel(batch_iter, num_updates, jax.enable_x64.value,
+                  _Board((int(state.step), state.params)), threading.Lock(),
+                  threading.Event(), queue.SimpleQueue(),
+                  [queue.SimpleQueue() for _ in range(num_workers)])
+
+
+def _close_channel(channel: _Channel, threads: list[threading.Thread]) -> None:
+  """Stops every worker (waiting or computing) and joins its thread."""
+  channel.stop.set()
+  for r in channel.replies:
+    r.put(_STOP)
+  for t in threads:
+    t.join()
+
+
+def _work(k: int, device: jax.Device, value_and_grad: Callable,
+          channel: _Channel) -> None:
+  """Worker ``k``: takes batches and pushes their gradients until told to
+  stop or the run has taken enough; an exception goes to the server."""
+  try:
+    with jax.enable_x64(channel.x64):
+      while (taken := _take(channel)) is not None:
+        if not _push_until_settled(k, device, value_and_grad, channel,
+                                   *taken):
+          return
+  except BaseException as e:  # pylint: disable=broad-except
+    channel.pushes.put(_Failure(k, e))
+
+
+def _take(channel: _Channel) -> tuple[int, PyTree] | None:
+  """``(position, batch)`` of the next batch, or ``None``: enough taken."""
+  with channel.take_lock:
+    board = channel.board
+    if channel.stop.is_set() or board.taken - board.dropped >= (
+        channel.num_updates):
+      return None
+    batch_id = board.taken
+    batch = next(channel.batches, _END)
+    if batch is _END:
+      raise ValueError(
+          f'batches ran out after {batch_id} batches but run(num_updates='
+          f'{channel.num_updates}) takes one batch per update; pass at least '
+          f'{channel.num_updates} batches.')
+    board.taken += 1
+    return batch_id, batch
+
+
+def _push_until_settled(k: int, device: jax.Device, value_and_grad: Callable,
+                        channel: _Channel, batch_id: int, batch: PyTree
+                        ) -> bool:
+  """Pushes gradients of ``batch`` on the latest params until the server
+  accepts or drops one (``True``) or says stop (``False``)."""
+  batch = jax.device_put(batch, device)
+  retries = 0
+  while True:
+    pulled, params = channel.board.latest
+    loss, grads, finite = value_and_grad(jax.device_put(params, device), batch)
+    # Push when the gradient exists, not when it is dispatched.
+    loss = float(jax.block_until_ready((loss, grads))[0])
+    if channel.stop.is_set():
+      return False
+    channel.pushes.put(_Push(k, pulled, batch_id, retries, loss, grads,
+                             bool(finite)))
+    reply = channel.replies[k].get()
+    if reply in (_ACCEPTED, _DROPPED):
+      return True
+    if reply == _STOP:
+      return False
+    retries += 1
+
+
+def _too_many_skipped(batch_ids: list[int], max_skipped: int, applied: int,
+                      num_updates: int, version: int) -> TooManySkippedError:
+  return TooManySkippedError(
+      f'{len(batch_ids)} pushes in a row had a non-finite loss or '
+      f'gradient (batches {batch_ids} of this run); '
+      f'stopped (max_skipped={max_skipped}) after {applied} of '
+      f'{num_updates} updates. The server keeps its params and '
+      f'optimizer state of step {version} in .state; check the '
+      'data and loss_fn for NaN/inf, lower the learning rate, or '
+      'raise max_skipped.')

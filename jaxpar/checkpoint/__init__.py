@@ -2,7 +2,7 @@
 
 ``save`` writes every shard from the device that holds it, with checksums
 (``array_checksums``) and a per-process file record; ``restore`` reads onto
-any target mesh and layout, verifying both; ``latest_step`` finds the newest
+any target mesh and sharding, verifying both; ``latest_step`` finds the newest
 complete step. A damaged checkpoint raises ``CheckpointError``.
 """
 

@@ -10,18 +10,18 @@ One checkpoint directory holds numbered steps, as orbax's
 ``save`` writes every shard of every leaf from the device that holds it (no
 gather on one host), and returns only when the step is complete on disk, so a
 process may exit right after it. ``restore`` reads each shard straight onto
-the devices of a *target* layout, given by ``like``: a state with the target
+the devices of a *target* sharding, given by ``like``: a state with the target
 shardings (e.g. a fresh ``Trainer.init(...)``) or a pytree of
 ``jax.ShapeDtypeStruct`` with shardings. The target mesh may differ from the
 one that saved -- other data / tensor sizes, other devices -- as long as
 every leaf has the saved shape and dtype.
 
 **Pipeline stages.** A ``jaxpar.parallel.Trainer`` state keeps stage leaves
-in the executor's rank layout ``[p, v, ...]``, which depends on the schedule
+in the executor's rank placement ``[p, v, ...]``, which depends on the schedule
 (``p`` ranks, ``v`` stages each, placement of the schedule). With
 ``schedule=`` the stages of every ``PipelineParams`` in the state (the
 params) are saved in model order ``[num_stages, ...]``, and restored into
-the rank layout of the schedule passed to ``restore``. The optimizer state
+the rank placement of the schedule passed to ``restore``. The optimizer state
 is per layer (``LayerParams``, what the optimizer sees), the same for every
 schedule: it is saved as it is. Such a checkpoint restores
 onto any schedule with the same ``num_stages`` (1F1B on 4 ranks and
@@ -31,15 +31,16 @@ interleaved 1F1B with 2 ranks x 2 stages alike) and any mesh. Without
 model split and needs the model's own re-split (e.g.
 ``gpt.merge_from_pipeline`` / ``split_for_pipeline`` on the params).
 
-**ZeRO.** A ``jaxpar.zero`` state is saved at its logical shapes: the
-leaves ZeRO stores padded (``jaxpar.data_parallel.Padded``, leaves that no dim of
-the data size divides) are saved cut to their shapes (each one whole along
-its padded dim while it is written) and padded again by ``restore`` as
-``like`` stores them. So it restores onto any mesh, any data size and any
+**ZeRO.** A ``jaxpar.data_parallel`` ZeRO state is saved at its logical
+shapes: the leaves ZeRO stores padded (``jaxpar.data_parallel.Padded``, leaves
+that no dim of the data size divides) are saved cut to their shapes (each one
+whole along its padded dim while it is written) and padded again by ``restore``
+as ``like`` stores them. So it restores onto any mesh, any data size and any
 ``zero_stage``.
 
 Example:
   >>> import tempfile
+  >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxpar
   >>> ckpt = tempfile.mkdtemp()
   >>> loss_fn = lambda p, b: jnp.mean((b['x'] @ p['w'] - b['y']) ** 2)
   >>> trainer = jaxpar.data_parallel.trainer(
@@ -152,8 +153,9 @@ def _map_stages(fn, tree: PyTree, *rest: PyTree) -> PyTree:
       if _is_pipeline(n) else n, tree, *rest, is_leaf=_is_pipeline)
 
 
-def _check_rank_layout(tree: PyTree, schedule: Schedule, name: str) -> None:
-  """``ValueError`` unless ``tree``'s stages are in ``schedule``'s layout."""
+def _check_rank_placement(tree: PyTree, schedule: Schedule, name: str) -> None:
+  """``ValueError`` unless ``tree``'s stages are in ``schedule``'s rank
+  placement."""
   nodes = [n for n in jax.tree.leaves(tree, is_leaf=_is_pipeline)
            if _is_pipeline(n)]
   if not nodes:
@@ -165,10 +167,10 @@ def _check_rank_layout(tree: PyTree, schedule: Schedule, name: str) -> None:
   for path, leaf in jax.tree_util.tree_leaves_with_path(
       [n.stages for n in nodes]):
     if tuple(np.shape(leaf)[:2]) != lead:
-      stage_leaf = 'stages.' + leaf_name(path[1:])
+      stage_leaf = 'stages/' + leaf_name(path[1:])
       raise ValueError(
           f'{name} stage leaf {stage_leaf!r} has shape '
-          f'{tuple(np.shape(leaf))}, but the rank layout of schedule '
+          f'{tuple(np.shape(leaf))}, but the rank placement of schedule '
           f'{schedule.name!r} ({p} ranks, {schedule.num_stages} stages) '
           f'starts with {lead}; pass the schedule of the Trainer that made '
           f'{name}.')
@@ -230,6 +232,7 @@ def save(directory: str | os.PathLike, state: PyTree, *,
 
   Example:
     >>> import tempfile
+    >>> import jax.numpy as jnp, optax, jaxpar
     >>> ckpt = tempfile.mkdtemp()
     >>> state = jaxpar.TrainState.create({'w': jnp.ones(3)}, optax.sgd(0.1))
     >>> jaxpar.checkpoint.save(ckpt, state, keep=3)   # ckpt/<state.step>/
@@ -250,7 +253,7 @@ def save(directory: str | os.PathLike, state: PyTree, *,
                 'checkpoints hold arrays and numbers only.')
   state = padding.unpadded(state)
   if schedule is not None:
-    _check_rank_layout(state, schedule, 'state')
+    _check_rank_placement(state, schedule, 'state')
     state = _to_model_order(state, schedule)
   checksums, finite = integrity.array_checksums(state)
   _check_finite(finite, params_only=isinstance(state, TrainState), step=step)
@@ -269,12 +272,12 @@ def save(directory: str | os.PathLike, state: PyTree, *,
 def _check_finite(finite: dict[str, bool], *, params_only: bool,
                   step: int) -> None:
   bad = [name for name, ok in finite.items() if not ok and (
-      not params_only or name == 'params' or name.startswith('params.'))]
+      not params_only or name == 'params' or name.startswith('params/'))]
   if bad:
     raise CheckpointError(
         f'refusing to save step {step}: leaves {_listing(bad, ", ")} hold '
-        'NaN or inf (a checkpoint is never written from non-finite params); the '
-        'earlier steps are untouched: restore the last good one and lower '
+        'NaN or inf (a checkpoint is never written from non-finite params); '
+        'the earlier steps are untouched: restore the last good one and lower '
         'the learning rate or check the data.')
 
 
@@ -305,6 +308,7 @@ def latest_step(directory: str | os.PathLike, *,
 
   Example:
     >>> import tempfile
+    >>> import jax.numpy as jnp, optax, jaxpar
     >>> ckpt = tempfile.mkdtemp()
     >>> jaxpar.checkpoint.latest_step(ckpt) is None      # a fresh run
     True
@@ -362,7 +366,7 @@ def _target(leaf: Any) -> Any:
 
 
 def _model_target(leaf: Any, schedule: Schedule) -> Any:
-  """Target of a rank-layout ``[p, v, ...]`` stage leaf, in model order."""
+  """Target of a rank-placement ``[p, v, ...]`` stage leaf, in model order."""
   shape = (schedule.num_stages,) + tuple(leaf.shape[2:])
   if isinstance(leaf, np.ndarray):
     return np.zeros(shape, leaf.dtype)
@@ -403,7 +407,7 @@ def _compare(saved: dict[str, Any], wanted: dict[str, Any], path: str,
 def restore(directory: str | os.PathLike, like: PyTree, *,
             step: int | None = None, schedule: Schedule | None = None,
             verify: bool = True) -> PyTree:
-  """Restores step ``step`` of ``directory`` onto the layout of ``like``.
+  """Restores step ``step`` of ``directory`` onto the shardings of ``like``.
 
   Args:
     directory: a directory written by ``save``.
@@ -416,7 +420,7 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
       (``latest_step``, which warns about each newer step it skips).
     schedule: the schedule of the trainer that ``like`` comes from, when the
       checkpoint was saved with ``schedule=`` (model-order stages): they are
-      put into this schedule's rank layout.
+      put into this schedule's rank placement.
     verify: check the step before reading it (the crc32 of every file) and
       the values after (one checksum per array). ``False`` reads an
       unverified step (e.g. one written without the integrity records).
@@ -438,12 +442,13 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
 
   Example:
     >>> import tempfile
+    >>> import jax, jax.numpy as jnp, optax, jaxpar
     >>> ckpt = tempfile.mkdtemp()
     >>> state = jaxpar.TrainState.create({'w': jnp.arange(3.0)},
     ...                                  optax.sgd(0.1))
     >>> jaxpar.checkpoint.save(ckpt, state)
     0
-    >>> like = jax.tree.map(jnp.zeros_like, state)   # the target layout
+    >>> like = jax.tree.map(jnp.zeros_like, state)   # the target shardings
     >>> jaxpar.checkpoint.restore(ckpt, like).params['w']
     Array([0., 1., 2.], dtype=float32)
   """
@@ -461,7 +466,7 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
           'sharding=NamedSharding(mesh, spec) (where to put the restored '
           'array).')
   if schedule is not None:
-    _check_rank_layout(like, schedule, 'like')
+    _check_rank_placement(like, schedule, 'like')
   if not os.path.isdir(path):
     raise FileNotFoundError(f'no checkpoint directory {path}.')
   step, record = _pick_step(path, step, verify)
@@ -485,7 +490,7 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
         'Restore onto a state of the same model and optimizer. Pipeline '
         'stages: a checkpoint saved with schedule= holds them in model order '
         '[num_stages, ...] (restore with schedule=, same num_stages); without '
-        'it, in the rank layout [p, v, ...] of the schedule used (restore '
+        'it, in the rank placement [p, v, ...] of the schedule used (restore '
         'without schedule= onto the same schedule).'))
     try:
       restored = manager.restore(step, args=ocp.args.StandardRestore(target))

@@ -22,6 +22,7 @@ Every failure is a ``CheckpointError`` (a ``ValueError``) of one line naming
 the step, the file or array, and what to do.
 
 Example:
+  >>> import jax.numpy as jnp, jaxpar
   >>> sums, finite = jaxpar.checkpoint.array_checksums({'w': jnp.ones(3)})
   >>> sorted(sums), finite
   (['w'], {'w': True})
@@ -46,7 +47,9 @@ PyTree = Any
 
 RECORD = 'jaxpar_integrity.json'
 FILES = 'jaxpar_files.process_{}.json'
-FORMAT = 1
+# Record format 2 keys arrays by their ``/``-joined path (format 1, jaxpar
+# 0.1: ``.``-joined, as orbax names them; still verified).
+FORMAT = 2
 _CHUNK = 1 << 20
 # orbax's per-process files: ocdbt.process_<i>/..., array_metadatas/process_<i>
 _PROCESS_FILE = re.compile(r'(?:^|/)(?:ocdbt\.)?process_(\d+)(?:/|$)')
@@ -56,9 +59,10 @@ class CheckpointError(ValueError):
   """A checkpoint step that is incomplete, damaged or unreadable (one line)."""
 
 
-def leaf_name(path: tuple) -> str:
-  """Dotted leaf name as orbax stores it: ``opt_state.0.mu.stages.w``."""
-  return jax.tree_util.keystr(path, simple=True, separator='.')
+def leaf_name(path: tuple, separator: str = '/') -> str:
+  """A leaf's path, ``/``-joined as every jaxpar param path:
+  ``opt_state/0/mu/stages/w``."""
+  return jax.tree_util.keystr(path, simple=True, separator=separator)
 
 
 def _words(x, xp):
@@ -135,9 +139,11 @@ def array_checksums(tree: PyTree, *, on_device: bool | None = None
       chooses as above.
 
   Returns:
-    ``(checksums, finite)``: dicts keyed by dotted leaf name.
+    ``(checksums, finite)``: dicts keyed by leaf path (``/``-joined).
 
   Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
     >>> x = jax.device_put(jnp.arange(16.).reshape(4, 4), jax.NamedSharding(
     ...     jaxpar.make_mesh(data=2, tensor=4), P('data', 'tensor')))
     >>> on_device = jaxpar.checkpoint.array_checksums([x], on_device=True)
@@ -293,11 +299,15 @@ def verify_arrays(record: dict, tree: PyTree, step_dir: str,
   """``CheckpointError`` if a restored leaf differs from its saved checksum."""
   saved = record.get('arrays', {})
   sums, _ = array_checksums(tree)
+  key = {name: name for name in sums}
+  if record.get('format', 1) == 1:   # keyed by '.'-joined paths
+    key = {leaf_name(p): leaf_name(p, '.')
+           for p, _ in jax.tree_util.tree_leaves_with_path(tree)}
   for name, value in sums.items():
-    if name in saved and saved[name] != value:
+    if saved.get(key[name], value) != value:
       raise CheckpointError(
           f'checkpoint step {step} ({step_dir}) is damaged: array {name!r} '
-          f'read back with checksum {value}, {saved[name]} was saved; '
+          f'read back with checksum {value}, {saved[key[name]]} was saved; '
           f'{_fix(step_dir)}.')
 
 

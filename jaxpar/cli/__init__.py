@@ -1,6 +1,6 @@
 """The command line: ``python -m jaxpar demo | bench | launch``.
 
-``demo`` trains the GPT in any layout (``demo.main``), ``bench`` runs the
+``demo`` trains the GPT on any mesh (``demo.main``), ``bench`` runs the
 benchmarks (``bench.main``), ``launch`` starts local processes
 (``jaxpar.distributed.launch``); ``text_data`` reads a text file as
 byte-level training data for ``demo --data``.

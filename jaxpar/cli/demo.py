@@ -8,7 +8,7 @@ follows from two tokens, so the loss falls from ``log V`` towards
 ``log(V) / S``.
 
 With ``--data PATH`` the GPT learns the bytes of a text file (vocabulary
-256, ``jaxpar.data``): the last 10% is held out, its loss is evaluated every
+256, ``jaxpar.cli.text_data``): the last 10% is held out, its loss is evaluated every
 ``--eval-every`` steps on the same mesh (no gradients) and compared with the
 held-out bytes' unigram entropy, and ``--sample N`` prints what the model
 writes (``jaxpar.models.sampling``). The summary reports tokens/s, model
@@ -25,27 +25,33 @@ import math
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 import jaxpar
-from jaxpar.cli import text_data as data
-from jaxpar.models import flops
 from jaxpar import pipeline
-from jaxpar.models import gpt, sampling
+from jaxpar.cli import text_data as data
+from jaxpar.models import flops, gpt, sampling
 
 # Model defaults: (synthetic task, --data text). The text model learns
 # below the unigram entropy in a few minutes on 2 CPU cores (README).
 DEFAULTS = {'seq_len': (16, 64), 'heads': (8, 4),
             'eval_every': (None, 50)}
-SCHEDULES = ('gpipe', '1f1b', 'interleaved', 'zb_h1', 'zero_bubble_v', 'dualpipe_v',
-             'v_half', 'v_min', 'auto')
+# --schedule NAME is jaxpar.pipeline.NAME(p, m) (interleaved_one_f_one_b with
+# --virtual-stages v), or the fastest under --memory-limit (auto); here the
+# logical stages per rank of each (None: v).
+_STAGES_PER_RANK = {'gpipe': 1, 'one_f_one_b': 1,
+                    'interleaved_one_f_one_b': None, 'zero_bubble_h1': 1,
+                    'zero_bubble_v': 2, 'dualpipe_v': 2, 'v_half': 2,
+                    'v_min': 2}
+SCHEDULES = (*_STAGES_PER_RANK, 'auto')
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,17 +73,44 @@ def _mesh_flag(text: str) -> dict[str, int]:
   return {k: sizes.get(k, 1) for k in ('data', 'stage', 'tensor')}
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None
+               ) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+  """``(args, parser)``: the flags, defaults filled in, checked in order.
+
+  A bad flag exits with code 2 and one line on stderr naming the rule and
+  the fix (``parser.error``), before any JAX work.
+  """
   p = _Parser(prog='python -m jaxpar demo', description=__doc__.splitlines()[0])
+  for add in (_add_pipeline_flags, _add_model_flags, _add_text_flags,
+              _add_run_flags, _add_training_flags, _add_process_flags):
+    add(p)
+  args = p.parse_args(argv)
+  if isinstance(args.mesh, str):
+    args.mesh = _mesh_flag(args.mesh)
+  for name, values in DEFAULTS.items():
+    if getattr(args, name) is None:
+      setattr(args, name, values[args.data is not None])
+  for check in _CHECKS:
+    message = check(args)
+    if message:
+      p.error(message)
+  return args, p
+
+
+def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument('--mesh', type=_mesh_flag, default='data=2,stage=2,tensor=2',
                  help='mesh sizes; uses the first D*S*T devices')
-  p.add_argument('--schedule', choices=SCHEDULES, default='1f1b')
+  p.add_argument('--schedule', choices=SCHEDULES, default='one_f_one_b',
+                 help='a jaxpar.pipeline constructor, or auto (search)')
   p.add_argument('--microbatches', type=int, default=4)
   p.add_argument('--virtual-stages', type=int, default=2,
-                 help='stages per rank for --schedule interleaved')
+                 help='stages per rank for --schedule interleaved_one_f_one_b')
   p.add_argument('--memory-limit', type=float, metavar='X',
                  help='--schedule auto: the fastest schedule holding at most '
                  'X stages of activations per rank (1F1B needs stage=S)')
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument('--steps', type=int, default=150)
   p.add_argument('--layers', type=int, default=4)
   p.add_argument('--seq-len', type=int, help='tokens per sequence (default '
@@ -85,6 +118,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument('--d-model', type=int, default=64, help='model width')
   p.add_argument('--heads', type=int, help='attention heads (default 8; 4 '
                  'with --data)')
+
+
+def _add_text_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument('--data', metavar='PATH', help='train on the bytes of this '
                  'text file (vocab 256); its last 10%% is held out')
   p.add_argument('--eval-every', type=int, metavar='N', help='--data: '
@@ -96,6 +132,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument('--temperature', type=float, metavar='T',
                  help='--sample: 0 greedy (default), T > 0 samples '
                  'softmax(logits / T) with a key from --seed')
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument('--batch', type=int, default=32, help='sequences per step')
   p.add_argument('--lr', type=float, default=3e-3)
   p.add_argument('--seed', type=int, default=0)
@@ -106,6 +145,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument('--checkpoint', metavar='DIR', help='save the state here at the end')
   p.add_argument('--resume', action='store_true',
                  help='continue from the latest checkpoint in --checkpoint')
+
+
+def _add_training_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument('--zero', type=int, choices=(0, 1, 3), default=0,
                  help='ZeRO stage: 1 shards the optimizer state over data, '
                  '3 the params too (FSDP)')
@@ -121,86 +163,119 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument('--baseline', action=argparse.BooleanOptionalAction,
                  default=True, help='on CPU, also time a plain jitted step '
                  'of the dense model on one device, for contrast')
+
+
+def _add_process_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument('--coordinator', metavar='HOST:PORT',
                  help='jax.distributed coordinator (multi-process runs)')
   p.add_argument('--num-processes', type=int)
   p.add_argument('--process-id', type=int)
-  args = p.parse_args(argv)
-  if isinstance(args.mesh, str):
-    args.mesh = _mesh_flag(args.mesh)
-  text = int(args.data is not None)
-  for name, values in DEFAULTS.items():
-    if getattr(args, name) is None:
-      setattr(args, name, values[text])
-  if not text:
-    for flag in ('eval_every', 'sample', 'prompt'):
-      if getattr(args, flag) is not None:
-        p.error(f'--{flag.replace("_", "-")} needs --data PATH (a text file '
-                'to train on); the synthetic task has no held-out text')
+
+
+def _flag(name: str) -> str:
+  return '--' + name.replace('_', '-')
+
+
+# The checks of parse_args, in order: each returns the error line of the
+# first rule the flags break, or None.
+
+def _check_text_flags(args) -> str | None:
+  if args.data is None:
+    for name in ('eval_every', 'sample', 'prompt'):
+      if getattr(args, name) is not None:
+        return (f'{_flag(name)} needs --data PATH (a text file to train on); '
+                'the synthetic task has no held-out text')
+  return None
+
+
+def _check_counts(args) -> str | None:
   for name in ('microbatches', 'virtual_stages', 'steps', 'layers', 'batch',
                'devices', 'max_skipped', 'seq_len', 'd_model', 'heads',
                'eval_every', 'sample'):
-    if getattr(args, name) is not None and getattr(args, name) < 1:
-      p.error(f'--{name.replace("_", "-")} must be >= 1, got {getattr(args, name)}')
+    value = getattr(args, name)
+    if value is not None and value < 1:
+      return f'{_flag(name)} must be >= 1, got {value}'
+  return None
+
+
+def _check_memory_limit(args) -> str | None:
   if (args.schedule == 'auto') != (args.memory_limit is not None):
-    p.error('--schedule auto needs --memory-limit X and --memory-limit needs '
+    return ('--schedule auto needs --memory-limit X and --memory-limit needs '
             '--schedule auto, e.g. --schedule auto --memory-limit 1.5')
   if args.memory_limit is not None and not args.memory_limit >= 1:
-    p.error(f'--memory-limit {args.memory_limit}: the minimum feasible memory '
+    return (f'--memory-limit {args.memory_limit}: the minimum feasible memory '
             'is 1 (one stage of activations per rank); use 1 or more')
+  return None
+
+
+def _check_model(args) -> str | None:
   stages = num_stages(args)
   if args.layers < stages:
-    p.error(f'--layers {args.layers} is fewer than the {stages} pipeline '
+    return (f'--layers {args.layers} is fewer than the {stages} pipeline '
             f'stages of {args.schedule} on stage={args.mesh["stage"]}; use '
             f'--layers {stages} or more')
   if args.d_model % args.heads:
-    p.error(f'--d-model {args.d_model} is not divisible by --heads '
+    return (f'--d-model {args.d_model} is not divisible by --heads '
             f'{args.heads}; use a multiple of {args.heads}')
+  return None
+
+
+def _check_sampling(args) -> str | None:
   if args.sample is None and (args.prompt is not None
                               or args.temperature is not None):
-    p.error('--prompt and --temperature need --sample N (bytes to write), '
+    return ('--prompt and --temperature need --sample N (bytes to write), '
             "e.g. --sample 200 --prompt 'def ' --temperature 0.8")
   if args.prompt == '':
-    p.error("--prompt is empty; give the text to continue, e.g. --prompt 'def '")
+    return "--prompt is empty; give the text to continue, e.g. --prompt 'def '"
   if args.temperature is not None and not (
       math.isfinite(args.temperature) and args.temperature >= 0):
-    p.error(f'--temperature must be a finite number >= 0 (0: greedy), got '
+    return (f'--temperature must be a finite number >= 0 (0: greedy), got '
             f'{args.temperature}')
+  return None
+
+
+def _check_training(args) -> str | None:
   if not math.isfinite(args.lr) or args.lr <= 0:
-    p.error(f'--lr must be a finite number > 0, got {args.lr}')
+    return f'--lr must be a finite number > 0, got {args.lr}'
   if not 0 <= args.dropout < 1:
-    p.error(f'--dropout must be a rate in [0, 1), got {args.dropout}')
+    return f'--dropout must be a rate in [0, 1), got {args.dropout}'
   if args.resume and not args.checkpoint:
-    p.error('--resume needs --checkpoint DIR')
+    return '--resume needs --checkpoint DIR'
+  return None
+
+
+def _check_batch(args) -> str | None:
   need = args.mesh['data'] * args.microbatches
   if args.batch % need:
-    p.error(f'--batch {args.batch} must be a multiple of data x microbatches '
+    return (f'--batch {args.batch} must be a multiple of data x microbatches '
             f'= {need}')
-  if args.schedule == 'interleaved' and args.microbatches % args.mesh['stage']:
-    p.error(f'--schedule interleaved needs --microbatches divisible by '
-            f'stage={args.mesh["stage"]}')
-  return args, p
+  if (args.schedule == 'interleaved_one_f_one_b'
+      and args.microbatches % args.mesh['stage']):
+    return (f'--schedule interleaved_one_f_one_b needs --microbatches '
+            f'divisible by stage={args.mesh["stage"]}')
+  return None
+
+
+_CHECKS = (_check_text_flags, _check_counts, _check_memory_limit,
+           _check_model, _check_sampling, _check_training, _check_batch)
 
 
 def num_stages(args) -> int:
-  p = args.mesh['stage']
+  """The logical pipeline stages of ``--schedule`` on ``--mesh stage=p``."""
   if args.schedule == 'auto':
     return make_schedule(args).num_stages
-  return {'interleaved': p * args.virtual_stages, 'zero_bubble_v': 2 * p,
-          'dualpipe_v': 2 * p, 'v_half': 2 * p, 'v_min': 2 * p}.get(
-              args.schedule, p)
+  per_rank = _STAGES_PER_RANK[args.schedule] or args.virtual_stages
+  return args.mesh['stage'] * per_rank
 
 
-def make_schedule(args):
+def make_schedule(args) -> pipeline.Schedule:
+  """``--schedule NAME``: ``jaxpar.pipeline.NAME(p, m)``, or ``search``."""
   p, m = args.mesh['stage'], args.microbatches
-  if args.schedule == 'interleaved':
-    return pipeline.interleaved_one_f_one_b(p, m, args.virtual_stages)
   if args.schedule == 'auto':
     return pipeline.search(p, m, memory_limit=args.memory_limit)
-  return {'gpipe': pipeline.gpipe, '1f1b': pipeline.one_f_one_b,
-          'zb_h1': pipeline.zero_bubble_h1, 'zero_bubble_v': pipeline.zero_bubble_v,
-          'dualpipe_v': pipeline.dualpipe_v, 'v_half': pipeline.v_half,
-          'v_min': pipeline.v_min}[args.schedule](p, m)
+  if args.schedule == 'interleaved_one_f_one_b':
+    return pipeline.interleaved_one_f_one_b(p, m, args.virtual_stages)
+  return getattr(pipeline, args.schedule)(p, m)
 
 
 def make_batch(seed: int, step: int, batch: int, seq_len: int, vocab: int):
@@ -212,17 +287,18 @@ def make_batch(seed: int, step: int, batch: int, seq_len: int, vocab: int):
   return seq[:, :-1].astype(np.int32), seq[:, 1:].astype(np.int32)
 
 
-def held_out_loss(trainer, layout, config: gpt.GPTConfig, text: data.TextData,
+def held_out_loss(trainer, split, config: gpt.GPTConfig, text: data.TextData,
                   *, batch: int):
   """``state -> float``: the mean loss on a fixed held-out batch, no gradients.
 
-  The dense ``gpt_loss`` of ``merge_from_pipeline(trainer.params(state))``
+  The dense ``gpt_loss`` of ``merge_from_pipeline(trainer.params(state),
+  split)`` (``split``: the ``jaxpar.parallel.LayerSplit`` of the layers)
   under ``jit``: the params stay sharded on the train mesh (XLA partitions
   the forward) and the held-out batch is split over ``data``.
   """
   held = data.held_out_batch(text.held_out, batch=batch, seq_len=config.seq_len)
   loss = jax.jit(lambda params, held: gpt.gpt_loss(
-      gpt.merge_from_pipeline(params, layout), held, config=config))
+      gpt.merge_from_pipeline(params, split), held, config=config))
 
   def evaluate(state) -> float:
     params = trainer.params(state)
@@ -266,10 +342,10 @@ def _prompt(args, text: data.TextData) -> bytes:
   return (held[line:line + 32] if len(held) - line >= 8 else held[:32])
 
 
-def write_sample(trainer, state, layout, config, args, text) -> tuple[str, str]:
+def write_sample(trainer, state, split, config, args, text) -> tuple[str, str]:
   """(prompt, continuation) as text: ``--sample`` bytes from the model."""
   prompt = _prompt(args, text)
-  params = gpt.merge_from_pipeline(trainer.params(state), layout)
+  params = gpt.merge_from_pipeline(trainer.params(state), split)
   out = sampling.generate(
       params, np.frombuffer(prompt, np.uint8), config=config,
       length=args.sample, temperature=args.temperature or 0.0,
@@ -293,23 +369,80 @@ def throughput(rate: float, config: gpt.GPTConfig, single: float | None
           'single_device_flop_per_s': single and single * per_token}
 
 
+class _Setup(NamedTuple):
+  """What a run trains, built from the flags."""
+  mesh: Mesh
+  schedule: pipeline.Schedule
+  config: gpt.GPTConfig
+  params: dict               # dense, as the GPT was initialised
+  pipeline_params: jaxpar.parallel.PipelineParams   # the same, cut in stages
+  split: jaxpar.parallel.LayerSplit                 # the layers of each stage
+  trainer: jaxpar.Trainer
+  text: data.TextData | None   # --data, or None: the synthetic task
+
+
+class _Run(NamedTuple):
+  """What training gave."""
+  state: jaxpar.TrainState
+  first: int            # the step training started from (> 0: resumed)
+  history: list[dict]   # per step: step, loss, grad_norm, skipped, seconds
+  evals: list[dict]     # held-out losses: step, loss
+  stopped: jaxpar.TooManySkippedError | None   # too many skipped steps
+
+
 def main(argv: list[str] | None = None) -> int:
+  """``python -m jaxpar demo ...``; the exit code: 0, 2 (a bad flag), 3 (too
+  many non-finite steps in a row), 4 (a damaged checkpoint to resume)."""
   args, parser = parse_args(argv)
-  text = None
-  if args.data is not None:
-    try:
-      text = data.load_text(args.data, seq_len=args.seq_len)
-    except ValueError as e:
-      parser.error(f'--data {e}')
-  # One process, or one of several (flags, `launch`'s environment, or what
-  # jax.distributed detects); 8 simulated CPU devices unless told otherwise.
+  text = _load_text(args, parser)
+  _join_job(args)
+  setup = _set_up(args, text, parser)
+  try:
+    state = _first_state(setup, args, parser)
+  except jaxpar.checkpoint.CheckpointError as e:
+    print(f'{parser.prog}: error: {e}', file=sys.stderr)
+    return 4
+  run = _train(setup, state, args)
+  if args.checkpoint and not run.stopped:   # every process writes its shards
+    jaxpar.checkpoint.save(args.checkpoint, run.state, schedule=setup.schedule)
+  # Placing the batch is collective across processes: lower in all of them.
+  mem = setup.trainer.step.lower(
+      run.state, _batch(setup, args, 0)).compile().memory_analysis()
+  # Generating is collective too (the params are sharded over processes).
+  sample = None if args.sample is None else write_sample(
+      setup.trainer, run.state, setup.split, setup.config, args, text)
+  main_process = jaxpar.distributed.is_main_process()
+  if main_process:
+    _report(args, setup, run, mem, sample)
+  if run.stopped:
+    if main_process:
+      print(f'{parser.prog}: error: {run.stopped}', file=sys.stderr)
+    return 3
+  return 0
+
+
+def _load_text(args, parser) -> data.TextData | None:
+  """``--data``, read and split (a bad file: exit 2 in one line)."""
+  if args.data is None:
+    return None
+  try:
+    return data.load_text(args.data, seq_len=args.seq_len)
+  except ValueError as e:
+    parser.error(f'--data {e}')
+
+
+def _join_job(args) -> None:
+  """One process, or one of several (flags, ``launch``'s environment, or what
+  jax.distributed detects); 8 simulated CPU devices unless told otherwise."""
   local_devices = args.devices or (
       None if os.environ.get(jaxpar.distributed.ENV_LOCAL_DEVICE_COUNT) else 8)
   jaxpar.distributed.initialize(args.coordinator, args.num_processes,
                                 args.process_id,
                                 local_device_count=local_devices)
 
-  main_process = jaxpar.distributed.is_main_process()
+
+def _set_up(args, text: data.TextData | None, parser) -> _Setup:
+  """The mesh, schedule, GPT and trainer the flags ask for."""
   n = math.prod(args.mesh.values())
   if n > jax.device_count():
     sizes = ','.join(f'{k}={v}' for k, v in args.mesh.items())
@@ -322,109 +455,123 @@ def main(argv: list[str] | None = None) -> int:
       d_model=args.d_model, num_heads=args.heads, num_layers=args.layers,
       dropout=args.dropout)
   params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(args.seed)))
-  pipeline_params, layout = gpt.split_for_pipeline(
+  pipeline_params, split = gpt.split_for_pipeline(
       params, num_stages=schedule.num_stages)
   trainer = jaxpar.parallel.trainer(
       *gpt.functions(config), optax.adam(args.lr), schedule=schedule,
-      mesh=mesh, stage_mask=layout.mask, max_grad_norm=1.0,
-      zero_stage=args.zero,
+      mesh=mesh, stage_mask=split.mask, max_grad_norm=1.0,
+      tensor_rules=gpt.TENSOR_RULES, zero_stage=args.zero,
       compute_dtype=None if args.dtype == 'float32' else args.dtype,
       key=jax.random.key(args.seed) if args.dropout else None)
+  return _Setup(mesh, schedule, config, params, pipeline_params, split,
+                trainer, text)
+
+
+def _first_state(setup: _Setup, args, parser) -> jaxpar.TrainState:
+  """The initial state, or with ``--resume`` the newest checkpoint's
+  (``CheckpointError`` if it is damaged: never skipped for an older one)."""
   try:
-    state = trainer.init(pipeline_params)
+    state = setup.trainer.init(setup.pipeline_params)
   except ValueError as e:   # e.g. heads not divisible by the tensor size
     parser.error(str(e).splitlines()[0])
-  if args.resume:   # the newest step or nothing: a damaged one is refused
-    newest = jaxpar.checkpoint.latest_step(args.checkpoint, verify=False)
-    try:
-      if newest is not None:
-        state = jaxpar.checkpoint.restore(args.checkpoint, state,
-                                          step=newest, schedule=schedule)
-    except jaxpar.checkpoint.CheckpointError as e:
-      print(f'{parser.prog}: error: {e}', file=sys.stderr)
-      return 4
+  if not args.resume:
+    return state
+  newest = jaxpar.checkpoint.latest_step(args.checkpoint, verify=False)
+  if newest is None:
+    return state
+  return jaxpar.checkpoint.restore(args.checkpoint, state, step=newest,
+                                   schedule=setup.schedule)
 
-  def batch_of(step: int):
-    if text is None:
-      return make_batch(args.seed, step, args.batch, config.seq_len,
-                        config.vocab_size)
-    return data.text_batch(text.train, seed=args.seed, step=step,
-                           batch=args.batch, seq_len=config.seq_len)
 
-  evaluate = None if text is None else held_out_loss(
-      trainer, layout, config, text, batch=4 * args.batch)
-  first = int(state.step)
-  tokens = args.batch * config.seq_len
-  history, evals, skips, stopped = [], [], jaxpar.SkipCount(), None
-  bar = tqdm(range(first, args.steps), desc=f'GPT {schedule.name}',
-             unit='step', disable=not main_process, file=sys.stdout)
+def _batch(setup: _Setup, args, step: int):
+  """The batch of ``step``: synthetic, or windows of the --data bytes."""
+  if setup.text is None:
+    return make_batch(args.seed, step, args.batch, setup.config.seq_len,
+                      setup.config.vocab_size)
+  return data.text_batch(setup.text.train, seed=args.seed, step=step,
+                         batch=args.batch, seq_len=setup.config.seq_len)
 
-  def maybe_evaluate(step: int):
-    if evaluate and (step % args.eval_every == 0 or step == args.steps):
-      evals.append({'step': step, 'loss': evaluate(state)})
 
-  maybe_evaluate(first)
+def _train(setup: _Setup, state: jaxpar.TrainState, args) -> _Run:
+  """Steps from ``state.step`` to ``--steps`` with a progress bar and the
+  held-out loss every ``--eval-every`` steps; stops after ``--max-skipped``
+  non-finite steps in a row."""
+  evaluate = None if setup.text is None else held_out_loss(
+      setup.trainer, setup.split, setup.config, setup.text,
+      batch=4 * args.batch)
+  run = _Run(state, int(state.step), [], [], None)
+  tokens = args.batch * setup.config.seq_len
+  skips = jaxpar.SkipCount()
+  bar = tqdm(range(run.first, args.steps), desc=f'GPT {setup.schedule.name}',
+             unit='step', disable=not jaxpar.distributed.is_main_process(),
+             file=sys.stdout)
+  _evaluate_at(run.first, evaluate, run, args)
   for i in bar:
     start = time.perf_counter()
-    state, stats = trainer.step(state, batch_of(i))
-    loss = float(stats.loss)
-    seconds = time.perf_counter() - start
-    history.append({'step': i, 'loss': loss, 'grad_norm': float(
+    state, stats = setup.trainer.step(run.state, _batch(setup, args, i))
+    run = run._replace(state=state)
+    loss, seconds = float(stats.loss), time.perf_counter() - start
+    run.history.append({'step': i, 'loss': loss, 'grad_norm': float(
         stats.grad_norm), 'skipped': bool(stats.skipped), 'seconds': seconds})
-    maybe_evaluate(i + 1)
+    _evaluate_at(i + 1, evaluate, run, args)
     bar.set_postfix(loss=f'{loss:.3f}', **(
-        {'held_out': f'{evals[-1]["loss"]:.3f}'} if evals else {}),
+        {'held_out': f'{run.evals[-1]["loss"]:.3f}'} if run.evals else {}),
                     tokens_s=f'{tokens / seconds:,.0f}',
-                    skipped=sum(h['skipped'] for h in history))
+                    skipped=sum(h['skipped'] for h in run.history))
     try:
       skips = jaxpar.count_skipped(skips, stats, step=i,
-                                         max_skipped=args.max_skipped)
+                                   max_skipped=args.max_skipped)
     except jaxpar.TooManySkippedError as e:
-      stopped = e
+      run = run._replace(stopped=e)
       break
   bar.close()
-  if args.checkpoint and not stopped:   # every process writes its shards
-    jaxpar.checkpoint.save(args.checkpoint, state, schedule=schedule)
-  # Placing the batch is collective across processes: lower in all of them.
-  mem = trainer.step.lower(state, batch_of(0)).compile().memory_analysis()
-  # Generating is collective too (the params are sharded over processes).
-  sample = None if args.sample is None else write_sample(
-      trainer, state, layout, config, args, text)
-
-  if main_process:
-    steady = history[1:] or history
-    rate = tokens * len(steady) / max(sum(h['seconds'] for h in steady), 1e-9)
-    single = (single_device_rate(
-        params, batch_of(0), config=config, optimizer=optax.chain(
-            optax.clip_by_global_norm(1.0), optax.adam(args.lr)))
-              if history and args.baseline and jax.default_backend() == 'cpu'
-              else None)
-    speed = throughput(rate, config, single) if history else None
-    print(summary(args, mesh, schedule, config, layout, mem, history, first,
-                  text, evals, speed, sample,
-                  held=jaxpar.data_parallel.bytes_per_device(state)))
-    if args.json:
-      with open(args.json, 'w') as f:
-        json.dump({'config': {**vars(args), 'schedule_name': schedule.name},
-                   'skipped': sum(h['skipped'] for h in history),
-                   'stopped': str(stopped) if stopped else None,
-                   'throughput': speed,
-                   'unigram_entropy': None if text is None else
-                                      data.unigram_entropy(text.held_out),
-                   'sample': None if sample is None else ''.join(sample),
-                   'steps': history, 'eval': evals}, f, indent=1)
-    if args.plot:
-      _plot(args.plot, history, evals, schedule)
-  if stopped:
-    if main_process:
-      print(f'{parser.prog}: error: {stopped}', file=sys.stderr)
-    return 3
-  return 0
+  return run
 
 
-def summary(args, mesh, schedule, config, layout, mem, history, first, text,
-            evals, speed, sample, held=None) -> str:
-  """The lines printed at the end of a run (``held``: ``zero.StateBytes``)."""
+def _evaluate_at(step: int, evaluate, run: _Run, args) -> None:
+  """Appends the held-out loss to ``run.evals`` every ``--eval-every`` steps
+  and at the last step (``--data`` only)."""
+  if evaluate and (step % args.eval_every == 0 or step == args.steps):
+    run.evals.append({'step': step, 'loss': evaluate(run.state)})
+
+
+def _report(args, setup: _Setup, run: _Run, mem, sample) -> None:
+  """The summary on stdout, ``--json`` and ``--plot`` (process 0 only)."""
+  history, config, text = run.history, setup.config, setup.text
+  steady = history[1:] or history
+  rate = (args.batch * config.seq_len * len(steady)
+          / max(sum(h['seconds'] for h in steady), 1e-9))
+  single = (single_device_rate(
+      setup.params, _batch(setup, args, 0), config=config,
+      optimizer=optax.chain(optax.clip_by_global_norm(1.0),
+                            optax.adam(args.lr)))
+            if history and args.baseline and jax.default_backend() == 'cpu'
+            else None)
+  speed = throughput(rate, config, single) if history else None
+  print(summary(args, setup, run, mem, speed, sample,
+                held=jaxpar.data_parallel.bytes_per_device(run.state)))
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump({'config': {**vars(args), 'schedule_name': setup.schedule.name},
+                 'skipped': sum(h['skipped'] for h in history),
+                 'stopped': str(run.stopped) if run.stopped else None,
+                 'throughput': speed,
+                 'unigram_entropy': None if text is None else
+                                    data.unigram_entropy(text.held_out),
+                 'sample': None if sample is None else ''.join(sample),
+                 'steps': history, 'eval': run.evals}, f, indent=1)
+  if args.plot:
+    _plot(args.plot, history, run.evals, setup.schedule)
+
+
+def summary(args, setup: _Setup, run: _Run, mem, speed: dict | None,
+            sample: tuple[str, str] | None, held=None) -> str:
+  """The lines printed at the end of a run (``mem``: the step's compiled
+  memory analysis; ``speed``: ``throughput``; ``held``:
+  ``jaxpar.data_parallel.bytes_per_device``)."""
+  mesh, schedule, config, text = (setup.mesh, setup.schedule, setup.config,
+                                  setup.text)
+  history, first, evals = run.history, run.first, run.evals
   sim = schedule.simulate()
   shape = ' '.join(f'{k}={v}' for k, v in mesh.shape.items())
   lines = [
@@ -433,7 +580,7 @@ def summary(args, mesh, schedule, config, layout, mem, history, first, text,
       f'model         GPT {args.layers} layers, d={config.d_model}, '
       f'{config.num_heads} heads, seq {config.seq_len}, vocab '
       f'{config.vocab_size}, {args.dtype} compute, dropout {args.dropout}; '
-      f'stage slots {layout.counts}',
+      f'stage slots {setup.split.counts}',
       f'schedule      {schedule.name}: p={schedule.num_ranks}, '
       f'm={schedule.num_microbatches}, {schedule.num_stages} stages; '
       f'bubble {sim.bubble_fraction:.1%} (simulated)',

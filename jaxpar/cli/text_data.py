@@ -39,8 +39,9 @@ def min_file_size(seq_len: int) -> int:
   """Bytes a file needs so both splits hold one ``seq_len + 1`` window.
 
   Example:
-    >>> from jaxpar import data
-    >>> data.min_file_size(64)        # 65 bytes are the last 10%: 650
+    >>> import numpy as np
+    >>> from jaxpar.cli import text_data
+    >>> text_data.min_file_size(64)        # 65 bytes are the last 10%: 650
     650
   """
   check_int('seq_len', seq_len)
@@ -51,8 +52,9 @@ def split(tokens: np.ndarray) -> TextData:
   """The first 90% of ``tokens`` to train on, the last 10% held out.
 
   Example:
-    >>> from jaxpar import data
-    >>> parts = data.split(np.arange(25, dtype=np.uint8))
+    >>> import numpy as np
+    >>> from jaxpar.cli import text_data
+    >>> parts = text_data.split(np.arange(25, dtype=np.uint8))
     >>> parts.train[-1], parts.held_out      # 25 // 10 = 2 held out
     (np.uint8(22), array([23, 24], dtype=uint8))
   """
@@ -76,9 +78,10 @@ def load_text(path: str | os.PathLike, *, seq_len: int) -> TextData:
       directory; the message names the path and the fix, in one line.
 
   Example:
-    >>> from jaxpar import data
+    >>> import numpy as np
+    >>> from jaxpar.cli import text_data
     >>> _ = open('abc.txt', 'w').write('abcdefghij' * 10)
-    >>> parts = data.load_text('abc.txt', seq_len=8)
+    >>> parts = text_data.load_text('abc.txt', seq_len=8)
     >>> len(parts.train), len(parts.held_out)
     (90, 10)
   """
@@ -130,13 +133,14 @@ def text_batch(tokens: np.ndarray, *, seed: int, step: int, batch: int,
     shifted by one byte.
 
   Example:
-    >>> from jaxpar import data
+    >>> import numpy as np
+    >>> from jaxpar.cli import text_data
     >>> tokens = np.frombuffer(b'hello world, hello jax', np.uint8)
-    >>> ids, targets = data.text_batch(tokens, seed=0, step=3, batch=2,
-    ...                                seq_len=5)
+    >>> ids, targets = text_data.text_batch(tokens, seed=0, step=3, batch=2,
+    ...                                     seq_len=5)
     >>> ids.shape, bool((ids[:, 1:] == targets[:, :-1]).all())
     ((2, 5), True)
-    >>> again = data.text_batch(tokens, seed=0, step=3, batch=2, seq_len=5)
+    >>> again = text_data.text_batch(tokens, seed=0, step=3, batch=2, seq_len=5)
     >>> bool((again[0] == ids).all())
     True
   """
@@ -157,9 +161,10 @@ def held_out_batch(tokens: np.ndarray, *, batch: int,
   steps see the same bytes.
 
   Example:
-    >>> from jaxpar import data
+    >>> import numpy as np
+    >>> from jaxpar.cli import text_data
     >>> tokens = np.arange(20, dtype=np.uint8)
-    >>> ids, targets = data.held_out_batch(tokens, batch=3, seq_len=4)
+    >>> ids, targets = text_data.held_out_batch(tokens, batch=3, seq_len=4)
     >>> ids[:, 0].tolist(), int(targets[-1, -1])      # starts; last byte
     ([0, 8, 15], 19)
   """
@@ -177,8 +182,9 @@ def unigram_entropy(tokens: np.ndarray) -> float:
   context. A language model that learned anything beats it.
 
   Example:
-    >>> from jaxpar import data
-    >>> round(data.unigram_entropy(np.frombuffer(b'abab', np.uint8)), 4)
+    >>> import numpy as np
+    >>> from jaxpar.cli import text_data
+    >>> round(text_data.unigram_entropy(np.frombuffer(b'abab', np.uint8)), 4)
     0.6931
   """
   p = np.bincount(np.asarray(tokens, np.int64), minlength=VOCAB_SIZE)

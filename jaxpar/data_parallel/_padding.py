@@ -10,8 +10,8 @@ one row more than ``1/N``.
 The padding is storage only: ``unpad`` (under ``jit``) and ``unpadded``
 (global arrays) give the logical leaves, ``padded_optimizer`` runs any optax
 transform on them, ``place`` moves a state between layouts (meshes, data
-sizes, ZeRO stages), and ``jaxpar.data_parallel.reduce_gradients`` / ``gather`` pad
-and cut inside ``shard_map``. Padded entries are zero and stay zero.
+sizes, ZeRO stages), and ``reduce_gradients`` / ``gather`` (``_blocks``)
+pad and cut inside ``shard_map``. Padded entries are zero and stay zero.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class Padded:
   ``np.asarray`` gives the logical array; ``unpadded`` gives global ones.
 
   Example:
+    >>> import jax.numpy as jnp, numpy as np, jaxpar
     >>> x = jaxpar.data_parallel.Padded(jnp.array([1., 2., 3., 0.]), (3,))
     >>> x.shape, x.dtype, np.asarray(x).tolist()
     ((3,), dtype('float32'), [1.0, 2.0, 3.0])
@@ -105,8 +106,10 @@ def padded_shape(shape: tuple[int, ...], spec: P, *, mesh: Mesh
   """``shape`` with each dim rounded up to a multiple of the axes splitting it.
 
   Example:
-    >>> jaxpar.data_parallel.padded_shape((1003, 64), P('data'),
-    ...                          mesh=jaxpar.make_mesh(data=8))
+    >>> import jaxpar
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from jaxpar.data_parallel._padding import padded_shape
+    >>> padded_shape((1003, 64), P('data'), mesh=jaxpar.make_mesh(data=8))
     (1008, 64)
   """
   entries = list(spec) + [None] * (len(shape) - len(spec))
@@ -133,9 +136,12 @@ def pad(tree: PyTree, specs: PyTree, *, mesh: Mesh) -> PyTree:
   places).
 
   Example:
+    >>> import jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from jaxpar.data_parallel._padding import pad
     >>> mesh = jaxpar.make_mesh(data=8)
-    >>> jaxpar.data_parallel.pad({'b': jnp.ones(3), 'w': jnp.ones(8)},
-    ...                 {'b': P('data'), 'w': P('data')}, mesh=mesh)['b']
+    >>> pad({'b': jnp.ones(3), 'w': jnp.ones(8)},
+    ...     {'b': P('data'), 'w': P('data')}, mesh=mesh)['b']
     Padded(value=Array([1., 1., 1., 0., 0., 0., 0., 0.], dtype=float32), shape=(3,))
   """
   def one(spec, x):
@@ -151,7 +157,9 @@ def unpad(tree: PyTree) -> PyTree:
   """Every ``Padded`` node of ``tree`` as its logical array (under ``jit``).
 
   Example:
-    >>> jaxpar.data_parallel.unpad([jaxpar.data_parallel.Padded(jnp.arange(4.), (3,))])
+    >>> import jax.numpy as jnp
+    >>> from jaxpar.data_parallel._padding import Padded, unpad
+    >>> unpad([Padded(jnp.arange(4.), (3,))])
     [Array([0., 1., 2.], dtype=float32)]
   """
   return jax.tree.map(
@@ -164,7 +172,9 @@ def logical_shapes(tree: PyTree) -> PyTree:
   shape: what the optimizer and the user's functions see.
 
   Example:
-    >>> jaxpar.data_parallel.logical_shapes({'b': jaxpar.data_parallel.Padded(jnp.ones(8), (3,))})
+    >>> import jax.numpy as jnp
+    >>> from jaxpar.data_parallel._padding import Padded, logical_shapes
+    >>> logical_shapes({'b': Padded(jnp.ones(8), (3,))})
     {'b': ShapeDtypeStruct(shape=(3,), dtype=float32)}
   """
   return jax.tree.map(
@@ -268,10 +278,12 @@ def unpadded(tree: PyTree) -> PyTree:
   (which the mesh does not divide). One jitted program for all of them.
 
   Example:
+    >>> import jax.numpy as jnp, optax, jaxpar
+    >>> from jaxpar.data_parallel._padding import unpadded
     >>> mesh = jaxpar.make_mesh(data=8)
     >>> state = jaxpar.data_parallel.shard_state(jaxpar.TrainState.create(
     ...     {'b': jnp.ones(3)}, optax.sgd(0.1)), mesh=mesh, zero_stage=3)
-    >>> b = jaxpar.data_parallel.unpadded(state.params)['b']
+    >>> b = unpadded(state.params)['b']
     >>> b.shape, b.sharding.is_fully_replicated
     ((3,), True)
   """
@@ -288,9 +300,12 @@ def place(tree: PyTree, specs: PyTree, *, mesh: Mesh) -> PyTree:
   size, or a logical one that now needs padding), all in one jitted program.
 
   Example:
+    >>> import jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from jaxpar.data_parallel._padding import place
     >>> mesh = jaxpar.make_mesh(data=8)
-    >>> jaxpar.data_parallel.place({'b': jnp.ones(3)}, {'b': P('data')},
-    ...                   mesh=mesh)['b'].value.sharding.spec
+    >>> place({'b': jnp.ones(3)}, {'b': P('data')},
+    ...       mesh=mesh)['b'].value.sharding.spec
     P('data',)
   """
   spec_tree = jax.tree.structure(specs, is_leaf=_is_spec)
@@ -306,10 +321,12 @@ def place_like(tree: PyTree, like: PyTree) -> PyTree:
   sharding (other leaves of ``tree`` are returned as they are).
 
   Example:
+    >>> import jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from jaxpar.data_parallel._padding import place, place_like
     >>> mesh = jaxpar.make_mesh(data=8)
-    >>> like = jaxpar.data_parallel.place({'b': jnp.ones(3)}, {'b': P('data')},
-    ...                          mesh=mesh)
-    >>> jaxpar.data_parallel.place_like({'b': jnp.arange(3.)}, like)['b'].value
+    >>> like = place({'b': jnp.ones(3)}, {'b': P('data')}, mesh=mesh)
+    >>> place_like({'b': jnp.arange(3.)}, like)['b'].value
     Array([0., 1., 2., 0., 0., 0., 0., 0.], dtype=float32)
   """
   like_tree = jax.tree.structure(like, is_leaf=is_padded)
@@ -342,13 +359,15 @@ def padded_optimizer(optimizer: optax.GradientTransformation,
   optimizer state's specs, for ``init``). Padded entries stay zero.
 
   Example:
+    >>> import jax.numpy as jnp, optax, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from jaxpar.data_parallel._padding import padded_optimizer
     >>> mesh = jaxpar.make_mesh(data=8)
     >>> params = {'b': jnp.ones(3)}
     >>> state = jaxpar.TrainState.create(params, optax.adam(0.1))
     >>> specs = jaxpar.data_parallel.state_specs(state, zero_stage=1,
     ...     param_specs={'b': P()}, zero_specs={'b': P('data')})
-    >>> opt = jaxpar.data_parallel.padded_optimizer(optax.adam(0.1), specs.opt_state,
-    ...                                    mesh=mesh)
+    >>> opt = padded_optimizer(optax.adam(0.1), specs.opt_state, mesh=mesh)
     >>> opt.init(params)[0].mu['b'].value.shape
     (8,)
   """

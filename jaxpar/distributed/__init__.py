@@ -1,20 +1,24 @@
 """Several processes, one mesh: ``jax.distributed`` set-up and a local launcher.
 
-``initialize`` joins this process to a multi-process job (flags, environment,
-or Slurm / Open MPI / Kubernetes detection); ``launch`` starts N local
-processes with gloo CPU collectives (``python -m jaxpar launch``).
+Two jobs, one module each: ``initialize`` joins this process to a
+multi-process job (flags, environment, or Slurm / Open MPI / Kubernetes
+detection), ``is_main_process`` and ``to_host`` work inside it
+(``_runtime.py``); ``launch`` starts N local processes with gloo CPU
+collectives (``python -m jaxpar launch``), on a ``free_port``
+(``_launch.py``).
 """
 
-from jaxpar.distributed._distributed import ENV_COORDINATOR as ENV_COORDINATOR
-from jaxpar.distributed._distributed import (
+from jaxpar.distributed._launch import free_port as free_port
+from jaxpar.distributed._launch import launch as launch
+from jaxpar.distributed._runtime import ENV_COORDINATOR as ENV_COORDINATOR
+from jaxpar.distributed._runtime import (
     ENV_LOCAL_DEVICE_COUNT as ENV_LOCAL_DEVICE_COUNT)
-from jaxpar.distributed._distributed import ENV_NUM_PROCESSES as ENV_NUM_PROCESSES
-from jaxpar.distributed._distributed import ENV_PROCESS_ID as ENV_PROCESS_ID
-from jaxpar.distributed._distributed import free_port as free_port
-from jaxpar.distributed._distributed import initialize as initialize
-from jaxpar.distributed._distributed import is_main_process as is_main_process
-from jaxpar.distributed._distributed import launch as launch
-from jaxpar.distributed._distributed import to_host as to_host
+from jaxpar.distributed._runtime import ENV_NUM_PROCESSES as ENV_NUM_PROCESSES
+from jaxpar.distributed._runtime import ENV_PROCESS_ID as ENV_PROCESS_ID
+from jaxpar.distributed._runtime import initialize as initialize
+from jaxpar.distributed._runtime import is_main_process as is_main_process
+from jaxpar.distributed._runtime import to_host as to_host
 
 __all__ = ['ENV_COORDINATOR', 'ENV_LOCAL_DEVICE_COUNT', 'ENV_NUM_PROCESSES',
-           'ENV_PROCESS_ID', 'free_port', 'initialize', 'is_main_process', 'launch', 'to_host']
+           'ENV_PROCESS_ID', 'free_port', 'initialize', 'is_main_process',
+           'launch', 'to_host']

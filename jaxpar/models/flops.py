@@ -37,7 +37,9 @@ def gpt_params_without_embeddings(config: GPTConfig) -> int:
   LayerNorms; then ``2 d`` final LayerNorm and ``d V + V`` LM head.
 
   Example:
-    >>> from jaxpar import flops
+    >>> import jax
+    >>> from flax import nnx
+    >>> from jaxpar.models import flops
     >>> from jaxpar.models import gpt
     >>> config = gpt.GPTConfig()
     >>> model = gpt.GPT(config, rngs=nnx.Rngs(0))
@@ -56,7 +58,7 @@ def gpt_flops_per_token(config: GPTConfig) -> int:
   """Training FLOPs per token, forward and backward: ``6 N + 12 L d S``.
 
   Example:
-    >>> from jaxpar import flops
+    >>> from jaxpar.models import flops
     >>> from jaxpar.models import gpt
     >>> config = gpt.GPTConfig(vocab_size=256, seq_len=64, d_model=128,
     ...                        num_heads=4, num_layers=4)
@@ -74,7 +76,8 @@ def peak_flops(device: Any) -> float | None:
   ``None``: no MFU is claimed against a guessed peak.
 
   Example:
-    >>> from jaxpar import flops
+    >>> import jax
+    >>> from jaxpar.models import flops
     >>> flops.peak_flops(jax.devices()[0]) is None          # a CPU
     True
   """

@@ -3,9 +3,10 @@
 The dense model is plain Flax NNX (``nnx.Embed``, ``nnx.MultiHeadAttention``,
 ``nnx.LayerNorm``, ``nnx.Linear``): the single-device reference. Its params
 (``nnx.split(model, nnx.Param)``, as a pure dict) run unchanged through the
-tensor-parallel functions of ``jaxpar.tensor_parallel``, whose layouts are
-Flax's; ``split_for_pipeline`` cuts them into the three parts the 3D train
-step (``jaxpar.parallel``) needs::
+tensor-parallel functions of ``jaxpar.tensor_parallel``, which take Flax's
+param names, split over ``tensor`` by ``TENSOR_RULES``;
+``split_for_pipeline`` cuts them into the three parts the 3D train step
+(``jaxpar.parallel``) needs::
 
   embed  {'embed', 'pos'}         token + position embedding, before the pipeline
   stages blocks stacked [S, L_s, ...]   pipeline stage k = its L_s block slots
@@ -35,6 +36,23 @@ from jaxpar.models.mlp import MLP
 from jaxpar.parallel import LayerParams, LayerSplit, PipelineParams
 
 PyTree = Any
+
+# How jaxpar's GPT splits over the ``tensor`` axis (``jaxpar.tensor_parallel``
+# rules: a regex matching the whole /-joined param path -> the PartitionSpec
+# entries of the param's trailing dims). They fit the dense ``gpt_params``
+# (``blocks/0/attn/query/kernel``), one block, and each part of
+# ``split_for_pipeline`` (embed; stages, leaves [S, slots, ...]; head):
+# attention by heads (query/key/value kernels [d, H/N, k], biases [H/N, k];
+# out kernel [H/N, k, d]), the MLP by columns then rows, the embedding and
+# the LM head by vocabulary. Norms, ``pos`` and row biases are replicated.
+TENSOR_RULES = {
+    r'(blocks/\d+/)?attn/(query|key|value)/(kernel|bias)': ('tensor', None),
+    r'(blocks/\d+/)?attn/out/kernel': ('tensor', None, None),
+    r'(blocks/\d+/)?mlp/fc_in/(kernel|bias)': ('tensor',),
+    r'(blocks/\d+/)?mlp/fc_out/kernel': ('tensor', None),
+    r'embed/embedding': ('tensor', None),
+    r'lm_head/(kernel|bias)': ('tensor',),
+}
 
 
 class GPTConfig(NamedTuple):
@@ -92,6 +110,8 @@ class GPT(nnx.Module):
   """Decoder-only transformer: ``ids [B, S] -> logits [B, S, V]``.
 
   Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
     >>> from jaxpar.models import gpt
     >>> model = gpt.GPT(gpt.GPTConfig(), rngs=nnx.Rngs(0))
     >>> ids = jnp.zeros((2, 16), jnp.int32)                  # [B, S]
@@ -125,6 +145,7 @@ def gpt_params(model: GPT) -> dict:
   """The model's parameters as a pure dict of arrays (``blocks`` keyed 0..L-1).
 
   Example:
+    >>> from flax import nnx
     >>> from jaxpar.models import gpt
     >>> params = gpt.gpt_params(gpt.GPT(gpt.GPTConfig(), rngs=nnx.Rngs(0)))
     >>> sorted(params), sorted(params['blocks'])
@@ -143,6 +164,8 @@ def gpt_apply(params: dict, ids: jax.Array, *, config: GPTConfig) -> jax.Array:
   """Dense forward ``ids [B, S] -> logits [B, S, V]`` from ``gpt_params``.
 
   Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
     >>> from jaxpar.models import gpt
     >>> model = gpt.GPT(gpt.GPTConfig(), rngs=nnx.Rngs(0))
     >>> ids = jnp.arange(16)[None] % 32
@@ -171,6 +194,8 @@ def gpt_loss(params: dict, batch: tuple[jax.Array, jax.Array], *,
     averaged over batch and positions.
 
   Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
     >>> from jaxpar.models import gpt
     >>> config = gpt.GPTConfig()
     >>> params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0)))
@@ -191,7 +216,9 @@ def gpt_loss(params: dict, batch: tuple[jax.Array, jax.Array], *,
 
 def split_for_pipeline(params: dict, *, num_stages: int,
                        counts: Sequence[int] | None = None):
-  """Dense ``gpt_params`` -> (``PipelineParams(embed, stages, head)``, layout).
+  """Dense ``gpt_params`` -> (``PipelineParams(embed, stages, head)``, split).
+
+  ``split``: the ``jaxpar.parallel.LayerSplit`` of the layers over stages.
 
   ``counts`` (optional): layers per stage in model order, positive, summing
   to the number of layers, e.g. ``jaxpar.pipeline.balance(layer_costs,
@@ -206,11 +233,12 @@ def split_for_pipeline(params: dict, *, num_stages: int,
     ValueError: ``num_stages < 1`` or more stages than layers.
 
   Example:
+    >>> from flax import nnx
     >>> from jaxpar.models import gpt
     >>> model = gpt.GPT(gpt.GPTConfig(num_layers=6), rngs=nnx.Rngs(0))
-    >>> pp, layout = gpt.split_for_pipeline(gpt.gpt_params(model),
-    ...                                     num_stages=4)
-    >>> layout.counts, layout.slots          # 6 layers on 4 stages
+    >>> pp, split = gpt.split_for_pipeline(gpt.gpt_params(model),
+    ...                                    num_stages=4)
+    >>> split.counts, split.slots            # 6 layers on 4 stages
     ((2, 2, 1, 1), 2)
     >>> pp.stages['ln1']['scale'].shape      # [stages, slots, d]
     (4, 2, 64)
@@ -233,20 +261,22 @@ def split_for_pipeline(params: dict, *, num_stages: int,
           f'counts={counts}: need {num_stages} positive layer counts summing '
           f'to the {len(blocks)} layers, e.g. jaxpar.pipeline.balance('
           f'layer_costs, {num_stages}).')
-  layout = LayerSplit(len(blocks), int(num_stages), counts)
-  stages = layout.stack(blocks)
+  split = LayerSplit(len(blocks), int(num_stages), counts)
+  stages = split.stack(blocks)
   embed = {'embed': params['embed'], 'pos': params['pos']}
   head = {'ln_f': params['ln_f'], 'lm_head': params['lm_head']}
-  return PipelineParams(embed, stages, head), layout
+  return PipelineParams(embed, stages, head), split
 
 
-def merge_from_pipeline(pipeline_params, layout: LayerSplit) -> dict:
+def merge_from_pipeline(pipeline_params, split: LayerSplit) -> dict:
   """Inverse of ``split_for_pipeline``: back to dense ``gpt_params``.
 
   Also takes the per-layer view the 3D trainer's optimizer sees
   (``LayerParams(embed, layers, head)``, e.g. Adam's ``mu`` in its state).
 
   Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
     >>> from jaxpar.models import gpt
     >>> params = gpt.gpt_params(gpt.GPT(gpt.GPTConfig(), rngs=nnx.Rngs(0)))
     >>> back = gpt.merge_from_pipeline(*gpt.split_for_pipeline(
@@ -258,7 +288,7 @@ def merge_from_pipeline(pipeline_params, layout: LayerSplit) -> dict:
     embed, layers, head = pipeline_params
     return {'blocks': dict(enumerate(layers)), **embed, **head}
   embed, stages, head = pipeline_params
-  real = tuple((k, j) for k, count in enumerate(layout.counts)
+  real = tuple((k, j) for k, count in enumerate(split.counts)
                for j in range(count))
   arrays = all(isinstance(x, jax.Array) for x in jax.tree.leaves(stages))
   blocks = (_blocks_of if arrays else _blocks)(stages, real)
@@ -278,21 +308,25 @@ _blocks_of = jax.jit(_blocks, static_argnums=1)
 def functions(config: GPTConfig, *, axis: str = 'tensor'):
   """``(embed_fn, stage_fn, head_loss_fn)`` with ``config.dropout`` bound.
 
-  The three functions ``jaxpar.parallel.trainer`` takes; with a ``key``
-  there, dropout is on. ``head_loss_fn`` is ``head_loss_and_accuracy_fn``
-  for ``has_aux=True``.
+  The three functions ``jaxpar.parallel.trainer`` takes, their params split
+  over ``tensor`` by ``TENSOR_RULES`` (the trainer's ``tensor_rules=``); with
+  a ``key`` there, dropout is on. ``head_loss_fn`` is
+  ``head_loss_and_accuracy_fn`` for ``has_aux=True``.
 
   Example:
+    >>> import jax, numpy as np, optax, jaxpar
+    >>> from flax import nnx
     >>> from jaxpar.models import gpt
     >>> config = gpt.GPTConfig(vocab_size=16, seq_len=8, d_model=16,
     ...                        num_heads=2, num_layers=2, dropout=0.1)
     >>> params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0)))
-    >>> pp, layout = gpt.split_for_pipeline(params, num_stages=2)
+    >>> pp, split = gpt.split_for_pipeline(params, num_stages=2)
     >>> trainer = jaxpar.parallel.trainer(
     ...     *gpt.functions(config), optax.adam(1e-3),
     ...     schedule=jaxpar.pipeline.one_f_one_b(2, 2),
     ...     mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
-    ...     stage_mask=layout.mask, key=jax.random.key(0))
+    ...     tensor_rules=gpt.TENSOR_RULES, stage_mask=split.mask,
+    ...     key=jax.random.key(0))
     >>> ids = np.zeros((4, 8), np.int32)
     >>> state, stats = trainer.step(trainer.init(pp), (ids, ids))
     >>> stats.loss.dtype
@@ -327,17 +361,20 @@ def stage_fn(params: dict, x: jax.Array, key: jax.Array | None = None, *,
   ``dropout`` in each block, slot ``j`` drawing from ``fold_in(key, j)``.
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from flax import nnx
+    >>> from jax.sharding import PartitionSpec as P
     >>> from jaxpar.models import gpt
     >>> tp = jaxpar.tensor_parallel
     >>> model = gpt.GPT(gpt.GPTConfig(num_layers=2), rngs=nnx.Rngs(0))
     >>> pp, _ = gpt.split_for_pipeline(gpt.gpt_params(model), num_stages=1)
     >>> stage = jax.tree.map(lambda a: a[0], pp.stages)    # [slots, ...]
     >>> mesh = jaxpar.make_mesh(tensor=2, devices=jax.devices()[:2])
-    >>> run = jax.shard_map(gpt.stage_fn, mesh=mesh,
-    ...                     in_specs=(tp.param_specs(stage), P()),
+    >>> specs = tp.param_specs(stage, rules=gpt.TENSOR_RULES)
+    >>> run = jax.shard_map(gpt.stage_fn, mesh=mesh, in_specs=(specs, P()),
     ...                     out_specs=P())
     >>> x = jax.random.normal(jax.random.key(0), (2, 16, 64))
-    >>> y = run(tp.shard_params(stage, mesh=mesh), x)
+    >>> y = run(tp.shard_params(stage, mesh=mesh, rules=gpt.TENSOR_RULES), x)
     >>> bool(jnp.allclose(y, model.blocks[1](model.blocks[0](x)), atol=1e-4))
     True
   """

@@ -68,6 +68,8 @@ def generate(params: dict, prompt, *, config: gpt.GPTConfig, length: int,
     int32 ``[length]``: the new tokens only.
 
   Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from flax import nnx
     >>> from jaxpar.models import gpt, sampling
     >>> config = gpt.GPTConfig(vocab_size=16, seq_len=4, d_model=8,
     ...                        num_heads=2, num_layers=1)

@@ -27,7 +27,6 @@ slot ``j`` of a stage with ``fold_in(key, j)``.
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -37,9 +36,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.parallel._params import LayerSplit
+from jaxpar import tensor_parallel as tp
+from jaxpar.parallel._params import LayerSplit, PipelineParams
 from jaxpar.pipeline import executor
-from jaxpar.parallel._params import PipelineParams
 
 PyTree = Any
 Path = tuple[Any, ...]
@@ -111,24 +110,7 @@ class _Layers(NamedTuple):
 def _layers(node: Any, blocks: str) -> _Layers:
   """Reads a sequence of identical modules or one stacked module."""
   if isinstance(node, nnx.Module) and not isinstance(node, nnx.List):
-    graphdef, params, other = nnx.split(node, nnx.Param, ...)
-    flat = dict(nnx.to_flat_state(params))
-    sizes = {p: np.shape(v.get_value())[:1] for p, v in flat.items()}
-    if not flat or len(set(sizes.values())) != 1 or () in sizes.values():
-      raise ValueError(
-          f'blocks={blocks!r} is one {type(node).__name__}, so its params '
-          f'must be stacked over layers (one leading layer dim, as nnx.vmap '
-          f'makes them), but their leading dims are '
-          f'{ {_name(p): s for p, s in sizes.items()} }. Pass the path of a '
-          'list of layers or of a module built with nnx.vmap.')
-    (num,) = next(iter(sizes.values()))
-    sharding = {p: v.get_metadata().get('out_sharding')
-                for p, v in flat.items()}
-    others = [(p, v) for p, v in nnx.to_flat_state(other)]
-    return _Layers(graphdef, [
-        {p: v.get_value()[i] for p, v in flat.items()} for i in range(num)],
-        [(p, v.replace(jax.tree.map(lambda a: a[0], v.get_value())))
-         for p, v in others], True, sharding)
+    return _stacked_layers(node, blocks)
   if not isinstance(node, (nnx.List, list, tuple)) or not len(node):
     raise ValueError(
         f'blocks={blocks!r} is a {type(node).__name__}; it must name a '
@@ -159,6 +141,27 @@ def _layers(node: Any, blocks: str) -> _Layers:
                   for p, v in first.items()})
 
 
+def _stacked_layers(node: nnx.Module, blocks: str) -> _Layers:
+  """The layers of one module whose params are stacked over layers."""
+  graphdef, params, other = nnx.split(node, nnx.Param, ...)
+  flat = dict(nnx.to_flat_state(params))
+  sizes = {p: np.shape(v.get_value())[:1] for p, v in flat.items()}
+  if not flat or len(set(sizes.values())) != 1 or () in sizes.values():
+    raise ValueError(
+        f'blocks={blocks!r} is one {type(node).__name__}, so its params '
+        f'must be stacked over layers (one leading layer dim, as nnx.vmap '
+        f'makes them), but their leading dims are '
+        f'{ {_name(p): s for p, s in sizes.items()} }. Pass the path of a '
+        'list of layers or of a module built with nnx.vmap.')
+  (num,) = next(iter(sizes.values()))
+  sharding = {p: v.get_metadata().get('out_sharding')
+              for p, v in flat.items()}
+  return _Layers(graphdef, [
+      {p: v.get_value()[i] for p, v in flat.items()} for i in range(num)],
+      [(p, v.replace(jax.tree.map(lambda a: a[0], v.get_value())))
+       for p, v in nnx.to_flat_state(other)], True, sharding)
+
+
 def _sides(model: nnx.Module, path: Path, head: Sequence[str] | None,
            rest: Sequence[Path]) -> tuple[set[Path], set[Path]]:
   """Non-block param paths split into (embed, head) ones."""
@@ -180,37 +183,23 @@ def _sides(model: nnx.Module, path: Path, head: Sequence[str] | None,
 
 def _tensor_rules(rules: Mapping[str, Any] | None, names: dict[str, int],
                   metadata: dict[str, Any], axis: str) -> dict[str, tuple]:
-  """``{param name: spec of its trailing dims}`` for the split params.
+  """``{param name: spec of its trailing dims}`` for the split params
+  (``tensor_parallel.match_rules``), every rule matching some param.
 
   ``names``: '/'-joined param names (block params by their path inside a
-  block) -> ndim; ``metadata``: name -> the Param's Flax ``out_sharding``.
+  block) -> ndim; ``metadata``: name -> the Param's Flax ``out_sharding``,
+  used when ``rules`` is ``None``.
   """
-  if rules is None:   # the model's own annotations, the `axis` entries only
-    return {n: tuple(e if e == axis else None for e in spec)
-            for n, spec in metadata.items()
-            if spec is not None and axis in tuple(spec)}
-  if not isinstance(rules, Mapping):
-    raise TypeError(f'tensor_rules must map regexes over param paths to '
-                    f"specs, e.g. {{r'mlp/w_up/kernel': (None, {axis!r})}}, "
-                    f'got {type(rules).__name__}.')
-  out, used = {}, set()
-  for name, ndim in names.items():
-    for rule, spec in rules.items():
-      if re.fullmatch(rule, name):
-        spec = tuple(spec)
-        if len(spec) > ndim:
-          raise ValueError(f'tensor_rules[{rule!r}] = {spec} has {len(spec)} '
-                           f'entries but param {name!r} has {ndim} dims.')
-        out[name] = spec
-        used.add(rule)
-        break
-  unused = [r for r in rules if r not in used]
-  if unused:
-    raise ValueError(
-        f'tensor_rules {unused} match no param. Block params match by their '
-        f'path inside a block, the others by the model\'s own path; the '
-        f'params are {sorted(names)}.')
-  return out
+  matches = tp.match_rules(names, rules, metadata=metadata, axis=axis)
+  if rules is not None:
+    used = {match.rule for match in matches.values()}
+    unused = [r for r in rules if r not in used]
+    if unused:
+      raise ValueError(
+          f'tensor_rules {unused} match no param. Block params match by '
+          f"their path inside a block, the others by the model's own path; "
+          f'the params are {sorted(names)}.')
+  return {name: match.spec for name, match in matches.items()}
 
 
 class PipelineModel(NamedTuple):
@@ -225,9 +214,10 @@ class PipelineModel(NamedTuple):
       ``key``).
     stage_mask: bool ``[num_stages, slots]``: real (``True``) or identity
       slots.
-    split: ``split(state) -> PipelineParams`` of an ``nnx.state(model,
-      nnx.Param)`` (e.g. restored from a checkpoint saved with ``merge``).
-    merge: its inverse, ``merge(params) -> nnx.State`` of the model's
+    from_state: ``from_state(state) -> PipelineParams`` of an
+      ``nnx.state(model, nnx.Param)`` (e.g. restored from a checkpoint saved
+      with ``to_state``).
+    to_state: its inverse, ``to_state(params) -> nnx.State`` of the model's
       ``nnx.Param`` s, for ``nnx.update`` and checkpoints of the model itself.
     tensor_specs: ``tensor_specs(params, size=1) -> PipelineParams`` of
       ``PartitionSpec`` over the ``'tensor'`` axis for params shaped like
@@ -237,13 +227,41 @@ class PipelineModel(NamedTuple):
   params: PipelineParams
   functions: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
   stage_mask: np.ndarray
-  split: Callable[[nnx.State], PipelineParams]
-  merge: Callable[[PipelineParams], nnx.State]
+  from_state: Callable[[nnx.State], PipelineParams]
+  to_state: Callable[[PipelineParams], nnx.State]
   tensor_specs: Callable[..., PipelineParams] | None = None
 
   def update(self, model: nnx.Module, params: PipelineParams) -> None:
     """Writes ``params`` (e.g. ``trainer.params(state)``) into ``model``."""
-    nnx.update(model, self.merge(params))
+    nnx.update(model, self.to_state(params))
+
+
+class _Cut(NamedTuple):
+  """How ``from_nnx`` cuts one model: what every function of the
+  ``PipelineModel`` reads.
+
+  Attributes:
+    graphdef: the whole model's graphdef; ``template`` its flat state by
+      path (the values and metadata a rebuilt model starts from).
+    params: the paths of the model's ``nnx.Param`` s.
+    path: the blocks' attribute path; ``blocks`` as the user wrote it.
+    layers: the blocks (``_Layers``); ``block_template`` one block's params
+      as ``nnx.Param`` s.
+    split: which layers sit on which stage.
+    embed_paths, head_paths: the non-block params of each side.
+    checked: the ``(function, avals)`` whose reads ``_check_reads`` passed.
+  """
+  graphdef: Any
+  template: dict[Path, Any]
+  params: frozenset[Path]
+  path: Path
+  blocks: str
+  layers: _Layers
+  block_template: dict[Path, nnx.Param]
+  split: LayerSplit
+  embed_paths: frozenset[Path]
+  head_paths: frozenset[Path]
+  checked: set
 
 
 def _reseeded(module: nnx.Module, key: jax.Array | None) -> nnx.Module:
@@ -290,7 +308,8 @@ def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
       ``'tensor'`` entries. The layers stay as written: XLA partitions them.
 
   Returns:
-    ``PipelineModel(params, functions, stage_mask, split, merge)``.
+    ``PipelineModel(params, functions, stage_mask, from_state, to_state,
+    tensor_specs)``.
 
   Raises:
     TypeError: ``blocks`` is not a string, ``num_stages`` not an int.
@@ -299,6 +318,8 @@ def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
       tensor rule that matches no param or has more entries than its dims.
 
   Example:
+    >>> import numpy as np, optax, jaxpar
+    >>> from flax import nnx
     >>> class Block(nnx.Module):
     ...   def __init__(self, rngs):
     ...     self.norm = nnx.RMSNorm(8, rngs=rngs)
@@ -329,6 +350,23 @@ def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
     >>> int(state.step), net.layers[2].mlp.kernel.shape
     (1, (8, 8))
   """
+  _check_functions(model, embed, head_loss)
+  cut = _cut(model, blocks, num_stages, counts, head)
+  rules = _tensor_rules(tensor_rules, *_param_names(cut), 'tensor')
+  return PipelineModel(
+      _from_state(cut, nnx.state(model, nnx.Param)),
+      (functools.partial(_embed_fn, cut, embed),
+       functools.partial(_stage_fn, cut),
+       functools.partial(_head_loss_fn, cut, head_loss)),
+      cut.split.mask, functools.partial(_from_state, cut),
+      functools.partial(_to_state, cut),
+      functools.partial(_tensor_specs, rules) if rules else None)
+
+
+# ------------------------------------------------------------------ the cut
+
+
+def _check_functions(model: Any, embed: Any, head_loss: Any) -> None:
   if not isinstance(model, nnx.Module):
     raise TypeError(f'model must be a flax.nnx.Module, got '
                     f'{type(model).__name__}.')
@@ -336,9 +374,11 @@ def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
     if not callable(fn):
       raise TypeError(f'{name} must be a function of the model, e.g. '
                       f'{name}=lambda m, ...: ..., got {fn!r}.')
-  path, node = _find_blocks(model, blocks)
-  layers = _layers(node, blocks)
-  num = len(layers.params)
+
+
+def _layer_split(num: int, num_stages: Any, counts: Sequence[int] | None,
+                 blocks: str) -> LayerSplit:
+  """``num`` layers on ``num_stages`` stages, ``counts`` checked."""
   if isinstance(num_stages, bool) or not isinstance(num_stages,
                                                     (int, np.integer)):
     raise TypeError(f'num_stages={num_stages!r} must be an int.')
@@ -353,10 +393,19 @@ def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
           f'counts={counts}: need {num_stages} positive layer counts summing '
           f'to the {num} layers of {blocks!r}, e.g. jaxpar.pipeline.balance('
           f'layer_costs, {num_stages}).')
-  layout = LayerSplit(num, int(num_stages), counts)
+  return LayerSplit(num, int(num_stages), counts)
+
+
+def _cut(model: nnx.Module, blocks: str, num_stages: Any,
+         counts: Sequence[int] | None, head: Sequence[str] | None) -> _Cut:
+  """Reads ``model``: its blocks, their split over stages, the two sides."""
+  path, node = _find_blocks(model, blocks)
+  layers = _layers(node, blocks)
+  split = _layer_split(len(layers.params), num_stages, counts, blocks)
   graphdef, state = nnx.split(model)
   template = dict(nnx.to_flat_state(state))
-  params = {p for p, v in template.items() if isinstance(v, nnx.Param)}
+  params = frozenset(p for p, v in template.items()
+                     if isinstance(v, nnx.Param))
   rest = [p for p in params if p[:len(path)] != path]
   embed_paths, head_paths = _sides(model, path, head, rest)
   if head is not None:
@@ -365,156 +414,209 @@ def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
     if unknown:
       raise ValueError(f'head={list(head)}: {unknown} match no non-block '
                        f'param; they are {sorted(map(_name, rest))}.')
+  block_template = {p: nnx.Param(v) for p, v in layers.params[0].items()}
+  return _Cut(graphdef, template, params, path, blocks, layers,
+              block_template, split, frozenset(embed_paths),
+              frozenset(head_paths), set())
 
-  def split(model_params: nnx.State) -> PipelineParams:
-    flat = {p: v.get_value() if isinstance(v, nnx.Variable) else v
-            for p, v in nnx.to_flat_state(model_params)}
-    inner = lambda p: p[len(path) + (0 if layers.stacked else 1):]
-    if layers.stacked:
-      per_layer = [{inner(p): v[i] for p, v in flat.items()
-                    if p[:len(path)] == path} for i in range(num)]
-    else:
-      per_layer = [{} for _ in range(num)]
-      for p, v in flat.items():
-        if p[:len(path)] == path:
-          per_layer[p[len(path)]][inner(p)] = v
-    stacked = layout.stack(per_layer)
-    part = lambda paths: _nest({p: flat[p] for p in sorted(paths, key=_name)})
-    return PipelineParams(part(embed_paths), _nest(stacked), part(head_paths))
 
-  real = [(k, j) for k, c in enumerate(layout.counts) for j in range(c)]
+# ------------------------------------------------- model params <-> pipeline
 
-  def layer_paths(stage_paths: Sequence[Path]) -> list[Path]:
-    """The model's paths of the values ``layer_values`` gives, in order."""
-    if layers.stacked:
-      return [path + p for p in stage_paths]
-    return [path + (i,) + p for p in stage_paths for i in range(len(real))]
 
-  def layer_values(leaves: Sequence[Any]) -> list:
-    """The model's layer params from the stage leaves (``stages[k, j]``)."""
-    if layers.stacked:
-      return [jnp.stack([leaf[k, j] for k, j in real]) for leaf in leaves]
-    return [leaf[k, j] for leaf in leaves for k, j in real]
+def _from_state(cut: _Cut, model_params: nnx.State) -> PipelineParams:
+  """``PipelineModel.from_state``: the model's params as ``PipelineParams``."""
+  flat = {p: v.get_value() if isinstance(v, nnx.Variable) else v
+          for p, v in nnx.to_flat_state(model_params)}
+  path, num = cut.path, cut.split.num_layers
+  inner = lambda p: p[len(path) + (0 if cut.layers.stacked else 1):]
+  if cut.layers.stacked:
+    per_layer = [{inner(p): v[i] for p, v in flat.items()
+                  if p[:len(path)] == path} for i in range(num)]
+  else:
+    per_layer = [{} for _ in range(num)]
+    for p, v in flat.items():
+      if p[:len(path)] == path:
+        per_layer[p[len(path)]][inner(p)] = v
+  stacked = cut.split.stack(per_layer)
+  part = lambda paths: _nest({p: flat[p] for p in sorted(paths, key=_name)})
+  return PipelineParams(part(cut.embed_paths), _nest(stacked),
+                        part(cut.head_paths))
 
-  # Global arrays: one program per signature, where eager indexing compiles
-  # one op per layer and leaf shape.
-  layer_arrays = jax.jit(layer_values)
 
-  def merge(pp: PipelineParams) -> nnx.State:
-    values = {**_flat(pp.embed), **_flat(pp.head)}
-    stages = _flat(pp.stages)
-    leaves = list(stages.values())
-    arrays = all(isinstance(v, jax.Array) for v in leaves)
-    values.update(zip(layer_paths(list(stages)),
-                      (layer_arrays if arrays else layer_values)(leaves)))
-    return nnx.from_flat_state([(p, template[p].replace(values[p]))
-                                for p in sorted(params, key=_name)])
+def _real_slots(split: LayerSplit) -> tuple[tuple[int, int], ...]:
+  """``(stage, slot)`` of each layer, in model order."""
+  return tuple((k, j) for k, c in enumerate(split.counts) for j in range(c))
 
-  def whole_model(values: dict[Path, Any]) -> nnx.Module:
-    """The model with ``values`` for its params; zeros for the others."""
-    def one(p, v):
-      if p in values:
-        return v.replace(values[p])
-      if p in params:
-        return v.replace(jnp.zeros(np.shape(v.get_value()),
-                                   v.get_value().dtype))
-      return v.replace(v.get_value())
-    return nnx.merge(graphdef, nnx.from_flat_state(
-        [(p, one(p, v)) for p, v in template.items()]))
 
-  checked = set()
+def _layer_paths(cut: _Cut, stage_paths: Sequence[Path]) -> list[Path]:
+  """The model's paths of the values ``_layer_values`` gives, in order."""
+  if cut.layers.stacked:
+    return [cut.path + p for p in stage_paths]
+  num = cut.split.num_layers
+  return [cut.path + (i,) + p for p in stage_paths for i in range(num)]
 
-  def check_reads(fn, name, values, args):
-    """Raises if ``fn``'s result depends on params outside ``values``."""
-    own = sorted(values, key=_name)
-    others = sorted(params - set(own), key=_name)
-    aval = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype)
-    avals = ([aval(values[p]) for p in own],
-             [aval(template[p].get_value()) for p in others],
-             jax.tree.map(aval, args))
-    signature = (name, str(avals))
-    if signature in checked:
-      return
-    closed = jax.make_jaxpr(lambda o, t, a: fn(whole_model(
-        {**dict(zip(own, o)), **dict(zip(others, t))}), *a))(*avals)
-    jaxpr = closed.jaxpr
-    used = {v for k in executor.jaxpr_needed(jaxpr, jaxpr.outvars)
-            for v in jaxpr.eqns[k].invars if executor.is_jaxpr_var(v)}
-    used |= {v for v in jaxpr.outvars if executor.is_jaxpr_var(v)}
-    read = [_name(p) for p, v in zip(
-        others, jaxpr.invars[len(own):len(own) + len(others)]) if v in used]
-    if read:
-      other = 'embed' if name == 'head_loss' else 'head'
-      raise ValueError(
-          f'{name} reads {read[:4]}, but from_nnx gave {name} only '
-          f'{sorted(map(_name, own))[:8]}: block params run in the '
-          f'pipeline stages (blocks={blocks!r}) and the others are split '
-          f'between embed and head_loss (default: attributes defined after '
-          f'the blocks go to head_loss; these are in the {other} part). Pass '
-          f'head=[...] to from_nnx naming the params head_loss uses. Weights '
-          'shared by embed and head_loss (tied embeddings) are not supported: '
-          'untie them.')
-    checked.add(signature)
 
-  def part_fn(fn, name, own, *args, key=None):
-    values = _flat(own)
-    check_reads(fn, name, values, args)
-    return fn(_reseeded(whole_model(values), key), *args)
+def _layer_values(stacked: bool, real: tuple[tuple[int, int], ...],
+                  leaves: Sequence[Any]) -> list:
+  """The model's layer params from the stage leaves (``stages[k, j]``)."""
+  if stacked:
+    return [jnp.stack([leaf[k, j] for k, j in real]) for leaf in leaves]
+  return [leaf[k, j] for leaf in leaves for k, j in real]
 
-  def embed_fn(embed_params, inputs, key=None):
-    return part_fn(embed, 'embed', embed_params, inputs, key=key)
 
-  def head_loss_fn(head_params, y, targets, key=None):
-    return part_fn(head_loss, 'head_loss', head_params, y, targets, key=key)
+# Global arrays: one program per signature, where eager indexing compiles
+# one op per layer and leaf shape.
+_layer_arrays = jax.jit(_layer_values, static_argnums=(0, 1))
 
-  def block(slot_params, x, key):
-    values = _flat(slot_params)
-    module = nnx.merge(layers.graphdef, nnx.from_flat_state(
-        [(p, template_block[p].replace(values[p])) for p in values]
-        + [(p, v.replace(v.get_value())) for p, v in layers.other]))
-    return _reseeded(module, key)(x)
 
-  template_block = {p: nnx.Param(v) for p, v in layers.params[0].items()}
-  uneven = not layout.mask.all()
+def _to_state(cut: _Cut, pp: PipelineParams) -> nnx.State:
+  """``PipelineModel.to_state``: ``PipelineParams`` as the model's
+  ``nnx.Param`` state."""
+  values = {**_flat(pp.embed), **_flat(pp.head)}
+  stages = _flat(pp.stages)
+  leaves = list(stages.values())
+  arrays = all(isinstance(v, jax.Array) for v in leaves)
+  values.update(zip(
+      _layer_paths(cut, list(stages)),
+      (_layer_arrays if arrays else _layer_values)(
+          cut.layers.stacked, _real_slots(cut.split), leaves)))
+  return nnx.from_flat_state([(p, cut.template[p].replace(values[p]))
+                              for p in sorted(cut.params, key=_name)])
 
-  def stage_fn(stage_params, x, key=None):
-    def body(x, slot):
-      slot_params, j = slot
-      y = block(slot_params, x, None if key is None
-                else jax.random.fold_in(key, j))
-      if uneven:   # identity slots (all-zero params) pass x through
-        real = functools.reduce(jnp.logical_or, [
-            jnp.any(a != 0) for a in jax.tree.leaves(slot_params)])
-        y = jnp.where(real, y, x)
-      return y, None
-    # The carry keeps its check_vma type: make x vary as the blocks' output
-    # will (over the params' and the key's axes).
-    x = executor.vary(x, executor.varying_axes((stage_params, key)))
-    return jax.lax.scan(body, x, (stage_params, jnp.arange(layout.slots)))[0]
 
-  names = {_name(p): np.ndim(v) for p, v in layers.params[0].items()}
-  names.update({_name(p): np.ndim(template[p].get_value()) for p in rest})
-  sharding = {_name(p): s for p, s in layers.sharding.items()}
-  sharding.update({_name(p): template[p].get_metadata().get('out_sharding')
-                   for p in rest})
-  rules = _tensor_rules(tensor_rules, names, sharding, 'tensor')
+# ------------------------------------------------------ the three functions
 
-  def tensor_specs(pp: PipelineParams, size: int = 1) -> PipelineParams:
-    def one(key_path, leaf):
-      name = '/'.join(str(k.key) for k in key_path)
-      spec = rules.get(name, ())
-      dims = range(np.ndim(leaf) - len(spec), np.ndim(leaf))
-      for dim, entry in zip(dims, spec):
-        if entry is not None and np.shape(leaf)[dim] % size:
-          raise ValueError(
-              f'param {name!r} {np.shape(leaf)}: dim {dim} of size '
-              f'{np.shape(leaf)[dim]} is split over {entry!r} (spec {spec}) '
-              f'but does not divide by its size {size}; choose a size that '
-              f'divides it or change the rule.')
-      return P(*(None,) * (np.ndim(leaf) - len(spec)), *spec)
-    return PipelineParams(*(jax.tree_util.tree_map_with_path(one, part)
-                            for part in pp))
 
-  return PipelineModel(split(nnx.state(model, nnx.Param)),
-                       (embed_fn, stage_fn, head_loss_fn), layout.mask, split,
-                       merge, tensor_specs if rules else None)
+def _whole_model(cut: _Cut, values: dict[Path, Any]) -> nnx.Module:
+  """The model with ``values`` for its params; zeros for the others."""
+  def one(p, v):
+    if p in values:
+      return v.replace(values[p])
+    if p in cut.params:
+      return v.replace(jnp.zeros(np.shape(v.get_value()),
+                                 v.get_value().dtype))
+    return v.replace(v.get_value())
+  return nnx.merge(cut.graphdef, nnx.from_flat_state(
+      [(p, one(p, v)) for p, v in cut.template.items()]))
+
+
+def _check_reads(cut: _Cut, fn: Callable[..., Any], name: str,
+                 values: dict[Path, Any], args: tuple) -> None:
+  """Raises if ``fn``'s result depends on params outside ``values``."""
+  own = sorted(values, key=_name)
+  others = sorted(cut.params - set(own), key=_name)
+  aval = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype)
+  avals = ([aval(values[p]) for p in own],
+           [aval(cut.template[p].get_value()) for p in others],
+           jax.tree.map(aval, args))
+  signature = (name, str(avals))
+  if signature in cut.checked:
+    return
+  closed = jax.make_jaxpr(lambda o, t, a: fn(_whole_model(
+      cut, {**dict(zip(own, o)), **dict(zip(others, t))}), *a))(*avals)
+  jaxpr = closed.jaxpr
+  used = {v for k in executor.jaxpr_needed(jaxpr, jaxpr.outvars)
+          for v in jaxpr.eqns[k].invars if executor.is_jaxpr_var(v)}
+  used |= {v for v in jaxpr.outvars if executor.is_jaxpr_var(v)}
+  read = [_name(p) for p, v in zip(
+      others, jaxpr.invars[len(own):len(own) + len(others)]) if v in used]
+  if read:
+    other = 'embed' if name == 'head_loss' else 'head'
+    raise ValueError(
+        f'{name} reads {read[:4]}, but from_nnx gave {name} only '
+        f'{sorted(map(_name, own))[:8]}: block params run in the '
+        f'pipeline stages (blocks={cut.blocks!r}) and the others are split '
+        f'between embed and head_loss (default: attributes defined after '
+        f'the blocks go to head_loss; these are in the {other} part). Pass '
+        f'head=[...] to from_nnx naming the params head_loss uses. Weights '
+        'shared by embed and head_loss (tied embeddings) are not supported: '
+        'untie them.')
+  cut.checked.add(signature)
+
+
+def _part_fn(cut: _Cut, fn: Callable[..., Any], name: str, own: PyTree,
+             args: tuple, key: jax.Array | None) -> Any:
+  """``fn`` of the whole model with ``own`` params (the others zero)."""
+  values = _flat(own)
+  _check_reads(cut, fn, name, values, args)
+  return fn(_reseeded(_whole_model(cut, values), key), *args)
+
+
+def _embed_fn(cut: _Cut, embed: Callable[..., jax.Array], embed_params: PyTree,
+              inputs: Any, key: jax.Array | None = None) -> jax.Array:
+  return _part_fn(cut, embed, 'embed', embed_params, (inputs,), key)
+
+
+def _head_loss_fn(cut: _Cut, head_loss: Callable[..., Any],
+                  head_params: PyTree, y: jax.Array, targets: Any,
+                  key: jax.Array | None = None) -> Any:
+  return _part_fn(cut, head_loss, 'head_loss', head_params, (y, targets), key)
+
+
+def _block(cut: _Cut, slot_params: PyTree, x: jax.Array,
+           key: jax.Array | None) -> jax.Array:
+  """One block, the user's module, on ``slot_params``."""
+  values = _flat(slot_params)
+  module = nnx.merge(cut.layers.graphdef, nnx.from_flat_state(
+      [(p, cut.block_template[p].replace(values[p])) for p in values]
+      + [(p, v.replace(v.get_value())) for p, v in cut.layers.other]))
+  return _reseeded(module, key)(x)
+
+
+def _slot(cut: _Cut, key: jax.Array | None, x: jax.Array,
+          slot: tuple[PyTree, jax.Array]) -> tuple[jax.Array, None]:
+  """The stage scan's body: slot ``j``'s block on ``x``."""
+  slot_params, j = slot
+  y = _block(cut, slot_params, x,
+             None if key is None else jax.random.fold_in(key, j))
+  if not cut.split.mask.all():   # identity slots (all-zero params) pass x
+    real = functools.reduce(jnp.logical_or, [
+        jnp.any(a != 0) for a in jax.tree.leaves(slot_params)])
+    y = jnp.where(real, y, x)
+  return y, None
+
+
+def _stage_fn(cut: _Cut, stage_params: PyTree, x: jax.Array,
+              key: jax.Array | None = None) -> jax.Array:
+  """A stage: its ``slots`` blocks in one ``lax.scan``."""
+  # The carry keeps its check_vma type: make x vary as the blocks' output
+  # will (over the params' and the key's axes).
+  x = executor.vary(x, executor.varying_axes((stage_params, key)))
+  return jax.lax.scan(functools.partial(_slot, cut, key), x,
+                      (stage_params, jnp.arange(cut.split.slots)))[0]
+
+
+# ------------------------------------------------------------- tensor rules
+
+
+def _param_names(cut: _Cut) -> tuple[dict[str, int], dict[str, Any]]:
+  """``({name: ndim}, {name: Flax out_sharding})`` of the params, by
+  ``'/'``-joined name (block params by their path inside a block)."""
+  rest = [p for p in cut.params if p[:len(cut.path)] != cut.path]
+  names = {_name(p): np.ndim(v) for p, v in cut.layers.params[0].items()}
+  names.update({_name(p): np.ndim(cut.template[p].get_value())
+                for p in rest})
+  sharding = {_name(p): s for p, s in cut.layers.sharding.items()}
+  sharding.update({
+      _name(p): cut.template[p].get_metadata().get('out_sharding')
+      for p in rest})
+  return names, sharding
+
+
+def _tensor_specs(rules: dict[str, tuple], pp: PipelineParams,
+                  size: int = 1) -> PipelineParams:
+  """``PipelineModel.tensor_specs``: each leaf's spec from ``rules``."""
+  def one(key_path, leaf):
+    name = '/'.join(str(k.key) for k in key_path)
+    spec = rules.get(name, ())
+    dims = range(np.ndim(leaf) - len(spec), np.ndim(leaf))
+    for dim, entry in zip(dims, spec):
+      if entry is not None and np.shape(leaf)[dim] % size:
+        raise ValueError(
+            f'param {name!r} {np.shape(leaf)}: dim {dim} of size '
+            f'{np.shape(leaf)[dim]} is split over {entry!r} (spec {spec}) '
+            f'but does not divide by its size {size}; choose a size that '
+            f'divides it or change the rule.')
+    return P(*(None,) * (np.ndim(leaf) - len(spec)), *spec)
+  return PipelineParams(*(jax.tree_util.tree_map_with_path(one, part)
+                          for part in pp))

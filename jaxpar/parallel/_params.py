@@ -29,9 +29,10 @@ class PipelineParams(NamedTuple):
 
   ``stages`` leaves are stacked ``[num_stages, ...]`` in model order (in a
   ``TrainState`` from ``Trainer.init`` they are in the executor's rank
-  layout ``[p, v, ...]``; ``Trainer.params`` converts back).
+  placement ``[p, v, ...]``; ``Trainer.params`` converts back).
 
   Example:
+    >>> import jax.numpy as jnp
     >>> from jaxpar.parallel import PipelineParams
     >>> pp = PipelineParams(embed={'w': jnp.ones(2)},
     ...                     stages={'w': jnp.ones((4, 2))}, head={})
@@ -52,6 +53,7 @@ class LayerParams(NamedTuple):
   its optimizer state holds it (e.g. Adam's ``mu``).
 
   Example:
+    >>> import jax.numpy as jnp
     >>> from jaxpar.parallel import LayerParams
     >>> view = LayerParams(embed={}, layers=[{'w': jnp.ones(2)}] * 3, head={})
     >>> len(view.layers), view.layers[0]['w'].shape
@@ -93,7 +95,7 @@ class LayerSplit(NamedTuple):
     """``num_layers`` layer pytrees -> one pytree of ``[num_stages, slots,
     ...]`` leaves, the identity slots zero (frozen by ``mask``).
 
-    One jitted program per layout and layer signature (eager stacking
+    One jitted program per split and layer signature (eager stacking
     compiles an op per leaf shape)."""
     return _stacked(self, layers)
 

@@ -1,6 +1,6 @@
-"""Stage leaves in two layouts: the schedule's ranks and the model's order.
+"""Stage leaves in two orders: the schedule's rank placement and the model's.
 
-The pipeline keeps stage leaves in the rank layout ``[p, v, ...]`` of a
+The pipeline keeps stage leaves in the rank placement ``[p, v, ...]`` of a
 ``Schedule`` (``jaxpar.pipeline.stages_to_ranks``: rank ``r`` holds its
 ``v`` stages); users, ``Trainer.params`` and checkpoints see them in model
 order ``[num_stages, ...]``. The two functions here move whole trees of
@@ -43,11 +43,13 @@ def model_sharding(leaf: Any) -> NamedSharding | None:
 
 
 def stages_in_model_order(stages: PyTree, schedule: Schedule) -> PyTree:
-  """Stage leaves in the rank layout ``[p, v, ...]`` of ``schedule`` back in
-  model order ``[num_stages, ...]``, shards kept (``P(a, None, *rest)`` ->
-  ``P(a, *rest)``): the layout of ``Trainer.params`` and of checkpoints.
+  """Stage leaves in the rank placement ``[p, v, ...]`` of ``schedule``
+  back in model order ``[num_stages, ...]``, shards kept
+  (``P(a, None, *rest)`` -> ``P(a, *rest)``): the order of
+  ``Trainer.params`` and of checkpoints.
 
   Example:
+    >>> import jax.numpy as jnp, jaxpar
     >>> s = jaxpar.pipeline.zero_bubble_v(2, 2)   # placement (0, 1, 1, 0)
     >>> jaxpar.parallel.stages_in_model_order(
     ...     {'w': jnp.array([[0, 3], [1, 2]])}, s)['w'].tolist()
@@ -57,11 +59,12 @@ def stages_in_model_order(stages: PyTree, schedule: Schedule) -> PyTree:
 
 
 def stages_like(stages: PyTree, like: PyTree, schedule: Schedule) -> PyTree:
-  """Model-order stage leaves ``[num_stages, ...]`` in the rank layout
+  """Model-order stage leaves ``[num_stages, ...]`` in the rank placement
   ``[p, v, ...]`` of ``schedule``, stored as ``like``'s leaves are (their
   shardings; numpy for numpy); inverse of ``stages_in_model_order``.
 
   Example:
+    >>> import numpy as np, jaxpar
     >>> s = jaxpar.pipeline.zero_bubble_v(2, 2)
     >>> jaxpar.parallel.stages_like({'w': np.arange(4)},
     ...                             {'w': np.zeros((2, 2))}, s)['w'].tolist()
@@ -87,7 +90,7 @@ def _relaid(stages: PyTree, like: PyTree, schedule: Schedule, *,
              if np.shape(a)[:2] != lead]
     if wrong:
       raise ValueError(
-          f'{"; ".join(wrong)}, but rank-layout stage leaves start with '
+          f'{"; ".join(wrong)}, but rank-placement stage leaves start with '
           f'(num_ranks, num_stages // num_ranks) = {lead} for schedule '
           f'{schedule.name!r}; model-order leaves go to stages_like.')
   leaves, tree = jax.tree.flatten(stages)
@@ -95,7 +98,7 @@ def _relaid(stages: PyTree, like: PyTree, schedule: Schedule, *,
   move = executor.stages_to_ranks if to_ranks else executor.ranks_to_stages
   out, todo = [], []
   for i, (a, ref) in enumerate(zip(leaves, refs)):
-    if model_sharding(ref) is not None:   # a global array's layout
+    if model_sharding(ref) is not None:   # a global array's sharding
       todo.append(i)
       out.append(None)
     else:

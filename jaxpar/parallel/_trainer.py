@@ -12,7 +12,7 @@ One train step is one jitted program in two parts:
 
    * **TP** -- the three functions are tensor-parallel
      (``jaxpar.tensor_parallel``) over ``'tensor'``; params are split as
-     ``tensor_parallel.param_specs`` says;
+     the tensor rules say (``tensor_parallel.param_specs``);
    * **PP** -- ``stages`` run through ``jaxpar.pipeline``'s executor over
      ``'stage'`` with any schedule; the embedding runs per microbatch
      inside stage 0 (``pipeline_value_and_grad_local``'s ``embed_fn``), the head in
@@ -20,12 +20,12 @@ One train step is one jitted program in two parts:
      microbatches in turn, as data parallelism does;
    * **DP** -- the batch is split over ``'data'``; the loss is averaged over
      it and the gradients too: ``pmean``, or with ZeRO a reduce-scatter
-     (``jaxpar.data_parallel.reduce_gradients``).
+     (``data_parallel.reduce_gradients``).
 
 2. **The update** on the global, sharded arrays (``jaxpar.train_state.
    sharded_update``): ``optimizer.update`` under ``jit``, partitioned by XLA,
    on the **per-layer view** ``LayerParams(embed, layers, head)``
-   (``jaxpar.parallel``): ``layers[i]`` is the model's layer ``i`` in
+   (``_layer_view``): ``layers[i]`` is the model's layer ``i`` in
    model order, with the dense model's shapes (a ``True`` entry of
    ``stage_mask``: identity slots of uneven splits are no layer). So *any*
    optax transform -- global-norm clipping, ``lamb``/``lars`` trust ratios,
@@ -42,18 +42,18 @@ logical stage and the global microbatch, so the same on every mesh),
 
 **Optimizer state** is split like the params' layers: each per-layer leaf
 (and each ``embed``/``head`` leaf) over ``tensor`` as its param, and over
-``stage`` on one more dim (``zero.data_spec`` with the stage axis; a layer
+``stage`` on one more dim (``data_parallel.data_spec`` with the stage axis; a layer
 is one global array, so the stage axis splits it as ZeRO splits over
 ``data``), so it is not replicated over ``stage`` or ``tensor``. Subtrees
 with ``optax.MaskedNode`` placeholders (``masked``, ``multi_transform``)
-are split alike (``pipeline_view.mirror_specs``); other leaves (counts,
+are split alike (``mirror_specs``); other leaves (counts,
 Adafactor's factored moments) are replicated.
 
-**ZeRO** (``zero_stage``; ``jaxpar.zero``): on top of its stage/tensor split
-every leaf gets the ``data`` axis on one more dim (``zero.data_spec``; a
+**ZeRO** (``zero_stage``; ``jaxpar.data_parallel``): on top of its stage/tensor split
+every leaf gets the ``data`` axis on one more dim (``data_spec``; a
 stage leaf's ``[p, v]`` rows are never split). A leaf that no dim divides
 by the data size ``N`` is stored zero-padded along its largest dim not split
-over ``tensor`` (``zero.Padded``, as torch FSDP does; the optimizer and the
+over ``tensor`` (``data_parallel.Padded``, as torch FSDP does; the optimizer and the
 user's functions see it unpadded), so each device holds ``~1/N`` of every
 leaf, plus at most one padding row:
 
@@ -61,25 +61,25 @@ leaf, plus at most one padding row:
   each data replica updates its ``1/N`` and the params are all-gathered;
 * ``zero_stage=3`` (FSDP) -- the params too: each ``embed_fn``, ``stage_fn``
   and ``loss_fn`` call all-gathers its params over ``data`` just before it
-  runs (``zero.gathered``: forward, and again in the backward pass instead
+  runs (``data_parallel.gathered``: forward, and again in the backward pass instead
   of keeping them), and the gather's transpose reduce-scatters the
   gradients. Per microbatch, so it composes with every schedule, including
   interleaved and V-shaped ones with several stages per rank.
 
-A state is a plain ``TrainState`` of global arrays (``zero.Padded`` where
+A state is a plain ``TrainState`` of global arrays (``Padded`` where
 ZeRO pads) whose logical shapes do not depend on the mesh or on
-``zero_stage`` (params in the rank layout ``[p, v, ...]``, optimizer state
+``zero_stage`` (params in the rank placement ``[p, v, ...]``, optimizer state
 per layer): ``Trainer.params`` gives them unpadded, ``jaxpar.checkpoint``
 saves them unpadded and restores them onto any mesh and any ``zero_stage``,
-and a state from one trainer is placed into another trainer's layout by its
+and a state from one trainer is placed as another trainer stores it by its
 ``step``.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -88,60 +88,91 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import data_parallel as zero
 from jaxpar import tensor_parallel as tp
 from jaxpar import vma
-from jaxpar import data_parallel as zero
 from jaxpar.data_parallel import batch_size_of, check_opt_state
 from jaxpar.mesh import axis_size
-from jaxpar.pipeline import executor
-from jaxpar.pipeline.executor import (check_compute_dtype, check_fn, check_key, check_leading)
-from jaxpar.pipeline.schedules import Schedule, local_stages, tick_table
-from jaxpar.pipeline.executor import stash_policy
-from jaxpar.parallel._from_nnx import PipelineModel, from_nnx
-from jaxpar.parallel._params import LayerParams, PipelineParams
+from jaxpar.parallel._from_nnx import PipelineModel
 from jaxpar.parallel._layer_view import LayerView, layerwise, mirror_specs
-from jaxpar.parallel._placement import (padded_spec, stages_in_model_order,
-                                 stages_like)
+from jaxpar.parallel._params import LayerParams, PipelineParams
+from jaxpar.parallel._placement import padded_spec, stages_in_model_order
+from jaxpar.pipeline import executor
+from jaxpar.pipeline.executor import (check_compute_dtype, check_fn, check_key,
+                                      check_leading, stash_policy)
+from jaxpar.pipeline.schedules import (Schedule, TickTable, local_stages,
+                                       tick_table)
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 auto_view, check_max_grad_norm, check_optimizer,
                                 placed_init, sharded_update, signature)
 
 
+class _Axes(NamedTuple):
+  """The mesh axis names."""
+  data: str
+  stage: str
+  tensor: str
 
 
-def _manual(specs: PyTree, axes: frozenset[str]) -> PyTree:
-  """``specs`` over the manual ``axes`` of a shard_map only (empty: all)."""
-  if not axes:
-    return specs
-
-  def keep(entry):
-    kept = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
-                 if a in axes)
-    return kept if len(kept) > 1 else (kept[0] if kept else None)
-  return jax.tree.map(lambda s: P(*map(keep, s)), specs,
-                      is_leaf=lambda x: isinstance(x, P))
+class _Cache(NamedTuple):
+  """A trainer's memos by ``signature``: the ``_Specs`` of each params
+  signature, the state specs of each state signature (checked once)."""
+  specs: dict
+  states: dict
 
 
-def _check_schedule(schedule: Any, n_stage: int, stage_axis: str) -> None:
-  if not isinstance(schedule, Schedule):
-    raise TypeError(f'schedule must be a jaxpar.pipeline.Schedule, got '
-                    f'{type(schedule).__name__}.')
-  if schedule.num_ranks != n_stage:
-    raise ValueError(
-        f'schedule {schedule.name!r} has num_ranks={schedule.num_ranks} but '
-        f'the mesh axis {stage_axis!r} has size {n_stage}; build the schedule '
-        f'with num_ranks={n_stage} or change the mesh.')
+class _Plan(NamedTuple):
+  """What every part of one trainer uses: its options, checked once.
+
+  Attributes:
+    functions: ``(embed_fn, stage_fn, loss_fn)``, lifted (``jaxpar.vma``).
+    optimizer: the user's optimizer; it sees the per-layer view.
+    schedule: the schedule; ``lowered`` its tick table.
+    mesh: the mesh; ``axes`` its axis names.
+    manual: the axes the gradient ``shard_map`` is manual over (empty: all).
+    stage_mask: bool ``[num_stages, ...]`` or ``None``; ``mask_ranks`` the
+      same in the rank placement ``[p, v, ...]``.
+    view: where each layer sits in the rank placement (the optimizer's view).
+    tensor_rules: the tensor rules of the three functions' params.
+    tensor_specs: a ``PipelineModel``'s ``tensor_specs`` (its layers run as
+      written, XLA partitions ``tensor``), else ``None``.
+    cache: the memos.
+  """
+  functions: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
+  optimizer: optax.GradientTransformation
+  schedule: Schedule
+  lowered: TickTable
+  mesh: Mesh
+  axes: _Axes
+  manual: frozenset[str]
+  stage_mask: np.ndarray | None
+  mask_ranks: np.ndarray | None
+  view: LayerView
+  tensor_rules: Mapping[str, Any] | None
+  tensor_specs: Callable[..., PipelineParams] | None
+  zero_stage: int
+  max_grad_norm: float | None
+  key: jax.Array | None
+  has_aux: bool
+  compute_dtype: Any
+  remat_policy: Any
+  cache: _Cache
 
 
-def _check_mask(stage_mask: Any, schedule: Schedule) -> np.ndarray | None:
-  if stage_mask is None:
-    return None
-  stage_mask = np.asarray(stage_mask, bool)
-  if stage_mask.ndim < 1 or stage_mask.shape[0] != schedule.num_stages:
-    raise ValueError(
-        f'stage_mask has shape {stage_mask.shape}; its leading size must be '
-        f'schedule.num_stages={schedule.num_stages}.')
-  return stage_mask
+class _Specs(NamedTuple):
+  """The ``PartitionSpec``s of one params signature (rank placement).
+
+  Attributes:
+    base: over ``tensor`` (the tensor rules) and ``stage`` (a stage leaf's
+      rank dim): how params are stored without ZeRO-3.
+    zero: ``base`` and ZeRO's ``data`` axis on one more dim: the params
+      with ZeRO-3, the gradients with ZeRO-1/3.
+    view: ``LayerParams`` specs of the optimizer's per-layer view, also
+      split over ``stage`` (and ``data`` with ZeRO).
+  """
+  base: PipelineParams
+  zero: PipelineParams
+  view: LayerParams
 
 
 def trainer(
@@ -154,8 +185,7 @@ def trainer(
     mesh: Mesh,
     stage_mask: np.ndarray | None = None,
     max_grad_norm: float | None = None,
-    remat: bool = False,
-    layout: dict[str, str] | None = None,
+    tensor_rules: Mapping[str, Any] | None = None,
     data_axis: str = 'data',
     stage_axis: str = 'stage',
     tensor_axis: str = 'tensor',
@@ -165,7 +195,7 @@ def trainer(
     compute_dtype: Any = None,
     remat_policy: Any = None,
 ) -> Trainer:
-  """A DP x PP x TP train step for a model given as embed / stages / head.
+  """A DP x PP x TP trainer for a model given as embed / stages / head.
 
   Args:
     embed_fn: ``embed_fn(embed_params, inputs) -> x [b, ...]`` (local
@@ -192,31 +222,33 @@ def trainer(
       prefix of every stage leaf's shape; its ``True`` entries are the
       model's layers (in C order), the optimizer's ``layers``; ``False``
       entries are frozen (gradients zeroed, no optimizer state), e.g. the
-      identity slots of uneven layer splits
-      (``jaxpar.models.gpt.LayerSplit.mask``). ``None``: each logical
-      stage is one layer.
+      identity slots of uneven layer splits (``LayerSplit.mask``).
+      ``None``: each logical stage is one layer.
     max_grad_norm: clip by the global norm over all shards, as
       ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)``;
       ``None``: no clipping.
-    remat: recompute stage forwards in the backward (stash stage inputs only).
-    remat_policy: what stage forwards stash for the backward
-      (``jaxpar.pipeline.stage.stash_policy``; default ``'dots'``).
-    layout: tensor-parallel layout: full layer paths in each part ->
-      kinds (``tensor_parallel.param_specs``); default
-      ``tensor_parallel.DEFAULT_LAYOUT``, the paths of jaxpar's GPT. A mesh
-      whose ``tensor_axis`` has size > 1 needs a parameter split over it:
-      ``init`` raises ``ValueError`` otherwise.
+    tensor_rules: how the three functions' params split over
+      ``tensor_axis``: ``{regex: spec}``, the first regex that fully matches
+      a leaf's ``'/'``-joined path inside its part (``embed``, ``stages`` or
+      ``head``) gives the spec of its trailing dims
+      (``tensor_parallel.param_specs``); jaxpar's GPT has
+      ``gpt.TENSOR_RULES``. ``None``: the params' Flax metadata. A mesh
+      whose ``tensor_axis`` has size > 1 needs a param split over it:
+      ``init`` raises ``ValueError`` otherwise. A ``PipelineModel`` has its
+      rules from ``from_nnx(tensor_rules=...)``.
     data_axis, stage_axis, tensor_axis: the mesh axis names.
     zero_stage: 0 (optimizer state split like the params, and over
       ``stage_axis``), 1 (also split over ``data_axis``, padded where no dim
-      divides: ``zero.Padded``) or 3 (params too, gathered just in time);
-      see the module docstring. Same losses, norms and params in every stage.
+      divides: ``data_parallel.Padded``) or 3 (params too, gathered just in
+      time); see the module docstring. Same losses, norms and params in
+      every stage.
     key: a PRNG key (``jax.random.key(seed)``) for dropout, or ``None``.
       Step ``s`` uses ``fold_in(key, s)`` (``s = state.step``), so a resumed
       run draws the same masks. The three functions then take it as a last
       argument: ``embed_fn`` per microbatch of global index ``g`` (with
       ``fold_in(k_e, g)``), ``stage_fn`` and ``loss_fn`` as
-      ``pipeline_value_and_grad_local`` gives it (``fold_in(fold_in(k_p, g), stage)``;
+      ``pipeline_value_and_grad_local`` gives it
+      (``fold_in(fold_in(k_p, g), stage)``;
       ``k_e, k_p = split(fold_in(key, s))``). Global indices make the result
       the same on every mesh and schedule with the same number of logical
       stages and the same total number of microbatches.
@@ -228,27 +260,33 @@ def trainer(
       a cast copy), so activations, stashes, pipeline messages and
       tensor-parallel all-reduces are in it; params, optimizer state, loss
       and gradient accumulation stay float32. ``None``: the params' dtype.
+    remat_policy: what stage forwards stash for the backward
+      (``jaxpar.pipeline.stash_policy``): ``'dots'`` (``None``, the
+      default), ``'everything'``, ``'dots_no_batch'``, ``'nothing'`` (the
+      stage input alone: the whole forward is recomputed) or a
+      ``jax.checkpoint_policies`` policy.
 
   Returns:
     ``Trainer(init, step, params)``: ``init(PipelineParams) -> TrainState``
-    placed in this trainer's layout (stages in the executor's rank layout
-    ``[p, v, ...]``); ``step(state, (inputs, targets)) -> (state,
-    StepStats)`` with leading batch size divisible by ``data size x
-    num_microbatches``; ``params(state) -> PipelineParams`` in model order,
-    still sharded.
+    (stages in model order ``[num_stages, ...]``); ``step(state, (inputs,
+    targets)) -> (state, StepStats)`` with leading batch size divisible by
+    ``data size x num_microbatches``; ``params(state) -> PipelineParams`` in
+    model order, still sharded.
 
   Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxpar
     >>> from flax import nnx
     >>> from jaxpar.models import gpt
     >>> config = gpt.GPTConfig(vocab_size=16, seq_len=8, d_model=16,
     ...                        num_heads=2, num_layers=2)
     >>> params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0)))
-    >>> pp, layout = gpt.split_for_pipeline(params, num_stages=2)
+    >>> pp, split = gpt.split_for_pipeline(params, num_stages=2)
     >>> trainer = jaxpar.parallel.trainer(
     ...     gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.adam(1e-3),
     ...     schedule=jaxpar.pipeline.one_f_one_b(2, 2),
     ...     mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
-    ...     stage_mask=layout.mask, zero_stage=3)
+    ...     stage_mask=split.mask, tensor_rules=gpt.TENSOR_RULES,
+    ...     zero_stage=3)
     >>> state = trainer.init(pp)
     >>> ids = np.zeros((4, 8), np.int32)
     >>> state, stats = trainer.step(state, (ids, ids))
@@ -257,250 +295,411 @@ def trainer(
     >>> state.opt_state[0].mu.layers[1]['ln1']['scale'].shape  # layer 1
     (16,)
   """
-  tensor_specs = None   # a PipelineModel's tensor split, XLA-partitioned
-  if isinstance(embed_fn, PipelineModel):  # trainer(pm, optimizer, ...)
-    if loss_fn is not None or optimizer is not None:
-      raise TypeError('trainer(pm, optimizer, *, schedule, mesh, ...) '
-                      'takes a PipelineModel and the optimizer only.')
-    pm, optimizer = embed_fn, stage_fn
-    embed_fn, stage_fn, loss_fn = pm.functions
-    stage_mask = pm.stage_mask if stage_mask is None else stage_mask
-    layout = {} if layout is None else layout   # the model's own layers
-    tensor_specs = pm.tensor_specs
-  for name, fn in (('embed_fn', embed_fn), ('stage_fn', stage_fn),
-                   ('loss_fn', loss_fn)):
+  plan = _plan(embed_fn, stage_fn, loss_fn, optimizer, schedule=schedule,
+               mesh=mesh, stage_mask=stage_mask, max_grad_norm=max_grad_norm,
+               tensor_rules=tensor_rules,
+               axes=_Axes(data_axis, stage_axis, tensor_axis),
+               zero_stage=zero_stage, key=key, has_aux=has_aux,
+               compute_dtype=compute_dtype, remat_policy=remat_policy)
+  placed = placed_init(functools.partial(_storage, plan), mesh=mesh)
+  return Trainer(functools.partial(_init, plan, placed), _step(plan),
+                 functools.partial(_params, plan))
+
+
+# ---------------------------------------------------------------- the options
+
+
+def _check_schedule(schedule: Any, n_stage: int, stage_axis: str) -> None:
+  if not isinstance(schedule, Schedule):
+    raise TypeError(f'schedule must be a jaxpar.pipeline.Schedule, got '
+                    f'{type(schedule).__name__}.')
+  if schedule.num_ranks != n_stage:
+    raise ValueError(
+        f'schedule {schedule.name!r} has num_ranks={schedule.num_ranks} but '
+        f'the mesh axis {stage_axis!r} has size {n_stage}; build the schedule '
+        f'with num_ranks={n_stage} or change the mesh.')
+
+
+def _check_mask(stage_mask: Any, schedule: Schedule) -> np.ndarray | None:
+  if stage_mask is None:
+    return None
+  stage_mask = np.asarray(stage_mask, bool)
+  if stage_mask.ndim < 1 or stage_mask.shape[0] != schedule.num_stages:
+    raise ValueError(
+        f'stage_mask has shape {stage_mask.shape}; its leading size must be '
+        f'schedule.num_stages={schedule.num_stages}.')
+  return stage_mask
+
+
+def _parts(embed_fn, stage_fn, loss_fn, optimizer, stage_mask, tensor_rules):
+  """``(functions, optimizer, stage_mask, tensor_specs)`` of the arguments:
+  the three functions, or a ``PipelineModel`` and the optimizer."""
+  if not isinstance(embed_fn, PipelineModel):
+    return (embed_fn, stage_fn, loss_fn), optimizer, stage_mask, None
+  if loss_fn is not None or optimizer is not None:
+    raise TypeError('trainer(pm, optimizer, *, schedule, mesh, ...) '
+                    'takes a PipelineModel and the optimizer only.')
+  if tensor_rules is not None:
+    raise TypeError(
+        'trainer(pm, optimizer, tensor_rules=...): a PipelineModel splits its '
+        'params over tensor as from_nnx says; pass the rules there: '
+        'from_nnx(model, ..., tensor_rules=rules), then trainer(pm, '
+        'optimizer, schedule=..., mesh=...).')
+  pm = embed_fn
+  return (pm.functions, stage_fn,
+          pm.stage_mask if stage_mask is None else stage_mask,
+          pm.tensor_specs)
+
+
+def _plan(embed_fn, stage_fn, loss_fn, optimizer, *, schedule: Schedule,
+          mesh: Mesh, stage_mask, max_grad_norm, tensor_rules, axes: _Axes,
+          zero_stage, key, has_aux, compute_dtype, remat_policy) -> _Plan:
+  """The checked options (errors before anything is traced)."""
+  functions, optimizer, stage_mask, tensor_specs = _parts(
+      embed_fn, stage_fn, loss_fn, optimizer, stage_mask, tensor_rules)
+  for name, fn in zip(('embed_fn', 'stage_fn', 'loss_fn'), functions):
     check_fn(fn, name)
   # The user's functions as on one device (jaxpar.vma).
-  embed_fn, stage_fn, loss_fn = (vma.lift(fn, axes=(data_axis, stage_axis))
-                                 for fn in (embed_fn, stage_fn, loss_fn))
+  functions = tuple(vma.lift(fn, axes=(axes.data, axes.stage))
+                    for fn in functions)
   optimizer = check_optimizer(optimizer)
   zero_stage = zero.check_zero_stage(zero_stage)
   check_max_grad_norm(max_grad_norm)
-  n_data = axis_size(mesh, data_axis)
-  n_stage = axis_size(mesh, stage_axis)
-  n_tensor = axis_size(mesh, tensor_axis)
-  manual = frozenset()   # shard_map manual over every axis
-  if tensor_specs is not None:
-    # The model's layers run as written on full-size arrays: 'tensor' stays
-    # an Auto axis that XLA partitions from the params' shardings, inside a
-    # shard_map manual over data and stage only.
-    manual = frozenset({data_axis, stage_axis})
-  _check_schedule(schedule, n_stage, stage_axis)
+  for axis in axes:
+    axis_size(mesh, axis)
+  # A PipelineModel's layers run as written on full-size arrays: 'tensor'
+  # stays an Auto axis that XLA partitions from the params' shardings,
+  # inside a shard_map manual over data and stage only (empty: all axes).
+  manual = (frozenset() if tensor_specs is None
+            else frozenset({axes.data, axes.stage}))
+  _check_schedule(schedule, axis_size(mesh, axes.stage), axes.stage)
   stage_mask = _check_mask(stage_mask, schedule)
   check_key(key)
   compute_dtype = check_compute_dtype(compute_dtype)
-  stash_policy(remat, remat_policy)
+  stash_policy(remat_policy=remat_policy)
   if key is not None:
     key = jax.device_put(key, NamedSharding(mesh, P()))
-  lowered = tick_table(schedule)
-  m = schedule.num_microbatches
+  return _Plan(
+      functions, optimizer, schedule, tick_table(schedule), mesh, axes,
+      manual, stage_mask,
+      # the mask in the rank placement [p, v, ...], in numpy (no op to compile)
+      None if stage_mask is None
+      else stage_mask[np.array(local_stages(schedule))],
+      LayerView.of(schedule, stage_mask), tensor_rules, tensor_specs,
+      zero_stage, max_grad_norm, key, has_aux, compute_dtype, remat_policy,
+      _Cache({}, {}))
+
+
+# ------------------------------------------------------------------ the specs
+
+
+def _manual(specs: PyTree, axes: frozenset[str]) -> PyTree:
+  """``specs`` over the manual ``axes`` of a shard_map only (empty: all)."""
+  if not axes:
+    return specs
+
+  def keep(entry):
+    kept = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
+                 if a in axes)
+    return kept if len(kept) > 1 else (kept[0] if kept else None)
+  return jax.tree.map(lambda s: P(*map(keep, s)), specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def _specs(plan: _Plan, params: PipelineParams) -> _Specs:
+  """The ``_Specs`` of placed params (``Padded`` leaves at their logical
+  ``shape``), computed once per signature."""
+  params = zero.logical_shapes(params)
+  key = signature(params)
+  if key not in plan.cache.specs:
+    base = _base_specs(plan, params)
+    plan.cache.specs[key] = _Specs(base, _zero_specs(plan, params, base),
+                                   _view_specs(plan, params, base))
+  return plan.cache.specs[key]
+
+
+def _base_specs(plan: _Plan, params: PipelineParams) -> PipelineParams:
+  """Over ``tensor`` as the tensor rules say, over ``stage`` on a stage
+  leaf's rank dim."""
+  if plan.tensor_specs is not None:
+    base = plan.tensor_specs(params, axis_size(plan.mesh, plan.axes.tensor))
+  else:
+    base = PipelineParams(*(
+        tp.param_specs(part, rules=plan.tensor_rules, axis=plan.axes.tensor)
+        for part in params))
+  return base._replace(stages=jax.tree.map(
+      lambda leaf, s: P(plan.axes.stage, *padded_spec(s, np.ndim(leaf))[1:]),
+      params.stages, base.stages))
+
+
+def _zero_specs(plan: _Plan, params: PipelineParams,
+                base: PipelineParams) -> PipelineParams:
+  """``base`` with ZeRO's ``data`` axis on one more dim of every leaf."""
   # Leading dims ZeRO never splits: a stage leaf's [p, v] and the dims the
   # stage mask covers after them (the mask applies to whole local rows).
   skip = PipelineParams(
-      0, 2 if stage_mask is None else 1 + stage_mask.ndim, 0)
-  if stage_mask is not None:
-    # the mask in the rank layout [p, v, ...], in numpy (no op to compile)
-    mask_ranks = stage_mask[np.array(local_stages(schedule))]
-  view = LayerView.of(schedule, stage_mask)
-  layouts = {}
+      0, 2 if plan.stage_mask is None else 1 + plan.stage_mask.ndim, 0)
+  return PipelineParams(*(
+      zero.data_specs(part, spec, mesh=plan.mesh, axis=plan.axes.data,
+                      skip=lead, pad=True)
+      for part, spec, lead in zip(params, base, skip)))
 
-  def specs_of(params: PipelineParams) -> tuple[PipelineParams, PipelineParams,
-                                                LayerParams]:
-    """Specs of placed params: (tensor/stage, the same with ZeRO's data
-    axis, the optimizer's view: also split over stage, and data with ZeRO),
-    from the logical shapes (``zero.Padded`` leaves at their ``shape``)."""
-    params = zero.logical_shapes(params)
-    key = signature(params)
-    if key not in layouts:
-      base = (tensor_specs(params, n_tensor) if tensor_specs is not None else
-              PipelineParams(*(tp.param_specs(part, axis=tensor_axis,
-                                              layout=layout) for part in params)))
-      base = base._replace(stages=jax.tree.map(
-          lambda leaf, s: P(stage_axis, *padded_spec(s, np.ndim(leaf))[1:]),
-          params.stages, base.stages))
-      split = PipelineParams(*(
-          zero.data_specs(part, spec, mesh=mesh, axis=data_axis, skip=lead,
-                          pad=True)
-          for part, spec, lead in zip(params, base, skip)))
-      lead = len(view.shape)
-      layer = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(
-          np.shape(leaf)[lead:], leaf.dtype), params.stages)
-      ops = LayerParams(params.embed, layer, params.head)
-      ops_base = LayerParams(base.embed, jax.tree.map(
-          lambda leaf, s: P(*padded_spec(s, np.ndim(leaf))[lead:]),
-          params.stages, base.stages), base.head)
-      for axis in (stage_axis,) + ((data_axis,) if zero_stage else ()):
-        ops_base = LayerParams(*(zero.data_specs(part, spec, mesh=mesh,
-                                                 axis=axis,
-                                                 pad=axis == data_axis)
-                                 for part, spec in zip(ops, ops_base)))
-      layouts[key] = base, split, ops_base._replace(
-          layers=[ops_base.layers] * len(view.positions))
-    return layouts[key]
 
-  def optimizer_view(params: PipelineParams) -> LayerParams:
-    """The optimizer's view of rank-layout params, as shapes."""
-    return jax.eval_shape(view.of_params, jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params))
+def _view_specs(plan: _Plan, params: PipelineParams,
+                base: PipelineParams) -> LayerParams:
+  """The per-layer view's specs: each layer's tensor split, and ``stage``
+  (and ``data`` with ZeRO) on one more dim."""
+  lead = len(plan.view.shape)
+  shapes = LayerParams(params.embed, jax.tree.map(
+      lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf)[lead:], leaf.dtype),
+      params.stages), params.head)
+  specs = LayerParams(base.embed, jax.tree.map(
+      lambda leaf, s: P(*padded_spec(s, np.ndim(leaf))[lead:]),
+      params.stages, base.stages), base.head)
+  for axis in (plan.axes.stage,) + ((plan.axes.data,) if plan.zero_stage
+                                    else ()):
+    specs = LayerParams(*(zero.data_specs(part, spec, mesh=plan.mesh,
+                                          axis=axis,
+                                          pad=axis == plan.axes.data)
+                          for part, spec in zip(shapes, specs)))
+  return specs._replace(layers=[specs.layers] * len(plan.view.positions))
 
-  layer_optimizer = layerwise(optimizer, view,
-                              specs=lambda params: specs_of(params)[2])
 
-  def state_specs(state: TrainState) -> TrainState:
-    state = zero.logical_shapes(state)
-    base, split, ops = specs_of(state.params)
-    return TrainState(P(), split if zero_stage == 3 else base, mirror_specs(
-        state.opt_state, optimizer_view(state.params), ops))
+def _stored(plan: _Plan, specs: _Specs) -> PipelineParams:
+  """How the params are stored: split over ``data`` with ZeRO-3 only."""
+  return specs.zero if plan.zero_stage == 3 else specs.base
 
-  def init(params: PipelineParams) -> TrainState:
-    if not isinstance(params, PipelineParams):
-      raise TypeError('params must be a jaxpar.parallel.PipelineParams(embed, '
-                      f'stages, head), got {type(params).__name__}.')
-    check_leading(params.stages, schedule.num_stages,
-                            'params.stages', 'schedule.num_stages')
-    if stage_mask is not None:
-      for leaf in jax.tree.leaves(params.stages):
-        if leaf.shape[:stage_mask.ndim] != stage_mask.shape:
-          raise ValueError(
-              f'stage_mask shape {stage_mask.shape} is not a prefix of a stage '
-              f'leaf shape {leaf.shape}.')
+
+def _gradient_specs(plan: _Plan, specs: _Specs) -> PipelineParams:
+  """How the gradients leave the ``shard_map``: reduce-scattered with ZeRO."""
+  return specs.zero if plan.zero_stage else specs.base
+
+
+def _view_of(plan: _Plan, params: PipelineParams) -> LayerParams:
+  return _specs(plan, params).view
+
+
+def _optimizer_view(plan: _Plan, params: PipelineParams) -> LayerParams:
+  """The optimizer's view of rank-placement params, as shapes."""
+  return jax.eval_shape(plan.view.of_params, jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params))
+
+
+def _state_specs(plan: _Plan, state: TrainState) -> TrainState:
+  state = zero.logical_shapes(state)
+  specs = _specs(plan, state.params)
+  return TrainState(P(), _stored(plan, specs), mirror_specs(
+      state.opt_state, _optimizer_view(plan, state.params), specs.view))
+
+
+def _padded_optimizer(plan: _Plan,
+                      specs: TrainState) -> optax.GradientTransformation:
+  """The optimizer on the per-layer view of logical leaves, its state
+  stored padded (``data_parallel.padded_optimizer``) as ``specs`` say."""
+  layer_optimizer = layerwise(plan.optimizer, plan.view,
+                              specs=functools.partial(_view_of, plan))
+  return zero.padded_optimizer(layer_optimizer, specs.opt_state,
+                               mesh=plan.mesh)
+
+
+# ------------------------------------------------------ init and params
+
+
+def _init(plan: _Plan, placed: Callable[[PipelineParams], TrainState],
+          params: PipelineParams) -> TrainState:
+  """``Trainer.init``: checks model-order ``params``, then places them."""
+  if not isinstance(params, PipelineParams):
+    raise TypeError('params must be a jaxpar.parallel.PipelineParams(embed, '
+                    f'stages, head), got {type(params).__name__}.')
+  check_leading(params.stages, plan.schedule.num_stages, 'params.stages',
+                'schedule.num_stages')
+  if plan.stage_mask is not None:
+    for leaf in jax.tree.leaves(params.stages):
+      if leaf.shape[:plan.stage_mask.ndim] != plan.stage_mask.shape:
+        raise ValueError(
+            f'stage_mask shape {plan.stage_mask.shape} is not a prefix of a '
+            f'stage leaf shape {leaf.shape}.')
+  if plan.tensor_specs is None:   # a PipelineModel's tensor_specs check it
     for part in params:
-      tp.check_divisible(part, mesh=mesh, axis=tensor_axis, layout=layout)
-    return placed(params)
+      tp.check_divisible(part, mesh=plan.mesh, rules=plan.tensor_rules,
+                         axis=plan.axes.tensor)
+  return placed(params)
 
-  def to_ranks(params: PipelineParams) -> PipelineParams:
-    return params._replace(
-        stages=executor.stages_to_ranks(params.stages, schedule))
 
-  def init_layout(params: PipelineParams):
-    """(prepare, optimizer, state specs) of model-order params' shapes."""
-    params = jax.eval_shape(to_ranks, params)
-    tp.check_axis_used(specs_of(params)[0], mesh=mesh, axis=tensor_axis)
-    specs = state_specs(jax.eval_shape(lambda p: TrainState(
-        jnp.zeros((), jnp.int32), p, optimizer.init(view.of_params(p))),
-                                       params))
-    return (lambda p: zero.pad(to_ranks(p), specs.params, mesh=mesh),
-            padded_optimizer(specs), specs)
+def _to_ranks(schedule: Schedule, params: PipelineParams) -> PipelineParams:
+  return params._replace(
+      stages=executor.stages_to_ranks(params.stages, schedule))
 
-  placed = placed_init(init_layout, mesh=mesh)
 
-  def padded_optimizer(specs: TrainState) -> optax.GradientTransformation:
-    """The per-layer optimizer on logical leaves, its state stored padded
-    (``zero.padded_optimizer``) as ``specs.opt_state`` says."""
-    return zero.padded_optimizer(layer_optimizer, specs.opt_state, mesh=mesh)
+def _fresh_state(plan: _Plan, params: PipelineParams) -> TrainState:
+  return TrainState(jnp.zeros((), jnp.int32), params,
+                    plan.optimizer.init(plan.view.of_params(params)))
 
-  def to_model_order(state: TrainState) -> PipelineParams:
-    """Stages back in model order ``[num_stages, ...]``, at their logical
-    shapes (``zero.unpadded``), shards kept."""
-    params = zero.unpadded(state.params)
-    return auto_view(params._replace(
-        stages=stages_in_model_order(params.stages, schedule)))
 
-  def masked(stage_grads: PyTree) -> PyTree:
-    if stage_mask is None:
-      return stage_grads
-    mine = jnp.asarray(mask_ranks)[jax.lax.axis_index(stage_axis)]
-    return jax.tree.map(
-        lambda g: jnp.where(
-            mine.reshape(mine.shape + (1,) * (g.ndim - mine.ndim)), g,
-            jnp.zeros((), g.dtype)), stage_grads)
+def _prepare(plan: _Plan, specs: TrainState,
+             params: PipelineParams) -> PipelineParams:
+  """Model-order params as stored: rank placement, padded where ZeRO pads."""
+  return zero.pad(_to_ranks(plan.schedule, params), specs.params,
+                  mesh=plan.mesh)
 
-  def functions(split: PipelineParams):
-    """embed/stage/loss functions of local params (ZeRO-3: of slices)."""
-    if zero_stage != 3:
-      return embed_fn, stage_fn, loss_fn
-    gathered = functools.partial(zero.gathered, axis=data_axis)
-    return (gathered(embed_fn, split.embed),
-            gathered(stage_fn, split.stages, skip=2),
-            gathered(loss_fn, split.head))
 
-  def offset():
-    """Global index of this data shard's first microbatch."""
-    return jax.lax.axis_index(data_axis) * m
+def _storage(plan: _Plan, params: PipelineParams):
+  """``(prepare, optimizer, state specs)`` of model-order params' shapes
+  (``train_state.placed_init``)."""
+  params = jax.eval_shape(functools.partial(_to_ranks, plan.schedule), params)
+  tp.check_axis_used(_specs(plan, params).base, mesh=plan.mesh,
+                     axis=plan.axes.tensor)
+  specs = _state_specs(plan, jax.eval_shape(
+      functools.partial(_fresh_state, plan), params))
+  return (functools.partial(_prepare, plan, specs),
+          _padded_optimizer(plan, specs), specs)
 
-  def local_grads(params, inputs, targets, key, *, base, split):
-    embed, stage, head_loss = functions(split)
-    params = zero.vary(params, split if zero_stage == 3 else base,
-                       axis=data_axis)
-    embed_key = None
-    if key is not None:
-      embed_key, key = jax.random.split(key)
-    local_stages = jax.tree.map(lambda a: a[0], params.stages)
-    # The embedding runs per microbatch inside stage 0 (with one stage
-    # rank, the microbatches run in turn): nothing batch-sized is held.
-    out, grads = executor.pipeline_value_and_grad_local(
-        stage, head_loss, local_stages, params.head, inputs, targets,
-        lowered=lowered, axis=stage_axis, remat=remat, key=key,
-        microbatch_offset=offset(), has_aux=has_aux,
-        compute_dtype=compute_dtype, embed_fn=embed,
-        embed_params=params.embed, embed_key=embed_key,
-        remat_policy=remat_policy)
-    grads = PipelineParams(
-        grads.embed, jax.tree.map(lambda g: g[None], masked(grads.stages)),
-        grads.loss)
-    loss, aux = jax.lax.pmean(out if has_aux else (out, None), data_axis)
-    grads = zero.reduce_gradients(grads, split if zero_stage else base,
-                                  axis=data_axis, summed=zero_stage == 3)
-    return loss, aux, grads
 
-  def program(state: TrainState, inputs, targets, key):
-    base, split, _ = specs_of(state.params)
-    specs = state_specs(state)
-    if key is not None:  # a fresh key each step, a function of (key, step)
-      key = jax.random.fold_in(key, state.step)
-    grad_specs = split if zero_stage else base
-    gradients = jax.shard_map(
-        functools.partial(local_grads, base=base, split=split),
-        mesh=None if manual else mesh,   # None: auto_axes' mesh, below
-        in_specs=(_manual(specs.params, manual), P(data_axis), P(data_axis),
-                  P()),
-        out_specs=(P(), P(), _manual(grad_specs, manual)), axis_names=manual)
-    if manual:   # 'tensor' Auto inside: XLA partitions the model as written
-      gradients = jax.sharding.auto_axes(
-          gradients, axes=tensor_axis, out_sharding=(P(), P(), grad_specs))
-    loss, aux, grads = gradients(state.params, inputs, targets, key)
-    state, stats = sharded_update(
-        state, grads, loss=loss, optimizer=padded_optimizer(specs), mesh=mesh,
-        state_specs=specs, max_grad_norm=max_grad_norm,
-        update_specs=split if zero_stage == 1 else None)
-    return state, stats._replace(aux=aux)
+def _params(plan: _Plan, state: TrainState) -> PipelineParams:
+  """``Trainer.params``: stages back in model order ``[num_stages, ...]``, at
+  their logical shapes (``data_parallel.unpadded``), shards kept."""
+  params = zero.unpadded(state.params)
+  return auto_view(params._replace(
+      stages=stages_in_model_order(params.stages, plan.schedule)))
 
-  compiled = jax.jit(program)
-  batch_sharding = NamedSharding(mesh, P(data_axis))
-  specs_by_signature = {}   # state specs, each state signature checked once
 
-  def validate(state, batch) -> TrainState:
-    """Checks ``(state, batch)``; returns the state's specs."""
-    if not isinstance(state, TrainState):
-      raise TypeError('state must be a TrainState from Trainer.init, got '
-                      f'{type(state).__name__}.')
-    if not (isinstance(batch, tuple) and len(batch) == 2):
-      raise TypeError('batch must be a tuple (inputs, targets).')
-    size = batch_size_of(batch)
-    if size % (n_data * m):
-      raise ValueError(
-          f'batch size {size} is not divisible by {data_axis} size {n_data} x '
-          f'num_microbatches {m} = {n_data * m}; use a multiple of '
-          f'{n_data * m}.')
-    key = signature(state)
-    if key not in specs_by_signature:
-      logical = zero.logical_shapes(state)
-      check_opt_state(logical._replace(params=optimizer_view(logical.params)),
-                      optimizer)
-      specs_by_signature[key] = state_specs(state)
-    return specs_by_signature[key]
+# ------------------------------------------------------------------- the step
 
-  def place(state, batch):
-    return (zero.place(state, validate(state, batch), mesh=mesh),
-            *jax.device_put(batch, batch_sharding))
+
+def _masked(plan: _Plan, stage_grads: PyTree) -> PyTree:
+  """Zero gradients for the slots ``stage_mask`` marks ``False``."""
+  if plan.stage_mask is None:
+    return stage_grads
+  mine = jnp.asarray(plan.mask_ranks)[jax.lax.axis_index(plan.axes.stage)]
+  return jax.tree.map(
+      lambda g: jnp.where(
+          mine.reshape(mine.shape + (1,) * (g.ndim - mine.ndim)), g,
+          jnp.zeros((), g.dtype)), stage_grads)
+
+
+def _functions(plan: _Plan, split: PipelineParams) -> tuple:
+  """embed/stage/loss functions of local params (ZeRO-3: of slices that
+  each call gathers over ``data`` just in time)."""
+  if plan.zero_stage != 3:
+    return plan.functions
+  embed_fn, stage_fn, loss_fn = plan.functions
+  gathered = functools.partial(zero.gathered, axis=plan.axes.data)
+  return (gathered(embed_fn, split.embed),
+          gathered(stage_fn, split.stages, skip=2),
+          gathered(loss_fn, split.head))
+
+
+def _local_grads(plan: _Plan, specs: _Specs, params: PipelineParams,
+                 inputs: Any, targets: Any, key: jax.Array | None):
+  """Inside the ``shard_map``: ``(loss, aux, gradients)`` of one device,
+  averaged (or reduce-scattered) over ``data``."""
+  embed, stage, head_loss = _functions(plan, specs.zero)
+  params = zero.vary(params, _stored(plan, specs), axis=plan.axes.data)
+  embed_key = None
+  if key is not None:
+    embed_key, key = jax.random.split(key)
+  one_rank = jax.tree.map(lambda a: a[0], params.stages)
+  # The embedding runs per microbatch inside stage 0 (with one stage
+  # rank, the microbatches run in turn): nothing batch-sized is held.
+  out, grads = executor.pipeline_value_and_grad_local(
+      stage, head_loss, one_rank, params.head, inputs, targets,
+      lowered=plan.lowered, axis=plan.axes.stage, key=key,
+      # the global index of this data shard's first microbatch
+      microbatch_offset=(jax.lax.axis_index(plan.axes.data)
+                         * plan.schedule.num_microbatches),
+      has_aux=plan.has_aux, compute_dtype=plan.compute_dtype, embed_fn=embed,
+      embed_params=params.embed, embed_key=embed_key,
+      remat_policy=plan.remat_policy)
+  grads = PipelineParams(
+      grads.embed,
+      jax.tree.map(lambda g: g[None], _masked(plan, grads.stages)),
+      grads.head)
+  loss, aux = jax.lax.pmean(out if plan.has_aux else (out, None),
+                            plan.axes.data)
+  grads = zero.reduce_gradients(grads, _gradient_specs(plan, specs),
+                                axis=plan.axes.data,
+                                summed=plan.zero_stage == 3)
+  return loss, aux, grads
+
+
+def _gradients(plan: _Plan, specs: _Specs, state_specs: TrainState):
+  """``_local_grads`` in its ``shard_map``: ``(params, inputs, targets,
+  key) -> (loss, aux, gradients)`` of global arrays."""
+  manual, axes = plan.manual, plan.axes
+  grad_specs = _gradient_specs(plan, specs)
+  gradients = jax.shard_map(
+      functools.partial(_local_grads, plan, specs),
+      mesh=None if manual else plan.mesh,   # None: auto_axes' mesh, below
+      in_specs=(_manual(state_specs.params, manual), P(axes.data),
+                P(axes.data), P()),
+      out_specs=(P(), P(), _manual(grad_specs, manual)), axis_names=manual)
+  if manual:   # 'tensor' Auto inside: XLA partitions the model as written
+    gradients = jax.sharding.auto_axes(
+        gradients, axes=axes.tensor, out_sharding=(P(), P(), grad_specs))
+  return gradients
+
+
+def _program(plan: _Plan, state: TrainState, inputs: Any, targets: Any,
+             key: jax.Array | None) -> tuple[TrainState, StepStats]:
+  """The jitted step: gradients in the ``shard_map``, then the update on
+  global arrays (``train_state.sharded_update``)."""
+  specs = _specs(plan, state.params)
+  state_specs = _state_specs(plan, state)
+  if key is not None:  # a fresh key each step, a function of (key, step)
+    key = jax.random.fold_in(key, state.step)
+  loss, aux, grads = _gradients(plan, specs, state_specs)(
+      state.params, inputs, targets, key)
+  state, stats = sharded_update(
+      state, grads, loss=loss,
+      optimizer=_padded_optimizer(plan, state_specs), mesh=plan.mesh,
+      state_specs=state_specs, max_grad_norm=plan.max_grad_norm,
+      update_specs=specs.zero if plan.zero_stage == 1 else None)
+  return state, stats._replace(aux=aux)
+
+
+def _validate(plan: _Plan, state: Any, batch: Any) -> TrainState:
+  """Checks ``(state, batch)``; returns the state's specs."""
+  if not isinstance(state, TrainState):
+    raise TypeError('state must be a TrainState from Trainer.init, got '
+                    f'{type(state).__name__}.')
+  if not (isinstance(batch, tuple) and len(batch) == 2):
+    raise TypeError('batch must be a tuple (inputs, targets).')
+  size = batch_size_of(batch)
+  n_data = axis_size(plan.mesh, plan.axes.data)
+  n = n_data * plan.schedule.num_microbatches
+  if size % n:
+    raise ValueError(
+        f'batch size {size} is not divisible by {plan.axes.data} size '
+        f'{n_data} x num_microbatches {plan.schedule.num_microbatches} = '
+        f'{n}; use a multiple of {n}.')
+  key = signature(state)
+  if key not in plan.cache.states:
+    logical = zero.logical_shapes(state)
+    check_opt_state(logical._replace(
+        params=_optimizer_view(plan, logical.params)), plan.optimizer)
+    plan.cache.states[key] = _state_specs(plan, state)
+  return plan.cache.states[key]
+
+
+def _place(plan: _Plan, state: TrainState, batch: tuple) -> tuple:
+  """``(state, inputs, targets)`` placed as the step takes them."""
+  return (zero.place(state, _validate(plan, state, batch), mesh=plan.mesh),
+          *jax.device_put(batch, NamedSharding(plan.mesh, P(plan.axes.data))))
+
+
+def _step(plan: _Plan) -> Callable[[TrainState, tuple],
+                                   tuple[TrainState, StepStats]]:
+  """``Trainer.step`` (and ``step.lower``): one jitted program, the state
+  and batch placed first."""
+  compiled = jax.jit(functools.partial(_program, plan))
 
   def step(state: TrainState, batch: tuple) -> tuple[TrainState, StepStats]:
-    with jax.set_mesh(mesh):
-      return compiled(*place(state, batch), key)
+    with jax.set_mesh(plan.mesh):
+      return compiled(*_place(plan, state, batch), plan.key)
 
-  def lower_step(state: TrainState, batch: tuple):
-    with jax.set_mesh(mesh):
-      return compiled.lower(*place(state, batch), key)
+  def lower(state: TrainState, batch: tuple):
+    with jax.set_mesh(plan.mesh):
+      return compiled.lower(*_place(plan, state, batch), plan.key)
 
-  step.lower = lower_step
-  return Trainer(init, step, to_model_order)
+  step.lower = lower
+  return step

@@ -38,6 +38,7 @@ def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     ``[..., T, H, k]``, the dtype of ``query``.
 
   Example:
+    >>> import jax.numpy as jnp, jaxpar
     >>> q = k = v = jnp.ones((2, 8, 4, 16))      # [B, S, heads, head_dim]
     >>> core = jaxpar.tensor_parallel.dot_product_attention
     >>> core(q, k, v, causal=True).shape
@@ -80,7 +81,7 @@ def parallel_self_attention(params: Params, x: jax.Array, *,
   Args:
     params: ``{'query'|'key'|'value': {'kernel': [d, H/N, k], 'bias':
       [H/N, k]}, 'out': {'kernel': [H/N, k, d], 'bias': [d]}}`` local shards
-      (the layout of ``nnx.MultiHeadAttention``); biases optional.
+      (the params of ``nnx.MultiHeadAttention``); biases optional.
     x: ``[..., S, d]`` replicated, or ``[..., S/N, d]`` with
       ``sequence_parallel``.
     axis: the tensor-parallel mesh axis.
@@ -91,16 +92,21 @@ def parallel_self_attention(params: Params, x: jax.Array, *,
     Same shape as ``x``: replicated, or this device's sequence shard.
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from flax import nnx
+    >>> from jax.sharding import PartitionSpec as P
     >>> tp = jaxpar.tensor_parallel
     >>> dense = nnx.MultiHeadAttention(num_heads=4, in_features=16,
     ...                                decode=False, rngs=nnx.Rngs(0))
     >>> params = nnx.to_pure_dict(nnx.state(dense, nnx.Param))
+    >>> rules = {r'(query|key|value)/(kernel|bias)': ('tensor', None),
+    ...          r'out/kernel': ('tensor', None, None)}    # split by heads
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
+    >>> specs = tp.param_specs(params, rules=rules)
     >>> attn = jax.jit(jax.shard_map(tp.parallel_self_attention, mesh=mesh,
-    ...                              in_specs=(tp.param_specs(params), P()),
-    ...                              out_specs=P()))
+    ...                              in_specs=(specs, P()), out_specs=P()))
     >>> x = jax.random.normal(jax.random.key(0), (2, 8, 16))
-    >>> y = attn(tp.shard_params(params, mesh=mesh), x)   # one head each
+    >>> y = attn(tp.shard_params(params, mesh=mesh, rules=rules), x)
     >>> bool(jnp.allclose(y, dense(x), atol=1e-5))
     True
   """
@@ -165,8 +171,10 @@ def transformer_block(params: Params, x: jax.Array, *, axis: str = 'tensor',
 
   Args:
     params: ``{'ln1': norm, 'attn': attention, 'ln2': norm, 'mlp': mlp}``
-      with the layouts of ``layer_norm``, ``parallel_self_attention`` and
-      ``parallel_mlp``; ``param_specs`` gives the matching specs.
+      with the params of ``layer_norm``, ``parallel_self_attention`` and
+      ``parallel_mlp`` (those of ``jaxpar.models.gpt.Block``);
+      ``param_specs`` with ``rules=jaxpar.models.gpt.TENSOR_RULES`` gives
+      the matching specs.
     x: ``[..., S, d]`` replicated, or ``[..., S/N, d]`` with
       ``sequence_parallel``.
     axis: the tensor-parallel mesh axis.
@@ -180,17 +188,22 @@ def transformer_block(params: Params, x: jax.Array, *, axis: str = 'tensor',
     Same shape as ``x``.
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from flax import nnx
+    >>> from jax.sharding import PartitionSpec as P
     >>> tp, gpt = jaxpar.tensor_parallel, jaxpar.models.gpt
     >>> dense = gpt.Block(gpt.GPTConfig(d_model=16), rngs=nnx.Rngs(0))
     >>> params = nnx.to_pure_dict(nnx.state(dense, nnx.Param))
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
     >>> seq = P(None, 'tensor', None)            # [B, S/4, d] on each device
+    >>> specs = tp.param_specs(params, rules=gpt.TENSOR_RULES)
     >>> block = jax.jit(jax.shard_map(
     ...     lambda p, x: tp.transformer_block(p, x, sequence_parallel=True),
-    ...     mesh=mesh, in_specs=(tp.param_specs(params), seq), out_specs=seq))
+    ...     mesh=mesh, in_specs=(specs, seq), out_specs=seq))
     >>> x = jax.random.normal(jax.random.key(0), (2, 8, 16))
     >>> x_seq = jax.device_put(x, jax.NamedSharding(mesh, seq))
-    >>> y = block(tp.shard_params(params, mesh=mesh), x_seq)
+    >>> y = block(tp.shard_params(params, mesh=mesh, rules=gpt.TENSOR_RULES),
+    ...           x_seq)
     >>> bool(jnp.allclose(y, dense(x), atol=1e-5))
     True
   """

@@ -71,6 +71,8 @@ def column_parallel_linear(x: jax.Array, kernel: jax.Array,
     full ``[..., out]`` with ``gather_output``.
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
     >>> tp = jaxpar.tensor_parallel
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
     >>> specs = (P(), P(None, 'tensor'), P('tensor'))
@@ -141,6 +143,8 @@ def row_parallel_linear(x: jax.Array, kernel: jax.Array,
     ``[..., S/N, out]``, this device's sequence shard.
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
     >>> tp = jaxpar.tensor_parallel
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
     >>> specs = (P(None, 'tensor'), P('tensor', None), P())
@@ -206,15 +210,19 @@ def parallel_mlp(params: Params, x: jax.Array, *, axis: str = 'tensor',
     Same shape as ``x``: replicated, or this device's sequence shard.
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from flax import nnx
+    >>> from jax.sharding import PartitionSpec as P
     >>> tp = jaxpar.tensor_parallel
     >>> dense = jaxpar.models.MLP(8, 32, rngs=nnx.Rngs(0))
     >>> params = nnx.to_pure_dict(nnx.state(dense, nnx.Param))
+    >>> rules = jaxpar.models.mlp.TENSOR_RULES   # fc_in columns, fc_out rows
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
+    >>> specs = tp.param_specs(params, rules=rules)
     >>> mlp = jax.jit(jax.shard_map(tp.parallel_mlp, mesh=mesh,
-    ...                             in_specs=(tp.param_specs(params), P()),
-    ...                             out_specs=P()))
+    ...                             in_specs=(specs, P()), out_specs=P()))
     >>> x = jnp.ones((2, 8))
-    >>> y = mlp(tp.shard_params(params, mesh=mesh), x)
+    >>> y = mlp(tp.shard_params(params, mesh=mesh, rules=rules), x)
     >>> bool(jnp.allclose(y, dense(x), atol=1e-6))
     True
   """
@@ -236,10 +244,11 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None, *,
   For activations replicated over ``axis``: give every device the same
   ``key`` and each draws the same mask. With ``sequence_parallel`` (``x`` is
   ``[..., S/N, d]``) each device draws the mask of the whole ``[..., S, d]``
-  and keeps its slice, so the result is that of the replicated layout.
+  and keeps its slice, so the result is that of the replicated activations.
   ``rate == 0`` or ``key is None``: ``x`` unchanged.
 
   Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxpar
     >>> x = jnp.ones((2, 1000))
     >>> y = jaxpar.tensor_parallel.dropout(x, 0.25, jax.random.key(0))
     >>> sorted(set(np.unique(y).tolist())), round(float(jnp.mean(y)), 1)
@@ -280,6 +289,8 @@ def layer_norm(params: Params, x: jax.Array, *,
     ``[..., d]``.
 
   Example:
+    >>> import jax.numpy as jnp, jaxpar
+    >>> from flax import nnx
     >>> x = jnp.array([[1.0, 2.0, 3.0, 4.0]])
     >>> y = jaxpar.tensor_parallel.layer_norm(
     ...     {'scale': jnp.ones(4), 'bias': jnp.zeros(4)}, x)

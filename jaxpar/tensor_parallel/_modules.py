@@ -5,11 +5,13 @@ They are built with the dense shapes (initialise on one device, then
 shards and call them: each call checks the shards against the dense shapes
 and runs the pure function of ``layers`` / ``attention``.
 
-Each module marks its ``nnx.Param``s with its layer's kind (metadata
-``tensor_layout``: ``column``, ``row``, ``heads_in``, ``heads_out``), so
-``param_specs`` splits their state wherever the modules sit in a model,
-whatever their names; ``nnx.to_pure_dict`` drops the marks (a pure dict is
-laid out by its paths, ``DEFAULT_LAYOUT`` or ``layout=``).
+Each module marks its ``nnx.Param``s with Flax sharding metadata
+(``out_sharding``, as ``nnx.with_partitioning`` does: ``(None, axis)`` for a
+column kernel, ``(axis, None)`` for a row kernel, heads for attention), so
+``param_specs`` without rules splits their state wherever the modules sit in
+a model, whatever their names, and Flax's own tools
+(``nnx.get_partition_spec``) read the same specs. ``nnx.to_pure_dict`` drops
+the metadata: a pure dict is split by tensor rules (``rules=``).
 """
 
 from __future__ import annotations
@@ -24,12 +26,23 @@ import jax.numpy as jnp
 from jaxpar._validate import check_int
 from jaxpar.tensor_parallel import _checks
 from jaxpar.tensor_parallel._attention import parallel_self_attention
-from jaxpar.tensor_parallel._rules import MARK
 from jaxpar.tensor_parallel._layers import (column_parallel_linear,
                                            row_parallel_linear)
 
 _default_kernel_init = nnx.initializers.lecun_normal()
 _zeros = nnx.initializers.zeros_init()
+
+
+def _param(init: nnx.Initializer, rngs: nnx.Rngs, shape: tuple[int, ...],
+           dtype: Any, sharding: tuple[str | None, ...]) -> nnx.Param:
+  """A dense ``nnx.Param`` marked with its tensor split (``out_sharding``).
+
+  Not sharded when built (``eager_sharding=False``): the modules are built
+  dense, on one device or under ``nnx.eval_shape``, with no mesh in context;
+  ``shard_params`` places them.
+  """
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=sharding,
+                   eager_sharding=False)
 
 
 def _shard_problem(name: str, shard: jax.Array, dense: tuple[int, ...],
@@ -66,7 +79,6 @@ class _ParallelLinear(nnx.Module):
   linear; subclasses say which kernel dim is split over ``axis``."""
   _split_dim: int
   _split_name: str
-  _kind: str     # its layout (tensor_parallel.layout), marked on its params
 
   def __init__(self, in_features: int, out_features: int, *,
                use_bias: bool = True, axis: str = 'tensor',
@@ -78,12 +90,14 @@ class _ParallelLinear(nnx.Module):
     self.in_features = check_int('in_features', in_features, where=name)
     self.out_features = check_int('out_features', out_features, where=name)
     self.axis, self.sequence_parallel = axis, sequence_parallel
-    mark = {MARK: self._kind}
-    self.kernel = nnx.Param(kernel_init(
-        rngs.params(), (self.in_features, self.out_features), param_dtype),
-                            **mark)
-    self.bias = (nnx.Param(bias_init(rngs.params(), (self.out_features,),
-                                     param_dtype), **mark)
+    kernel_split = [None, None]
+    kernel_split[self._split_dim] = axis
+    self.kernel = _param(kernel_init, rngs,
+                         (self.in_features, self.out_features), param_dtype,
+                         tuple(kernel_split))
+    # The bias [out] is split with the columns, replicated with the rows.
+    self.bias = (_param(bias_init, rngs, (self.out_features,), param_dtype,
+                        (kernel_split[1],))
                  if use_bias else nnx.data(None))
 
   def _local(self) -> tuple[jax.Array, jax.Array | None]:
@@ -106,11 +120,16 @@ class ColumnParallelLinear(_ParallelLinear):
   ``nnx.Linear`` and ``column_parallel_linear``).
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from flax import nnx
+    >>> from jax.sharding import PartitionSpec as P
     >>> tp = jaxpar.tensor_parallel
     >>> layer = tp.ColumnParallelLinear(16, 32, rngs=nnx.Rngs(0))
-    >>> graphdef, state = nnx.split(nnx.Dict(fc_in=layer))   # named layer
+    >>> graphdef, state = nnx.split(layer)
+    >>> tp.param_specs(state)['kernel'].get_value()    # its Flax metadata
+    P(None, 'tensor')
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
-    >>> apply = lambda s, x: nnx.merge(graphdef, s)['fc_in'](x)
+    >>> apply = lambda s, x: nnx.merge(graphdef, s)(x)
     >>> f = jax.jit(jax.shard_map(apply, mesh=mesh,
     ...                           in_specs=(tp.param_specs(state), P()),
     ...                           out_specs=P(None, 'tensor')))
@@ -119,7 +138,7 @@ class ColumnParallelLinear(_ParallelLinear):
     >>> bool(jnp.allclose(y, x @ layer.kernel[...] + layer.bias[...]))
     True
   """
-  _split_dim, _split_name, _kind = 1, 'out_features', 'column'
+  _split_dim, _split_name = 1, 'out_features'
 
   def __init__(self, in_features: int, out_features: int, *,
                gather_output: bool = False, **kwargs: Any):
@@ -140,12 +159,14 @@ class RowParallelLinear(_ParallelLinear):
   keyword-only arguments of ``ColumnParallelLinear``.
 
   Example:
+    >>> import jaxpar
+    >>> from flax import nnx
     >>> layer = jaxpar.tensor_parallel.RowParallelLinear(32, 16,
     ...                                                  rngs=nnx.Rngs(0))
     >>> layer.kernel.shape                        # dense until sharded
     (32, 16)
   """
-  _split_dim, _split_name, _kind = 0, 'in_features', 'row'
+  _split_dim, _split_name = 0, 'in_features'
 
   def __init__(self, in_features: int, out_features: int, *,
                input_is_parallel: bool = True, **kwargs: Any):
@@ -164,6 +185,9 @@ class ParallelMLP(nnx.Module):
   ``fc_out`` (row); one all-reduce forward.
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from flax import nnx
+    >>> from jax.sharding import PartitionSpec as P
     >>> tp = jaxpar.tensor_parallel
     >>> mlp = tp.ParallelMLP(16, 64, rngs=nnx.Rngs(0))
     >>> graphdef, state = nnx.split(mlp)
@@ -195,17 +219,17 @@ class ParallelMLP(nnx.Module):
 
 
 class _Projection(nnx.Module):
-  """Kernel and optional bias of one attention projection (no call), its
-  params marked with its layout ``kind`` (``heads_in`` or ``heads_out``)."""
+  """Kernel and optional bias of one attention projection (no call), each
+  param marked with its split over the heads (``kernel_split``,
+  ``bias_split``: ``out_sharding`` entries)."""
 
   def __init__(self, kernel_shape: tuple[int, ...],
                bias_shape: tuple[int, ...] | None, param_dtype: Any,
-               rngs: nnx.Rngs, kind: str):
-    mark = {MARK: kind}
-    self.kernel = nnx.Param(_default_kernel_init(rngs.params(), kernel_shape,
-                                                 param_dtype), **mark)
-    self.bias = (nnx.Param(_zeros(rngs.params(), bias_shape, param_dtype),
-                           **mark)
+               rngs: nnx.Rngs, kernel_split: tuple[str | None, ...],
+               bias_split: tuple[str | None, ...]):
+    self.kernel = _param(_default_kernel_init, rngs, kernel_shape,
+                         param_dtype, kernel_split)
+    self.bias = (_param(_zeros, rngs, bias_shape, param_dtype, bias_split)
                  if bias_shape is not None else nnx.data(None))
 
   def params(self) -> dict[str, jax.Array]:
@@ -223,6 +247,9 @@ class ParallelSelfAttention(nnx.Module):
   ``[d]``), dense at init; ``num_heads`` must be divisible by the axis size.
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from flax import nnx
+    >>> from jax.sharding import PartitionSpec as P
     >>> tp = jaxpar.tensor_parallel
     >>> attn = tp.ParallelSelfAttention(16, num_heads=4, causal=True,
     ...                                 rngs=nnx.Rngs(0))
@@ -255,12 +282,13 @@ class ParallelSelfAttention(nnx.Module):
     self.causal, self.axis = causal, axis
     self.sequence_parallel = sequence_parallel
     qkv_bias = (num_heads, head_dim) if use_bias else None
+    # query/key/value [d, H, k] (bias [H, k]) and out [H, k, d] by heads.
     self.query, self.key, self.value = (
         _Projection((features, num_heads, head_dim), qkv_bias, param_dtype,
-                    rngs, 'heads_in') for _ in range(3))
+                    rngs, (None, axis, None), (axis, None)) for _ in range(3))
     self.out = _Projection((num_heads, head_dim, features),
                            (features,) if use_bias else None, param_dtype, rngs,
-                           'heads_out')
+                           (axis, None, None), (None,))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     name = 'ParallelSelfAttention'

@@ -1,23 +1,33 @@
-"""Dense parameter pytrees <-> their tensor-parallel shards.
+"""Tensor rules: which params are split over the ``tensor`` axis, and how.
 
-``param_specs`` maps a dense params pytree (e.g. ``nnx.split`` of a Flax
-model) to the ``PartitionSpec`` of every leaf, ``shard_params`` places it on
-a mesh, ``unshard_params`` replicates it again. A *layout* says which layers
-are split, by their full path from the pytree's root (``'mlp.fc_in'``), never
-by a bare name found anywhere: a user's model with a layer called ``query``
-is split only if the user's layout says so. ``DEFAULT_LAYOUT`` holds the
-paths of jaxpar's own param trees; the NNX modules of ``modules`` mark their
-``nnx.Param``s with their kind (metadata ``tensor_layout``), so their state
-is laid out at any path of a model. jaxpar's layers use Flax's names:
-``{'kernel', 'bias'}`` per linear, ``{'scale', 'bias'}`` per norm,
-``{'query', 'key', 'value', 'out'}`` projections laid out like
-``nnx.MultiHeadAttention``, ``{'embedding'}`` for ``nnx.Embed``.
+A param's *path* is its keys from the pytree's root joined by ``/``
+(``'blocks/0/attn/query/kernel'``; the ``.value`` of an ``nnx.Variable`` is
+not a key). *Tensor rules* map a regex to the ``PartitionSpec`` entries of a
+param's trailing dims: the first rule, in order, whose regex matches the
+whole path (``re.fullmatch``) splits the param; a param that no rule matches
+is replicated. The entries count from the last dim, so one rule fits a
+kernel and its bias (``('tensor',)``: kernel ``[in, out]`` ->
+``P(None, 'tensor')``, bias ``[out]`` -> ``P('tensor')``) and stacked layers
+(extra leading dims) alike.
+
+Without rules (``rules=None``) the params' own Flax metadata says: the
+``out_sharding`` of each ``nnx.Variable`` (``nnx.with_partitioning``,
+``nnx.Param(..., out_sharding=...)``), its ``axis`` entries only. jaxpar's
+NNX modules (``ParallelMLP``, ...) mark their params so; a pure dict
+(``nnx.to_pure_dict``) has no metadata and needs rules, such as
+``jaxpar.models.gpt.TENSOR_RULES`` for jaxpar's GPT.
+
+``match_rules`` is the matcher (here and in ``jaxpar.parallel.from_nnx``);
+``param_specs`` turns its matches into a ``PartitionSpec`` tree,
+``shard_params`` places params on a mesh, ``unshard_params`` replicates them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 from flax import nnx
 import jax
@@ -26,230 +36,303 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar.mesh import axis_size
 
 PyTree = Any
-
-# How each kind of layer is split: leaf name -> spec of its trailing dims
-# (`TP` stands for the axis), and the size being split, for error messages.
-_TP = object()
-_LAYOUTS = {
-    'column': {'kernel': (None, _TP), 'bias': (_TP,)},
-    'row': {'kernel': (_TP, None), 'bias': ()},
-    'heads_in': {'kernel': (None, _TP, None), 'bias': (_TP, None)},
-    'heads_out': {'kernel': (_TP, None, None), 'bias': ()},
-    'vocab': {'embedding': (_TP, None)},
-}
-_SPLIT_SIZE = {'column': 'output features', 'row': 'input features',
-               'heads_in': 'heads', 'heads_out': 'heads', 'vocab': 'vocab size'}
-# The nnx.Param metadata key by which jaxpar's tensor-parallel modules mark
-# their params with their layer's kind.
-MARK = 'tensor_layout'
-# Layer paths -> layout, for jaxpar's own param trees, each from its root:
-# the MLP (`parallel_mlp`, `ParallelMLP`, `models.MLP`), the attention
-# (`parallel_self_attention`, `ParallelSelfAttention`, nnx.MultiHeadAttention),
-# a block (`transformer_block`: a GPT pipeline stage, `models.gpt.Block`) and
-# the embed and head parts of `models.gpt.split_for_pipeline`. Leaves under
-# no listed path are replicated.
-DEFAULT_LAYOUT = {
-    'fc_in': 'column', 'fc_out': 'row',
-    'query': 'heads_in', 'key': 'heads_in', 'value': 'heads_in',
-    'out': 'heads_out',
-    'mlp.fc_in': 'column', 'mlp.fc_out': 'row',
-    'attn.query': 'heads_in', 'attn.key': 'heads_in',
-    'attn.value': 'heads_in', 'attn.out': 'heads_out',
-    'embed': 'vocab', 'lm_head': 'column',
-}
+Rules = Mapping[str, Sequence[Any]]
 
 
-def _path_names(path: tuple[Any, ...]) -> list[str]:
-  """The names along a key path, e.g. ``['attn', 'query', 'kernel']``."""
-  names = [jax.tree_util.keystr((k,), simple=True, separator='.')
-           for k in path]
-  # nnx.Variable leaves (nnx.split states) add a trailing `.value`.
-  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and (
-      path[-1].name == 'value'):
-    names.pop()
-  return names
+class RuleMatch(NamedTuple):
+  """How one param is split: by ``rule``, or by its Flax metadata.
+
+  Attributes:
+    rule: the regex that matched the param's path; ``None``: the param's
+      Flax ``out_sharding`` metadata.
+    spec: the ``PartitionSpec`` entries of the param's trailing dims
+      (``None``, a mesh axis name or a tuple of them), at most its rank.
+  """
+  rule: str | None
+  spec: tuple[Any, ...]
 
 
-def _check_layout(layout: Mapping[str, str] | None) -> Mapping[str, str]:
-  if layout is None:
-    return DEFAULT_LAYOUT
-  if not isinstance(layout, Mapping):
-    raise TypeError(f'layout must map layer paths to kinds, e.g. '
-                    f"{{**DEFAULT_LAYOUT, 'transformer.wte': 'vocab'}}, got a "
-                    f'{type(layout).__name__}.')
-  keys = [path for path in layout if not isinstance(path, str)]
-  if keys:
-    raise TypeError(f'layout keys must be layer paths, strings of keys '
-                    f"joined by '.' (e.g. 'mlp.fc_in'), got {keys!r}.")
-  bad = [f'layout[{path!r}] = {kind!r}' for path, kind in layout.items()
-         if kind not in _LAYOUTS]
-  if bad:
-    raise ValueError(f"{'; '.join(bad)} is not one of {sorted(_LAYOUTS)}.")
-  return layout
+class _Leaf(NamedTuple):
+  """A leaf of a params pytree: its path, shape and Flax sharding metadata."""
+  path: str
+  shape: tuple[int, ...]
+  sharding: Any
 
 
-def _layer_kind(layer: list[str], layout: Mapping[str, str]) -> str | None:
-  """The kind of the first ``layout`` path that is the whole ``layer`` path;
-  a ``*`` in a path stands for any one key (``'blocks.*.mlp.fc_in'``)."""
-  for path, kind in layout.items():
-    keys = path.split('.')
-    if len(keys) == len(layer) and all(
-        k in ('*', name) for k, name in zip(keys, layer)):
-      return kind
-  return None
+def _path(key_path: tuple[Any, ...]) -> str:
+  """``'attn/query/kernel'`` of a key path; an ``nnx.Variable``'s trailing
+  ``.value`` is dropped."""
+  if key_path and isinstance(key_path[-1], jax.tree_util.GetAttrKey) and (
+      key_path[-1].name == 'value'):
+    key_path = key_path[:-1]
+  return '/'.join(jax.tree_util.keystr((k,), simple=True, separator='/')
+                  for k in key_path)
 
 
-def _marks(params: PyTree) -> list[str | None]:
-  """Per leaf of ``params``, the kind its ``nnx.Variable`` is marked with
-  (``MARK``), or ``None``."""
+def _leaves(params: PyTree) -> tuple[list[_Leaf], Any]:
+  """The leaves of ``params`` with their paths and metadata, and the treedef."""
   is_variable = lambda x: isinstance(x, nnx.Variable)
-  marks = []
+  shardings = []
   for node in jax.tree.leaves(params, is_leaf=is_variable):
-    mark = node.get_metadata().get(MARK) if is_variable(node) else None
-    marks += [mark] * len(jax.tree.leaves(node))
-  return marks
+    sharding = (node.get_metadata().get('out_sharding')
+                if is_variable(node) else None)
+    shardings += [sharding] * len(jax.tree.leaves(node))
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  leaves = [_Leaf(_path(path), tuple(getattr(leaf, 'shape', ())), sharding)
+            for (path, leaf), sharding in zip(flat, shardings, strict=True)]
+  return leaves, treedef
 
 
-def _leaf_rule(names: list[str], leaf: Any, kind: str | None
-               ) -> tuple[tuple[Any, ...], str | None]:
-  """(spec template aligned to the leaf's trailing dims, problem) of a leaf
-  of a layer of layout ``kind``.
-
-  The template is ``()`` (replicated) for ``kind=None``; ``problem`` says why
-  the leaf cannot be laid out, else ``None``.
-  """
-  if kind is None:
-    return (), None
-  where, layer = '.'.join(names), '.'.join(names[:-1])
-  rule = _LAYOUTS[kind].get(names[-1])
-  if rule is None:
-    return (), (
-        f'param {where!r}: layer {layer!r} has layout {kind!r}, whose '
-        f'leaves are {sorted(_LAYOUTS[kind])}, not {names[-1]!r}. Rename '
-        'the layer or pass layout= mapping its path to the right kind.')
-  ndim = len(getattr(leaf, 'shape', ()))
-  if ndim < len(rule):
-    return (), (
-        f'param {where!r} of shape {tuple(leaf.shape)} has fewer than the '
-        f'{len(rule)} dims of a {kind!r} {names[-1]}.')
-  return (None,) * (ndim - len(rule)) + rule, None
+def _check_entry(entry: Any) -> bool:
+  """Whether ``entry`` is a ``PartitionSpec`` entry: None, a name, names."""
+  return entry is None or isinstance(entry, str) or (
+      isinstance(entry, tuple) and all(isinstance(e, str) for e in entry))
 
 
-def _rules(params: PyTree, layout: Mapping[str, str] | None
-           ) -> tuple[list[tuple[list[str], Any, tuple[Any, ...], str | None]],
-                      Any]:
-  """``[(names, leaf, template, kind)]`` of every leaf, and the treedef.
+def _check_rules(rules: Rules, axis: str) -> dict[str, tuple[Any, ...]]:
+  """``rules`` as ``{regex: spec tuple}``, each regex and spec checked."""
+  example = f"{{r'mlp/fc_in/(kernel|bias)': ({axis!r},)}}"
+  if not isinstance(rules, Mapping):
+    raise TypeError(f'tensor rules must map regexes over /-joined param paths '
+                    f'to PartitionSpec entries, e.g. {example}, got a '
+                    f'{type(rules).__name__}.')
+  checked = {}
+  for rule, spec in rules.items():
+    if not isinstance(rule, str):
+      raise TypeError(f'tensor rule {rule!r} must be a regex string over '
+                      f"/-joined param paths (e.g. 'mlp/fc_in/kernel').")
+    try:
+      re.compile(rule)
+    except re.error as e:
+      raise ValueError(f'tensor rule {rule!r} is not a valid regex: {e}.'
+                       ) from None
+    if isinstance(spec, str) or not isinstance(spec, Sequence) or not all(
+        _check_entry(e) for e in spec):
+      raise TypeError(
+          f'tensor rule {rule!r}: {spec!r} must be the PartitionSpec entries '
+          f"of the param's trailing dims, a tuple of None, axis names or "
+          f'tuples of them, e.g. (None, {axis!r}).')
+    checked[rule] = tuple(spec)
+  return checked
 
-  Raises one ``ValueError`` listing every leaf that cannot be laid out.
-  """
-  layout = _check_layout(layout)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-  rules, problems = [], []
-  for (path, leaf), mark in zip(leaves, _marks(params), strict=True):
-    names = _path_names(path)
-    kind = mark or _layer_kind(names[:-1], layout)
-    rule, problem = _leaf_rule(names, leaf, kind)
-    rules.append((names, leaf, rule, kind))
-    if problem is not None:
-      problems.append(problem)
-  if problems:
-    raise ValueError('\n'.join(problems))
-  return rules, treedef
+
+def _metadata_spec(sharding: Any, axis: str) -> tuple[Any, ...]:
+  """The ``axis`` entries of a Flax ``out_sharding`` (others: ``None``)."""
+  if isinstance(sharding, NamedSharding):
+    sharding = sharding.spec
+  if sharding is None or isinstance(sharding, str):
+    return ()
+  return tuple(axis if e == axis or (isinstance(e, tuple) and axis in e)
+               else None for e in sharding)
 
 
-def param_specs(params: PyTree, *, axis: str = 'tensor',
-                layout: Mapping[str, str] | None = None) -> PyTree:
-  """The ``PartitionSpec`` of every leaf of a dense params pytree.
+def match_rules(paths: Mapping[str, int], rules: Rules | None = None, *,
+                metadata: Mapping[str, Any] | None = None,
+                axis: str = 'tensor') -> dict[str, RuleMatch]:
+  """How the params at ``paths`` are split, by tensor rules or metadata.
 
-  A leaf is split according to its layer, the path of the dict holding it
-  (``'attn.query'`` for ``params['attn']['query']['kernel']``), if that full
-  path is in ``layout``, or to the kind its ``nnx.Param`` is marked with by
-  jaxpar's tensor-parallel modules; everything else (norms, ...) is
-  replicated, ``P()``. ``DEFAULT_LAYOUT`` knows the paths of jaxpar's
-  modules (``fc_in``/``fc_out`` and ``mlp.*``, ``query``/``key``/``value``/
-  ``out`` and ``attn.*``, ``embed``, ``lm_head``); a user's model names its
-  own paths with ``layout=``. The split dims count from the end, so stacked
-  layers (extra leading dims) work:
-
-  * ``column``: kernel ``[in, out]`` ``P(None, axis)``, bias ``P(axis)``;
-  * ``row``: kernel ``[in, out]`` ``P(axis, None)``, bias ``P()``;
-  * ``heads_in``: kernel ``[d, H, k]`` ``P(None, axis, None)``, bias
-    ``[H, k]`` ``P(axis, None)``;
-  * ``heads_out``: kernel ``[H, k, d]`` ``P(axis, None, None)``, bias ``P()``;
-  * ``vocab``: embedding ``[V, d]`` ``P(axis, None)``.
+  With ``rules``, the first rule (in order) whose regex matches a param's
+  whole ``/``-joined path (``re.fullmatch``) gives the ``PartitionSpec``
+  entries of its trailing dims, as written. With ``rules=None``, each
+  param's Flax ``out_sharding`` in ``metadata`` gives them, its ``axis``
+  entries only (other axes become ``None``).
 
   Args:
-    params: dense params: nested dicts of arrays, or an ``nnx.State`` from
-      ``nnx.split``.
-    axis: the tensor-parallel mesh axis.
-    layout: full layer path (keys joined by ``.``; ``*`` matches any one
-      key) -> one of the kinds above; default ``DEFAULT_LAYOUT``, e.g.
-      ``{'encoder.*.ffn.up': 'column', 'encoder.*.ffn.down': 'row'}`` for a
-      user's model with a list of layers.
+    paths: ``/``-joined param path -> the param's rank.
+    rules: ``{regex: spec entries}``, e.g. ``{r'mlp/fc_in/(kernel|bias)':
+      ('tensor',)}``; ``None``: ``metadata``.
+    metadata: path -> the param's Flax ``out_sharding`` (a tuple of names
+      or a ``PartitionSpec``; ``None`` for none), used when ``rules`` is
+      ``None``.
+    axis: the tensor-parallel mesh axis, the one entry kept from metadata.
+
+  Returns:
+    ``{path: RuleMatch(rule, spec)}`` for the matched paths (``rule`` is
+    ``None`` for metadata, whose params without an ``axis`` entry are left
+    out); the rules that match no path are those not among the ``rule`` s.
+
+  Raises:
+    TypeError: ``rules`` is not a mapping of regex strings to tuples of
+      ``PartitionSpec`` entries.
+    ValueError: a regex does not compile, or a spec has more entries than
+      the param it matches has dims (both named).
+
+  Example:
+    >>> import jaxpar
+    >>> rules = {r'mlp/fc_in/(kernel|bias)': ('tensor',),
+    ...          r'mlp/fc_out/kernel': ('tensor', None)}
+    >>> jaxpar.tensor_parallel.match_rules(
+    ...     {'mlp/fc_in/kernel': 2, 'mlp/fc_out/bias': 1}, rules)
+    {'mlp/fc_in/kernel': RuleMatch(rule='mlp/fc_in/(kernel|bias)',
+                                   spec=('tensor',))}
+  """
+  if rules is None:
+    metadata = {} if metadata is None else metadata
+    found = {path: (None, _metadata_spec(metadata.get(path), axis))
+             for path in paths}
+    found = {path: m for path, m in found.items() if axis in m[1]}
+  else:
+    checked = _check_rules(rules, axis)
+    found = {}
+    for path in paths:
+      rule = next((r for r in checked if re.fullmatch(r, path)), None)
+      if rule is not None:
+        found[path] = (rule, checked[rule])
+  for path, (rule, spec) in found.items():
+    if len(spec) > paths[path]:
+      by = ('its Flax metadata out_sharding=' + repr(metadata.get(path))
+            if rule is None else f'tensor rule {rule!r}: {spec}')
+      raise ValueError(
+          f'{by} has {len(spec)} entries but param {path!r} has '
+          f"{paths[path]} dims; the entries are those of the param's trailing "
+          'dims: give at most that many, or narrow the regex.')
+  return {path: RuleMatch(*m) for path, m in found.items()}
+
+
+def _matches(params: PyTree, rules: Rules | None, axis: str
+             ) -> tuple[list[_Leaf], Any, dict[str, RuleMatch]]:
+  """The leaves of ``params``, its treedef, and how its leaves are split."""
+  leaves, treedef = _leaves(params)
+  matches = match_rules({leaf.path: len(leaf.shape) for leaf in leaves},
+                        rules, axis=axis,
+                        metadata={leaf.path: leaf.sharding for leaf in leaves})
+  return leaves, treedef, matches
+
+
+def _partition_spec(match: RuleMatch | None, ndim: int) -> P:
+  """The full ``PartitionSpec`` of a param of rank ``ndim``; ``P()`` when
+  it is not split."""
+  if match is None or all(e is None for e in match.spec):
+    return P()
+  return P(*(None,) * (ndim - len(match.spec)), *match.spec)
+
+
+def param_specs(params: PyTree, *, rules: Rules | None = None,
+                axis: str = 'tensor') -> PyTree:
+  """The ``PartitionSpec`` of every leaf of a dense params pytree.
+
+  A leaf whose ``/``-joined path a tensor rule matches whole
+  (``re.fullmatch``, the first rule in order) is split as the rule says,
+  over its trailing dims (so stacked layers, with extra leading dims, take
+  the same rules); without ``rules``, as its ``nnx.Variable``'s Flax
+  metadata says (``out_sharding``, its ``axis`` entries). Every other leaf
+  is replicated, ``P()``. A spec splits ``kernel [in, out]`` by columns with
+  ``('tensor',)`` (or ``(None, 'tensor')``), by rows with
+  ``('tensor', None)``; attention kernels ``[d, H, k]`` by heads with
+  ``('tensor', None)``, ``[H, k, d]`` with ``('tensor', None, None)``.
+
+  Args:
+    params: dense params: nested dicts of arrays (or shapes), or an
+      ``nnx.State`` from ``nnx.split`` / ``nnx.state``.
+    rules: ``{regex: spec entries}`` over ``/``-joined param paths (e.g.
+      ``jaxpar.models.gpt.TENSOR_RULES``); rules that match no leaf are
+      allowed (one rule set serves a model's several parts). ``None``: the
+      params' Flax metadata; a pure dict then stays replicated.
+    axis: the tensor-parallel mesh axis: the entry kept from Flax metadata.
 
   Returns:
     a pytree of ``PartitionSpec`` with the structure of ``params``: the
     ``in_specs`` (and gradient ``out_specs``) for ``jax.shard_map``.
 
   Raises:
-    TypeError: ``layout`` is not a mapping of path strings.
-    ValueError: leaves under a laid-out layer that its layout does not know,
-      or a kind not in the list above; every such leaf is listed.
+    TypeError: ``rules`` is not a mapping of regexes to spec entries.
+    ValueError: a regex that does not compile, or a spec with more entries
+      than the dims of a param it matches (the path and rule named).
 
   Example:
+    >>> import jaxpar
+    >>> from flax import nnx
     >>> mlp = jaxpar.models.MLP(8, 32, rngs=nnx.Rngs(0))
     >>> params = nnx.to_pure_dict(nnx.state(mlp, nnx.Param))
-    >>> jaxpar.tensor_parallel.param_specs(params)
+    >>> jaxpar.tensor_parallel.param_specs(
+    ...     params, rules=jaxpar.models.mlp.TENSOR_RULES)
     {'fc_in': {'bias': P('tensor',), 'kernel': P(None, 'tensor')},
      'fc_out': {'bias': P(), 'kernel': P('tensor', None)}}
+    >>> state = nnx.state(jaxpar.tensor_parallel.ParallelMLP(   # Flax metadata
+    ...     8, 32, rngs=nnx.Rngs(0)), nnx.Param)
+    >>> jaxpar.tensor_parallel.param_specs(state)['fc_in']['kernel'].get_value()
+    P(None, 'tensor')
   """
-  rules, treedef = _rules(params, layout)
-  return treedef.unflatten(
-      P(*(axis if d is _TP else None for d in rule)) if _TP in rule else P()
-      for _, _, rule, _ in rules)
+  leaves, treedef, matches = _matches(params, rules, axis)
+  return treedef.unflatten(_partition_spec(matches.get(leaf.path),
+                                           len(leaf.shape))
+                           for leaf in leaves)
+
+
+def _division_errors(leaf: _Leaf, match: RuleMatch,
+                     sizes: Mapping[str, int]) -> list[str]:
+  """Why ``leaf`` cannot be split as ``match`` says over a mesh of axis
+  ``sizes``: one line per dim."""
+  by = 'its Flax metadata' if match.rule is None else f'rule {match.rule!r}'
+  offset = len(leaf.shape) - len(match.spec)
+  errors = []
+  for i, entry in enumerate(match.spec):
+    if entry is None:
+      continue
+    names = entry if isinstance(entry, tuple) else (entry,)
+    missing = [name for name in names if name not in sizes]
+    dim = offset + i
+    where = f'  param {leaf.path!r} {leaf.shape}: dim {dim}'
+    if missing:
+      errors.append(f'{where} is split over {missing[0]!r} by {by}, an axis '
+                    f'the mesh does not have')
+      continue
+    size = math.prod(sizes[name] for name in names)
+    if leaf.shape[dim] % size:
+      errors.append(f'{where} of size {leaf.shape[dim]} is split over '
+                    f'{entry!r} by {by} but does not divide by its size '
+                    f'{size}')
+  return errors
 
 
 def check_divisible(params: PyTree, *, mesh: jax.sharding.Mesh,
-                    axis: str = 'tensor',
-                    layout: Mapping[str, str] | None = None) -> None:
-  """``ValueError`` unless every split size of ``params`` divides by ``axis``.
+                    rules: Rules | None = None, axis: str = 'tensor') -> None:
+  """``ValueError`` unless every split dim of ``params`` divides by its axes.
 
-  The sizes ``param_specs`` splits (hidden size, heads, vocabulary) must be
-  multiples of the ``axis`` size; all offending leaves are listed.
+  The dims that ``param_specs`` splits (hidden size, heads, vocabulary) must
+  be multiples of the sizes of the mesh axes they are split over; all
+  offending params are listed, with the rule that splits them.
+
+  Args:
+    params: dense params (dicts of arrays or shapes, or an ``nnx.State``).
+    mesh: the mesh.
+    rules: as in ``param_specs``.
+    axis: the tensor-parallel mesh axis; ``mesh`` must have it.
 
   Raises:
     TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
-    ValueError: ``mesh`` has no ``axis``, or a split size does not divide.
+    ValueError: ``mesh`` has no ``axis``, a spec names an axis not in
+      ``mesh``, or a split dim does not divide.
 
   Example:
+    >>> import jax.numpy as jnp, jaxpar
     >>> params = {'fc_in': {'kernel': jnp.ones((8, 12))}}
     >>> jaxpar.tensor_parallel.check_divisible(
-    ...     params, mesh=jaxpar.make_mesh(tensor=8))
+    ...     params, mesh=jaxpar.make_mesh(tensor=8),
+    ...     rules={'fc_in/kernel': (None, 'tensor')})
     Traceback (most recent call last):
     ...
-    ValueError: cannot split these params over 8 devices:
-      fc_in.kernel (8, 12): output features 12 (dim 1) is not divisible by
-      the 'tensor' axis size 8
-    Choose sizes divisible by 8, or a 'tensor' axis size that divides them.
+    ValueError: cannot split these params over the mesh {'data': 1,
+    'stage': 1, 'tensor': 8}:
+      param 'fc_in/kernel' (8, 12): dim 1 of size 12 is split over 'tensor'
+      by rule 'fc_in/kernel' but does not divide by its size 8
+    Choose sizes divisible by the axis sizes, smaller axes, or rules that
+    split other dims.
   """
-  n = axis_size(mesh, axis)
-  rules, _ = _rules(params, layout)
-  errors = [
-      f"  {'.'.join(names)} {tuple(leaf.shape)}: {_SPLIT_SIZE[kind]} "
-      f'{leaf.shape[dim]} (dim {dim}) is not divisible by the {axis!r} axis '
-      f'size {n}'
-      for names, leaf, rule, kind in rules
-      for dim, d in enumerate(rule) if d is _TP and leaf.shape[dim] % n]
+  axis_size(mesh, axis)   # a Mesh with the axis
+  sizes = dict(mesh.shape)
+  leaves, _, matches = _matches(params, rules, axis)
+  errors = [error for leaf in leaves if leaf.path in matches
+            for error in _division_errors(leaf, matches[leaf.path], sizes)]
   if errors:
     raise ValueError(
-        f'cannot split these params over {n} devices:\n'
-        + '\n'.join(errors) + f'\nChoose sizes divisible by {n}, or a '
-        f'{axis!r} axis size that divides them.')
+        f'cannot split these params over the mesh {sizes}:\n'
+        + '\n'.join(errors) + '\nChoose sizes divisible by the axis sizes, '
+        'smaller axes, or rules that split other dims.')
 
 
 def shard_params(params: PyTree, *, mesh: jax.sharding.Mesh,
-                 axis: str = 'tensor',
-                 layout: Mapping[str, str] | None = None) -> PyTree:
+                 rules: Rules | None = None, axis: str = 'tensor') -> PyTree:
   """Places dense params on ``mesh`` with the specs of ``param_specs``.
 
   The result has the same (dense, global) shapes; each device stores only
@@ -259,27 +342,31 @@ def shard_params(params: PyTree, *, mesh: jax.sharding.Mesh,
   Args:
     params: dense params (dicts of arrays or an ``nnx.State``).
     mesh: the mesh, e.g. ``jaxpar.make_mesh(tensor=4)``.
+    rules: as in ``param_specs``: tensor rules, or ``None`` for the params'
+      Flax metadata.
     axis: the tensor-parallel mesh axis.
-    layout: as in ``param_specs``.
 
   Returns:
     params with every leaf a ``jax.Array`` sharded as ``param_specs`` says.
 
   Raises:
-    ValueError: a split size (hidden size, heads, vocabulary) not divisible
-      by the axis size; all offending leaves are listed.
+    ValueError: a split dim (hidden size, heads, vocabulary) not divisible
+      by its axis size; all offending leaves are listed.
 
   Example:
+    >>> import jax, jaxpar
+    >>> from flax import nnx
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
     >>> mlp = jaxpar.models.MLP(8, 32, rngs=nnx.Rngs(0))
     >>> params = jaxpar.tensor_parallel.shard_params(
-    ...     nnx.state(mlp, nnx.Param), mesh=mesh)
+    ...     nnx.state(mlp, nnx.Param), mesh=mesh,
+    ...     rules=jaxpar.models.mlp.TENSOR_RULES)
     >>> kernel = params['fc_in']['kernel'][...]
     >>> kernel.shape, kernel.sharding.shard_shape(kernel.shape)
     ((8, 32), (8, 8))
   """
-  check_divisible(params, mesh=mesh, axis=axis, layout=layout)
-  specs = param_specs(params, axis=axis, layout=layout)
+  check_divisible(params, mesh=mesh, rules=rules, axis=axis)
+  specs = param_specs(params, rules=rules, axis=axis)
   return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
                       params, specs)
 
@@ -291,7 +378,7 @@ def check_axis_used(specs: PyTree, *, mesh: jax.sharding.Mesh,
   Without a parameter split over ``axis``, each of its devices holds and
   computes the whole model: the same numbers as a mesh without the axis,
   for ``size`` times the memory and time. The 3D train step
-  (``jaxpar.parallel.trainer``) checks its layout with it.
+  (``jaxpar.parallel.trainer``) checks its tensor rules with it.
 
   Args:
     specs: a pytree of ``PartitionSpec`` (``param_specs`` of the params).
@@ -302,6 +389,7 @@ def check_axis_used(specs: PyTree, *, mesh: jax.sharding.Mesh,
     ValueError: ``mesh`` has no ``axis``, or ``axis`` is unused.
 
   Example:
+    >>> import jax.numpy as jnp, jaxpar
     >>> mesh = jaxpar.make_mesh(data=2, stage=2, tensor=2)
     >>> specs = jaxpar.tensor_parallel.param_specs({'w': jnp.ones((4, 4))})
     >>> jaxpar.tensor_parallel.check_axis_used(specs, mesh=mesh)
@@ -325,14 +413,15 @@ def check_axis_used(specs: PyTree, *, mesh: jax.sharding.Mesh,
         ', '.join(f'{name}={sizes[name]}' for name in others))
   raise ValueError(
       f'the mesh {dict(mesh.shape)} has a {axis!r} axis of size {n}, but no '
-      f'parameter is split over {axis!r} (its layout matches no layer '
-      f'path): each of its {n} devices would hold and compute the whole '
-      f'model, for nothing. Split the params over {axis!r}: tensor rules '
-      "(tensor_rules= of jaxpar.parallel.from_nnx), or jaxpar's "
-      'tensor-parallel layers (jaxpar.tensor_parallel) in your functions '
-      'with layout= naming their layer paths (see '
-      f'tensor_parallel.param_specs); or leave {axis!r} out of the mesh'
-      f'{without}.')
+      f'parameter is split over {axis!r} (no tensor rule matches a param, '
+      f'and no param carries Flax metadata naming {axis!r}): each of its {n} '
+      f'devices would hold and compute the whole model, for nothing. Split '
+      f'the params over {axis!r} with tensor rules (tensor_rules= of '
+      'jaxpar.parallel.trainer or from_nnx, e.g. '
+      "jaxpar.models.gpt.TENSOR_RULES for jaxpar's GPT with "
+      "jaxpar.tensor_parallel's layers; see tensor_parallel.param_specs) or "
+      f'Flax metadata (nnx.with_partitioning); or leave {axis!r} out of the '
+      f'mesh{without}.')
 
 
 def unshard_params(params: PyTree) -> PyTree:
@@ -350,11 +439,13 @@ def unshard_params(params: PyTree) -> PyTree:
     the same pytree, every ``NamedSharding`` leaf fully replicated.
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
     >>> tp = jaxpar.tensor_parallel
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
     >>> params = {'fc_in': {'kernel': jnp.ones((8, 32))}}
-    >>> dense = tp.unshard_params(tp.shard_params(params, mesh=mesh))
-    >>> dense['fc_in']['kernel'].sharding.spec
+    >>> sharded = tp.shard_params(params, mesh=mesh,
+    ...                           rules={'fc_in/kernel': ('tensor',)})
+    >>> tp.unshard_params(sharded)['fc_in']['kernel'].sharding.spec
     P()
   """
   def replicate(x):

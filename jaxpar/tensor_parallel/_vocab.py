@@ -37,6 +37,8 @@ def vocab_parallel_embed(ids: jax.Array, table: jax.Array, *,
     ``[..., d]`` replicated, or ``[..., S/N, d]`` with ``sequence_parallel``.
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
     >>> table = jnp.arange(32.0).reshape(16, 2)        # V = 16, d = 2
     >>> shards = jax.device_put(table, jax.NamedSharding(mesh, P('tensor')))
@@ -90,6 +92,8 @@ def vocab_parallel_cross_entropy(logits: jax.Array, labels: jax.Array, *,
     per-example loss ``[...]``, replicated.
 
   Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
     >>> mesh = jaxpar.make_mesh(tensor=4, devices=jax.devices()[:4])
     >>> logits = jax.random.normal(jax.random.key(0), (3, 16))   # V = 16
     >>> split = jax.NamedSharding(mesh, P(None, 'tensor'))

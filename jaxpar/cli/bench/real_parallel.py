@@ -35,7 +35,7 @@ ranks together after a barrier (rank 0's median wall and CPU time):
   interleaved 1F1B with ``v = 2``, ZB-H1, ZB-V, ...) through
   ``pipeline_value_and_grad`` on the mesh ``stage=N`` (for interleaved and V schedules
   that includes permuting the stage params and grads between model order and
-  rank layout every step, as ``pipeline_value_and_grad`` does);
+  rank placement every step, as ``pipeline_value_and_grad`` does);
 * ``data parallel``: the honest contrast, mesh ``data=N``, each rank running
   ``m/N`` of the microbatches sequentially, then one gradient ``pmean``.
 * ``one message``: 32 ``ppermute``s of one activation ``[mb, D]`` in turn

@@ -10,10 +10,10 @@ Sections:
   and the time the ``O(actions)`` simulation takes.
 * ``frontier``: ``search`` against every constructor at a sweep of memory
   limits (in 1F1B-stage activations): the executor's lock-step time of each
-  (``schedule_search.makespan``, costs per 1F1B stage, V schedules paying
+  (``jaxpar.pipeline.makespan``, costs per 1F1B stage, V schedules paying
   half per action), ``None`` where it does not fit.
 * ``v_memory``: compiled ``temp_size_in_bytes`` of the pipelined step
-  (``pipeline_value_and_grad_local``, params in the rank layout) for 1F1B, ZB-V,
+  (``pipeline_value_and_grad_local``, params in the rank placement) for 1F1B, ZB-V,
   V-Half and V-Min on the same ``2p``-layer model (1F1B runs two layers a
   stage, the V schedules one): V-Min <= V-Half < 1F1B.
 """
@@ -110,7 +110,7 @@ def _model(num_stages: int, layers: int, batch: int, width: int):
 
 
 def _v_memory(quick: bool) -> list[dict]:
-  """Compiled temp bytes: the stage params stay in the rank layout.
+  """Compiled temp bytes: the stage params stay in the rank placement.
 
   ``pipeline_value_and_grad_local`` in a ``shard_map``, the params rearranged once
   outside (``stages_to_ranks``), so the step's scratch is the schedule's

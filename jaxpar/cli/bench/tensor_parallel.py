@@ -25,6 +25,7 @@ import jaxpar
 from jaxpar import hlo
 from jaxpar import tensor_parallel as tp
 from jaxpar.cli.bench._timing import median_seconds
+from jaxpar.models import mlp
 
 
 def _params(d: int, f: int) -> dict:
@@ -68,14 +69,14 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
   rows = []
   for d, tokens in sizes:
     params = _params(d, 4 * d)
-    specs = tp.param_specs(params)
+    specs = tp.param_specs(params, rules=mlp.TENSOR_RULES)
     x = jax.random.normal(jax.random.key(1), (tokens, d))
     for sequence_parallel in (False, True):
       x_spec = P('tensor', None) if sequence_parallel else P()
       tp_fwd = jax.shard_map(
           functools.partial(_tp_block, sequence_parallel=sequence_parallel),
           mesh=mesh, in_specs=(specs, x_spec), out_specs=x_spec)
-      tp_args = (tp.shard_params(params, mesh=mesh),
+      tp_args = (tp.shard_params(params, mesh=mesh, rules=mlp.TENSOR_RULES),
                  jax.device_put(x, NamedSharding(mesh, x_spec)))
       shard = lambda s: NamedSharding(auto_mesh, s)
       gspmd_args = (jax.device_put(params, jax.tree.map(shard, specs)),

@@ -113,7 +113,7 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
   pp, _ = gpt.split_for_pipeline(
       gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0))), num_stages=1)
   megatron = jax.tree.map(lambda a: a[0], pp.stages)
-  megatron_specs = tp.param_specs(megatron)
+  megatron_specs = tp.param_specs(megatron, rules=gpt.TENSOR_RULES)
   rows = []
   for (mode, rules_fn), megatron_fn in zip(
       _modes(pm.functions[1]).items(), _modes(gpt.stage_fn).values()):
@@ -131,5 +131,6 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
         'tensor': n, 'd_model': d, 'heads': heads, 'tokens': tokens,
         'mode': mode, 'from_nnx_rules': _counts(compiled),
         'megatron_layers': _counts(by_hand.lower(
-            tp.shard_params(megatron, mesh=mesh), x).compile())})
+            tp.shard_params(megatron, mesh=mesh, rules=gpt.TENSOR_RULES),
+            x).compile())})
   return {'tensor_rules_vs_megatron': rows}

@@ -76,9 +76,11 @@ def theory(params, *, mesh: Mesh, zero_stage: int, axis: str = 'data'
   params' dtype; the norm's partial sums are at least float32.
 
   Example:
+    >>> import jax.numpy as jnp, jaxpar
+    >>> from jaxpar.cli.bench import zero
     >>> mesh = jaxpar.make_mesh(data=8)
     >>> params = {'w': jnp.ones((16, 3)), 'b': jnp.ones(3)}
-    >>> jaxpar.cli.bench.zero.theory(params, mesh=mesh, zero_stage=3)['all-reduce']
+    >>> zero.theory(params, mesh=mesh, zero_stage=3)['all-reduce']
     (12, 'loss + P_whole + 1 partial norm per split leaf')
   """
   leaves = jax.tree.leaves(params)

@@ -1,4 +1,4 @@
-"""The pipeline executor (JAX): any schedule as one ``lax.scan`` in one ``shard_map``.
+"""The pipeline executor (JAX): a schedule as one ``lax.scan`` in a ``shard_map``.
 
 ``pipeline_value_and_grad`` and ``pipeline_apply`` own their ``shard_map``;
 the ``_local`` forms run inside a caller's (the 3D trainer's). Inside, a
@@ -30,7 +30,8 @@ from jaxpar.pipeline.executor._stage_vjp import stash_policy as stash_policy
 
 # jaxpar-internal (for jaxpar.parallel's trainer and from_nnx; not in __all__):
 # input checks, the jaxpr dataflow helpers and the varying-axes casts.
-from jaxpar.pipeline.executor._checks import check_compute_dtype as check_compute_dtype
+from jaxpar.pipeline.executor._checks import (
+    check_compute_dtype as check_compute_dtype)
 from jaxpar.pipeline.executor._checks import check_fn as check_fn
 from jaxpar.pipeline.executor._checks import check_key as check_key
 from jaxpar.pipeline.executor._checks import check_leading as check_leading
@@ -41,7 +42,8 @@ from jaxpar.pipeline.executor._vma import vary as vary
 from jaxpar.pipeline.executor._vma import vma as varying_axes
 
 __all__ = [
-    'DEFAULT_POLICY', 'LossFn', 'StageFn', 'POLICIES', 'PipelineGrads', 'StageVJP', 'cast_params',
+    'DEFAULT_POLICY', 'LossFn', 'StageFn', 'POLICIES', 'PipelineGrads',
+    'StageVJP', 'cast_params',
     'pipeline_apply', 'pipeline_apply_local', 'pipeline_value_and_grad',
     'pipeline_value_and_grad_local', 'ranks_to_stages', 'stages_to_ranks',
     'stash_policy',

@@ -1,6 +1,7 @@
 """Checks of user input shared by the pipeline steps (``ValueError``/``TypeError``).
 
-Public to the package: ``jaxpar.parallel`` and the executor both use them.
+jaxpar-internal: the executor uses them, and ``jaxpar.parallel`` some of them
+(through ``jaxpar.pipeline.executor``'s re-exports).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpar.mesh import axis_size
-from jaxpar.pipeline.schedules import Schedule, TickTable, tick_table
+from jaxpar.pipeline.executor._microbatches import with_key
+from jaxpar.pipeline.schedules import Schedule, TickTable
 
 PyTree = Any
 StageFn = Callable[[PyTree, jax.Array], jax.Array]
@@ -48,27 +50,6 @@ def check_leading(tree: PyTree, size: int, name: str, rule: str) -> None:
         'jnp.stack(a), *per_stage)).')
 
 
-def microbatched(inputs: jax.Array, targets: PyTree, m: int):
-  """``inputs`` and every ``targets`` leaf reshaped to ``[m, batch/m, ...]``."""
-  if np.ndim(inputs) == 0:
-    raise ValueError(f'inputs must have a leading batch axis, got shape '
-                     f'{np.shape(inputs)}.')
-  batch = np.shape(inputs)[0]
-  if batch % m:
-    raise ValueError(
-        f'inputs batch size {batch} is not divisible by the schedule\'s '
-        f'num_microbatches={m}: use a batch that is a multiple of {m} or a '
-        f'schedule whose microbatch count divides {batch}.')
-  for path, leaf in jax.tree_util.tree_leaves_with_path(targets):
-    if not np.shape(leaf) or np.shape(leaf)[0] != batch:
-      raise ValueError(
-          f'targets{jax.tree_util.keystr(path)} has shape {np.shape(leaf)} but '
-          f'inputs has batch size {batch}: inputs and targets must share the '
-          'leading batch axis.')
-  split = lambda a: jnp.reshape(a, (m, batch // m) + np.shape(a)[1:])
-  return split(inputs), jax.tree.map(split, targets)
-
-
 def check_stage_fn(stage_fn: StageFn, params: PyTree, x: Any,
                    key: Any = None) -> None:
   """``ValueError`` unless ``stage_fn`` keeps the shape and dtype of ``x``
@@ -86,11 +67,6 @@ def check_stage_fn(stage_fn: StageFn, params: PyTree, x: Any,
         'the stages: in front of the pipeline (embed_fn of '
         'pipeline_value_and_grad_local, or chain PipelineGrads.inputs, their '
         'cotangent) or into loss_fn.')
-
-
-def with_key(key: Any) -> tuple:
-  """The trailing arguments of a user function: ``(key,)``, or ``()``."""
-  return () if key is None else (key,)
 
 
 def check_loss_fn(loss_fn: Callable[..., Any], loss_params: PyTree,
@@ -163,7 +139,8 @@ def check_axis(axis: str, schedule: Schedule) -> None:
   if size != schedule.num_ranks:
     raise ValueError(
         f'axis {axis!r} has size {size} but schedule {schedule.name!r} has '
-        f'num_ranks={schedule.num_ranks}: lower a schedule for {size} ranks.')
+        f'num_ranks={schedule.num_ranks}: build the schedule for {size} '
+        'ranks.')
 
 
 def check_lowered(lowered: Any) -> TickTable:
@@ -182,9 +159,9 @@ def check_fill(bubble_fill: Any) -> float:
   return float(bubble_fill)
 
 
-def lowered_for(schedule: Any, mesh: Mesh, axis: str,
-                training: bool) -> TickTable:
-  """Lowers ``schedule`` after checking it against ``mesh`` and the mode."""
+def check_schedule(schedule: Any, mesh: Mesh, axis: str) -> None:
+  """``TypeError`` unless ``schedule`` is a ``Schedule``; ``ValueError``
+  unless it has as many ranks as ``mesh``'s ``axis``."""
   if not isinstance(schedule, Schedule):
     raise TypeError(f'schedule must be a jaxpar.pipeline.Schedule (e.g. '
                     f'jaxpar.pipeline.one_f_one_b(p, m)), got '
@@ -195,4 +172,3 @@ def lowered_for(schedule: Any, mesh: Mesh, axis: str,
         f'mesh axis {axis!r} has size {size} but schedule {schedule.name!r} '
         f'has num_ranks={schedule.num_ranks}: build the schedule for {size} '
         f'ranks or a mesh with {axis}={schedule.num_ranks}.')
-  return tick_table(schedule, forward_only=not training)

@@ -3,8 +3,8 @@
 ``pipeline_value_and_grad`` computes the loss and
 gradients of a pipelined model, ``pipeline_apply`` its forward pass. Both
 are one ``jax.shard_map`` over the pipeline axis around one ``lax.scan``
-over the ticks of the lowered schedule (``jaxpar.pipeline.ticks``, which
-describes a tick; ``docs/executor.md`` draws one). Each rank holds
+over the ticks of the schedule's ``TickTable`` (``_tick_scan``, whose
+docstring describes a tick; ``docs/executor.md`` draws one). Each rank holds
 ``num_stash_slots`` stashes (activations, never parameters),
 ``num_weight_slots`` weight stashes and ``num_mailbox_slots + 1``
 activations: ``O(p)`` for 1F1B whatever the number of microbatches ``m``.
@@ -33,17 +33,17 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import vma
-from jaxpar.pipeline.executor import _tick_scan as ticks
-from jaxpar.pipeline.executor._vma import full
-from jaxpar.pipeline.executor._checks import (check_axis, check_compute_dtype,
-                                    check_fill, check_float, check_fn,
-                                    check_key, check_leading, check_loss_fn,
-                                    check_lowered, check_offset, check_stage_fn,
-                                    lowered_for, microbatched, with_key)
+from jaxpar.pipeline.executor import _tick_scan
+from jaxpar.pipeline.executor._checks import (
+    check_axis, check_compute_dtype, check_fill, check_float, check_fn,
+    check_key, check_leading, check_loss_fn, check_lowered, check_offset,
+    check_schedule, check_stage_fn)
+from jaxpar.pipeline.executor._microbatches import microbatched, with_key
 from jaxpar.pipeline.executor._placement import ranks_to_stages, stages_to_ranks
-from jaxpar.pipeline.schedules import Schedule, TickTable
 from jaxpar.pipeline.executor._stage_vjp import stash_policy
 from jaxpar.pipeline.executor._tick_scan import LossFn, StageFn
+from jaxpar.pipeline.executor._vma import full
+from jaxpar.pipeline.schedules import Schedule, TickTable, tick_table
 
 PyTree = Any
 
@@ -53,7 +53,8 @@ class PipelineGrads(NamedTuple):
 
   Attributes:
     stages: like ``stage_params``, stacked ``[num_stages, ...]`` in model order.
-    loss: like ``loss_params``.
+    head: like ``loss_params``: the gradient of the head, the parameters
+      ``loss_fn`` takes after the last stage.
     inputs: like ``inputs``, ``[batch, ...]``: for a layer in front of the
       pipeline, chain it with that layer's VJP (``None`` when the step runs
       that layer itself, as ``embed_fn``).
@@ -61,7 +62,7 @@ class PipelineGrads(NamedTuple):
       (``None`` without one).
   """
   stages: PyTree
-  loss: PyTree
+  head: PyTree
   inputs: jax.Array | None
   embed: PyTree = None
 
@@ -130,13 +131,13 @@ def pipeline_value_and_grad_local(
       ``embed_fn(embed_params, raw, fold_in(embed_key, microbatch_offset +
       i))``; ``None``: without a key.
     remat_policy: what the forward stashes for the backward
-      (``jaxpar.pipeline.stage.stash_policy``): ``'dots'`` (default:
+      (``jaxpar.pipeline.stash_policy``): ``'dots'`` (default:
       matrix products kept, elementwise work recomputed), ``'everything'``,
       ``'dots_no_batch'``, ``'nothing'`` or a ``jax.checkpoint_policies``
       policy.
 
   Returns:
-    ``(loss, PipelineGrads(stages, loss, inputs, embed))`` (``((loss, aux),
+    ``(loss, PipelineGrads(stages, head, inputs, embed))`` (``((loss, aux),
     ...)`` with ``has_aux``): the mean loss over this shard's batch and its
     gradients; ``stages`` is this rank's ``[v, ...]`` (varying over
     ``axis``), the rest is reduced over ``axis``. Nothing is reduced over
@@ -147,6 +148,8 @@ def pipeline_value_and_grad_local(
     ``value_and_grad``), as data parallelism runs them.
 
   Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
     >>> stage_fn = lambda w, x: jnp.tanh(x @ w)
     >>> loss_fn = lambda scale, y, t: jnp.mean((scale * y - t) ** 2)
     >>> low = jaxpar.pipeline.tick_table(jaxpar.pipeline.one_f_one_b(4, 8))
@@ -166,8 +169,10 @@ def pipeline_value_and_grad_local(
   check_fn(stage_fn, 'stage_fn')
   check_fn(loss_fn, 'loss_fn')
   if not lowered.training:
-    raise ValueError(f'lowered schedule {lowered.schedule.name!r} has no '
-                     'backward actions; use pipeline_apply_local.')
+    raise ValueError(f'lowered, the tick table of schedule '
+                     f'{lowered.schedule.name!r}, has no backward actions '
+                     '(forward_only=True); use pipeline_apply_local, or pass '
+                     'tick_table(schedule).')
   schedule = lowered.schedule
   check_axis(axis, schedule)
   embedding = embed_fn is not None
@@ -209,16 +214,18 @@ def pipeline_value_and_grad_local(
   check_stage_fn(stage_fn, local_params, x, key)
   check_loss_fn(loss_fn, loss_params, x, jax.tree.map(lambda t: t[0], ts),
                 key, has_aux)
-  out, grads, dlp, dx, de = ticks.run(
+  res = _tick_scan.run(
       stage_fn, loss_fn, lowered, local_params, loss_params, xs, ts,
       axis=axis, remat=bool(remat), bubble_fill=check_fill(bubble_fill),
       key=key, offset=microbatch_offset, has_aux=has_aux, embed_fn=embed_fn,
       embed_params=embed_params, embed_key=embed_key, remat_policy=remat_policy)
+  dx = res.inputs
   if not embedding:
     dx = dx.reshape(np.shape(inputs))
     if dtype is not None:
       dx = dx.astype(inputs_dtype)
-  return (out if has_aux else out[0]), PipelineGrads(grads, dlp, dx, de)
+  return ((res.value if has_aux else res.value[0]),
+          PipelineGrads(res.stages, res.head, dx, res.embed))
 
 
 def cast_params(fn: Callable[..., Any], dtype: Any) -> Callable[..., Any]:
@@ -238,7 +245,7 @@ def pipeline_apply_local(
   """One rank's share of ``pipeline_apply``; call it inside ``jax.shard_map``.
 
   Args are those of ``pipeline_value_and_grad_local``; ``lowered`` must be
-  forward-only (``lower`` of a schedule with only ``F`` actions).
+  forward-only (``tick_table(schedule, forward_only=True)``).
 
   Returns:
     ``[batch, ...]``, the last stage's outputs, reduced over ``axis``.
@@ -246,8 +253,9 @@ def pipeline_apply_local(
   lowered = check_lowered(lowered)
   check_fn(stage_fn, 'stage_fn')
   if lowered.training:
-    raise ValueError(f'lowered schedule {lowered.schedule.name!r} has '
-                     'backward actions; lower its F actions only for '
+    raise ValueError(f'lowered, the tick table of schedule '
+                     f'{lowered.schedule.name!r}, has backward actions; pass '
+                     'tick_table(schedule, forward_only=True) to '
                      'pipeline_apply_local.')
   schedule = lowered.schedule
   check_axis(axis, schedule)
@@ -256,8 +264,9 @@ def pipeline_apply_local(
   stage_fn = vma.lift(stage_fn, axes=(axis,))
   xs, _ = microbatched(inputs, (), schedule.num_microbatches)
   check_stage_fn(stage_fn, local_params, jax.typeof(xs[0]))
-  out = ticks.run(stage_fn, None, lowered, local_params, (), xs, (), axis=axis,
-             remat=True, bubble_fill=check_fill(bubble_fill))
+  out = _tick_scan.run(stage_fn, None, lowered, local_params, (), xs, (),
+                       axis=axis, remat=True,
+                       bubble_fill=check_fill(bubble_fill))
   return out.reshape(np.shape(inputs))
 
 
@@ -270,7 +279,6 @@ def pipeline_value_and_grad(
 
   Like ``jax.value_and_grad`` of the sequential model (no optimizer: plug
   the gradients into optax, or use ``jaxpar.parallel.trainer``).
-  ``pipeline_value_and_grad`` is the same function under its first name.
 
   The batch is split into ``m = schedule.num_microbatches`` equal
   microbatches that flow through ``S = schedule.num_stages`` logical stages
@@ -290,8 +298,8 @@ def pipeline_value_and_grad(
   activations, independent of ``m`` for 1F1B, interleaved and zero-bubble.
   When the placement is not one stage per rank in order (interleaved, V),
   the model-order stage parameters and gradients are permuted to and from
-  the rank layout every step, which gathers them on every device; for large
-  models keep them in that layout (``stages_to_ranks``) and call
+  the rank placement every step, which gathers them on every device; for
+  large models keep them placed (``stages_to_ranks``) and call
   ``pipeline_value_and_grad_local`` in your own ``shard_map``.
 
   Args:
@@ -306,7 +314,7 @@ def pipeline_value_and_grad(
     mesh: a mesh with axis ``axis`` of size ``schedule.num_ranks``.
     axis: the pipeline axis name.
     remat: stash only stage inputs and recompute the forward in the backward.
-    remat_policy: the stash (``jaxpar.pipeline.stage.stash_policy``):
+    remat_policy: the stash (``jaxpar.pipeline.stash_policy``):
       ``'dots'`` by default, ``'everything'``, ``'dots_no_batch'``,
       ``'nothing'`` or a ``jax.checkpoint_policies`` policy.
     bubble_fill: value of unwritten buffer slots and of what idle ranks send;
@@ -319,7 +327,7 @@ def pipeline_value_and_grad(
 
   Returns:
     ``step(stage_params, loss_params, inputs, targets, key=None) -> (loss,
-    PipelineGrads(stages, loss, inputs))`` (``((loss, aux), grads)`` with
+    PipelineGrads(stages, head, inputs))`` (``((loss, aux), grads)`` with
     ``has_aux``), jitted. ``stage_params`` is a pytree stacked
     ``[num_stages, ...]`` in model order; ``inputs`` is ``[batch, ...]`` and
     ``targets`` a pytree of ``[batch, ...]`` leaves; ``key`` a PRNG key for
@@ -337,6 +345,7 @@ def pipeline_value_and_grad(
       ``has_aux``), or a ``key`` that is not one PRNG key.
 
   Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxpar
     >>> stage_fn = lambda p, x: jnp.tanh(x @ p['w'] + p['b'])
     >>> loss_fn = lambda scale, y, t: jnp.mean((scale * y - t) ** 2)
     >>> step = jaxpar.pipeline.pipeline_value_and_grad(
@@ -366,7 +375,8 @@ def pipeline_value_and_grad(
   """
   check_fn(stage_fn, 'stage_fn')
   check_fn(loss_fn, 'loss_fn')
-  lowered = lowered_for(schedule, mesh, axis, training=True)
+  check_schedule(schedule, mesh, axis)
+  lowered = tick_table(schedule)
   bubble_fill = check_fill(bubble_fill)
   check_compute_dtype(compute_dtype)
   stash_policy(remat, remat_policy)
@@ -408,7 +418,8 @@ def pipeline_value_and_grad(
 def _apply(stage_fn, stage_params, inputs, *, schedule, mesh, axis,
            bubble_fill):
   bubble_fill = float(bubble_fill)  # passed as a str: nan == nan for the cache
-  lowered = lowered_for(schedule, mesh, axis, training=False)
+  check_schedule(schedule, mesh, axis)
+  lowered = tick_table(schedule, forward_only=True)
   check_leading(stage_params, schedule.num_stages, 'stage_params',
                 'schedule.num_stages')
   local = lambda params, x: pipeline_apply_local(
@@ -447,6 +458,7 @@ def pipeline_apply(stage_fn: StageFn, stage_params: PyTree | None = None,
     Outputs are replicated over ``axis``.
 
   Example:
+    >>> import jax.numpy as jnp, numpy as np, jaxpar
     >>> apply = jaxpar.pipeline.pipeline_apply(
     ...     lambda w, x: jnp.tanh(x @ w), mesh=jaxpar.make_mesh(stage=4, data=2),
     ...     schedule=jaxpar.pipeline.one_f_one_b(4, 8))
@@ -455,7 +467,8 @@ def pipeline_apply(stage_fn: StageFn, stage_params: PyTree | None = None,
   """
   check_fn(stage_fn, 'stage_fn')
   fill = str(check_fill(bubble_fill))  # a str: nan == nan for the jit cache
-  lowered_for(schedule, mesh, axis, training=False)
+  check_schedule(schedule, mesh, axis)
+  tick_table(schedule, forward_only=True)   # its errors now, not when called
 
   def apply(stage_params: PyTree, inputs: jax.Array) -> jax.Array:
     return _apply(stage_fn, stage_params, inputs, schedule=schedule,

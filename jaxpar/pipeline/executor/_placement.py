@@ -1,4 +1,4 @@
-"""Stage parameters between model order ``[S, ...]`` and rank layout ``[p, v, ...]``."""
+"""Stage parameters between model order ``[S, ...]`` and the rank placement ``[p, v, ...]``."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _stage_order(schedule: Schedule) -> np.ndarray:
 
 def stages_to_ranks(tree: PyTree, schedule: Schedule, *,
                     out_sharding: NamedSharding | None = None) -> PyTree:
-  """Rearranges a ``[num_stages, ...]`` stack into the ``[p, v, ...]`` rank layout.
+  """Rearranges a ``[num_stages, ...]`` stack into the ``[p, v, ...]`` rank placement.
 
   Row ``[r, j]`` holds the ``j``-th stage (ascending) that ``schedule.placement``
   puts on rank ``r``; ``v = num_stages // p``. Shard dim 0 over the pipeline
@@ -38,6 +38,7 @@ def stages_to_ranks(tree: PyTree, schedule: Schedule, *,
     The pytree with leaves ``[p, v, ...]``.
 
   Example:
+    >>> import numpy as np, jaxpar
     >>> s = jaxpar.pipeline.interleaved_one_f_one_b(2, 4, 2)   # placement (0, 1, 0, 1)
     >>> jaxpar.pipeline.stages_to_ranks(np.arange(4), s).tolist()
     [[0, 2], [1, 3]]
@@ -51,6 +52,7 @@ def ranks_to_stages(tree: PyTree, schedule: Schedule, *,
   """Inverse of ``stages_to_ranks``: ``[p, v, ...]`` back to ``[num_stages, ...]``.
 
   Example:
+    >>> import numpy as np, jaxpar
     >>> s = jaxpar.pipeline.zero_bubble_v(2, 2)   # placement (0, 1, 1, 0)
     >>> jaxpar.pipeline.ranks_to_stages(np.array([[0, 3], [1, 2]]), s).tolist()
     [0, 1, 2, 3]

@@ -39,6 +39,8 @@ product and four of gelu's intermediates per layer), ``'dots'`` ``L + 1``
 (the input and the ``L`` products), ``'nothing'`` one.
 
 Example:
+  >>> import jax.numpy as jnp
+  >>> from jaxpar.pipeline import StageVJP
   >>> stage = StageVJP(lambda w, x: jnp.tanh(x @ w[0]) + x)
   >>> w, x = jnp.ones((2, 4, 4)), jnp.ones((3, 4))
   >>> _ = stage.trace(w, x)
@@ -101,6 +103,8 @@ def stash_policy(remat: bool = False, remat_policy: Any = None
     TypeError: a policy that is neither a name nor callable.
 
   Example:
+    >>> import jax
+    >>> from jaxpar.pipeline import stash_policy
     >>> stash_policy() is jax.checkpoint_policies.dots_saveable
     True
     >>> stash_policy(remat=True) is jax.checkpoint_policies.nothing_saveable

@@ -1,9 +1,16 @@
-"""One rank's scan over the ticks of a lowered ``Schedule`` (the executor's core).
+"""One rank's scan over the ticks of a ``TickTable`` (the executor's core).
 
 ``run`` is one ``lax.scan`` over the ticks of ``jaxpar.pipeline.tick_table``'s
 table, inside a ``jax.shard_map`` over the pipeline axis
 (``docs/executor.md`` draws a tick); ``jaxpar.pipeline.executor`` wraps it
-into the public steps. Per tick, every rank
+into the public steps. ``run`` reads as the recipe: the rank's view of the
+step (``Rank``), the types of what the blocks produce (``_avals``), the
+blocks and message patterns the table holds (``_plan``), the buffers
+(``_init_carry``), the scan of ``_tick``, the sums (``_result``). The
+scan's carry is a ``Carry`` (mailbox, stash, weight stash,
+``Accumulators``, the pending and result rows as an ``Edge``); its ``xs``
+are ``TickRow``s, each rank's part an ``Action``; a block reads and
+updates a ``BlockState``. Per tick (``_tick``), every rank
 
 1. reads its row of the tick table (action kind, stage, microbatch, slots);
 2. reads the action's input: the batch for stage 0's ``F`` (with
@@ -78,22 +85,142 @@ backward, never stashed, and is the forward's mask.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.pipeline.executor._vma import full, like, vary, vma
-from jaxpar.pipeline.executor._checks import with_key
-from jaxpar.pipeline.schedules import KIND_CODES, TickTable
+from jaxpar.pipeline.executor._microbatches import with_key
 from jaxpar.pipeline.executor._stage_vjp import StageVJP, stash_policy
+from jaxpar.pipeline.executor._vma import full, like, vary, vma
+from jaxpar.pipeline.schedules import KIND_CODES, TickTable
 
 PyTree = Any
 F, I, W = (KIND_CODES[k] for k in 'FIW')   # the tick table's kind codes
 StageFn = Callable[..., jax.Array]
 LossFn = Callable[..., Any]
+
+
+# ------------------------------------------------------------ named state
+
+
+class Action(NamedTuple):
+  """One rank's row of the tick table at one tick (``TickRow.ranks``: each
+  field ``[p, ...]``, every rank's). ``-1`` means none: idle, no mailbox
+  read (stage 0's batch), no message received over an offset."""
+  kind: Any          # F, I, W (the table's codes) or idle
+  block: Any         # index into ``Plan.kinds`` (``blocks``), -1 idle
+  stage: Any         # logical stage
+  microbatch: Any
+  local_stage: Any   # index into the rank's ``local_params`` (``[v, ...]``)
+  read_slot: Any     # mailbox slot of the input (-1: the batch)
+  stash_slot: Any
+  weight_slot: Any
+  recv_slot: Any     # ``[K]``: where a message over offset k lands
+
+
+class TickRow(NamedTuple):
+  """One tick of the table: the ``xs`` of the scan."""
+  ranks: Action        # every rank's action
+  message: Any         # the tick's message pattern (``messages``)
+  pending_slot: Any    # the pending slot of the result row done now
+  summed_rows: Any     # ``[p]``: each pending slot's row if summed now
+
+
+class Plan(NamedTuple):
+  """What the tick table and the options fix before tracing."""
+  table: TickTable
+  kinds: tuple[tuple[int, bool, bool], ...]   # the blocks present (``blocks``)
+  patterns: tuple[tuple[bool, ...], ...]      # message patterns (``messages``)
+  axis: str                                   # the pipeline axis
+  bubble_fill: float
+  training: bool
+  embedding: bool   # stage 0 embeds the raw microbatch (``embed_fn``)
+
+  @property
+  def with_edge(self) -> bool:
+    """A batch-sized result, summed ``p`` rows at a time (``edge_rows``):
+    stage 0's input cotangents (forward only: the outputs); none with
+    ``embed_fn``."""
+    return not self.embedding
+
+
+class Rank(NamedTuple):
+  """One rank's view of the step, the same on every tick: its index on the
+  pipeline axis, its inputs (the params cast to vary over that axis) and
+  the user's functions (``stage``: ``stage_fn`` cut into blocks)."""
+  index: jax.Array            # ``axis_index`` over the pipeline axis
+  stage: StageVJP
+  loss_fn: LossFn | None      # ``None``: forward only
+  embed_fn: Callable[..., jax.Array] | None
+  local_params: PyTree        # ``[v, ...]``: this rank's stages
+  loss_params: PyTree
+  embed_params: PyTree
+  inputs: PyTree              # ``[m, mb, ...]`` (raw with ``embed_fn``)
+  targets: PyTree             # leaves ``[m, mb, ...]``
+  key: jax.Array | None       # the step's key
+  embed_key: jax.Array | None
+  offset: Any                 # global index of the shard's first microbatch
+  has_aux: bool
+  num_microbatches: int
+  num_stages: int
+
+
+class Avals(NamedTuple):
+  """Types of what the blocks produce (``_avals``)."""
+  act: Any                # an activation or its cotangent, one microbatch
+  act_vma: frozenset[str]   # the mesh axes activations vary over
+  stash: Any              # one stash slot: ``F``'s residuals
+  kept: Any = None        # what ``I`` keeps for ``W`` (training)
+  dstage: Any = None      # one stage's parameter gradient
+  value: Any = None       # ``(loss, aux)`` of one microbatch
+  dhead: Any = None       # ``loss_params``' gradient
+
+
+class Accumulators(NamedTuple):
+  """What the training blocks add to, from zeros, over the ticks."""
+  stages: PyTree   # ``[v, ...]``: ``local_params``' gradient (``W``)
+  value: PyTree    # ``(loss, aux)``: each microbatch's share, ``/ m``
+  head: PyTree     # ``loss_params``' gradient (the last stage's ``F``)
+  embed: PyTree    # ``embed_params``' gradient (stage 0's ``W``)
+
+
+class Edge(NamedTuple):
+  """The batch-sized result being written (``Plan.with_edge``)."""
+  pending: jax.Array   # ``[p, mb, ...]``: rows done, waiting for their psum
+  result: jax.Array    # ``[m, mb, ...]``: the output, written row by row
+
+
+class Carry(NamedTuple):
+  """The scan's carry: the rank's buffers, updated in place every tick."""
+  mailbox: PyTree      # ``[num_mailbox_slots + 1, mb, ...]``; the last is spare
+  stash: PyTree        # ``[num_stash_slots, ...]``: ``F``'s residuals
+  wstash: PyTree       # ``(kept, dx)`` ``[num_weight_slots, ...]``: I for W
+  acc: Accumulators | None   # training only
+  edge: Edge | None
+
+
+class BlockState(NamedTuple):
+  """What a block reads and updates in place (the carry of its ``when``)."""
+  payload: jax.Array   # what the rank sends this tick (``bubble_fill``: none)
+  acc: Accumulators | None
+  stash: PyTree
+  wstash: PyTree       # ``None`` in an ``F`` block, which does not carry it
+
+
+class Result(NamedTuple):
+  """``run``'s result when training; all but ``stages`` summed over the axis."""
+  value: PyTree              # ``(loss, aux)``, ``aux`` ``()`` without has_aux
+  stages: PyTree             # ``[v, ...]``: ``local_params``' gradient
+  head: PyTree               # ``loss_params``' gradient
+  inputs: jax.Array | None   # ``[m, mb, ...]``: ``None`` with ``embed_fn``
+  embed: PyTree              # ``embed_params``' gradient, ``None`` without
+
+
+# ------------------------------------------------------------ the tick table
 
 
 def blocks(lowered: TickTable, *, loss: bool, embed: bool
@@ -174,13 +301,16 @@ def edge_rows(lowered: TickTable) -> tuple[np.ndarray, np.ndarray]:
   return slot, rows
 
 
+# ------------------------------------------------------------ the scan
+
+
 def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: TickTable,
         local_params: PyTree, loss_params: PyTree, inputs: PyTree,
         targets: PyTree, *, axis: str, remat: bool, bubble_fill: float,
         key: jax.Array | None = None, offset: Any = 0,
         has_aux: bool = False, embed_fn: Callable[..., jax.Array] | None = None,
         embed_params: PyTree = None, embed_key: jax.Array | None = None,
-        remat_policy: Any = None):
+        remat_policy: Any = None) -> Result | jax.Array:
   """The scan over ticks on one rank (inside ``shard_map``); see module doc.
 
   Args are one rank's view: ``local_params`` ``[v, ...]``, ``inputs``
@@ -191,237 +321,379 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: TickTable,
   0's input.
 
   Returns:
-    Training (``loss_fn`` given): ``((loss, aux), dlocal_params,
-    dloss_params, dinputs, dembed_params)``, the loss (``aux``: ``()``
-    without ``has_aux``) and gradients of the mean over the ``m``
-    microbatches; ``dinputs`` ``[m, mb, ...]`` is ``None`` with an
-    ``embed_fn`` and ``dembed_params`` ``None`` without. Forward-only: the
-    last stage's outputs ``[m, mb, ...]``. Everything but ``dlocal_params``
-    is reduced over ``axis``.
+    Training (``loss_fn`` given): a ``Result``: the loss (and aux) and the
+    gradients of the mean over the ``m`` microbatches. Forward-only: the
+    last stage's outputs ``[m, mb, ...]``. Everything but
+    ``Result.stages`` is reduced over ``axis``.
   """
   schedule = lowered.schedule
-  p, m = schedule.num_ranks, schedule.num_microbatches
-  if p == 1:
+  if schedule.num_ranks == 1:
     return sequential(
         stage_fn, loss_fn, schedule, local_params, loss_params, inputs,
         targets, axis=axis, remat=remat, key=key, offset=offset,
         has_aux=has_aux, embed_fn=embed_fn, embed_params=embed_params,
         embed_key=embed_key, remat_policy=remat_policy)
-  last = schedule.num_stages - 1
-  train = loss_fn is not None
-  embedding = embed_fn is not None
-  stage = StageVJP(stage_fn, remat or not train,
-                   remat_policy if train else None)
-  rank = jax.lax.axis_index(axis)
-  v = schedule.num_stages // p
-
+  training = loss_fn is not None
   # Every value the blocks touch varies over the pipeline axis and over
   # what the batch varies over (e.g. 'data'): no gradient is then psum-ed
   # implicitly inside a block that only some ranks run.
   base = vma(inputs) | {axis}
-  local_params = vary(local_params, base)
-  loss_params = vary(loss_params, base)
-  embed_params = vary(embed_params, base)
-  one_params = jax.tree.map(lambda a: a[0], local_params)
+  rank = Rank(
+      index=jax.lax.axis_index(axis),
+      stage=StageVJP(stage_fn, remat or not training,
+                     remat_policy if training else None),
+      loss_fn=loss_fn, embed_fn=embed_fn,
+      local_params=vary(local_params, base),
+      loss_params=vary(loss_params, base),
+      embed_params=vary(embed_params, base), inputs=inputs, targets=targets,
+      key=key, embed_key=embed_key, offset=offset, has_aux=has_aux,
+      num_microbatches=schedule.num_microbatches,
+      num_stages=schedule.num_stages)
+  avals = _avals(rank, axis)
+  plan, rows = _plan(lowered, axis, bubble_fill, training,
+                     embedding=embed_fn is not None)
+  carry, _ = jax.lax.scan(functools.partial(_tick, rank, avals, plan),
+                          _init_carry(rank, avals, plan), rows)
+  return _result(plan, carry)
 
-  def key_of(stg, mb):
-    """The key of (logical stage ``stg``, microbatch ``mb``); the loss of
-    microbatch ``mb`` has ``stg = num_stages``. A function of the global
-    microbatch index, so of the batch rows, not of the schedule or mesh."""
-    if key is None:
-      return None
-    return jax.random.fold_in(jax.random.fold_in(key, offset + mb), stg)
 
-  def embedded(ep, mb):
-    """Stage 0's input for microbatch ``mb``: ``embed_fn`` of its raw rows."""
-    raw = jax.tree.map(lambda a: a[mb], inputs)
-    k = None if embed_key is None else jax.random.fold_in(embed_key,
-                                                          offset + mb)
-    return embed_fn(ep, raw, *with_key(k))
+def _plan(lowered: TickTable, axis: str, bubble_fill: float, training: bool,
+          *, embedding: bool) -> tuple[Plan, TickRow]:
+  """The blocks and message patterns present, and the scan's rows."""
+  codes, kinds = blocks(lowered, loss=training, embed=embedding)
+  message, patterns = messages(lowered, not embedding)
+  pending_slot, summed_rows = edge_rows(lowered)
+  ranks = Action(lowered.kind, codes, lowered.stage, lowered.microbatch,
+                 lowered.local_stage, lowered.read_slot, lowered.stash_slot,
+                 lowered.weight_slot, lowered.recv_slot)
+  plan = Plan(lowered, kinds, patterns, axis, bubble_fill, training,
+              embedding)
+  return plan, TickRow(ranks, message, pending_slot, summed_rows)
 
-  def seed(lp, y, target, k):
-    """This microbatch's share of the mean loss (and aux, at least float32),
-    and the loss's grad w.r.t. (lp, y)."""
-    def fn(lp, y):
-      out = loss_fn(lp, y, target, *with_key(k))
-      loss, aux = out if has_aux else (out, ())
-      return jax.tree.map(lambda a: a.astype(jnp.promote_types(
-          a.dtype, jnp.float32)) / m, (loss, aux))
-    return jax.value_and_grad(fn, argnums=(0, 1), has_aux=True)(lp, y)
 
-  # Types of everything the blocks produce. The activations' varying axes
-  # are a fixed point of x -> y (-> loss cotangent -> dx) -> x. The key is
-  # built as in a tick (its microbatch comes from the rank's table row).
-  k0 = key_of(rank * 0, rank * 0)
-  x0 = (jax.eval_shape(embedded, embed_params, rank * 0) if embedding
-        else jax.typeof(inputs[0]))
-  act_vma = base | vma(x0)
+def _avals(rank: Rank, axis: str) -> Avals:
+  """Types of everything the blocks produce; training also cuts the stage's
+  backward into ``I`` and ``W`` (``StageVJP.split``).
+
+  The activations' varying axes are a fixed point of x -> y (-> loss
+  cotangent -> dx) -> x. The key is built as in a tick (its microbatch
+  comes from the rank's table row).
+  """
+  training = rank.loss_fn is not None
+  one_params = _params_of(rank, 0)
+  k0 = _key(rank, rank.index * 0, rank.index * 0)
+  x0 = (jax.eval_shape(lambda ep, mb: _embedded(rank, ep, mb),
+                       rank.embed_params, rank.index * 0)
+        if rank.embed_fn is not None else jax.typeof(rank.inputs[0]))
+  act_vma = vma(rank.inputs) | {axis} | vma(x0)
   while True:
     x = vary(jnp.zeros(x0.shape, x0.dtype), act_vma)
-    y_aval, stash_aval = stage.trace(one_params, x, k0)
+    y_aval, stash = rank.stage.trace(one_params, x, k0)
     new = act_vma | vma(y_aval)
-    if train:
+    if training:
       y = vary(jnp.zeros_like(x), vma(y_aval))
-      out_aval, (dlp_aval, dy_aval) = jax.eval_shape(
-          seed, loss_params, y, jax.tree.map(lambda t: t[0], targets), k0)
+      value, (dhead, dy_aval) = jax.eval_shape(
+          lambda lp, y, t, k: _seed(rank, lp, y, t, k), rank.loss_params, y,
+          jax.tree.map(lambda t: t[0], rank.targets), k0)
       dy = vary(jnp.zeros_like(x), new | vma(dy_aval))
-      dp_aval, dx_aval = jax.eval_shape(
-          stage.backward, one_params, full(stash_aval, 0), dy, k0)
+      dstage, dx_aval = jax.eval_shape(
+          rank.stage.backward, one_params, full(stash, 0), dy, k0)
       new |= vma(dy_aval) | vma(dx_aval)
     if new == act_vma:
       break
     act_vma = new
-  act_aval = jax.typeof(x)
-  if train:
-    kept_aval = stage.split(one_params, full(stash_aval, 0), dy, k0)
+  act = jax.typeof(x)
+  if not training:
+    return Avals(act, act_vma, stash)
+  kept = rank.stage.split(one_params, full(stash, 0), dy, k0)
+  return Avals(act, act_vma, stash, kept, dstage, value, dhead)
 
-  def params_of(j):
-    return jax.tree.map(lambda a: a[j], local_params)
 
-  def put(buf, index, value):
-    """``buf[index] = value`` (in place), cast to the buffer's varying axes."""
-    return jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(
-        b, like(v, b[0]), index, 0), buf, value)
+def _init_carry(rank: Rank, avals: Avals, plan: Plan) -> Carry:
+  """The buffers before the first tick: ``bubble_fill`` in every slot,
+  zeros in the accumulators, the pending rows and the result."""
+  table, fill = plan.table, plan.bubble_fill
+  p, m = table.schedule.num_ranks, table.schedule.num_microbatches
+  acc = stash = wstash = edge = None
+  if plan.training:
+    acc = Accumulators(
+        full(avals.dstage, 0, table.schedule.num_stages // p),
+        full(avals.value, 0), full(avals.dhead, 0),
+        vary(full(jax.eval_shape(lambda: rank.embed_params), 0),
+             avals.act_vma))
+    stash = full(avals.stash, fill, table.num_stash_slots)
+    wstash = full((avals.kept, avals.act), fill,
+                  max(table.num_weight_slots, 1))
+  mailbox = full(avals.act, fill, table.num_mailbox_slots + 1)
+  if plan.with_edge:
+    edge = Edge(full(avals.act, 0, p), vary(
+        jnp.zeros((m,) + avals.act.shape, avals.act.dtype),
+        avals.act_vma - {plan.axis}))
+  return Carry(mailbox, stash, wstash, acc, edge)
 
-  def add(acc, d):
-    return jax.tree.map(lambda a, d: a + like(d, a), acc, d)
 
-  # One block per (kind, first, last); each runs in a ``when`` and updates
-  # the tick state in place: ``(payload, grads, (loss, aux), dloss_params,
-  # dembed_params)`` and its own buffer (``F`` the stash, ``I`` the weight
-  # stash). ``at`` is the tick's (local stage j, logical stage, microbatch).
-  def forward(first, last_stage):
-    def block(carry, at, slot, x, target):
-      state, stash = carry
-      j, stg, mb = at
-      if first:
-        x = like(embedded(embed_params, mb).astype(act_aval.dtype), act_aval)
-      if not train:
-        return (like(stage_fn(params_of(j), x), act_aval),), stash
-      y, new = stage.forward(params_of(j), x, key_of(stg, mb))
-      stash = put(stash, slot, new)
-      if not last_stage:
-        return (like(y, act_aval), *state[1:]), stash
-      payload, grads, out, dlp, de = state
-      o, (dl, dy) = seed(loss_params, y, target, key_of(last + 1, mb))
-      return (like(dy, act_aval), grads, add(out, o), add(dlp, dl), de), stash
-    return block
+def _tick(rank: Rank, avals: Avals, plan: Plan, carry: Carry,
+          row: TickRow) -> tuple[Carry, None]:
+  """One tick on this rank: read the input, run the block, exchange the
+  messages, land them and the summed result rows (module doc, 1-4)."""
+  action = _action(row.ranks, rank.index)
+  x = _block_input(rank, carry.mailbox, action)
+  target = jax.tree.map(lambda t: t[action.microbatch], rank.targets)
+  state = _run_blocks(rank, avals, plan, action, x, target, BlockState(
+      full(avals.act, plan.bubble_fill), carry.acc, carry.stash,
+      carry.wstash))
+  local, remote = _offsets(plan.table)
+  spare = plan.table.num_mailbox_slots
+  # A local hand-off (the loss cotangent): no message.
+  mailbox = _deliver(carry.mailbox, action.recv_slot, local,
+                     [state.payload] * len(local), spare)
+  pending = edge = None
+  if plan.with_edge:
+    pending = _pend(plan, action, row.pending_slot, state.payload,
+                    carry.edge.pending)
+  got = _exchange(plan, avals, row.message, state.payload, pending)
+  mailbox = _deliver(mailbox, action.recv_slot, remote, got, spare)
+  if plan.with_edge:
+    edge = Edge(pending, _write_rows(carry.edge.result, row.summed_rows,
+                                     got[-1]))
+  return Carry(mailbox, state.stash, state.wstash, state.acc, edge), None
 
-  def input_grad(carry, at, slot, wslot, dy):
-    (_, *rest), stash, wstash = carry
-    j, stg, mb = at
-    st = jax.tree.map(lambda b: b[slot], stash)
-    dx, kept = stage.input_grad(params_of(j), st, dy, key_of(stg, mb))
-    dx = like(dx, act_aval)
-    return (dx, *rest), stash, put(wstash, wslot, (kept, dx))
 
-  def weight_grad(first):
-    def block(carry, at, slot, wslot, dy):
-      (_, grads, out, dlp, de), stash, wstash = carry
-      j, stg, mb = at
-      st = jax.tree.map(lambda b: b[slot], stash)
-      kept, dx = jax.tree.map(lambda b: b[wslot], wstash)
-      dp = stage.weight_grad(params_of(j), st, dy, kept, key_of(stg, mb))
-      grads = jax.tree.map(lambda g, d: g.at[j].add(like(d, g[j])), grads, dp)
-      if first:
-        _, vjp = jax.vjp(lambda ep: embedded(ep, mb), embed_params)
-        de = add(de, vjp(dx.astype(x0.dtype))[0])
-      return (dx, grads, out, dlp, de), stash, wstash
-    return block
+def _result(plan: Plan, carry: Carry) -> Result | jax.Array:
+  """The scan's outputs; the sums over the pipeline axis in one collective."""
+  result = carry.edge.result if plan.with_edge else None
+  if not plan.training:
+    return result
+  acc = carry.acc
+  value, head, embed = jax.lax.psum((acc.value, acc.head, acc.embed),
+                                    plan.axis)
+  return Result(value, acc.stages, head, result,
+                embed if plan.embedding else None)
 
-  codes, kinds = blocks(lowered, loss=train, embed=embedding)
-  with_edge = not embedding
-  comm, patterns = messages(lowered, with_edge)
-  pend_slot, sum_rows = edge_rows(lowered)
-  remote = [k for k, o in enumerate(lowered.offsets) if o]
-  local = [k for k, o in enumerate(lowered.offsets) if not o]
 
-  def exchange(pattern, payload, pending):
-    """The pattern's ppermutes (a fill where it sends nothing) and psum."""
-    msgs = [like(jax.lax.ppermute(payload, axis, [
-        (r, (r + lowered.offsets[k]) % p) for r in range(p)]), act_aval)
-            if send else full(act_aval, bubble_fill)
-            for k, send in zip(remote, pattern)]
-    if with_edge:
-      msgs.append(jax.lax.psum(pending, axis) if pattern[-1] else
-                  vary(jnp.zeros(pending.shape, pending.dtype),
-                       act_vma - {axis}))
-    return msgs
+# ------------------------------------------------------------ one tick
 
-  def tick(carry, row):
-    mailbox, stash, wstash, state, edge = carry
-    row, pattern, pend, rows_summed = row
-    kind, code, stg, mb, j, read, slot, wslot, recv = (a[rank] for a in row)
-    mb, j = jnp.maximum(mb, 0), jnp.maximum(j, 0)
-    slot, wslot = jnp.maximum(slot, 0), jnp.maximum(wslot, 0)
-    at = (j, stg, mb)
-    x = mailbox[jnp.maximum(read, 0)]
-    if not embedding:
-      x = jnp.where(read >= 0, x, inputs[mb])
-    target = jax.tree.map(lambda t: t[mb], targets)
-    state = (full(act_aval, bubble_fill), *state)
-    for c, (block_kind, first, last_stage) in enumerate(kinds):
-      if block_kind == F:
-        state, stash = when(code == c, lambda s, b=forward(
-            first, last_stage): b(s, at, slot, x, target), (state, stash))
-      else:
-        block = input_grad if block_kind == I else weight_grad(first)
-        state, stash, wstash = when(code == c, lambda s, b=block: b(
-            s, at, slot, wslot, x), (state, stash, wstash))
-    payload, *state = state
-    for k in local:  # a local hand-off (the loss cotangent): no message
-      mailbox = put(mailbox, jnp.where(recv[k] >= 0, recv[k], spare), payload)
-    pending = None
-    if with_edge:  # this rank's share of the row done this tick, if any
-      pending, result = edge
-      mine = (kind == (I if train else F)) & (stg == (0 if train else last))
-      k = jnp.minimum(pend, p - 1)
-      pending = put(pending, k, jnp.where(
-          pend < p, jnp.where(mine, payload, jnp.zeros_like(payload)),
-          pending[k]))
-    if len(patterns) == 1:
-      got = exchange(patterns[0], payload, pending)
+
+def _action(ranks: Action, index: jax.Array) -> Action:
+  """This rank's action, its buffer indices clipped to 0 where they are -1
+  (an idle rank runs no block; a clipped read is not used)."""
+  action = jax.tree.map(lambda a: a[index], ranks)
+  return action._replace(
+      microbatch=jnp.maximum(action.microbatch, 0),
+      local_stage=jnp.maximum(action.local_stage, 0),
+      stash_slot=jnp.maximum(action.stash_slot, 0),
+      weight_slot=jnp.maximum(action.weight_slot, 0))
+
+
+def _block_input(rank: Rank, mailbox: PyTree, action: Action) -> jax.Array:
+  """The action's input: its mailbox slot (an activation for ``F``, a
+  cotangent for ``I`` and ``W``), or the batch for stage 0's ``F`` (with
+  ``embed_fn`` that ``F`` embeds its microbatch itself)."""
+  x = mailbox[jnp.maximum(action.read_slot, 0)]
+  if rank.embed_fn is None:
+    x = jnp.where(action.read_slot >= 0, x, rank.inputs[action.microbatch])
+  return x
+
+
+def _run_blocks(rank: Rank, avals: Avals, plan: Plan, action: Action,
+                x: jax.Array, target: PyTree,
+                state: BlockState) -> BlockState:
+  """Runs the action's block: each block present in its own ``when``."""
+  for code, (kind, first, last) in enumerate(plan.kinds):
+    if kind == F:   # F does not carry the weight stash
+      wstash = state.wstash
+      block = functools.partial(_forward, rank, avals, first, last, action,
+                                x, target)
+      state = when(action.block == code, block,
+                   state._replace(wstash=None))._replace(wstash=wstash)
     else:
-      got = jax.lax.switch(pattern, [
-          lambda a, b, pat=pat: exchange(pat, a, b) for pat in patterns],
-                           payload, pending)
-    for k, msg in zip(remote, got):
-      mailbox = put(mailbox, jnp.where(recv[k] >= 0, recv[k], spare), msg)
-    if with_edge:  # the rows summed this tick into the result, if any: one
-      for k in range(p):  # in-place row write each (a select keeps the row)
-        i = jnp.minimum(rows_summed[k], m - 1)
-        result = put(result, i, jnp.where(rows_summed[k] < m, got[-1][k],
-                                          result[i]))
-      edge = pending, result
-    return (mailbox, stash, wstash, tuple(state), edge), None
+      block = (functools.partial(_input_grad, rank, avals, action, x)
+               if kind == I else
+               functools.partial(_weight_grad, rank, avals, first, action, x))
+      state = when(action.block == code, block, state)
+  return state
 
-  stash = wstash = None
-  state = ()
-  if train:
-    state = (full(dp_aval, 0, v), full(out_aval, 0), full(dlp_aval, 0),
-             vary(full(jax.eval_shape(lambda: embed_params), 0), act_vma))
-    stash = full(stash_aval, bubble_fill, lowered.num_stash_slots)
-    wstash = full((kept_aval, act_aval), bubble_fill,
-                  max(lowered.num_weight_slots, 1))
-  spare = lowered.num_mailbox_slots
-  mailbox = full(act_aval, bubble_fill, spare + 1)
-  edge = None
-  if with_edge:  # K = num_ranks pending rows, the result
-    edge = (full(act_aval, 0, p), vary(jnp.zeros(
-        (m,) + act_aval.shape, act_aval.dtype), act_vma - {axis}))
-  rows = (lowered.kind, codes, lowered.stage, lowered.microbatch,
-          lowered.local_stage, lowered.read_slot, lowered.stash_slot, lowered.weight_slot,
-          lowered.recv_slot)
-  (_, _, _, state, edge), _ = jax.lax.scan(
-      tick, (mailbox, stash, wstash, state, edge),
-      (rows, comm, pend_slot, sum_rows))
-  if with_edge:
-    edge = edge[1]
-  if not train:
-    return edge
-  grads, out, dlp, de = state
-  out, dlp, de = jax.lax.psum((out, dlp, de), axis)  # one collective
-  return out, grads, dlp, edge, (de if embedding else None)
+
+def _forward(rank: Rank, avals: Avals, first: bool, last: bool,
+             action: Action, x: jax.Array, target: PyTree,
+             state: BlockState) -> BlockState:
+  """The ``F`` block: the stage's forward (stage 0 with ``embed_fn``: of
+  the embedded microbatch). Training stashes the residuals; the last stage
+  adds its loss and sends the loss's cotangent instead of ``y``."""
+  if first:
+    x = like(_embedded(rank, rank.embed_params, action.microbatch).astype(
+        avals.act.dtype), avals.act)
+  params = _params_of(rank, action.local_stage)
+  if rank.loss_fn is None:
+    return state._replace(payload=like(rank.stage.stage_fn(params, x),
+                                       avals.act))
+  y, residuals = rank.stage.forward(
+      params, x, _key(rank, action.stage, action.microbatch))
+  stash = _put(state.stash, action.stash_slot, residuals)
+  if not last:
+    return state._replace(payload=like(y, avals.act), stash=stash)
+  value, (dhead, dy) = _seed(rank, rank.loss_params, y, target,
+                             _key(rank, rank.num_stages, action.microbatch))
+  acc = state.acc._replace(value=_add(state.acc.value, value),
+                           head=_add(state.acc.head, dhead))
+  return state._replace(payload=like(dy, avals.act), acc=acc, stash=stash)
+
+
+def _input_grad(rank: Rank, avals: Avals, action: Action, dy: jax.Array,
+                state: BlockState) -> BlockState:
+  """The ``I`` block: the input cotangent (sent), and what ``W`` needs
+  (with it) in the weight stash."""
+  stashed = jax.tree.map(lambda b: b[action.stash_slot], state.stash)
+  dx, kept = rank.stage.input_grad(
+      _params_of(rank, action.local_stage), stashed, dy,
+      _key(rank, action.stage, action.microbatch))
+  dx = like(dx, avals.act)
+  return state._replace(payload=dx, wstash=_put(
+      state.wstash, action.weight_slot, (kept, dx)))
+
+
+def _weight_grad(rank: Rank, avals: Avals, first: bool, action: Action,
+                 dy: jax.Array, state: BlockState) -> BlockState:
+  """The ``W`` block: the stage's parameter cotangent from what ``I``
+  kept, added to its gradient (stage 0 with ``embed_fn``: and the
+  embedding's VJP, recomputed); sends ``I``'s input cotangent."""
+  j, mb = action.local_stage, action.microbatch
+  stashed = jax.tree.map(lambda b: b[action.stash_slot], state.stash)
+  kept, dx = jax.tree.map(lambda b: b[action.weight_slot], state.wstash)
+  dstage = rank.stage.weight_grad(_params_of(rank, j), stashed, dy, kept,
+                                  _key(rank, action.stage, mb))
+  stages = jax.tree.map(lambda g, d: g.at[j].add(like(d, g[j])),
+                        state.acc.stages, dstage)
+  embed = state.acc.embed
+  if first:
+    _, vjp = jax.vjp(lambda ep: _embedded(rank, ep, mb), rank.embed_params)
+    embed = _add(embed, vjp(dx.astype(avals.act.dtype))[0])
+  return state._replace(payload=dx, acc=state.acc._replace(stages=stages,
+                                                           embed=embed))
+
+
+def _offsets(lowered: TickTable) -> tuple[list[int], list[int]]:
+  """Indices into ``lowered.offsets``: ``(local, remote)``, zero or not."""
+  return ([k for k, o in enumerate(lowered.offsets) if not o],
+          [k for k, o in enumerate(lowered.offsets) if o])
+
+
+def _deliver(mailbox: PyTree, recv_slot: jax.Array, offsets: list[int],
+             msgs: list[jax.Array], spare: int) -> PyTree:
+  """Each message into the slot ``recv_slot`` names for its offset (the
+  ``spare`` slot, never read, if none)."""
+  for k, msg in zip(offsets, msgs):
+    mailbox = _put(mailbox, jnp.where(recv_slot[k] >= 0, recv_slot[k], spare),
+                   msg)
+  return mailbox
+
+
+def _pend(plan: Plan, action: Action, slot: jax.Array, payload: jax.Array,
+          pending: jax.Array) -> jax.Array:
+  """``pending`` with the result row done this tick, if any, in ``slot``:
+  the payload on the rank that did it, zeros elsewhere (summed later)."""
+  schedule = plan.table.schedule
+  p = schedule.num_ranks
+  mine = (action.kind == (I if plan.training else F)) & (
+      action.stage == (0 if plan.training else schedule.num_stages - 1))
+  k = jnp.minimum(slot, p - 1)
+  return _put(pending, k, jnp.where(
+      slot < p, jnp.where(mine, payload, jnp.zeros_like(payload)),
+      pending[k]))
+
+
+def _exchange(plan: Plan, avals: Avals, message: jax.Array,
+              payload: jax.Array, pending: jax.Array | None) -> list:
+  """The tick's messages: one ``lax.switch`` on its pattern, the same on
+  every rank (none when there is one pattern)."""
+  if len(plan.patterns) == 1:
+    return _send(plan, avals, plan.patterns[0], payload, pending)
+  return jax.lax.switch(message, [
+      functools.partial(_send, plan, avals, pattern)
+      for pattern in plan.patterns], payload, pending)
+
+
+def _send(plan: Plan, avals: Avals, pattern: tuple[bool, ...],
+          payload: jax.Array, pending: jax.Array | None) -> list:
+  """One pattern: a ``ppermute`` of the payload per remote offset that
+  sends (a fill for the others) and, with ``Plan.with_edge``, the ``psum``
+  of the pending rows (zeros when they are not summed this tick)."""
+  table, axis = plan.table, plan.axis
+  p = table.schedule.num_ranks
+  _, remote = _offsets(table)
+  msgs = [like(jax.lax.ppermute(payload, axis, [
+      (r, (r + table.offsets[k]) % p) for r in range(p)]), avals.act)
+          if send else full(avals.act, plan.bubble_fill)
+          for k, send in zip(remote, pattern)]
+  if plan.with_edge:
+    msgs.append(jax.lax.psum(pending, axis) if pattern[-1] else
+                vary(jnp.zeros(pending.shape, pending.dtype),
+                     avals.act_vma - {axis}))
+  return msgs
+
+
+def _write_rows(result: jax.Array, summed_rows: jax.Array,
+                summed: jax.Array) -> jax.Array:
+  """The rows summed this tick into ``result``, if any: one in-place row
+  write per pending slot (a select keeps the row otherwise)."""
+  m = result.shape[0]
+  for k in range(summed_rows.shape[0]):
+    i = jnp.minimum(summed_rows[k], m - 1)
+    result = _put(result, i, jnp.where(summed_rows[k] < m, summed[k],
+                                       result[i]))
+  return result
+
+
+# ------------------------------------------------------------ the blocks' maths
+
+
+def _params_of(rank: Rank, j: Any) -> PyTree:
+  """The rank's ``j``-th local stage's parameters."""
+  return jax.tree.map(lambda a: a[j], rank.local_params)
+
+
+def _key(rank: Rank, stage: Any, microbatch: Any) -> jax.Array | None:
+  """The key of (logical ``stage``, ``microbatch``); the loss of a
+  microbatch has ``stage = num_stages``. A function of the global
+  microbatch index, so of the batch rows, not of the schedule or mesh."""
+  if rank.key is None:
+    return None
+  return jax.random.fold_in(
+      jax.random.fold_in(rank.key, rank.offset + microbatch), stage)
+
+
+def _embedded(rank: Rank, embed_params: PyTree, microbatch: Any) -> jax.Array:
+  """Stage 0's input for ``microbatch``: ``embed_fn`` of its raw rows."""
+  raw = jax.tree.map(lambda a: a[microbatch], rank.inputs)
+  key = (None if rank.embed_key is None else
+         jax.random.fold_in(rank.embed_key, rank.offset + microbatch))
+  return rank.embed_fn(embed_params, raw, *with_key(key))
+
+
+def _seed(rank: Rank, loss_params: PyTree, y: jax.Array, target: PyTree,
+          key: jax.Array | None):
+  """``((loss, aux), (dloss_params, dy))``: this microbatch's share of the
+  mean loss (and aux, at least float32) and its gradient."""
+  def share(lp, y):
+    out = rank.loss_fn(lp, y, target, *with_key(key))
+    loss, aux = out if rank.has_aux else (out, ())
+    return jax.tree.map(lambda a: a.astype(jnp.promote_types(
+        a.dtype, jnp.float32)) / rank.num_microbatches, (loss, aux))
+  return jax.value_and_grad(share, argnums=(0, 1), has_aux=True)(
+      loss_params, y)
+
+
+def _put(buf: PyTree, index: Any, value: PyTree) -> PyTree:
+  """``buf[index] = value`` (in place), cast to the buffer's varying axes."""
+  return jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(
+      b, like(v, b[0]), index, 0), buf, value)
+
+
+def _add(acc: PyTree, d: PyTree) -> PyTree:
+  return jax.tree.map(lambda a, d: a + like(d, a), acc, d)
+
+
+# ------------------------------------------------------------ one stage rank
 
 
 def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
@@ -489,7 +761,8 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
   (out, (grads, dlp, de)), dx = jax.lax.scan(body, zero, (inputs, targets,
                                                           mbs))
   out, dlp, de, dx = jax.lax.psum((out, dlp, de, dx), axis)
-  return out, grads, dlp, dx, (de if embed_fn is not None else None)
+  return Result(out, grads, dlp, dx,
+                (de if embed_fn is not None else None))
 
 
 def when(pred: jax.Array, fn: Callable[[PyTree], PyTree],

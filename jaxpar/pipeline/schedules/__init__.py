@@ -3,9 +3,9 @@
 Build (``gpipe``, ``one_f_one_b``, ``interleaved_one_f_one_b``,
 ``zero_bubble_h1``, ``zero_bubble_v``, ``dualpipe_v``, ``v_half``, ``v_min``,
 ``search``, ``Schedule.from_csv``), validate (``Schedule.validate``),
-simulate (``Schedule.simulate``, ``peak_memory``), plot, balance layers over
-stages (``balance``) and lay a schedule out in time as the executor's
-``tick_table``.
+simulate (``Schedule.simulate``, ``peak_memory``), time as the executor runs
+them (``makespan``), plot, balance layers over stages (``balance``) and lay a
+schedule out in time as the executor's ``tick_table``.
 """
 
 from jaxpar.pipeline.schedules._action import Action as Action
@@ -21,6 +21,7 @@ from jaxpar.pipeline.schedules._constructors import (
     zero_bubble_v as zero_bubble_v)
 from jaxpar.pipeline.schedules._schedule import Schedule as Schedule
 from jaxpar.pipeline.schedules._schedule import ScheduleError as ScheduleError
+from jaxpar.pipeline.schedules._search import makespan as makespan
 from jaxpar.pipeline.schedules._search import search as search
 from jaxpar.pipeline.schedules._simulate import DEFAULT_COSTS as DEFAULT_COSTS
 from jaxpar.pipeline.schedules._simulate import SimResult as SimResult
@@ -33,13 +34,10 @@ from jaxpar.pipeline.schedules._vshape import dualpipe_v as dualpipe_v
 from jaxpar.pipeline.schedules._vshape import v_half as v_half
 from jaxpar.pipeline.schedules._vshape import v_min as v_min
 
-# jaxpar-internal (the bench's cost model; not in __all__):
-from jaxpar.pipeline.schedules._search import makespan as makespan
-
 __all__ = [
     'Action', 'DEFAULT_COSTS', 'KIND_CODES', 'Schedule', 'ScheduleError',
     'SimResult', 'TickTable', 'balance', 'dualpipe_v', 'gpipe',
-    'interleaved_one_f_one_b', 'local_stages', 'one_f_one_b', 'peak_memory',
-    'search', 'stage_costs', 'tick_table', 'v_half', 'v_min',
+    'interleaved_one_f_one_b', 'local_stages', 'makespan', 'one_f_one_b',
+    'peak_memory', 'search', 'stage_costs', 'tick_table', 'v_half', 'v_min',
     'zero_bubble_h1', 'zero_bubble_v',
 ]

@@ -8,10 +8,11 @@ timing and drawing functions read, so that they need not import ``Schedule``.
 
 from __future__ import annotations
 
-import operator
 import re
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
+
+from jaxpar._validate import check_int
 
 KINDS = ('F', 'B', 'I', 'W')
 _ACTION_RE = re.compile(r'(\d+)([FBIW])(\d+)')
@@ -25,6 +26,7 @@ class Action(NamedTuple):
   form is PyTorch's: stage, kind, microbatch.
 
   Example:
+    >>> from jaxpar.pipeline import Action
     >>> str(Action(0, 'F', 3))
     '0F3'
     >>> Action.parse('4B1')
@@ -44,7 +46,8 @@ class Action(NamedTuple):
     Raises:
       ValueError: if ``text`` is not of that form.
     """
-    match = _ACTION_RE.fullmatch(text.strip()) if isinstance(text, str) else None
+    match = (_ACTION_RE.fullmatch(text.strip()) if isinstance(text, str)
+             else None)
     if match is None:
       raise ValueError(
           f'Action.parse({text!r}): expected <stage><kind><microbatch> with '
@@ -70,14 +73,10 @@ class ScheduleLike(Protocol):
 def as_int(value: object, what: str) -> int:
   """``value`` as a plain int (numpy integers too); ``TypeError`` otherwise.
 
-  ``True``/``False`` are refused: a bool is never a size.
+  ``True``/``False`` are refused: a bool is never a size
+  (``jaxpar._validate.check_int`` with no minimum).
   """
-  try:
-    if not isinstance(value, bool):
-      return operator.index(value)
-  except TypeError:
-    pass
-  raise TypeError(f'{what}={value!r} must be an int.')
+  return check_int(what, value, minimum=None)
 
 
 def check_sizes(fn: str, **sizes: object) -> str:

@@ -17,6 +17,7 @@ def stage_costs(layer_costs: Sequence[float], counts: Sequence[int], *,
   loss) to the last stage.
 
   Example:
+    >>> from jaxpar.pipeline import stage_costs
     >>> stage_costs([1, 2, 3, 4], (2, 2), last=1.5)
     (3.0, 8.5)
   """
@@ -62,6 +63,7 @@ def balance(layer_costs: Sequence[float], num_stages: int, *,
       non-finite costs.
 
   Example:
+    >>> from jaxpar.pipeline import balance
     >>> balance([1, 1, 1, 1, 1, 1], 3)
     (2, 2, 2)
     >>> balance([5, 1, 1, 1, 1, 5], 3)

@@ -1,4 +1,4 @@
-"""The V-shape building blocks of Qi et al. 2024 and how a schedule grows from one.
+"""The V-shape building blocks of Qi et al. 2024; a schedule grown from one.
 
 "Pipeline Parallelism with Controllable Memory" (Qi, Wan, Amar, Lin;
 arXiv 2405.15362) builds V-Half and V-Min in three steps, on a grid of time

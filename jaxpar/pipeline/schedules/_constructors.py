@@ -34,6 +34,7 @@ def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     The validated ``Schedule`` named ``'GPipe'``.
 
   Example:
+    >>> from jaxpar.pipeline import gpipe
     >>> [str(a) for a in gpipe(2, 2).actions[0]]
     ['0F0', '0F1', '0B0', '0B1']
   """
@@ -61,6 +62,7 @@ def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
     The validated ``Schedule`` named ``'1F1B'``.
 
   Example:
+    >>> from jaxpar.pipeline import one_f_one_b
     >>> [str(a) for a in one_f_one_b(3, 4).actions[0]]
     ['0F0', '0F1', '0F2', '0B0', '0F3', '0B1', '0B2', '0B3']
   """
@@ -105,6 +107,7 @@ def interleaved_one_f_one_b(num_ranks: int, num_microbatches: int,
       nearest valid ``m``).
 
   Example:
+    >>> from jaxpar.pipeline import interleaved_one_f_one_b
     >>> s = interleaved_one_f_one_b(2, 2, 2)
     >>> s.placement, [str(a) for a in s.actions[1]]
     ((0, 1, 0, 1), ['1F0', '1F1', '3F0', '3B0', '3F1', '3B1', '1B0', '1B1'])
@@ -173,6 +176,7 @@ def zero_bubble_h1(num_ranks: int, num_microbatches: int) -> Schedule:
     The validated ``Schedule`` named ``'ZB-H1'``.
 
   Example:
+    >>> from jaxpar.pipeline import zero_bubble_h1
     >>> [str(a) for a in zero_bubble_h1(2, 2).actions[1]]
     ['1F0', '1I0', '1F1', '1I1', '1W0', '1W1']
   """
@@ -195,7 +199,7 @@ def zero_bubble_h1(num_ranks: int, num_microbatches: int) -> Schedule:
 
 
 def zero_bubble_v(num_ranks: int, num_microbatches: int) -> Schedule:
-  """ZB-V: the V-shaped zero-bubble schedule, PyTorch's ``ScheduleZBVZeroBubble``.
+  """ZB-V: the V-shaped zero-bubble schedule (``ScheduleZBVZeroBubble``).
 
   ``2p`` logical stages: stage ``k`` on rank ``k`` for ``k < p`` and on rank
   ``2p-1-k`` otherwise, so the first and last stage share rank 0 and the
@@ -216,18 +220,20 @@ def zero_bubble_v(num_ranks: int, num_microbatches: int) -> Schedule:
     The validated ``Schedule`` named ``'ZB-V'``.
 
   Example:
+    >>> from jaxpar.pipeline import zero_bubble_v
     >>> s = zero_bubble_v(2, 2)
     >>> s.placement, [str(a) for a in s.actions[1]][:4]
     ((0, 1, 1, 0), ['1F0', '2F0', '1F1', '2F1'])
   """
-  check_sizes('zero_bubble_v', num_ranks=num_ranks, num_microbatches=num_microbatches)
+  check_sizes('zero_bubble_v', num_ranks=num_ranks,
+              num_microbatches=num_microbatches)
   p, m = int(num_ranks), int(num_microbatches)
-  rows = tuple(_zbv_row(r, p, m) for r in range(p))
+  rows = tuple(_zero_bubble_v_row(r, p, m) for r in range(p))
   placement = tuple(k if k < p else 2 * p - 1 - k for k in range(2 * p))
   return Schedule(p, 2 * p, m, placement, rows, 'ZB-V').validate()
 
 
-def _zbv_row(r: int, p: int, m: int) -> tuple[Action, ...]:
+def _zero_bubble_v_row(r: int, p: int, m: int) -> tuple[Action, ...]:
   """Rank ``r`` of ZB-V (PyTorch's ``ScheduleZBVZeroBubble``)."""
   n = max(2 * p - 1, m)  # built for n microbatches, those >= m dropped
   down, up = r, 2 * p - 1 - r  # this rank's stages on the way down and up

@@ -10,7 +10,7 @@ backwards leave it in microbatch order, ``W`` run first-in first-out.
 
 Memory is counted in stashes: a forward's stash lives until its backward has
 fully run (``B``, or ``W`` when the backward is split into ``I`` and ``W``),
-which is what ``simulate.peak_memory`` measures. A rank admits a new
+which is what ``peak_memory`` measures. A rank admits a new
 microbatch only if its cap leaves room for the forwards of every microbatch
 it has already admitted on its later stages (V placements hold two), so the
 cap itself can never deadlock the pipeline.
@@ -70,124 +70,195 @@ def schedule(num_ranks: int, num_microbatches: int,
     cap: stashes per rank (``>= `` the stages a rank holds).
     costs: time of each action kind (already per logical stage).
     policy: the heuristic's knobs.
-    comm: latency between ranks, as in ``simulate``.
+    comm: latency between ranks, as in ``Schedule.simulate``.
     name: the schedule's name.
 
   Returns:
     The (unvalidated) ``Schedule``, or ``None`` if the cap is too small for
     this placement.
   """
-  p, m, num_stages = num_ranks, num_microbatches, len(placement)
-  mine = [[s for s in range(num_stages) if placement[s] == r]
-          for r in range(p)]
-  if any(len(stages) > cap for stages in mine):
+  plan = _Plan.make(num_ranks, num_microbatches, placement, cap, costs,
+                    policy, comm)
+  if any(len(stages) > cap for stages in plan.mine):
     return None
-  inflight_cap = cap if policy.max_inflight is None else policy.max_inflight
-  last = num_stages - 1
-  kinds = ('I', 'W') if policy.split else ('B',)
-  grad = kinds[0]
-  f_next = [0] * num_stages  # next microbatch to forward at each stage
-  b_next = [0] * num_stages
-  end: dict[Action, float] = {}
-  free_at = [0.0] * p
-  live = [0] * p  # stashes held
-  admitted = [0] * p  # microbatches entered at the rank's first stage
-  retired = [0] * p  # ... whose stashes are all freed on this rank
-  pending_w = [collections.deque() for _ in range(p)]
-  rows: list[list[Action]] = [[] for _ in range(p)]
-  todo = [len(stages) * m * len(kinds) + len(stages) * m for stages in mine]
-
-  def arrival(action: Action, rank: int) -> float | None:
-    """When ``action``'s cross-action inputs are there (``None``: not yet)."""
-    s, kind, i = action
-    if kind == 'F':
-      deps = [Action(s - 1, 'F', i)] if s > 0 else []
-    else:
-      deps = [Action(s, 'F', i)] + (
-          [Action(s + 1, grad, i)] if s < last else [])
-    t = 0.0
-    for d in deps:
-      if d not in end:
-        return None
-      t = max(t, end[d] + (comm if placement[d.stage] != rank else 0.0))
-    return t
-
-  def future_forwards(rank: int) -> int:
-    """Forwards still to run on this rank for microbatches it admitted."""
-    first = mine[rank][0]
-    return sum(f_next[first] - f_next[s] for s in mine[rank][1:])
-
-  def candidates(rank: int):
-    """``(arrival or None, action)`` for the next F per stage and B/I."""
-    out = []
-    for s in mine[rank]:
-      if b_next[s] < f_next[s]:
-        a = Action(s, grad, b_next[s])
-        out.append((arrival(a, rank), a))
-      if f_next[s] < m:
-        a = Action(s, 'F', f_next[s])
-        if live[rank] >= cap:
-          continue
-        if s == mine[rank][0]:
-          room = live[rank] + len(mine[rank]) + (
-              future_forwards(rank) if policy.reserve_all else 0)
-          if room > cap or admitted[rank] - retired[rank] >= inflight_cap:
-            continue
-        out.append((arrival(a, rank), a))
-    return out
-
-  def run(rank: int, action: Action, t: float):
-    s, kind, i = action
-    end[action] = t + costs[kind]
-    free_at[rank] = end[action]
-    rows[rank].append(action)
-    todo[rank] -= 1
-    if kind == 'F':
-      f_next[s] += 1
-      live[rank] += 1
-      admitted[rank] += s == mine[rank][0]
-    elif kind in ('B', 'I'):
-      b_next[s] += 1
-      if kind == 'I':
-        pending_w[rank].append(Action(s, 'W', i))
-    if kind in ('B', 'W'):
-      live[rank] -= 1
-      retired[rank] += s == mine[rank][0]
-
-  waiting_until = [0.0] * p
-  stalled: set[int] = set()  # ranks with nothing to run at their clock
-  clock = lambda r: max(free_at[r], waiting_until[r])
-  while any(todo):
-    busy = [r for r in range(p) if todo[r]]
-    rank = min(busy, key=lambda r: (clock(r), r in stalled, r))
-    t = clock(rank)
-    if rank in stalled:  # every rank at time t waits: jump to the next event
-      future = [clock(r) for r in busy if clock(r) > t] + [
-          at for r in stalled for at, _ in candidates(r)
-          if at is not None and at > t]
-      if not future:
+  state = _State.start(plan)
+  while any(state.todo):
+    busy = [r for r in range(num_ranks) if state.todo[r]]
+    rank = min(busy, key=lambda r: (state.clock(r), r in state.stalled, r))
+    t = state.clock(rank)
+    if rank in state.stalled:  # every rank at time t waits
+      if not _wait_for_next_event(plan, state, busy, t):
         return None  # the cap deadlocks this placement
-      for r in stalled:
-        waiting_until[r] = max(waiting_until[r], min(future))
-      stalled.clear()
       continue
-    cands = candidates(rank)
-    ready = [a for at, a in cands if at is not None and at <= t]
-    known = [at for at, _ in cands if at is not None]
-    if pending_w[rank] and policy.fill == 'eager' and not any(
-        a.kind in 'BI' for a in ready):
-      run(rank, pending_w[rank].popleft(), t)
-    elif ready:
-      order = ('F', 'B', 'I') if policy.forward_first else ('B', 'I', 'F')
-      ready.sort(key=lambda a: (order.index(a.kind), -a.stage))
-      run(rank, ready[0], t)
-    elif pending_w[rank] and (policy.fill == 'always' or not known
-                              or t + costs['W'] <= min(known)
-                              or not any(todo[r] for r in busy if r != rank)):
-      run(rank, pending_w[rank].popleft(), t)
-    else:
-      stalled.add(rank)
+    action = _choose(plan, state, rank, t, busy)
+    if action is None:
+      state.stalled.add(rank)
       continue
-    stalled.clear()
-  return Schedule(p, num_stages, m, tuple(placement), tuple(map(tuple, rows)),
-                  name)
+    _run(plan, state, rank, action, t)
+    state.stalled.clear()
+  return Schedule(num_ranks, plan.num_stages, num_microbatches,
+                  tuple(placement), tuple(map(tuple, state.rows)), name)
+
+
+class _Plan(NamedTuple):
+  """What a run of the scheduler is given (and derives), fixed throughout."""
+  num_ranks: int
+  num_microbatches: int
+  placement: tuple[int, ...]
+  mine: list[list[int]]     # the stages of each rank, in model order
+  cap: int
+  inflight_cap: int         # policy.max_inflight, or the cap
+  grad: str                 # the backward that frees the input: 'I' or 'B'
+  actions_per_stash: int    # F + (I, W) or F + B
+  costs: Mapping[str, float]
+  policy: Policy
+  comm: float
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.placement)
+
+  @classmethod
+  def make(cls, p, m, placement, cap, costs, policy, comm) -> _Plan:
+    mine = [[s for s in range(len(placement)) if placement[s] == r]
+            for r in range(p)]
+    kinds = ('I', 'W') if policy.split else ('B',)
+    return cls(p, m, tuple(placement), mine, cap,
+               cap if policy.max_inflight is None else policy.max_inflight,
+               kinds[0], 1 + len(kinds), costs, policy, comm)
+
+
+class _State(NamedTuple):
+  """The list scheduler's state, one entry per stage or per rank; the lists
+  are updated in place by ``_run`` and ``_wait_for_next_event``."""
+  f_next: list[int]         # next microbatch to forward, per stage
+  b_next: list[int]         # next microbatch to backward (B or I), per stage
+  end: dict[Action, float]  # when each action that ran ends
+  free_at: list[float]      # when each rank's last action ends
+  waiting_until: list[float]   # a stalled rank's clock jumps to here
+  live: list[int]           # stashes held
+  admitted: list[int]       # microbatches entered at the rank's first stage
+  retired: list[int]        # ... whose stashes are all freed on this rank
+  pending_w: list[collections.deque]   # I done, W not yet run (FIFO)
+  rows: list[list[Action]]  # the schedule so far
+  todo: list[int]           # actions still to run
+  stalled: set[int]         # ranks with nothing to run at their clock
+
+  @classmethod
+  def start(cls, plan: _Plan) -> _State:
+    p, n = plan.num_ranks, plan.num_stages
+    return cls([0] * n, [0] * n, {}, [0.0] * p, [0.0] * p, [0] * p, [0] * p,
+               [0] * p, [collections.deque() for _ in range(p)],
+               [[] for _ in range(p)],
+               [len(stages) * plan.num_microbatches * plan.actions_per_stash
+                for stages in plan.mine], set())
+
+  def clock(self, rank: int) -> float:
+    return max(self.free_at[rank], self.waiting_until[rank])
+
+
+def _arrival(plan: _Plan, state: _State, action: Action,
+             rank: int) -> float | None:
+  """When ``action``'s cross-action inputs are there (``None``: not yet)."""
+  s, kind, i = action
+  if kind == 'F':
+    deps = [Action(s - 1, 'F', i)] if s > 0 else []
+  else:
+    deps = [Action(s, 'F', i)] + (
+        [Action(s + 1, plan.grad, i)] if s < plan.num_stages - 1 else [])
+  t = 0.0
+  for d in deps:
+    if d not in state.end:
+      return None
+    t = max(t, state.end[d] + (
+        plan.comm if plan.placement[d.stage] != rank else 0.0))
+  return t
+
+
+def _future_forwards(plan: _Plan, state: _State, rank: int) -> int:
+  """Forwards still to run on this rank for microbatches it admitted."""
+  first = plan.mine[rank][0]
+  return sum(state.f_next[first] - state.f_next[s]
+             for s in plan.mine[rank][1:])
+
+
+def _admits(plan: _Plan, state: _State, rank: int) -> bool:
+  """Whether the rank's cap has room to admit a new microbatch."""
+  room = state.live[rank] + len(plan.mine[rank]) + (
+      _future_forwards(plan, state, rank) if plan.policy.reserve_all else 0)
+  return room <= plan.cap and (
+      state.admitted[rank] - state.retired[rank] < plan.inflight_cap)
+
+
+def _candidates(plan: _Plan, state: _State,
+                rank: int) -> list[tuple[float | None, Action]]:
+  """``(arrival or None, action)`` for the next F per stage and B/I."""
+  out = []
+  for s in plan.mine[rank]:
+    if state.b_next[s] < state.f_next[s]:
+      a = Action(s, plan.grad, state.b_next[s])
+      out.append((_arrival(plan, state, a, rank), a))
+    if state.f_next[s] < plan.num_microbatches:
+      a = Action(s, 'F', state.f_next[s])
+      if state.live[rank] >= plan.cap:
+        continue
+      if s == plan.mine[rank][0] and not _admits(plan, state, rank):
+        continue
+      out.append((_arrival(plan, state, a, rank), a))
+  return out
+
+
+def _choose(plan: _Plan, state: _State, rank: int, t: float,
+            busy: list[int]) -> Action | None:
+  """The action ``rank`` runs at ``t`` (``None``: it waits)."""
+  policy, pending_w = plan.policy, state.pending_w[rank]
+  cands = _candidates(plan, state, rank)
+  ready = [a for at, a in cands if at is not None and at <= t]
+  known = [at for at, _ in cands if at is not None]
+  if pending_w and policy.fill == 'eager' and not any(
+      a.kind in 'BI' for a in ready):
+    return pending_w.popleft()
+  if ready:
+    order = ('F', 'B', 'I') if policy.forward_first else ('B', 'I', 'F')
+    return min(ready, key=lambda a: (order.index(a.kind), -a.stage))
+  if pending_w and (policy.fill == 'always' or not known
+                    or t + plan.costs['W'] <= min(known)
+                    or not any(state.todo[r] for r in busy if r != rank)):
+    return pending_w.popleft()
+  return None
+
+
+def _run(plan: _Plan, state: _State, rank: int, action: Action,
+         t: float) -> None:
+  s, kind, i = action
+  first = s == plan.mine[rank][0]
+  state.end[action] = t + plan.costs[kind]
+  state.free_at[rank] = state.end[action]
+  state.rows[rank].append(action)
+  state.todo[rank] -= 1
+  if kind == 'F':
+    state.f_next[s] += 1
+    state.live[rank] += 1
+    state.admitted[rank] += first
+  elif kind in ('B', 'I'):
+    state.b_next[s] += 1
+    if kind == 'I':
+      state.pending_w[rank].append(Action(s, 'W', i))
+  if kind in ('B', 'W'):
+    state.live[rank] -= 1
+    state.retired[rank] += first
+
+
+def _wait_for_next_event(plan: _Plan, state: _State, busy: list[int],
+                         t: float) -> bool:
+  """Every rank at time ``t`` waits: moves the stalled ranks' clocks to the
+  next event (``False``: there is none, the cap deadlocks)."""
+  future = [state.clock(r) for r in busy if state.clock(r) > t] + [
+      at for r in state.stalled for at, _ in _candidates(plan, state, r)
+      if at is not None and at > t]
+  if not future:
+    return False
+  for r in state.stalled:
+    state.waiting_until[r] = max(state.waiting_until[r], min(future))
+  state.stalled.clear()
+  return True

@@ -29,6 +29,7 @@ def format_grid(rows: Sequence[Sequence[str]],
       many columns, starting a few before the first mark.
 
   Example:
+    >>> from jaxpar.pipeline.schedules._plot import format_grid
     >>> print(format_grid([['0F0', '0B0'], ['', '1F0']], marks=[(1, 1)]))
     step       0     1
     rank 0   0F0   0B0
@@ -74,6 +75,8 @@ def render(schedule: ScheduleLike, costs: Mapping[str, int] | None = None, *,
     The grid as a string.
 
   Example:
+    >>> import jaxpar
+    >>> from jaxpar.pipeline.schedules._plot import render
     >>> print(render(jaxpar.pipeline.one_f_one_b(2, 2)))
     1F1B: p=2, m=2, steps F=1 B=1 I=1 W=1, bubble 33.3%
     t        0   1   2   3   4   5
@@ -114,6 +117,8 @@ def fb_pairs(schedule: ScheduleLike) -> list[tuple[Action, Action]]:
   other.
 
   Example:
+    >>> import jaxpar
+    >>> from jaxpar.pipeline.schedules._plot import fb_pairs
     >>> [f'{f}&{b}' for f, b in fb_pairs(jaxpar.pipeline.dualpipe_v(2, 4))][:2]
     ['0F3&3B1', '3F2&0B0']
   """
@@ -149,6 +154,7 @@ def plot(schedule: ScheduleLike, ax: Axes | None = None,
     The ``Figure`` holding the chart.
 
   Example:
+    >>> import jaxpar
     >>> fig = jaxpar.pipeline.one_f_one_b(4, 8).plot(costs={'F': 1, 'B': 2})
     >>> fig.savefig('1f1b.png')
   """

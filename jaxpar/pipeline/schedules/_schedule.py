@@ -105,6 +105,7 @@ class Schedule:
   hand-made ones.
 
   Example:
+    >>> import jaxpar
     >>> s = jaxpar.pipeline.one_f_one_b(2, 3)
     >>> [str(a) for a in s.actions[1]]
     ['1F0', '1B0', '1F1', '1B1', '1F2', '1B2']
@@ -152,6 +153,7 @@ class Schedule:
         step grid and the offending cell marked like ``[1B0]``.
 
     Example:
+      >>> import jaxpar
       >>> jaxpar.pipeline.gpipe(4, 8).validate().num_stages
       4
     """
@@ -209,7 +211,8 @@ class Schedule:
     p, s, m = self.num_ranks, self.num_stages, self.num_microbatches
     if p < 1 or s < 1 or m < 1:
       self._fail('structure', f'num_ranks={p}, num_stages={s}, '
-                 f'num_microbatches={m} must all be >= 1', 'pass positive sizes')
+                 f'num_microbatches={m} must all be >= 1',
+                 'pass positive sizes')
     if len(self.placement) != s:
       self._fail('structure', f'placement has {len(self.placement)} entries '
                  f'for num_stages={s}', 'give one rank per logical stage')
@@ -274,6 +277,7 @@ class Schedule:
     """Writes PyTorch's compute-only CSV: one row per rank, empty = idle.
 
     Example:
+      >>> import jaxpar
       >>> jaxpar.pipeline.one_f_one_b(2, 2).to_csv('1f1b.csv')
       >>> print(open('1f1b.csv').read())
       0F0,0F1,0B0,0B1
@@ -310,6 +314,8 @@ class Schedule:
         for an invalid schedule.
 
     Example:
+      >>> import jaxpar
+      >>> from jaxpar.pipeline import Schedule
       >>> s = jaxpar.pipeline.one_f_one_b(2, 2)
       >>> s.to_csv('1f1b.csv')
       >>> Schedule.from_csv('1f1b.csv', name='1F1B') == s

@@ -8,11 +8,11 @@ one-stage-per-rank placement and on the V placement, and keeps the fastest
 order whose stashes fit; the built-in constructors compete too, so the result
 is never slower than any of them that fits.
 
-"Fastest" is by the time the executor takes: the lock-step time of the
-lowered table (``tick_table(s).makespan``), where every tick lasts as long as its
+"Fastest" is by the time the executor takes: the lock-step time of its tick
+table (``tick_table(s).makespan``), where every tick lasts as long as its
 slowest action. With ``F = I = W`` that is ``simulate``'s event-driven time;
-with kinds of unequal cost it can be longer, and the search ranks the
-candidates by what really runs.
+with kinds of unequal cost it can be longer, and the search ranks the candidates
+by what really runs.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 
 from jaxpar.pipeline.schedules import _greedy
 from jaxpar.pipeline.schedules import _constructors
-from jaxpar.pipeline.schedules import _tick_table as _lower
+from jaxpar.pipeline.schedules import _tick_table
 from jaxpar.pipeline.schedules import _simulate
 from jaxpar.pipeline.schedules import _vshape
 from jaxpar.pipeline.schedules._action import check_sizes
@@ -34,7 +34,8 @@ from jaxpar.pipeline.schedules._schedule import Schedule, ScheduleError
 _SINGLE: tuple[Callable[[int, int], Schedule], ...] = (
     _constructors.one_f_one_b, _constructors.zero_bubble_h1,
     _constructors.gpipe)
-_V = (_constructors.zero_bubble_v, _vshape.dualpipe_v, _vshape.v_half, _vshape.v_min)
+_V = (_constructors.zero_bubble_v, _vshape.dualpipe_v, _vshape.v_half,
+      _vshape.v_min)
 _CHUNKS = (2, 3, 4)  # interleaved 1F1B's chunks per rank, for m % p == 0
 _POLISH_BUDGET = 150  # schedules timed while polishing the best one
 
@@ -49,6 +50,8 @@ def action_costs(schedule: Schedule,
   ``simulate.DEFAULT_COSTS``.
 
   Example:
+    >>> import jaxpar
+    >>> from jaxpar.pipeline.schedules._search import action_costs
     >>> action_costs(jaxpar.pipeline.zero_bubble_v(2, 4))
     {'F': 0.5, 'B': 1.0, 'I': 0.5, 'W': 0.5}
   """
@@ -61,13 +64,16 @@ def makespan(schedule: Schedule,
              ) -> float:
   """The executor's time for ``schedule``, with costs per 1F1B stage.
 
-  The lock-step time of the lowered table, ``tick_table(schedule).makespan(
+  The lock-step time of its tick table, ``tick_table(schedule).makespan(
   action_costs(schedule, costs), comm)``: a tick lasts as long as its slowest
   action, plus ``comm`` if it sends a message between ranks. Comparable
   across placements (1F1B and ZB-V of the same model, e.g.); equal to
   ``schedule.simulate`` time for ``F = I = W`` and ``comm = 0``.
 
   Example:
+    >>> import jaxpar
+    >>> from jaxpar.pipeline import makespan
+    >>> from jaxpar.pipeline.schedules._search import action_costs
     >>> pp = jaxpar.pipeline
     >>> makespan(pp.one_f_one_b(4, 8)), makespan(pp.zero_bubble_v(4, 8))
     (33.0, 25.5)
@@ -76,7 +82,8 @@ def makespan(schedule: Schedule,
     >>> makespan(s, costs), s.simulate(action_costs(s, costs)).makespan
     (44.5, 33.0)
   """
-  return _lower.tick_table(schedule).makespan(action_costs(schedule, costs), comm)
+  return _tick_table.tick_table(schedule).makespan(
+      action_costs(schedule, costs), comm)
 
 
 def search(num_ranks: int, num_microbatches: int, *, memory_limit: float,
@@ -124,6 +131,8 @@ def search(num_ranks: int, num_microbatches: int, *, memory_limit: float,
       stages), bad sizes or costs.
 
   Example:
+    >>> import jaxpar
+    >>> from jaxpar.pipeline import search
     >>> s = search(4, 8, memory_limit=2)
     >>> max(jaxpar.pipeline.peak_memory(s)) <= 2
     True
@@ -132,16 +141,17 @@ def search(num_ranks: int, num_microbatches: int, *, memory_limit: float,
   p, m = int(num_ranks), int(num_microbatches)
   limit = _check_limit(memory_limit, p, m, v_shape)
   _simulate.check_costs(costs)
-  layouts = [] if v_shape is True else [(tuple(range(p)), _SINGLE)]
+  placements = [] if v_shape is True else [(tuple(range(p)), _SINGLE)]
   if v_shape is not False:
-    layouts.append((_vshape.v_placement(p), _V))
-  builtins = [build(p, m) for _, builds in layouts for build in builds]
+    placements.append((_vshape.v_placement(p), _V))
+  builtins = [build(p, m) for _, builds in placements for build in builds]
   if v_shape is None and m % p == 0:
-    builtins += [_constructors.interleaved_one_f_one_b(p, m, v) for v in _CHUNKS]
+    builtins += [_constructors.interleaved_one_f_one_b(p, m, v)
+                 for v in _CHUNKS]
   best = _Best(limit, costs, comm)
   for schedule in builtins:
     best.offer(schedule)
-  for placement, _ in layouts:
+  for placement, _ in placements:
     scale = len(placement) / p
     per_action = {k: c / scale for k, c in _simulate.check_costs(costs).items()}
     cap = math.floor(limit * scale + 1e-9)

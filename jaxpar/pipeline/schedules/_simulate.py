@@ -2,7 +2,7 @@
 
 Every rank runs its actions in order; an action starts when the previous
 action on its rank has ended and each of its dependencies (see
-``jaxpar.pipeline.schedule``) has ended, plus ``comm`` when the dependency ran
+``jaxpar.pipeline.Schedule``) has ended, plus ``comm`` when the dependency ran
 on another rank. Start times are computed in one topological pass over the
 actions (Kahn's algorithm), ``O(actions)``: no loop over time.
 """
@@ -49,7 +49,7 @@ class SimResult(NamedTuple):
 def check_costs(costs: Mapping[str, float] | None,
                 defaults: Mapping[str, float] = DEFAULT_COSTS
                 ) -> dict[str, float]:
-  """``defaults`` updated with ``costs``; ``ValueError`` for bad kinds/values."""
+  """``defaults`` updated by ``costs``; ``ValueError`` for bad kinds/values."""
   if costs is None:
     return dict(defaults)
   if not isinstance(costs, Mapping):
@@ -78,7 +78,8 @@ def check_comm(comm: object) -> float:
   return float(comm)
 
 
-def dependency_graph(schedule: ScheduleLike) -> dict[Action, tuple[Action, ...]]:
+def dependency_graph(schedule: ScheduleLike
+                     ) -> dict[Action, tuple[Action, ...]]:
   """What each action of ``schedule`` waits for, besides its rank's order.
 
   ``F(s, i) <- F(s-1, i)``; ``B/I(s, i) <- F(s, i), B/I(s+1, i)`` (the latter
@@ -183,6 +184,8 @@ def peak_memory(schedule: ScheduleLike) -> tuple[float, ...]:
   GPipe ``m``. ``search``'s ``memory_limit`` is in this unit.
 
   Example:
+    >>> import jaxpar
+    >>> from jaxpar.pipeline import peak_memory
     >>> peak_memory(jaxpar.pipeline.one_f_one_b(4, 8))
     (4.0, 3.0, 2.0, 1.0)
     >>> peak_memory(jaxpar.pipeline.zero_bubble_v(4, 8))
@@ -194,7 +197,7 @@ def peak_memory(schedule: ScheduleLike) -> tuple[float, ...]:
 
 def simulate(schedule: ScheduleLike, costs: Mapping[str, float] | None = None,
              comm: float = 0.0) -> SimResult:
-  """Times ``schedule``: each rank runs its actions in order, as early as possible.
+  """Times ``schedule``: ranks run their actions in order, as early as possible.
 
   Args:
     schedule: a ``Schedule`` (validated first; idle ``None`` slots take no
@@ -213,6 +216,8 @@ def simulate(schedule: ScheduleLike, costs: Mapping[str, float] | None = None,
     ScheduleError: if the schedule is invalid; ValueError for bad costs/comm.
 
   Example:
+    >>> import jaxpar
+    >>> from jaxpar.pipeline.schedules._simulate import simulate
     >>> r = simulate(jaxpar.pipeline.gpipe(4, 8), costs={'F': 1, 'B': 1})
     >>> r.makespan, round(r.bubble_fraction, 4)   # 2(m+p-1), 3/11
     (22.0, 0.2727)

@@ -1,6 +1,6 @@
-"""Lowering a ``Schedule`` to the tick table the executor scans over.
+"""A ``Schedule`` laid out in time: the tick table the executor scans over.
 
-A schedule says *what* each rank computes and in which order; the lowered
+A schedule says *what* each rank computes and in which order; its tick
 table says *when* (a global tick per action) and *where the data lives*
 (which buffer slot each action reads and writes). The executor
 (``jaxpar.pipeline.executor``) runs one ``lax.scan`` step per tick and reads
@@ -22,11 +22,11 @@ time of ``Schedule.simulate``: a ``B`` still takes two units and still hands
 its cotangent on when it ends. (Run as one block, a ``B`` beside an ``F`` on
 the next rank would stretch every steady-state tick of 1F1B to ``B``.)
 
-Lowering (greedy list scheduling, in each rank's schedule order; ``None``
-entries are display padding and take no time): a rank runs its next action at
-the first tick at which its inputs exist; a result produced at tick ``t``
-(sent to another rank or kept locally) is usable from tick ``t + 1``. The
-dependencies are ``simulate.dependency_graph``'s: ``F(s, i)`` needs
+The table is built by greedy list scheduling (in each rank's schedule order;
+``None`` entries are display padding and take no time): a rank runs its next
+action at the first tick at which its inputs exist; a result produced at tick
+``t`` (sent to another rank or kept locally) is usable from tick ``t + 1``. The
+dependencies are ``dependency_graph``'s (``_simulate``): ``F(s, i)`` needs
 ``F(s-1, i)``; ``B(s, i)`` and ``I(s, i)`` need ``F(s, i)`` and the input
 cotangent from ``B/I(s+1, i)``; ``W(s, i)`` needs ``I(s, i)``.
 
@@ -60,7 +60,7 @@ import numpy as np
 from jaxpar.pipeline.schedules._action import Action
 from jaxpar.pipeline.schedules._schedule import Schedule
 from jaxpar.pipeline.schedules._simulate import (check_comm, check_costs,
-                                      dependency_graph)
+                                                  dependency_graph)
 
 IDLE, F, I, W = 0, 1, 3, 4
 KIND_CODES = {'F': F, 'I': I, 'W': W}
@@ -74,7 +74,7 @@ class TickTable(NamedTuple):
   of distinct message offsets. Entries that do not apply are ``-1``.
 
   Attributes:
-    schedule: the ``Schedule`` that was lowered.
+    schedule: the ``Schedule`` the table lays out.
     kind: int32 ``[T, p]``, the action of rank ``r`` at tick ``t``:
       ``0`` idle, ``1`` F, ``3`` I, ``4`` W (a schedule's ``B`` is an ``I``
       and the ``W`` after it).
@@ -149,6 +149,8 @@ class TickTable(NamedTuple):
       kind, so the lock-step time can be longer.
 
     Example:
+      >>> import jaxpar
+      >>> from jaxpar.pipeline import tick_table
       >>> s = jaxpar.pipeline.one_f_one_b(4, 8)
       >>> tick_table(s).makespan(), s.simulate().makespan   # (m + p - 1)(F + B)
       (33.0, 33.0)
@@ -164,6 +166,8 @@ class TickTable(NamedTuple):
     """The table as text, a row per rank and a letter per tick.
 
     Example:
+      >>> import jaxpar
+      >>> from jaxpar.pipeline import tick_table
       >>> print(tick_table(jaxpar.pipeline.one_f_one_b(2, 3)).render())
       rank 0: FF..IWFIW.IW
       rank 1: .FIWFIWFIW..
@@ -173,12 +177,14 @@ class TickTable(NamedTuple):
 
 
 def local_stages(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
-  """The logical stages of each rank, ascending: ``result[r][j]`` is stage ``k``.
+  """Each rank's logical stages, ascending: ``result[r][j]`` is stage ``k``.
 
   Every rank must hold the same number ``v = num_stages // num_ranks`` of
   stages so that stage parameters can be laid out as ``[p, v, ...]``.
 
   Example:
+    >>> import jaxpar
+    >>> from jaxpar.pipeline import local_stages
     >>> local_stages(jaxpar.pipeline.interleaved_one_f_one_b(2, 2, 2))
     ((0, 2), (1, 3))
   """
@@ -259,7 +265,7 @@ def _ticks(schedule: Schedule) -> tuple[dict[Action, int], dict, int]:
 
 
 def tick_table(schedule: Schedule, *, forward_only: bool = False) -> TickTable:
-  """Lowers ``schedule`` to the tick table the pipeline executor runs.
+  """The tick table of ``schedule``: what the pipeline executor runs.
 
   Args:
     schedule: a ``Schedule``; it is validated first (``Schedule.validate``).
@@ -278,8 +284,9 @@ def tick_table(schedule: Schedule, *, forward_only: bool = False) -> TickTable:
     ValueError: if the ranks hold different numbers of stages.
 
   Example:
-    >>> low = jaxpar.pipeline.tick_table(jaxpar.pipeline.one_f_one_b(4, 8))
-    >>> low.kind.shape, low.num_stash_slots, low.offsets
+    >>> import jaxpar
+    >>> table = jaxpar.pipeline.tick_table(jaxpar.pipeline.one_f_one_b(4, 8))
+    >>> table.kind.shape, table.num_stash_slots, table.offsets
     ((33, 4), 4, (0, 1, 3))
   """
   if not isinstance(schedule, Schedule):

@@ -20,6 +20,7 @@ def v_placement(num_ranks: int) -> tuple[int, ...]:
   """Rank of each of the ``2p`` logical stages of a V: ``0..p-1, p-1..0``.
 
   Example:
+    >>> from jaxpar.pipeline.schedules._vshape import v_placement
     >>> v_placement(3)
     (0, 1, 2, 2, 1, 0)
   """
@@ -32,7 +33,8 @@ def dualpipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
 
   Rank ``r`` holds stage ``r`` (phase 0, on the way down) and stage
   ``2p-1-r`` (phase 1, on the way up) and runs DeepSeek's eight steps for
-  ``n = max(m, 2p)`` microbatches (those ``>= m`` dropped, as ``zero_bubble_v`` does):
+  ``n = max(m, 2p)`` microbatches (those ``>= m`` dropped, as
+  ``zero_bubble_v`` does):
 
   1. ``2(p-r-1)`` forwards of phase 0;
   2. ``r+1`` pairs ``F0, F1``;
@@ -66,6 +68,7 @@ def dualpipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
     The validated ``Schedule`` named ``'DualPipeV'``, with ``2p`` stages.
 
   Example:
+    >>> from jaxpar.pipeline import dualpipe_v
     >>> s = dualpipe_v(2, 4)
     >>> [str(a) for a in s.actions[1]][:8]
     ['1F0', '2F0', '1F1', '2F1', '1F2', '2B0', '2F2', '1B0']
@@ -73,11 +76,11 @@ def dualpipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
   check_sizes('dualpipe_v', num_ranks=num_ranks,
               num_microbatches=num_microbatches)
   p, m = int(num_ranks), int(num_microbatches)
-  rows = tuple(_dualpipev_row(r, p, m) for r in range(p))
+  rows = tuple(_dualpipe_v_row(r, p, m) for r in range(p))
   return Schedule(p, 2 * p, m, v_placement(p), rows, 'DualPipeV').validate()
 
 
-def _dualpipev_row(r: int, p: int, m: int) -> tuple[Action, ...]:
+def _dualpipe_v_row(r: int, p: int, m: int) -> tuple[Action, ...]:
   """Rank ``r`` of DualPipeV (DeepSeek's ``DualPipeV.step`` steps 1-8)."""
   n = max(m, 2 * p)
   stage = (r, 2 * p - 1 - r)  # phase 0 and phase 1
@@ -168,6 +171,8 @@ def v_half(num_ranks: int, num_microbatches: int) -> Schedule:
     The validated ``Schedule`` named ``'V-Half'``, with ``2p`` stages.
 
   Example:
+    >>> import jaxpar
+    >>> from jaxpar.pipeline import v_half
     >>> s = v_half(4, 8)
     >>> max(jaxpar.pipeline.peak_memory(s)), s.num_stages   # (p+2)//2 = 3
     (3.0, 8)
@@ -202,6 +207,8 @@ def v_min(num_ranks: int, num_microbatches: int) -> Schedule:
     The validated ``Schedule`` named ``'V-Min'``, with ``2p`` stages.
 
   Example:
+    >>> import jaxpar
+    >>> from jaxpar.pipeline import v_min
     >>> s = v_min(4, 8)
     >>> max(jaxpar.pipeline.peak_memory(s))   # (p+4)//3 = 2
     2.0

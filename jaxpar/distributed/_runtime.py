@@ -1,4 +1,4 @@
-"""Multi-process runs: ``jax.distributed`` set-up and a local launcher.
+"""Joining a multi-process run: ``initialize``, ``is_main_process``, ``to_host``.
 
 JAX scales past one process with its multi-controller runtime: every process
 runs the same program, sees all devices of all processes in
@@ -24,18 +24,12 @@ tests run two processes of four simulated devices each on one machine::
   jaxpar.distributed.launch(2, ['demo', ...], devices_per_process=4)
 
 and each process starts with ``jaxpar.distributed.initialize()``, which reads
-the ``JAXPAR_*`` variables ``launch`` sets.
+the ``JAXPAR_*`` variables ``launch`` (``_launch.py``) sets.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -50,10 +44,6 @@ ENV_COORDINATOR = 'JAXPAR_COORDINATOR'
 ENV_NUM_PROCESSES = 'JAXPAR_NUM_PROCESSES'
 ENV_PROCESS_ID = 'JAXPAR_PROCESS_ID'
 ENV_LOCAL_DEVICE_COUNT = 'JAXPAR_LOCAL_DEVICE_COUNT'
-
-_GRACE_S = 5.0     # SIGTERM -> SIGKILL
-_POLL_S = 0.05
-_LOG_TAIL = 4000   # characters of a failed process's output shown
 
 
 def _env_int(name: str) -> int | None:
@@ -104,15 +94,16 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
   On CPU, cross-process collectives use gloo
   (``jax_cpu_collectives_implementation='gloo'``). Calling it again with the
-  same process layout is a no-op.
+  same processes and devices is a no-op.
 
   Raises:
     ValueError: a bad value (argument or environment variable).
-    RuntimeError: JAX already started (devices are fixed then) with another
-      layout; call ``initialize`` first thing in the program.
+    RuntimeError: JAX already started (devices are fixed then) with other
+      processes or devices; call ``initialize`` first thing in the program.
 
   Example:
     >>> # First thing in each process (it cannot run here: JAX has started).
+    >>> import jax, jaxpar
     >>> jaxpar.distributed.initialize('10.0.0.1:1234', 2, 0,
     ...                               local_device_count=4)  # doctest: +SKIP
     >>> jax.device_count(), jax.local_device_count()         # doctest: +SKIP
@@ -172,6 +163,7 @@ def is_main_process() -> bool:
   """``True`` in process 0 (the one that should print, plot, write reports).
 
   Example:
+    >>> import jaxpar
     >>> if jaxpar.distributed.is_main_process():   # process 0 of 1 here
     ...   print('only process 0 prints')
     only process 0 prints
@@ -189,6 +181,8 @@ def to_host(tree: PyTree) -> PyTree:
   Other leaves are returned as they are. Single-process: ``np.asarray``.
 
   Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
     >>> mesh = jaxpar.make_mesh(data=8)
     >>> w = jax.device_put(jnp.arange(8.0),
     ...                    jax.NamedSharding(mesh, P('data')))
@@ -202,118 +196,3 @@ def to_host(tree: PyTree) -> PyTree:
       return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return jax.tree.map(one, tree)
-
-
-def free_port() -> int:
-  """A TCP port on localhost that is free now (for a local coordinator)."""
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-  """SIGTERM the running processes, SIGKILL those alive after a grace time."""
-  for p in procs:
-    if p.poll() is None:
-      p.terminate()
-  deadline = time.monotonic() + _GRACE_S
-  for p in procs:
-    try:
-      p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      p.kill()
-      p.wait()
-
-
-def launch(num_processes: int, argv: Sequence[str], *,
-           devices_per_process: int | None = None, port: int | None = None,
-           module: str = 'jaxpar', timeout: float | None = None) -> int:
-  """Runs ``python -m <module> <argv...>`` as ``num_processes`` local processes.
-
-  Process ``i`` gets ``JAXPAR_COORDINATOR=127.0.0.1:<port>``,
-  ``JAXPAR_NUM_PROCESSES``, ``JAXPAR_PROCESS_ID=i`` (and
-  ``JAXPAR_LOCAL_DEVICE_COUNT``) in its environment, for ``initialize()`` to
-  read. Process 0 writes to this process's stdout/stderr; the others' output
-  is kept and shown (its tail) only if they fail. If one process exits with
-  an error, the others are terminated at once (a JAX process would otherwise
-  wait for the dead one in its next collective).
-
-  Args:
-    num_processes: ``N >= 1``.
-    argv: the arguments after ``python -m <module>``, e.g.
-      ``['demo', '--steps', '10']``.
-    devices_per_process: simulated CPU devices per process; ``None`` leaves
-      it to the program.
-    port: the coordinator port on localhost; default a free one.
-    module: the module to run (``python -m module``).
-    timeout: seconds before all processes are killed and ``TimeoutError`` is
-      raised; ``None`` waits forever.
-
-  Returns:
-    The first non-zero exit code (a signal ``s`` gives ``-s``), or 0.
-
-  Raises:
-    ValueError / TypeError: bad arguments.
-    TimeoutError: ``timeout`` expired (all processes are killed first).
-
-  Example:
-    >>> # Two demo processes take a minute: not run as a doctest.
-    >>> jaxpar.distributed.launch(2, ['demo', '--steps', '20'],
-    ...                           devices_per_process=4)  # doctest: +SKIP
-    0
-  """
-  _check_int(num_processes, 'num_processes', 1)
-  if isinstance(argv, str) or not isinstance(argv, Sequence) or not all(
-      isinstance(a, str) for a in argv):
-    raise TypeError(f'argv must be a list of str (e.g. ["demo", "--steps", '
-                    f'"10"]), got {argv!r}.')
-  _check_int(devices_per_process, 'devices_per_process', 1)
-  _check_int(port, 'port', 1)
-  if port is not None and port > 65535:
-    raise ValueError(f'port={port!r} must be an int in 1..65535, or None for '
-                     'a free one.')
-  if timeout is not None and not timeout > 0:
-    raise ValueError(f'timeout={timeout!r} must be > 0 seconds, or None.')
-  port = free_port() if port is None else port
-  procs, logs = [], []
-  failed, code = None, 0
-  try:
-    for i in range(num_processes):
-      env = dict(os.environ)
-      env.update({ENV_COORDINATOR: f'127.0.0.1:{port}',
-                  ENV_NUM_PROCESSES: str(num_processes),
-                  ENV_PROCESS_ID: str(i)})
-      if devices_per_process is not None:
-        env[ENV_LOCAL_DEVICE_COUNT] = str(devices_per_process)
-      log = None if i == 0 else tempfile.TemporaryFile()
-      logs.append(log)
-      procs.append(subprocess.Popen(
-          [sys.executable, '-m', module, *argv], env=env, stdout=log,
-          stderr=None if log is None else subprocess.STDOUT))
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
-      bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
-      if bad:
-        failed, code = bad[0], procs[bad[0]].returncode
-        break
-      if deadline is not None and time.monotonic() > deadline:
-        _stop(procs)
-        raise TimeoutError(
-            f'launch: {num_processes} processes of python -m {module} '
-            f'{" ".join(argv)} ran past timeout={timeout}s and were killed.')
-      time.sleep(_POLL_S)
-    else:
-      bad = [i for i, p in enumerate(procs) if p.returncode != 0]
-      if bad:
-        failed, code = bad[0], procs[bad[0]].returncode
-  finally:
-    _stop(procs)
-    if failed is not None and logs[failed] is not None:
-      logs[failed].seek(0)
-      tail = logs[failed].read().decode(errors='replace')[-_LOG_TAIL:]
-      print(f'--- process {failed} exited with code {code}; last output:\n'
-            f'{tail}', file=sys.stderr)
-    for log in logs:
-      if log is not None:
-        log.close()
-  return code

@@ -1,0 +1,129 @@
+"""ZeRO's building blocks inside ``jax.shard_map``: the collectives of a step.
+
+Each runs on one device's shards, with ``specs`` the leaves' global
+``PartitionSpec``s (``data_specs``): ``vary`` types replicated params as
+per-device, ``gather`` / ``gathered`` all-gather ZeRO-3 slices just in
+time, ``reduce_gradients`` averages gradients over the data axis into the
+ZeRO layout. ``jaxpar.data_parallel.trainer`` and ``jaxpar.parallel.trainer``
+compose them; the package docstring shows one step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.data_parallel._padding import Padded, entry_axes, is_padded
+from jaxpar.data_parallel._specs import data_dim
+from jaxpar.train_state import PyTree
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, P)
+
+
+def vary(params: PyTree, specs: PyTree, *, axis: str) -> PyTree:
+  """Leaves not split over ``axis`` made varying over it (``lax.pcast``).
+
+  Inside ``shard_map``: then ``jax.grad`` gives each device its own gradient
+  instead of summing over ``axis`` (see ``reduce_gradients``). ``Padded``
+  leaves are always split.
+  """
+  return jax.tree.map(
+      lambda s, x: x if data_dim(s, axis) is not None
+      else jax.lax.pcast(x, axis, to='varying'), specs, params,
+      is_leaf=_is_spec)
+
+
+def gather(params: PyTree, specs: PyTree, *, axis: str,
+           skip: int = 0) -> PyTree:
+  """Full leaves from every device's slice: ``all_gather`` along the data dim.
+
+  Inside ``shard_map``. ``specs`` are the leaves' global specs; ``skip``
+  leading dims of the global leaf are not in ``params`` (a stage's slice of
+  ``[p, v, ...]`` stage leaves: ``skip=2``). A ``Padded`` leaf is cut to its
+  logical size after the gather (the cut's transpose pads the gradient with
+  zeros). The result is typed varying, so its transpose is a reduce-scatter
+  (a sum over ``axis``).
+  """
+  def one(spec, x):
+    dim = data_dim(spec, axis)
+    if dim is None:
+      return x
+    value = x.value if is_padded(x) else x
+    full = jax.lax.all_gather(value, axis, axis=dim - skip, tiled=True,
+                              to='varying')
+    if is_padded(x):
+      full = jax.lax.slice_in_dim(full, 0, x.shape[dim], axis=dim - skip)
+    return full
+  return jax.tree.map(one, specs, params, is_leaf=_is_spec)
+
+
+def gathered(fn: Callable[..., Any], specs: PyTree, *, axis: str,
+             skip: int = 0) -> Callable[..., Any]:
+  """``fn(params, *args)`` on ZeRO-3 slices, gathering the params just in time.
+
+  ``g(slices, *args) = fn(gather(slices), *args)`` under
+  ``jax.checkpoint(policy=dots_saveable)``: the backward pass re-gathers
+  instead of keeping the gathered params. The gradient w.r.t. ``slices`` is
+  this device's slice of the gradient *summed* over ``axis`` (``Padded``
+  where the slices are, with zero padding).
+  """
+  def fn_of_slices(params, *args):
+    return fn(gather(params, specs, axis=axis, skip=skip), *args)
+  return jax.checkpoint(fn_of_slices,
+                        policy=jax.checkpoint_policies.dots_saveable)
+
+
+def reduce_gradients(grads: PyTree, specs: PyTree, *, axis: str,
+                     summed: bool = False) -> PyTree:
+  """Mean over ``axis`` of per-device gradients, in the layout of ``specs``.
+
+  Inside ``shard_map`` over ``axis`` (size ``N``). A leaf whose spec splits
+  a dim over ``axis`` is reduce-scattered along it (``psum_scatter / N``),
+  zero-padded first to a multiple of ``N`` when it does not divide (giving a
+  ``Padded`` slice); with ``summed=True`` (ZeRO-3 gradients of ``gathered``:
+  already summed and scattered) it is only divided by ``N``. All other
+  leaves are averaged with one ``pmean``.
+  """
+  n = jax.lax.axis_size(axis)
+  spec_leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+  leaves = treedef.flatten_up_to(grads)
+  dims = [data_dim(s, axis) for s in spec_leaves]
+  means = iter(jax.lax.pmean([g for g, d in zip(leaves, dims) if d is None],
+                             axis))
+  out = []
+  for g, spec, dim in zip(leaves, spec_leaves, dims):
+    if dim is None:
+      out.append(next(means))
+    elif summed:
+      out.append(jax.tree.map(lambda v: v / n, g))
+    else:
+      out.append(_scatter(g, spec, dim, axis=axis, n=n))
+  return treedef.unflatten(out)
+
+
+def _scatter(g: jax.Array, spec: P, dim: int, *, axis: str, n: int) -> Any:
+  """``psum_scatter(g) / N`` along ``dim``, padded first if ``N`` does not
+  divide it (``Padded`` with ``g``'s global shape: local dims times the
+  other axes that split them)."""
+  short = -g.shape[dim] % n
+  if short:
+    padding = [(0, 0)] * g.ndim
+    padding[dim] = (0, short)
+    value = jnp.pad(g, padding)
+  else:
+    value = g
+  value = jax.lax.psum_scatter(value, axis, scatter_dimension=dim,
+                               tiled=True) / n
+  if not short:
+    return value
+  entries = list(spec) + [None] * (g.ndim - len(spec))
+  shape = tuple(s * math.prod(jax.lax.axis_size(a) for a in entry_axes(e)
+                              if a != axis) for s, e in zip(g.shape, entries))
+  return Padded(value, shape)
