@@ -1,4 +1,4 @@
-"""Every optax optimizer gives single-device results on every mesh and ZeRO stage.
+"""Every optax optimizer gives single-device results on every mesh, any ZeRO.
 
 Float64, against plain optax on one device on the model as written, in data
 parallelism and in 3D (data x stage x tensor; the reference is the dense
@@ -10,11 +10,11 @@ layer's tensors in the model's shapes (``jaxpar.parallel``). The bugs
 this guards against (an update on local shards or ZeRO slices, or on stacked
 layers) were off by 5e-5 to 7e-3 after 3 steps; the tolerances are 1e-9.
 
-One program per mesh and ZeRO stage checks all the optimizers at once: ``optax.partition``
-gives each optimizer its own part of the model (``DP_GROUPS``,
-``GPT_GROUPS``), so a transform that sees one shard of one of its leaves
-shows up in that part's params, and the suite compiles 6 programs instead of
-one per optimizer, mesh and ZeRO stage.
+One program per mesh and ZeRO stage checks all the optimizers at once:
+``optax.partition`` gives each optimizer its own part of the model
+(``DP_GROUPS``, ``GPT_GROUPS``), so a transform that sees one shard of one of
+its leaves shows up in that part's params, and the suite compiles 6 programs
+instead of one per optimizer, mesh and ZeRO stage.
 
 Exactly-zero gradients: in the GPT the attention key bias has a gradient
 that is zero in exact arithmetic (softmax ignores a per-row shift), so in

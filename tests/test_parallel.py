@@ -179,7 +179,21 @@ class TestErrors:
         gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(0.1),
         schedule=jaxpar.pipeline.one_f_one_b(1, 1),
         mesh=jaxpar.make_mesh(tensor=8), tensor_rules=gpt.TENSOR_RULES)
-    with pytest.raises(ValueError, match='not divisible'):
+    with pytest.raises(ValueError, match=r"param 'attn/query/kernel' "
+                       r'\(1, 4, 16, 4, 4\): dim 3 of size 4 is split over '
+                       r"'tensor' .* does not divide by its size 8"):
+      trainer.init(pp)
+
+  def test_tensor_axis_needs_tensor_rules(self):
+    """Plain dict params carry no Flax metadata: without tensor_rules no
+    param is split over 'tensor', and init names the GPT's rules."""
+    pp, split = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=2)
+    trainer = jaxpar.parallel.trainer(
+        gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(0.1),
+        schedule=jaxpar.pipeline.one_f_one_b(2, 2),
+        mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2), stage_mask=split.mask)
+    with pytest.raises(ValueError, match=r"no parameter is split over "
+                       r"'tensor'.*jaxpar\.models\.gpt\.TENSOR_RULES"):
       trainer.init(pp)
 
 

@@ -414,10 +414,12 @@ def _cut(model: nnx.Module, blocks: str, num_stages: Any,
     if unknown:
       raise ValueError(f'head={list(head)}: {unknown} match no non-block '
                        f'param; they are {sorted(map(_name, rest))}.')
-  block_template = {p: nnx.Param(v) for p, v in layers.params[0].items()}
-  return _Cut(graphdef, template, params, path, blocks, layers,
-              block_template, split, frozenset(embed_paths),
-              frozenset(head_paths), set())
+  return _Cut(
+      graphdef=graphdef, template=template, params=params, path=path,
+      blocks=blocks, layers=layers,
+      block_template={p: nnx.Param(v) for p, v in layers.params[0].items()},
+      split=split, embed_paths=frozenset(embed_paths),
+      head_paths=frozenset(head_paths), checked=set())
 
 
 # ------------------------------------------------- model params <-> pipeline

@@ -15,9 +15,9 @@ One train step is one jitted program in two parts:
      the tensor rules say (``tensor_parallel.param_specs``);
    * **PP** -- ``stages`` run through ``jaxpar.pipeline``'s executor over
      ``'stage'`` with any schedule; the embedding runs per microbatch
-     inside stage 0 (``pipeline_value_and_grad_local``'s ``embed_fn``), the head in
-     the last stage, so nothing batch-sized is held; one stage rank runs the
-     microbatches in turn, as data parallelism does;
+     inside stage 0 (``pipeline_value_and_grad_local``'s ``embed_fn``), the
+     head in the last stage, so nothing batch-sized is held; one stage rank
+     runs the microbatches in turn, as data parallelism does;
    * **DP** -- the batch is split over ``'data'``; the loss is averaged over
      it and the gradients too: ``pmean``, or with ZeRO a reduce-scatter
      (``data_parallel.reduce_gradients``).
@@ -42,27 +42,27 @@ logical stage and the global microbatch, so the same on every mesh),
 
 **Optimizer state** is split like the params' layers: each per-layer leaf
 (and each ``embed``/``head`` leaf) over ``tensor`` as its param, and over
-``stage`` on one more dim (``data_parallel.data_spec`` with the stage axis; a layer
-is one global array, so the stage axis splits it as ZeRO splits over
-``data``), so it is not replicated over ``stage`` or ``tensor``. Subtrees
-with ``optax.MaskedNode`` placeholders (``masked``, ``multi_transform``)
-are split alike (``mirror_specs``); other leaves (counts,
-Adafactor's factored moments) are replicated.
+``stage`` on one more dim (``data_parallel.data_spec`` with the stage axis;
+a layer is one global array, so the stage axis splits it as ZeRO splits
+over ``data``), so it is not replicated over ``stage`` or ``tensor``.
+Subtrees with ``optax.MaskedNode`` placeholders (``masked``,
+``multi_transform``) are split alike (``mirror_specs``); other leaves
+(counts, Adafactor's factored moments) are replicated.
 
-**ZeRO** (``zero_stage``; ``jaxpar.data_parallel``): on top of its stage/tensor split
-every leaf gets the ``data`` axis on one more dim (``data_spec``; a
-stage leaf's ``[p, v]`` rows are never split). A leaf that no dim divides
-by the data size ``N`` is stored zero-padded along its largest dim not split
-over ``tensor`` (``data_parallel.Padded``, as torch FSDP does; the optimizer and the
-user's functions see it unpadded), so each device holds ``~1/N`` of every
-leaf, plus at most one padding row:
+**ZeRO** (``zero_stage``; ``jaxpar.data_parallel``): on top of its
+stage/tensor split every leaf gets the ``data`` axis on one more dim
+(``data_spec``; a stage leaf's ``[p, v]`` rows are never split). A leaf that
+no dim divides by the data size ``N`` is stored zero-padded along its
+largest dim not split over ``tensor`` (``data_parallel.Padded``, as torch
+FSDP does; the optimizer and the user's functions see it unpadded), so each
+device holds ``~1/N`` of every leaf, plus at most one padding row:
 
 * ``zero_stage=1`` -- the optimizer state: gradients are reduce-scattered,
   each data replica updates its ``1/N`` and the params are all-gathered;
 * ``zero_stage=3`` (FSDP) -- the params too: each ``embed_fn``, ``stage_fn``
   and ``loss_fn`` call all-gathers its params over ``data`` just before it
-  runs (``data_parallel.gathered``: forward, and again in the backward pass instead
-  of keeping them), and the gather's transpose reduce-scatters the
+  runs (``data_parallel.gathered``: forward, and again in the backward pass
+  instead of keeping them), and the gather's transpose reduce-scatters the
   gradients. Per microbatch, so it composes with every schedule, including
   interleaved and V-shaped ones with several stages per rank.
 
@@ -136,6 +136,8 @@ class _Plan(NamedTuple):
     tensor_rules: the tensor rules of the three functions' params.
     tensor_specs: a ``PipelineModel``'s ``tensor_specs`` (its layers run as
       written, XLA partitions ``tensor``), else ``None``.
+    zero_stage, max_grad_norm, key, has_aux, compute_dtype, remat_policy:
+      the options as ``trainer`` takes them (``key`` replicated on ``mesh``).
     cache: the memos.
   """
   functions: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
@@ -380,14 +382,17 @@ def _plan(embed_fn, stage_fn, loss_fn, optimizer, *, schedule: Schedule,
   if key is not None:
     key = jax.device_put(key, NamedSharding(mesh, P()))
   return _Plan(
-      functions, optimizer, schedule, tick_table(schedule), mesh, axes,
-      manual, stage_mask,
+      functions=functions, optimizer=optimizer, schedule=schedule,
+      lowered=tick_table(schedule), mesh=mesh, axes=axes, manual=manual,
+      stage_mask=stage_mask,
       # the mask in the rank placement [p, v, ...], in numpy (no op to compile)
-      None if stage_mask is None
-      else stage_mask[np.array(local_stages(schedule))],
-      LayerView.of(schedule, stage_mask), tensor_rules, tensor_specs,
-      zero_stage, max_grad_norm, key, has_aux, compute_dtype, remat_policy,
-      _Cache({}, {}))
+      mask_ranks=(None if stage_mask is None
+                  else stage_mask[np.array(local_stages(schedule))]),
+      view=LayerView.of(schedule, stage_mask), tensor_rules=tensor_rules,
+      tensor_specs=tensor_specs, zero_stage=zero_stage,
+      max_grad_norm=max_grad_norm, key=key, has_aux=has_aux,
+      compute_dtype=compute_dtype, remat_policy=remat_policy,
+      cache=_Cache(specs={}, states={}))
 
 
 # ------------------------------------------------------------------ the specs
