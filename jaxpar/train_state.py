@@ -372,6 +372,114 @@ def placed_init(
   return init
 
 
+# ------------------------------------------------------------------ options
+# What every trainer takes (data_parallel, parallel, the pipeline executor),
+# checked and meant the same way in each.
+
+
+# Only jax's policies: one that also saved what collectives produce would
+# turn ZeRO-3's gathered params into residuals of the params alone, which
+# XLA then hoists out of the pipeline's tick loop and keeps (+55% scratch
+# measured).
+POLICIES: dict[str, Callable[..., Any] | None] = {
+    'everything': None,   # every residual jax.vjp lists: no recompute
+    'dots': jax.checkpoint_policies.dots_saveable,
+    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'nothing': jax.checkpoint_policies.nothing_saveable,   # inputs alone
+}
+
+
+def check_remat_policy(remat_policy: Any, *, default: str | None = None
+                       ) -> Callable[..., Any] | None:
+  """The ``jax.checkpoint`` policy a trainer's ``remat_policy`` names.
+
+  One meaning in every trainer (``data_parallel.trainer``,
+  ``parallel.trainer``, the pipeline executor): what the backward pass keeps
+  of the forward, the rest being recomputed.
+
+  Args:
+    remat_policy: a name of ``POLICIES`` -- ``'everything'`` (keep every
+      residual: no recompute), ``'dots'``
+      (``jax.checkpoint_policies.dots_saveable``: matmul outputs kept,
+      elementwise work recomputed), ``'dots_no_batch'``
+      (``dots_with_no_batch_dims_saveable``: attention scores recomputed),
+      ``'nothing'`` (keep the inputs, recompute the forward) -- or any
+      ``jax.checkpoint_policies`` policy (e.g.
+      ``save_only_these_names('ffn')``), or ``None`` for ``default``.
+    default: the name ``None`` stands for (``None``: no policy at all).
+
+  Returns:
+    The policy function, or ``None`` for ``'everything'``.
+
+  Raises:
+    ValueError: an unknown name. TypeError: neither a name nor callable.
+
+  Example:
+    >>> import jax
+    >>> from jaxpar.train_state import check_remat_policy
+    >>> check_remat_policy('dots') is jax.checkpoint_policies.dots_saveable
+    True
+    >>> check_remat_policy(None) is None
+    True
+  """
+  if remat_policy is None:
+    return None if default is None else POLICIES[default]
+  if isinstance(remat_policy, str):
+    if remat_policy not in POLICIES:
+      raise ValueError(f'remat_policy={remat_policy!r} is not one of '
+                       f'{sorted(POLICIES)}; pass one of them or a '
+                       'jax.checkpoint_policies policy.')
+    return POLICIES[remat_policy]
+  if callable(remat_policy):
+    return remat_policy
+  raise TypeError(f'remat_policy={remat_policy!r} must be a name '
+                  f'({sorted(POLICIES)}) or a jax.checkpoint policy.')
+
+
+def check_key(key: Any) -> None:
+  """``TypeError`` unless ``key`` is ``None`` or one PRNG key."""
+  if key is None:
+    return
+  dtype, shape = getattr(key, 'dtype', None), np.shape(key)
+  typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+  raw = dtype == np.uint32 and shape == (2,)
+  if not (typed and shape == () or raw):
+    raise TypeError(
+        f'key must be one PRNG key, e.g. jax.random.key(0), got '
+        f'{type(key).__name__} {dtype}{list(shape)}: to train with a fresh '
+        'key each step pass the step key (the trainers and the executor fold in the '
+        'step, microbatch and stage).')
+
+
+def check_compute_dtype(compute_dtype: Any) -> np.dtype | None:
+  """``None`` or a floating dtype (``'bfloat16'``, ``jnp.bfloat16``, ...)."""
+  if compute_dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(compute_dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f'compute_dtype={compute_dtype!r} must be None (compute in the '
+        "params' dtype) or a floating dtype, e.g. jnp.bfloat16 or "
+        "'bfloat16'.")
+  return dtype
+
+
+def cast_params(fn: Callable[..., Any], dtype: Any) -> Callable[..., Any]:
+  """``fn`` on its first argument (the params) cast to ``dtype``.
+
+  The cast is part of the stage, so ``StageVJP`` finds the cast params to
+  depend on the params alone and recomputes them rather than stash them;
+  its transpose casts the params' cotangents back to their dtype.
+  """
+  return lambda params, *args: fn(optax.tree.cast(params, dtype), *args)
+
+
+# -------------------------------------------------------------- skip guard
+
+
 class SkipCount(NamedTuple):
   """Skipped steps so far: the current run of consecutive ones, and all."""
   consecutive: int = 0

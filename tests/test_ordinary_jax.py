@@ -231,7 +231,8 @@ def test_pipeline(x64, model, schedule):
   x, t, head = data()
   key = jax.random.key(7)
   step = jaxpar.pipeline.pipeline_value_and_grad(
-      fn, head_loss, schedule=schedule, remat=remat,
+      fn, head_loss, schedule=schedule,
+      remat_policy='nothing' if remat else None,
       mesh=jaxpar.make_mesh(stage=2, devices=jax.devices()[:2]))
   loss, grads = step(stages, head, x, t, key=key)
 

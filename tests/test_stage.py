@@ -11,7 +11,8 @@ import pytest
 
 import jaxpar
 from jaxpar import pipeline as pp
-from jaxpar.pipeline import POLICIES, StageVJP, stash_policy
+from jaxpar.pipeline import StageVJP, stash_policy
+from jaxpar.train_state import POLICIES
 from test_rng_precision import dropout_loss, dropout_stage, reference
 from test_executor import model
 
@@ -137,9 +138,9 @@ def test_sliced_layers_cost_no_more_memory_than_per_layer_leaves():
   assert sliced <= 1.15 * leaves, (sliced, leaves)
 
 
-def _stash_arrays(policy, remat=False):
+def _stash_arrays(policy):
   w = params(dtype=np.float32)
-  _, stash = StageVJP(stacked, remat, policy).trace(w, np.ones((MB, D),
+  _, stash = StageVJP(stacked, policy).trace(w, np.ones((MB, D),
                                                                np.float32))
   assert all(a.shape[0] == MB for a in stash)   # activations only
   return len(stash)
@@ -152,7 +153,7 @@ def test_policies_stash_what_they_say():
   input alone."""
   assert _stash_arrays('everything') == 3 * L
   assert _stash_arrays('dots') == 1 + 2 * L - 1
-  assert _stash_arrays('nothing') == _stash_arrays(None, remat=True) == 1
+  assert _stash_arrays('nothing') == 1
   assert _stash_arrays(None) == _stash_arrays('dots')   # the default
 
 
@@ -179,8 +180,6 @@ def test_every_policy_is_exact_with_zero_bubble_and_dropout(x64, policy):
 @pytest.mark.parametrize('kwargs, error, match', [
     (dict(remat_policy='dot'), ValueError, r"remat_policy='dot' is not one"),
     (dict(remat_policy=3), TypeError, 'must be a name'),
-    (dict(remat=True, remat_policy='dots'), ValueError,
-     'remat=True stashes the stage input alone'),
 ])
 def test_bad_policy_raises_when_the_step_is_built(kwargs, error, match):
   with pytest.raises(error, match=match):
@@ -189,9 +188,12 @@ def test_bad_policy_raises_when_the_step_is_built(kwargs, error, match):
                      **kwargs)
 
 
-def test_remat_true_is_the_nothing_policy():
-  assert stash_policy(remat=True) is stash_policy(remat_policy='nothing')
-  assert stash_policy(remat=True, remat_policy='nothing') is POLICIES['nothing']
+def test_stash_policy_names_the_trainers_policies():
+  """The pipeline's stash takes ``remat_policy`` as every trainer does;
+  ``None`` is its default, 'dots'."""
+  for name, policy in POLICIES.items():
+    assert stash_policy(name) is policy
+  assert stash_policy(None) is POLICIES['dots']
 
 
 def test_policy_reaches_the_executor():

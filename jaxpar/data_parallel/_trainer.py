@@ -50,9 +50,9 @@ from jaxpar.data_parallel._padding import (logical_shapes, pad,
 from jaxpar.data_parallel._specs import (check_zero_stage, data_specs,
                                          state_specs)
 from jaxpar.mesh import axis_size
-from jaxpar.pipeline.executor import (cast_params, check_compute_dtype,
-                                      check_key, stash_policy)
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
+                                cast_params, check_compute_dtype, check_key,
+                                check_remat_policy,
                                 apply_gradients, auto_view, check_max_grad_norm,
                                 check_optimizer, placed_init, sharded_update,
                                 signature)
@@ -199,7 +199,7 @@ def _remat(remat_policy: Any) -> Callable[..., Any] | None:
   (``remat_policy`` ``None`` or ``'everything'``)."""
   if remat_policy is None:
     return None
-  return stash_policy(remat_policy=remat_policy)
+  return check_remat_policy(remat_policy)
 
 
 def _check_options(loss_fn, optimizer, *, mesh, axis, max_grad_norm,
@@ -541,7 +541,7 @@ def trainer(
       float32 (at least). ``None``: the params' dtype.
     remat_policy: ``None`` (default): no remat, the backward keeps what JAX
       keeps. Else ``loss_fn`` runs under ``jax.checkpoint`` with this
-      policy, named as ``jaxpar.pipeline.executor.POLICIES``
+      policy, named as ``jaxpar.train_state.POLICIES``
       (``stash_policy``): ``'nothing'`` (recompute the forward in the
       backward), ``'dots'``, ``'dots_no_batch'``, ``'everything'`` (no
       remat), or a ``jax.checkpoint_policies`` policy. ZeRO-3 still

@@ -98,11 +98,12 @@ from jaxpar.parallel._layer_view import LayerView, layerwise, mirror_specs
 from jaxpar.parallel._params import LayerParams, PipelineParams
 from jaxpar.parallel._placement import padded_spec, stages_in_model_order
 from jaxpar.pipeline import executor
-from jaxpar.pipeline.executor import (check_compute_dtype, check_fn, check_key,
+from jaxpar.pipeline.executor import (check_fn,
                                       check_leading, stash_policy)
 from jaxpar.pipeline.schedules import (Schedule, TickTable, local_stages,
                                        tick_table)
 from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
+                                check_compute_dtype, check_key,
                                 auto_view, check_max_grad_norm, check_optimizer,
                                 placed_init, sharded_update, signature)
 
@@ -378,7 +379,7 @@ def _plan(embed_fn, stage_fn, loss_fn, optimizer, *, schedule: Schedule,
   stage_mask = _check_mask(stage_mask, schedule)
   check_key(key)
   compute_dtype = check_compute_dtype(compute_dtype)
-  stash_policy(remat_policy=remat_policy)
+  stash_policy(remat_policy)
   if key is not None:
     key = jax.device_put(key, NamedSharding(mesh, P()))
   return _Plan(

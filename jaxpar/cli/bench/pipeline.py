@@ -47,11 +47,12 @@ from jaxpar.cli.bench._timing import compile_stats, wall_and_cpu_seconds
 from jaxpar.mesh import axis_size, make_mesh
 from jaxpar.pipeline import schedules as sched
 from jaxpar.hlo import collective_bytes
-from jaxpar.pipeline.executor import (LossFn, StageFn, cast_params,
+from jaxpar.pipeline.executor import (LossFn, StageFn,
                                      pipeline_value_and_grad)
 from jaxpar.pipeline.schedules import tick_table
 from jaxpar.cli.bench import _real_parallel_worker as worker
-from jaxpar.pipeline.executor import DEFAULT_POLICY, POLICIES, StageVJP
+from jaxpar.pipeline.executor import DEFAULT_POLICY, StageVJP
+from jaxpar.train_state import POLICIES, cast_params
 
 
 def gpipe_autodiff_step(stage_fn: StageFn, loss_fn: LossFn, *,
@@ -244,7 +245,7 @@ def _block_flops(quick: bool) -> list[dict]:
   stages, _, inputs, _ = _model(2, mb, width)
   w = jax.tree.map(lambda a: a[0], stages)
   x = inputs
-  stage = StageVJP(_stage, remat=False)
+  stage = StageVJP(_stage)
   no_output = lambda method: lambda *a: [method(*a)][:0]
   jax.eval_shape(no_output(stage.trace), w, x)
   _, stash = jax.jit(stage.forward)(w, x)
@@ -285,8 +286,7 @@ def _mixed_precision(quick: bool) -> list[dict]:
     step = pipeline_value_and_grad(_stage, _loss, schedule=schedule, mesh=mesh,
                          compute_dtype=dtype)
     low = step.lower(*args)
-    stage = StageVJP(_stage if dtype is None else cast_params(_stage, dtype),
-                     remat=False)
+    stage = StageVJP(_stage if dtype is None else cast_params(_stage, dtype))
     x = jnp.zeros((mb, width), dtype or jnp.float32)
     _, stash = stage.trace(jax.tree.map(lambda a: a[0], args[0]), x)
     rows.append({

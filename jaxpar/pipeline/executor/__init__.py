@@ -11,7 +11,6 @@ trees move between model order and the rank placement ``[p, v, ...]``
 from jaxpar.pipeline.executor._pipeline import PipelineGrads as PipelineGrads
 from jaxpar.pipeline.executor._tick_scan import LossFn as LossFn
 from jaxpar.pipeline.executor._tick_scan import StageFn as StageFn
-from jaxpar.pipeline.executor._pipeline import cast_params as cast_params
 from jaxpar.pipeline.executor._pipeline import pipeline_apply as pipeline_apply
 from jaxpar.pipeline.executor._pipeline import (
     pipeline_apply_local as pipeline_apply_local)
@@ -24,16 +23,12 @@ from jaxpar.pipeline.executor._placement import (
 from jaxpar.pipeline.executor._placement import (
     stages_to_ranks as stages_to_ranks)
 from jaxpar.pipeline.executor._stage_vjp import DEFAULT_POLICY as DEFAULT_POLICY
-from jaxpar.pipeline.executor._stage_vjp import POLICIES as POLICIES
 from jaxpar.pipeline.executor._stage_vjp import StageVJP as StageVJP
 from jaxpar.pipeline.executor._stage_vjp import stash_policy as stash_policy
 
 # jaxpar-internal (for jaxpar.parallel's trainer and from_nnx; not in __all__):
 # input checks, the jaxpr dataflow helpers and the varying-axes casts.
-from jaxpar.pipeline.executor._checks import (
-    check_compute_dtype as check_compute_dtype)
 from jaxpar.pipeline.executor._checks import check_fn as check_fn
-from jaxpar.pipeline.executor._checks import check_key as check_key
 from jaxpar.pipeline.executor._checks import check_leading as check_leading
 from jaxpar.pipeline.executor._jaxpr import is_var as is_jaxpr_var
 from jaxpar.pipeline.executor._jaxpr import needed as jaxpr_needed
@@ -42,8 +37,8 @@ from jaxpar.pipeline.executor._vma import vary as vary
 from jaxpar.pipeline.executor._vma import vma as varying_axes
 
 __all__ = [
-    'DEFAULT_POLICY', 'LossFn', 'StageFn', 'POLICIES', 'PipelineGrads',
-    'StageVJP', 'cast_params',
+    'DEFAULT_POLICY', 'LossFn', 'StageFn', 'PipelineGrads',
+    'StageVJP',
     'pipeline_apply', 'pipeline_apply_local', 'pipeline_value_and_grad',
     'pipeline_value_and_grad_local', 'ranks_to_stages', 'stages_to_ranks',
     'stash_policy',

@@ -93,21 +93,6 @@ def check_loss_fn(loss_fn: Callable[..., Any], loss_params: PyTree,
                     f'one microbatch, got {out}{hint}.')
 
 
-def check_key(key: Any) -> None:
-  """``TypeError`` unless ``key`` is ``None`` or one PRNG key."""
-  if key is None:
-    return
-  dtype, shape = getattr(key, 'dtype', None), np.shape(key)
-  typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
-  raw = dtype == np.uint32 and shape == (2,)
-  if not (typed and shape == () or raw):
-    raise TypeError(
-        f'key must be one PRNG key, e.g. jax.random.key(0), got '
-        f'{type(key).__name__} {dtype}{list(shape)}: to train with a fresh '
-        'key each step pass the step key (the executor folds in the '
-        'microbatch and stage).')
-
-
 def check_offset(offset: Any) -> None:
   """``TypeError`` unless ``offset`` is one integer (NumPy/JAX ints too)."""
   if (isinstance(offset, bool) or np.ndim(offset)
@@ -115,22 +100,6 @@ def check_offset(offset: Any) -> None:
     raise TypeError(f'microbatch_offset={offset!r} must be one integer, the '
                     "global index of this shard's first microbatch (e.g. "
                     "jax.lax.axis_index('data') * num_microbatches).")
-
-
-def check_compute_dtype(compute_dtype: Any) -> np.dtype | None:
-  """``None`` or a floating dtype (``'bfloat16'``, ``jnp.bfloat16``, ...)."""
-  if compute_dtype is None:
-    return None
-  try:
-    dtype = jnp.dtype(compute_dtype)
-  except TypeError:
-    dtype = None
-  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(
-        f'compute_dtype={compute_dtype!r} must be None (compute in the '
-        "params' dtype) or a floating dtype, e.g. jnp.bfloat16 or "
-        "'bfloat16'.")
-  return dtype
 
 
 def check_axis(axis: str, schedule: Schedule) -> None:

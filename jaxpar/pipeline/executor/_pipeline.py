@@ -28,22 +28,20 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import vma
 from jaxpar.pipeline.executor import _tick_scan
 from jaxpar.pipeline.executor._checks import (
-    check_axis, check_compute_dtype, check_fill, check_float, check_fn,
-    check_key, check_leading, check_loss_fn, check_lowered, check_offset,
-    check_schedule, check_stage_fn)
+    check_axis, check_fill, check_float, check_fn, check_leading, check_loss_fn, check_lowered, check_offset, check_schedule, check_stage_fn)
 from jaxpar.pipeline.executor._microbatches import microbatched, with_key
 from jaxpar.pipeline.executor._placement import ranks_to_stages, stages_to_ranks
 from jaxpar.pipeline.executor._stage_vjp import stash_policy
 from jaxpar.pipeline.executor._tick_scan import LossFn, StageFn
 from jaxpar.pipeline.executor._vma import full
 from jaxpar.pipeline.schedules import Schedule, TickTable, tick_table
+from jaxpar.train_state import cast_params, check_compute_dtype, check_key
 
 PyTree = Any
 
@@ -73,7 +71,7 @@ class PipelineGrads(NamedTuple):
 def pipeline_value_and_grad_local(
     stage_fn: StageFn, loss_fn: LossFn, local_params: PyTree,
     loss_params: PyTree, inputs: jax.Array, targets: PyTree, *,
-    lowered: TickTable, axis: str = 'stage', remat: bool = False,
+    lowered: TickTable, axis: str = 'stage',
     bubble_fill: float = 0.0, key: jax.Array | None = None,
     microbatch_offset: Any = 0, has_aux: bool = False,
     compute_dtype: Any = None, embed_fn: Callable[..., jax.Array] | None = None,
@@ -103,8 +101,6 @@ def pipeline_value_and_grad_local(
     targets: pytree of ``[batch, ...]`` leaves.
     lowered: ``tick_table(schedule)``.
     axis: the pipeline axis, of size ``schedule.num_ranks``.
-    remat: stash only each stage's input and recompute its forward in the
-      backward (``remat_policy='nothing'``).
     bubble_fill: value of unwritten buffer slots and of whatever idle ranks
       send; ``float('nan')`` checks that bubbles never reach the results.
     key: the step's PRNG key, or ``None``. Stage ``k`` on microbatch ``i``
@@ -188,7 +184,7 @@ def pipeline_value_and_grad_local(
                 'local_params', 'num_stages // num_ranks')
   check_key(key)
   check_offset(microbatch_offset)
-  stash_policy(remat, remat_policy)
+  stash_policy(remat_policy)
   dtype = check_compute_dtype(compute_dtype)
   # The user's functions as on one device over `axis` (jaxpar.vma); a caller
   # that also splits the batch lifts them over its axis (parallel.trainer).
@@ -216,7 +212,7 @@ def pipeline_value_and_grad_local(
                 key, has_aux)
   res = _tick_scan.run(
       stage_fn, loss_fn, lowered, local_params, loss_params, xs, ts,
-      axis=axis, remat=bool(remat), bubble_fill=check_fill(bubble_fill),
+      axis=axis, bubble_fill=check_fill(bubble_fill),
       key=key, offset=microbatch_offset, has_aux=has_aux, embed_fn=embed_fn,
       embed_params=embed_params, embed_key=embed_key, remat_policy=remat_policy)
   dx = res.inputs
@@ -226,16 +222,6 @@ def pipeline_value_and_grad_local(
       dx = dx.astype(inputs_dtype)
   return ((res.value if has_aux else res.value[0]),
           PipelineGrads(res.stages, res.head, dx, res.embed))
-
-
-def cast_params(fn: Callable[..., Any], dtype: Any) -> Callable[..., Any]:
-  """``fn`` on its first argument (the params) cast to ``dtype``.
-
-  The cast is part of the stage, so ``StageVJP`` finds the cast params to
-  depend on the params alone and recomputes them rather than stash them;
-  its transpose casts the params' cotangents back to their dtype.
-  """
-  return lambda params, *args: fn(optax.tree.cast(params, dtype), *args)
 
 
 def pipeline_apply_local(
@@ -265,14 +251,14 @@ def pipeline_apply_local(
   xs, _ = microbatched(inputs, (), schedule.num_microbatches)
   check_stage_fn(stage_fn, local_params, jax.typeof(xs[0]))
   out = _tick_scan.run(stage_fn, None, lowered, local_params, (), xs, (),
-                       axis=axis, remat=True,
+                       axis=axis,
                        bubble_fill=check_fill(bubble_fill))
   return out.reshape(np.shape(inputs))
 
 
 def pipeline_value_and_grad(
     stage_fn: StageFn, loss_fn: LossFn, *, schedule: Schedule, mesh: Mesh,
-    axis: str = 'stage', remat: bool = False, bubble_fill: float = 0.0,
+    axis: str = 'stage', bubble_fill: float = 0.0,
     has_aux: bool = False, compute_dtype: Any = None, remat_policy: Any = None
 ) -> Callable[..., tuple[Any, PipelineGrads]]:
   """A jitted pipelined step: the loss and gradients of the batch mean.
@@ -294,7 +280,7 @@ def pipeline_value_and_grad(
 
   Memory per rank: the parameters, the batch and its gradient, plus
   ``tick_table(schedule).num_stash_slots`` stashes (VJP residuals without the
-  parameters; the stage input with ``remat``) and ``num_mailbox_slots``
+  parameters; the stage input with ``remat_policy='nothing'``) and ``num_mailbox_slots``
   activations, independent of ``m`` for 1F1B, interleaved and zero-bubble.
   When the placement is not one stage per rank in order (interleaved, V),
   the model-order stage parameters and gradients are permuted to and from
@@ -313,7 +299,6 @@ def pipeline_value_and_grad(
       or from CSV).
     mesh: a mesh with axis ``axis`` of size ``schedule.num_ranks``.
     axis: the pipeline axis name.
-    remat: stash only stage inputs and recompute the forward in the backward.
     remat_policy: the stash (``jaxpar.pipeline.stash_policy``):
       ``'dots'`` by default, ``'everything'``, ``'dots_no_batch'``,
       ``'nothing'`` or a ``jax.checkpoint_policies`` policy.
@@ -379,12 +364,12 @@ def pipeline_value_and_grad(
   lowered = tick_table(schedule)
   bubble_fill = check_fill(bubble_fill)
   check_compute_dtype(compute_dtype)
-  stash_policy(remat, remat_policy)
+  stash_policy(remat_policy)
 
   def local(params, loss_params, inputs, targets, key):
     out, grads = pipeline_value_and_grad_local(
         stage_fn, loss_fn, jax.tree.map(lambda a: a[0], params), loss_params,
-        inputs, targets, lowered=lowered, axis=axis, remat=remat,
+        inputs, targets, lowered=lowered, axis=axis,
         bubble_fill=bubble_fill, key=key, has_aux=has_aux,
         compute_dtype=compute_dtype, remat_policy=remat_policy)
     return out, grads._replace(

@@ -1,6 +1,6 @@
 """A pipeline stage cut into the blocks the executor runs: ``F``, ``I``, ``W``.
 
-``StageVJP(stage_fn, remat, remat_policy)`` turns ``stage_fn(params, x) -> y``
+``StageVJP(stage_fn, remat_policy)`` turns ``stage_fn(params, x) -> y``
 (or ``stage_fn(params, x, key)``: every block then takes the same ``key``)
 into
 
@@ -11,7 +11,7 @@ into
   outputs of matrix products and recomputes the elementwise work after them
   in the backward
   (``jax.checkpoint_policies.dots_saveable``); ``'nothing'``
-  (``remat=True``) keeps ``x`` and recomputes the whole forward; any
+  keeps ``x`` alone and recomputes the whole forward; any
   ``jax.checkpoint`` policy may be given. Residuals that depend on the
   parameters alone (a layer sliced out of a stacked leaf, a transposed or
   cast weight, the weights themselves) are found by a dataflow pass over the
@@ -64,70 +64,34 @@ from typing import Any
 import jax
 
 from jaxpar.pipeline.executor import _jaxpr, _vma
+from jaxpar.train_state import check_remat_policy
 
 PyTree = Any
 
 
-# Only jax's policies: one that also saved what collectives produce would
-# turn ZeRO-3's gathered params into residuals of the params alone, which
-# XLA then hoists out of the tick loop and keeps (+55% scratch measured).
-POLICIES: dict[str, Callable[..., Any] | None] = {
-    'everything': None,   # every residual jax.vjp lists
-    'dots': jax.checkpoint_policies.dots_saveable,
-    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    'nothing': jax.checkpoint_policies.nothing_saveable,   # x alone: remat
-}
 # The fastest for GPipe, 1F1B and ZB-H1 on one core (bench ``one_core``,
 # docs/executor.md "Stash policy"): recomputing elementwise work costs less
 # than storing and reloading its intermediates.
 DEFAULT_POLICY = 'dots'
 
 
-def stash_policy(remat: bool = False, remat_policy: Any = None
-                 ) -> Callable[..., Any] | None:
+def stash_policy(remat_policy: Any = None) -> Callable[..., Any] | None:
   """The ``jax.checkpoint`` policy of a stage's stash (``None``: everything).
 
-  Args:
-    remat: ``True`` is ``remat_policy='nothing'``: stash the stage input
-      alone and recompute the forward in the backward.
-    remat_policy: a name of ``POLICIES``: ``'everything'``, ``'dots'``
-      (``jax.checkpoint_policies.dots_saveable``), ``'dots_no_batch'``
-      (``dots_with_no_batch_dims_saveable``: attention scores are
-      recomputed), ``'nothing'``; a ``jax.checkpoint_policies``
-      policy (e.g. ``save_only_these_names('ffn')`` for values tagged with
-      ``jax.ad_checkpoint.checkpoint_name``), or ``None`` for
-      ``DEFAULT_POLICY`` (``'nothing'`` with ``remat``).
-
-  Raises:
-    ValueError: an unknown name, or ``remat=True`` with another policy.
-    TypeError: a policy that is neither a name nor callable.
+  ``remat_policy`` as every trainer takes it (``jaxpar.train_state.
+  check_remat_policy``: a name of ``POLICIES`` or a ``jax.checkpoint_policies``
+  policy); ``None`` is the pipeline's ``DEFAULT_POLICY``, ``'dots'``.
+  ``'nothing'`` stashes the stage input alone and recomputes the forward.
 
   Example:
     >>> import jax
     >>> from jaxpar.pipeline import stash_policy
     >>> stash_policy() is jax.checkpoint_policies.dots_saveable
     True
-    >>> stash_policy(remat=True) is jax.checkpoint_policies.nothing_saveable
+    >>> stash_policy('nothing') is jax.checkpoint_policies.nothing_saveable
     True
   """
-  if remat_policy is None:
-    return POLICIES['nothing' if remat else DEFAULT_POLICY]
-  if isinstance(remat_policy, str):
-    if remat_policy not in POLICIES:
-      raise ValueError(f'remat_policy={remat_policy!r} is not one of '
-                       f'{sorted(POLICIES)}; pass one of them or a '
-                       'jax.checkpoint_policies policy.')
-    policy = POLICIES[remat_policy]
-  elif callable(remat_policy):
-    policy = remat_policy
-  else:
-    raise TypeError(f'remat_policy={remat_policy!r} must be a name '
-                    f'({sorted(POLICIES)}) or a jax.checkpoint policy.')
-  if remat and policy is not POLICIES['nothing']:
-    raise ValueError(f'remat=True stashes the stage input alone, but '
-                     f'remat_policy={remat_policy!r} asks for another stash; '
-                     'pass one of them.')
-  return policy
+  return check_remat_policy(remat_policy, default=DEFAULT_POLICY)
 
 
 class StageVJP:
@@ -135,13 +99,13 @@ class StageVJP:
 
   Call ``trace(params, x)`` once (with the avals the blocks will see) before
   the blocks; it fixes the residual structure and the ``I``/``W`` cut.
-  ``remat`` and ``remat_policy`` choose the stash (``stash_policy``).
+  ``remat_policy`` chooses the stash (``stash_policy``).
   """
 
-  def __init__(self, stage_fn: Callable[..., jax.Array], remat: bool = False,
+  def __init__(self, stage_fn: Callable[..., jax.Array],
                remat_policy: Any = None):
     self.stage_fn = stage_fn
-    self.policy = stash_policy(remat, remat_policy)
+    self.policy = stash_policy(remat_policy)
     self._from_x = None      # per closure leaf: depends on x (is stashed)
     self._x = None           # aval of x
     self._input = self._weight = None

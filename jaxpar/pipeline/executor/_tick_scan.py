@@ -306,7 +306,7 @@ def edge_rows(lowered: TickTable) -> tuple[np.ndarray, np.ndarray]:
 
 def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: TickTable,
         local_params: PyTree, loss_params: PyTree, inputs: PyTree,
-        targets: PyTree, *, axis: str, remat: bool, bubble_fill: float,
+        targets: PyTree, *, axis: str, bubble_fill: float,
         key: jax.Array | None = None, offset: Any = 0,
         has_aux: bool = False, embed_fn: Callable[..., jax.Array] | None = None,
         embed_params: PyTree = None, embed_key: jax.Array | None = None,
@@ -330,7 +330,7 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: TickTable,
   if schedule.num_ranks == 1:
     return sequential(
         stage_fn, loss_fn, schedule, local_params, loss_params, inputs,
-        targets, axis=axis, remat=remat, key=key, offset=offset,
+        targets, axis=axis, key=key, offset=offset,
         has_aux=has_aux, embed_fn=embed_fn, embed_params=embed_params,
         embed_key=embed_key, remat_policy=remat_policy)
   training = loss_fn is not None
@@ -340,8 +340,8 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: TickTable,
   base = vma(inputs) | {axis}
   rank = Rank(
       index=jax.lax.axis_index(axis),
-      stage=StageVJP(stage_fn, remat or not training,
-                     remat_policy if training else None),
+      # Forward-only: nothing is differentiated, so nothing is stashed.
+      stage=StageVJP(stage_fn, remat_policy if training else 'nothing'),
       loss_fn=loss_fn, embed_fn=embed_fn,
       local_params=vary(local_params, base),
       loss_params=vary(loss_params, base),
@@ -698,7 +698,7 @@ def _add(acc: PyTree, d: PyTree) -> PyTree:
 
 def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
                local_params: PyTree, loss_params: PyTree, inputs: PyTree,
-               targets: PyTree, *, axis: str, remat: bool,
+               targets: PyTree, *, axis: str,
                key: jax.Array | None, offset: Any, has_aux: bool,
                embed_fn: Callable[..., jax.Array] | None, embed_params: PyTree,
                embed_key: jax.Array | None, remat_policy: Any = None):
@@ -708,8 +708,8 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
   the whole model (embedding, the ``num_stages`` stages in order, the loss),
   accumulating as data parallelism's microbatches do; the same keys, results
   and return values as ``run``. Plain autodiff (XLA fuses the backward)
-  unless ``remat`` or a ``remat_policy`` is asked for: each stage is then a
-  ``jax.checkpoint`` with that policy.
+  unless a ``remat_policy`` other than ``'everything'`` is asked for: each
+  stage is then a ``jax.checkpoint`` with that policy.
   """
   m, num_stages = schedule.num_microbatches, schedule.num_stages
   train = loss_fn is not None
@@ -717,8 +717,9 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
   local_params, loss_params, embed_params = vary(
       (local_params, loss_params, embed_params), base)
   layer = stage_fn
-  if train and (remat or remat_policy is not None):
-    layer = jax.checkpoint(stage_fn, policy=stash_policy(remat, remat_policy))
+  policy = None if remat_policy is None else stash_policy(remat_policy)
+  if train and policy is not None:
+    layer = jax.checkpoint(stage_fn, policy=policy)
 
   def model(params, lp, ep, x, target, mb):
     """The microbatch's share of the mean loss (and aux), or its output."""
