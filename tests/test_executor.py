@@ -126,14 +126,14 @@ def test_bubbles_are_inert(x64):
     np.testing.assert_array_equal(a, b)
 
 
-def local_step(lowered, mesh, *, bubble_fill):
+def local_step(table, mesh, *, bubble_fill):
   """``pipeline_value_and_grad_local`` in a shard_map over 'stage' (as pipeline_value_and_grad)."""
-  schedule = lowered.schedule
+  schedule = table.schedule
 
   def body(params, loss_params, x, t):
     loss, g = pipeline_value_and_grad_local(
         stage_fn, loss_fn, jax.tree.map(lambda a: a[0], params), loss_params,
-        x, t, lowered=lowered, bubble_fill=bubble_fill)
+        x, t, table=table, bubble_fill=bubble_fill)
     return loss, g._replace(stages=jax.tree.map(lambda a: a[None], g.stages))
 
   sharded = jax.shard_map(body, mesh=mesh, in_specs=(P('stage'), P(), P(), P()),
@@ -172,14 +172,14 @@ def test_composes_with_data_and_tensor_axes(x64):
   stages = {'w1': rng.normal(size=(n, D, hidden)) / math.sqrt(D),
             'w2': rng.normal(size=(n, hidden, D)) / math.sqrt(hidden)}
   _, loss_params, x, t = model(n, 2 * m * MB, seed=2)
-  lowered = tick_table(schedule)
+  table = tick_table(schedule)
   specs = {'w1': P('stage', None, None, 'tensor'),
            'w2': P('stage', None, 'tensor', None)}
 
   def body(params, loss_params, x, t):
     params = jax.tree.map(lambda a: a[0], params)
     loss, g = pipeline_value_and_grad_local(tp_stage_fn, loss_fn, params, loss_params,
-                                  x, t, lowered=lowered, bubble_fill=NAN)
+                                  x, t, table=table, bubble_fill=NAN)
     loss, dstages, dloss = jax.lax.pmean((loss, g.stages, g.head), 'data')
     # g.inputs is d(this shard's mean)/dx: 1/2 of it is d(global mean)/dx.
     return (loss, jax.tree.map(lambda a: a[None], dstages), dloss,
@@ -378,15 +378,15 @@ def test_errors_before_compiling():
     pipeline_apply(stage_fn, bad_stages, x, schedule=schedule, mesh=mesh)
   with pytest.raises(ValueError, match='use pipeline_apply_local'):
     pipeline_value_and_grad_local(stage_fn, loss_fn, stages, loss_params, x, t,
-                        lowered=tick_table(schedule, forward_only=True))
+                        table=tick_table(schedule, forward_only=True))
   with pytest.raises(ValueError, match='forward_only=True'):
-    pipeline_apply_local(stage_fn, stages, x, lowered=tick_table(schedule))
+    pipeline_apply_local(stage_fn, stages, x, table=tick_table(schedule))
   with pytest.raises(TypeError, match='TickTable'):
-    pipeline_apply_local(stage_fn, stages, x, lowered=schedule)
+    pipeline_apply_local(stage_fn, stages, x, table=schedule)
   four = model(4, m * MB, np.float32)[0]
   with pytest.raises(ValueError, match="axis 'stage' has size 4.*num_ranks=2"):
     jax.shard_map(lambda s: pipeline_value_and_grad_local(
-        stage_fn, loss_fn, s, loss_params, x, t, lowered=tick_table(schedule)),
+        stage_fn, loss_fn, s, loss_params, x, t, table=tick_table(schedule)),
                   mesh=mesh_for(4), in_specs=P('stage'), out_specs=P(),
                   axis_names={'stage'})(four)
 
@@ -443,7 +443,7 @@ def test_embed_fn_runs_inside_stage_0(x64):
     loss, g = pipeline_value_and_grad_local(
         lambda p, x, k: stage_fn(p, x), lambda lp, y, t, k: loss_fn(lp, y, t),
         jax.tree.map(lambda a: a[0], params), loss_params, ids, t,
-        lowered=tick_table(schedule), key=key, embed_fn=embed_fn,
+        table=tick_table(schedule), key=key, embed_fn=embed_fn,
         embed_params=table, embed_key=embed_key, bubble_fill=NAN)
     assert g.inputs is None
     return loss, jax.tree.map(lambda a: a[None], g.stages), g.head, g.embed

@@ -125,7 +125,7 @@ def test_below_1f1b_memory_it_still_finds_a_schedule():
 
 
 def test_search_ranks_by_the_time_the_executor_takes():
-  # makespan (what search minimises) is the lock-step time of the lowered
+  # makespan (what search minimises) is the lock-step time of the tick
   # table the executor scans; with F = I = W it is simulate's time too.
   for costs in (None, UNEQUAL):
     for limit in (1.5, 3):

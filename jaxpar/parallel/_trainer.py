@@ -128,7 +128,7 @@ class _Plan(NamedTuple):
   Attributes:
     functions: ``(embed_fn, stage_fn, loss_fn)``, lifted (``jaxpar.vma``).
     optimizer: the user's optimizer; it sees the per-layer view.
-    schedule: the schedule; ``lowered`` its tick table.
+    schedule: the schedule; ``table`` its tick table.
     mesh: the mesh; ``axes`` its axis names.
     manual: the axes the gradient ``shard_map`` is manual over (empty: all).
     stage_mask: bool ``[num_stages, ...]`` or ``None``; ``mask_ranks`` the
@@ -144,7 +144,7 @@ class _Plan(NamedTuple):
   functions: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
   optimizer: optax.GradientTransformation
   schedule: Schedule
-  lowered: TickTable
+  table: TickTable
   mesh: Mesh
   axes: _Axes
   manual: frozenset[str]
@@ -384,7 +384,7 @@ def _plan(embed_fn, stage_fn, loss_fn, optimizer, *, schedule: Schedule,
     key = jax.device_put(key, NamedSharding(mesh, P()))
   return _Plan(
       functions=functions, optimizer=optimizer, schedule=schedule,
-      lowered=tick_table(schedule), mesh=mesh, axes=axes, manual=manual,
+      table=tick_table(schedule), mesh=mesh, axes=axes, manual=manual,
       stage_mask=stage_mask,
       # the mask in the rank placement [p, v, ...], in numpy (no op to compile)
       mask_ranks=(None if stage_mask is None
@@ -609,7 +609,7 @@ def _local_grads(plan: _Plan, specs: _Specs, params: PipelineParams,
   # rank, the microbatches run in turn): nothing batch-sized is held.
   out, grads = executor.pipeline_value_and_grad_local(
       stage, head_loss, one_rank, params.head, inputs, targets,
-      lowered=plan.lowered, axis=plan.axes.stage, key=key,
+      table=plan.table, axis=plan.axes.stage, key=key,
       # the global index of this data shard's first microbatch
       microbatch_offset=(jax.lax.axis_index(plan.axes.data)
                          * plan.schedule.num_microbatches),

@@ -300,8 +300,8 @@ def messages(schedule) -> int:
   rows (``jaxpar.pipeline.executor``'s ``tick_messages``), plus the final ``psum``."""
   if schedule.num_ranks == 1:   # no ticks (the executor runs them in turn), no messages
     return 0
-  lowered = jaxpar.pipeline.tick_table(schedule)
-  code, patterns = tick_messages(lowered, True)
+  table = jaxpar.pipeline.tick_table(schedule)
+  code, patterns = tick_messages(table, True)
   return int(sum(sum(patterns[c]) for c in code)) + 1
 
 

@@ -268,7 +268,7 @@ def _mixed_precision(quick: bool) -> list[dict]:
 
   ``temp_bytes``: compiled ``memory_analysis``. ``stash_bytes`` /
   ``mailbox_bytes``: the executor's stash and mailbox buffers (slot count of
-  the lowered schedule x the bytes of one entry, from ``StageVJP``'s traced
+  the tick table x the bytes of one entry, from ``StageVJP``'s traced
   stash avals). ``message_bytes``: ``collective-permute`` bytes in the HLO
   jaxpar emits (XLA:CPU widens bf16 collectives to f32 when it compiles;
   GPUs send bf16).
@@ -277,7 +277,7 @@ def _mixed_precision(quick: bool) -> list[dict]:
   mb = 64 if quick else 256
   mesh = make_mesh(stage=p, devices=jax.devices()[:p])
   schedule = sched.one_f_one_b(p, m)
-  lowered = tick_table(schedule)
+  table = tick_table(schedule)
   args = _model(p, m * mb, width)
   nbytes = lambda tree: sum(a.size * a.dtype.itemsize
                             for a in jax.tree.leaves(tree))
@@ -292,8 +292,8 @@ def _mixed_precision(quick: bool) -> list[dict]:
     rows.append({
         'compute': name, 'p': p, 'm': m, 'microbatch': mb, 'width': width,
         'temp_bytes': low.compile().memory_analysis().temp_size_in_bytes,
-        'stash_bytes': lowered.num_stash_slots * nbytes(stash),
-        'mailbox_bytes': (lowered.num_mailbox_slots + 1) * nbytes(x),
+        'stash_bytes': table.num_stash_slots * nbytes(stash),
+        'mailbox_bytes': (table.num_mailbox_slots + 1) * nbytes(x),
         'message_bytes': collective_bytes(low.as_text(dialect='hlo'))[
             'collective-permute']})
   for row in rows:

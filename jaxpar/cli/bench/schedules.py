@@ -124,7 +124,7 @@ def _v_memory(quick: bool) -> list[dict]:
             sched.v_min(p, m)):
     def body(w, head, x, t, low=tick_table(s)):
       loss, g = pipeline_value_and_grad_local(_stage, _loss, jax.tree.map(
-          lambda a: a[0], w), head, x, t, lowered=low)
+          lambda a: a[0], w), head, x, t, table=low)
       return loss, jax.tree.map(lambda a: a[None], g.stages)
     step = jax.jit(jax.shard_map(
         body, mesh=mesh, in_specs=(P('stage'), P(), P(), P()),

@@ -112,12 +112,12 @@ def check_axis(axis: str, schedule: Schedule) -> None:
         'ranks.')
 
 
-def check_lowered(lowered: Any) -> TickTable:
-  if not isinstance(lowered, TickTable):
-    raise TypeError(f'lowered must be a TickTable from '
+def check_table(table: Any) -> TickTable:
+  if not isinstance(table, TickTable):
+    raise TypeError(f'table must be a TickTable from '
                     f'jaxpar.pipeline.tick_table(schedule), got '
-                    f'{type(lowered).__name__}.')
-  return lowered
+                    f'{type(table).__name__}.')
+  return table
 
 
 def check_fill(bubble_fill: Any) -> float:

@@ -1,4 +1,4 @@
-"""The pipeline executor: any lowered ``Schedule`` as one SPMD program.
+"""The pipeline executor: any ``Schedule``'s tick table as one SPMD program.
 
 ``pipeline_value_and_grad`` computes the loss and
 gradients of a pipelined model, ``pipeline_apply`` its forward pass. Both
@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import vma
 from jaxpar.pipeline.executor import _tick_scan
 from jaxpar.pipeline.executor._checks import (
-    check_axis, check_fill, check_float, check_fn, check_leading, check_loss_fn, check_lowered, check_offset, check_schedule, check_stage_fn)
+    check_axis, check_fill, check_float, check_fn, check_leading, check_loss_fn, check_table, check_offset, check_schedule, check_stage_fn)
 from jaxpar.pipeline.executor._microbatches import microbatched, with_key
 from jaxpar.pipeline.executor._placement import ranks_to_stages, stages_to_ranks
 from jaxpar.pipeline.executor._stage_vjp import stash_policy
@@ -71,7 +71,7 @@ class PipelineGrads(NamedTuple):
 def pipeline_value_and_grad_local(
     stage_fn: StageFn, loss_fn: LossFn, local_params: PyTree,
     loss_params: PyTree, inputs: jax.Array, targets: PyTree, *,
-    lowered: TickTable, axis: str = 'stage',
+    table: TickTable, axis: str = 'stage',
     bubble_fill: float = 0.0, key: jax.Array | None = None,
     microbatch_offset: Any = 0, has_aux: bool = False,
     compute_dtype: Any = None, embed_fn: Callable[..., jax.Array] | None = None,
@@ -99,7 +99,7 @@ def pipeline_value_and_grad_local(
     inputs: ``[batch, ...]`` (this shard's batch, the same on every rank of
       ``axis``), split into ``m`` microbatches.
     targets: pytree of ``[batch, ...]`` leaves.
-    lowered: ``tick_table(schedule)``.
+    table: ``tick_table(schedule)``.
     axis: the pipeline axis, of size ``schedule.num_ranks``.
     bubble_fill: value of unwritten buffer slots and of whatever idle ranks
       send; ``float('nan')`` checks that bubbles never reach the results.
@@ -151,7 +151,7 @@ def pipeline_value_and_grad_local(
     >>> low = jaxpar.pipeline.tick_table(jaxpar.pipeline.one_f_one_b(4, 8))
     >>> def body(w, scale, x, t):   # one rank's view
     ...   loss, g = jaxpar.pipeline.pipeline_value_and_grad_local(
-    ...       stage_fn, loss_fn, w[0], scale, x, t, lowered=low)
+    ...       stage_fn, loss_fn, w[0], scale, x, t, table=low)
     ...   return loss, g.stages[None]
     >>> step = jax.jit(jax.shard_map(
     ...     body, mesh=jaxpar.make_mesh(stage=4, data=2), axis_names={'stage'},
@@ -161,15 +161,15 @@ def pipeline_value_and_grad_local(
     >>> dw.shape
     (4, 1, 16, 16)
   """
-  lowered = check_lowered(lowered)
+  table = check_table(table)
   check_fn(stage_fn, 'stage_fn')
   check_fn(loss_fn, 'loss_fn')
-  if not lowered.training:
-    raise ValueError(f'lowered, the tick table of schedule '
-                     f'{lowered.schedule.name!r}, has no backward actions '
+  if not table.training:
+    raise ValueError(f'table, the tick table of schedule '
+                     f'{table.schedule.name!r}, has no backward actions '
                      '(forward_only=True); use pipeline_apply_local, or pass '
                      'tick_table(schedule).')
-  schedule = lowered.schedule
+  schedule = table.schedule
   check_axis(axis, schedule)
   embedding = embed_fn is not None
   if embedding:
@@ -211,7 +211,7 @@ def pipeline_value_and_grad_local(
   check_loss_fn(loss_fn, loss_params, x, jax.tree.map(lambda t: t[0], ts),
                 key, has_aux)
   res = _tick_scan.run(
-      stage_fn, loss_fn, lowered, local_params, loss_params, xs, ts,
+      stage_fn, loss_fn, table, local_params, loss_params, xs, ts,
       axis=axis, bubble_fill=check_fill(bubble_fill),
       key=key, offset=microbatch_offset, has_aux=has_aux, embed_fn=embed_fn,
       embed_params=embed_params, embed_key=embed_key, remat_policy=remat_policy)
@@ -226,31 +226,31 @@ def pipeline_value_and_grad_local(
 
 def pipeline_apply_local(
     stage_fn: StageFn, local_params: PyTree, inputs: jax.Array, *,
-    lowered: TickTable, axis: str = 'stage',
+    table: TickTable, axis: str = 'stage',
     bubble_fill: float = 0.0) -> jax.Array:
   """One rank's share of ``pipeline_apply``; call it inside ``jax.shard_map``.
 
-  Args are those of ``pipeline_value_and_grad_local``; ``lowered`` must be
+  Args are those of ``pipeline_value_and_grad_local``; ``table`` must be
   forward-only (``tick_table(schedule, forward_only=True)``).
 
   Returns:
     ``[batch, ...]``, the last stage's outputs, reduced over ``axis``.
   """
-  lowered = check_lowered(lowered)
+  table = check_table(table)
   check_fn(stage_fn, 'stage_fn')
-  if lowered.training:
-    raise ValueError(f'lowered, the tick table of schedule '
-                     f'{lowered.schedule.name!r}, has backward actions; pass '
+  if table.training:
+    raise ValueError(f'table, the tick table of schedule '
+                     f'{table.schedule.name!r}, has backward actions; pass '
                      'tick_table(schedule, forward_only=True) to '
                      'pipeline_apply_local.')
-  schedule = lowered.schedule
+  schedule = table.schedule
   check_axis(axis, schedule)
   check_leading(local_params, schedule.num_stages // schedule.num_ranks,
                 'local_params', 'num_stages // num_ranks')
   stage_fn = vma.lift(stage_fn, axes=(axis,))
   xs, _ = microbatched(inputs, (), schedule.num_microbatches)
   check_stage_fn(stage_fn, local_params, jax.typeof(xs[0]))
-  out = _tick_scan.run(stage_fn, None, lowered, local_params, (), xs, (),
+  out = _tick_scan.run(stage_fn, None, table, local_params, (), xs, (),
                        axis=axis,
                        bubble_fill=check_fill(bubble_fill))
   return out.reshape(np.shape(inputs))
@@ -361,7 +361,7 @@ def pipeline_value_and_grad(
   check_fn(stage_fn, 'stage_fn')
   check_fn(loss_fn, 'loss_fn')
   check_schedule(schedule, mesh, axis)
-  lowered = tick_table(schedule)
+  table = tick_table(schedule)
   bubble_fill = check_fill(bubble_fill)
   check_compute_dtype(compute_dtype)
   stash_policy(remat_policy)
@@ -369,7 +369,7 @@ def pipeline_value_and_grad(
   def local(params, loss_params, inputs, targets, key):
     out, grads = pipeline_value_and_grad_local(
         stage_fn, loss_fn, jax.tree.map(lambda a: a[0], params), loss_params,
-        inputs, targets, lowered=lowered, axis=axis,
+        inputs, targets, table=table, axis=axis,
         bubble_fill=bubble_fill, key=key, has_aux=has_aux,
         compute_dtype=compute_dtype, remat_policy=remat_policy)
     return out, grads._replace(
@@ -404,11 +404,11 @@ def _apply(stage_fn, stage_params, inputs, *, schedule, mesh, axis,
            bubble_fill):
   bubble_fill = float(bubble_fill)  # passed as a str: nan == nan for the cache
   check_schedule(schedule, mesh, axis)
-  lowered = tick_table(schedule, forward_only=True)
+  table = tick_table(schedule, forward_only=True)
   check_leading(stage_params, schedule.num_stages, 'stage_params',
                 'schedule.num_stages')
   local = lambda params, x: pipeline_apply_local(
-      stage_fn, jax.tree.map(lambda a: a[0], params), x, lowered=lowered,
+      stage_fn, jax.tree.map(lambda a: a[0], params), x, table=table,
       axis=axis, bubble_fill=bubble_fill)
   params = stages_to_ranks(stage_params, schedule,
                            out_sharding=NamedSharding(mesh, P(axis)))

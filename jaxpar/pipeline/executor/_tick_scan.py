@@ -223,7 +223,7 @@ class Result(NamedTuple):
 # ------------------------------------------------------------ the tick table
 
 
-def blocks(lowered: TickTable, *, loss: bool, embed: bool
+def blocks(table: TickTable, *, loss: bool, embed: bool
            ) -> tuple[np.ndarray, tuple[tuple[int, bool, bool], ...]]:
   """The block each rank runs at each tick, as a code into a list of kinds.
 
@@ -235,9 +235,9 @@ def blocks(lowered: TickTable, *, loss: bool, embed: bool
     ``(code, kinds)``: int32 ``[T, p]`` (``-1`` idle) and the blocks present,
     ``kinds[code]``, in a fixed order.
   """
-  kind, stage = lowered.kind, lowered.stage
+  kind, stage = table.kind, table.stage
   first = embed & (stage == 0) & ((kind == F) | (kind == W))
-  last = loss & (stage == lowered.schedule.num_stages - 1) & (kind == F)
+  last = loss & (stage == table.schedule.num_stages - 1) & (kind == F)
   keys = np.stack([kind, first, last], -1)
   present = sorted({tuple(int(v) for v in k) for k in keys.reshape(-1, 3)
                     if k[0]})
@@ -247,7 +247,7 @@ def blocks(lowered: TickTable, *, loss: bool, embed: bool
   return code, tuple((k, bool(f), bool(l)) for k, f, l in present)
 
 
-def messages(lowered: TickTable, edge: bool
+def messages(table: TickTable, edge: bool
              ) -> tuple[np.ndarray, tuple[tuple[bool, ...], ...]]:
   """What is communicated at each tick, the same on every rank.
 
@@ -258,10 +258,10 @@ def messages(lowered: TickTable, edge: bool
   Returns:
     ``(code, patterns)``: int32 ``[T]`` and the distinct patterns.
   """
-  remote = [k for k, o in enumerate(lowered.offsets) if o]
-  flags = (lowered.recv_slot[:, :, remote] >= 0).any(1)
+  remote = [k for k, o in enumerate(table.offsets) if o]
+  flags = (table.recv_slot[:, :, remote] >= 0).any(1)
   if edge:
-    summed = (edge_rows(lowered)[1] < lowered.schedule.num_microbatches
+    summed = (edge_rows(table)[1] < table.schedule.num_microbatches
               ).any(1)
     flags = np.concatenate([flags, summed[:, None]], 1)
   patterns = sorted({tuple(bool(f) for f in row) for row in flags})
@@ -270,7 +270,7 @@ def messages(lowered: TickTable, edge: bool
   return code, tuple(patterns)
 
 
-def edge_rows(lowered: TickTable) -> tuple[np.ndarray, np.ndarray]:
+def edge_rows(table: TickTable) -> tuple[np.ndarray, np.ndarray]:
   """When each row of the batch-sized result is done, and when it is summed.
 
   A row (stage 0's input cotangent of a microbatch when training, else the
@@ -285,11 +285,11 @@ def edge_rows(lowered: TickTable) -> tuple[np.ndarray, np.ndarray]:
     ``[T, K]``, the result row each slot holds when tick ``t`` sums them
     (``m``: none).
   """
-  train = lowered.training
-  kind, stage = (I, 0) if train else (F, lowered.schedule.num_stages - 1)
-  at = (lowered.kind == kind) & (lowered.stage == stage)
-  done = np.where(at.any(1), np.where(at, lowered.microbatch, -1).max(1), -1)
-  k, m = lowered.schedule.num_ranks, lowered.schedule.num_microbatches
+  train = table.training
+  kind, stage = (I, 0) if train else (F, table.schedule.num_stages - 1)
+  at = (table.kind == kind) & (table.stage == stage)
+  done = np.where(at.any(1), np.where(at, table.microbatch, -1).max(1), -1)
+  k, m = table.schedule.num_ranks, table.schedule.num_microbatches
   slot = np.full(done.shape, k, np.int32)
   rows = np.full(done.shape + (k,), m, np.int32)
   ticks = np.flatnonzero(done >= 0)
@@ -304,7 +304,7 @@ def edge_rows(lowered: TickTable) -> tuple[np.ndarray, np.ndarray]:
 # ------------------------------------------------------------ the scan
 
 
-def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: TickTable,
+def run(stage_fn: StageFn, loss_fn: LossFn | None, table: TickTable,
         local_params: PyTree, loss_params: PyTree, inputs: PyTree,
         targets: PyTree, *, axis: str, bubble_fill: float,
         key: jax.Array | None = None, offset: Any = 0,
@@ -326,7 +326,7 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: TickTable,
     last stage's outputs ``[m, mb, ...]``. Everything but
     ``Result.stages`` is reduced over ``axis``.
   """
-  schedule = lowered.schedule
+  schedule = table.schedule
   if schedule.num_ranks == 1:
     return sequential(
         stage_fn, loss_fn, schedule, local_params, loss_params, inputs,
@@ -350,23 +350,23 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, lowered: TickTable,
       num_microbatches=schedule.num_microbatches,
       num_stages=schedule.num_stages)
   avals = _avals(rank, axis)
-  plan, rows = _plan(lowered, axis, bubble_fill, training,
+  plan, rows = _plan(table, axis, bubble_fill, training,
                      embedding=embed_fn is not None)
   carry, _ = jax.lax.scan(functools.partial(_tick, rank, avals, plan),
                           _init_carry(rank, avals, plan), rows)
   return _result(plan, carry)
 
 
-def _plan(lowered: TickTable, axis: str, bubble_fill: float, training: bool,
+def _plan(table: TickTable, axis: str, bubble_fill: float, training: bool,
           *, embedding: bool) -> tuple[Plan, TickRow]:
   """The blocks and message patterns present, and the scan's rows."""
-  codes, kinds = blocks(lowered, loss=training, embed=embedding)
-  message, patterns = messages(lowered, not embedding)
-  pending_slot, summed_rows = edge_rows(lowered)
-  ranks = Action(lowered.kind, codes, lowered.stage, lowered.microbatch,
-                 lowered.local_stage, lowered.read_slot, lowered.stash_slot,
-                 lowered.weight_slot, lowered.recv_slot)
-  plan = Plan(lowered, kinds, patterns, axis, bubble_fill, training,
+  codes, kinds = blocks(table, loss=training, embed=embedding)
+  message, patterns = messages(table, not embedding)
+  pending_slot, summed_rows = edge_rows(table)
+  ranks = Action(table.kind, codes, table.stage, table.microbatch,
+                 table.local_stage, table.read_slot, table.stash_slot,
+                 table.weight_slot, table.recv_slot)
+  plan = Plan(table, kinds, patterns, axis, bubble_fill, training,
               embedding)
   return plan, TickRow(ranks, message, pending_slot, summed_rows)
 
@@ -572,10 +572,10 @@ def _weight_grad(rank: Rank, avals: Avals, first: bool, action: Action,
                                                            embed=embed))
 
 
-def _offsets(lowered: TickTable) -> tuple[list[int], list[int]]:
-  """Indices into ``lowered.offsets``: ``(local, remote)``, zero or not."""
-  return ([k for k, o in enumerate(lowered.offsets) if not o],
-          [k for k, o in enumerate(lowered.offsets) if o])
+def _offsets(table: TickTable) -> tuple[list[int], list[int]]:
+  """Indices into ``table.offsets``: ``(local, remote)``, zero or not."""
+  return ([k for k, o in enumerate(table.offsets) if not o],
+          [k for k, o in enumerate(table.offsets) if o])
 
 
 def _deliver(mailbox: PyTree, recv_slot: jax.Array, offsets: list[int],
