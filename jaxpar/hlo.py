@@ -30,6 +30,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+__all__ = ['KINDS', 'Collective', 'collective_bytes', 'collective_counts',
+           'collectives']
+
 KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'collective-permute',
          'all-to-all')
 

@@ -14,6 +14,8 @@ from jax.sharding import AxisType, Mesh
 from jaxpar import _compat
 from jaxpar._validate import check_int
 
+__all__ = ['AXES', 'axis_size', 'make_mesh', 'simulate_cpu_devices']
+
 AXES = ('data', 'stage', 'tensor')
 
 

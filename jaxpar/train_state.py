@@ -40,6 +40,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar._validate import check_int
 
+__all__ = [
+    'POLICIES', 'SkipCount', 'StepStats', 'TooManySkippedError', 'TrainState',
+    'Trainer', 'apply_gradients', 'cast_params', 'check_remat_policy',
+    'count_skipped', 'global_norm', 'sharded_update',
+]
+
 PyTree = Any
 
 

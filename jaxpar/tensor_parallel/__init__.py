@@ -48,8 +48,6 @@ from jaxpar.tensor_parallel._layers import parallel_mlp as parallel_mlp
 from jaxpar.tensor_parallel._layers import (
     row_parallel_linear as row_parallel_linear)
 from jaxpar.tensor_parallel._rules import RuleMatch as RuleMatch
-from jaxpar.tensor_parallel._rules import check_axis_used as check_axis_used
-from jaxpar.tensor_parallel._rules import check_divisible as check_divisible
 from jaxpar.tensor_parallel._rules import match_rules as match_rules
 from jaxpar.tensor_parallel._rules import param_specs as param_specs
 from jaxpar.tensor_parallel._rules import shard_params as shard_params
@@ -66,9 +64,13 @@ from jaxpar.tensor_parallel._vocab import (
 from jaxpar.tensor_parallel._vocab import (
     vocab_parallel_embed as vocab_parallel_embed)
 
+# jaxpar-internal (the 3D trainer's checks of a split; not in __all__):
+from jaxpar.tensor_parallel._rules import check_axis_used as check_axis_used
+from jaxpar.tensor_parallel._rules import check_divisible as check_divisible
+
 __all__ = [
     'ColumnParallelLinear', 'ParallelMLP', 'ParallelSelfAttention',
-    'RowParallelLinear', 'RuleMatch', 'check_axis_used', 'check_divisible',
+    'RowParallelLinear', 'RuleMatch',
     'column_parallel_linear', 'dot_product_attention', 'dropout',
     'layer_norm', 'match_rules', 'param_specs', 'parallel_mlp',
     'parallel_self_attention',
