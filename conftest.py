@@ -1,8 +1,9 @@
 """pytest setup for the tests and the doctests of every jaxpar module.
 
 Eight simulated CPU devices, fixed before JAX starts (this file is imported
-before any test or jaxpar module), and the names every ``>>>`` example may
-use without importing them: ``jax, jnp, np, jaxpar, P, optax, nnx``.
+before any test or jaxpar module). Nothing else is given to the ``>>>``
+examples: each imports what it uses and runs pasted into a fresh Python
+after ``jaxpar.simulate_cpu_devices(8)``; each runs in a fresh directory.
 
 One persistent compilation cache per run (``pytest_configure``), shared by
 the test workers and every process they start (CLI runs, ``launch``ed
@@ -19,7 +20,7 @@ XLA's CPU backend compiles with LLVM at optimisation level 0
 the user set is kept): the test programs are tiny, compiling them is most of
 the suite's CPU time, and level 0 cuts a fifth of it in the compile-heavy
 files (issue 25, user+sys: test_zero 60.8 -> 48.0 s, test_tensor_parallel
-58.7 -> 46.5 s, test_ordinary_jax 59.6 -> 49.5 s). The flag acts after
+58.7 -> 46.5 s, test_vma 59.6 -> 49.5 s). The flag acts after
 XLA's HLO passes, so what the tests measure in HLO is unchanged:
 ``memory_analysis()`` and the collective counts and bytes of the ZeRO,
 pipeline and tensor-parallel steps are identical at both levels. Processes
@@ -39,14 +40,7 @@ import jax  # noqa: E402
 jax.config.update('jax_num_cpu_devices', 8)
 jax.config.update('jax_platforms', 'cpu')
 
-from flax import nnx  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
 import pytest  # noqa: E402
-
-import jaxpar  # noqa: E402
 
 if jax.device_count() < 8:
   raise RuntimeError(
@@ -55,12 +49,10 @@ if jax.device_count() < 8:
 
 
 @pytest.fixture(autouse=True)
-def _doctest_names(request, doctest_namespace):
-  """Doctests get the names, and run in a fresh directory: examples that
-  write files (``to_csv('1f1b.csv')``, ``savefig``) leave the tree clean."""
+def _doctest_directory(request):
+  """Doctests run in a fresh directory: examples that write files
+  (``to_csv('1f1b.csv')``, ``savefig``) leave the tree clean."""
   if isinstance(request.node, pytest.DoctestItem):
-    doctest_namespace.update(jax=jax, jnp=jnp, np=np, jaxpar=jaxpar, P=P,
-                             optax=optax, nnx=nnx)
     request.getfixturevalue('monkeypatch').chdir(
         request.getfixturevalue('tmp_path'))
 

@@ -2,13 +2,17 @@
 
 ``python -m launch_probe env DIR`` writes the ``JAXPAR_*`` variables it got to
 ``DIR/<JAXPAR_PROCESS_ID>.json``; ``fail RANK``: process ``RANK`` exits with
-``FAIL_CODE`` at once, the others sleep; ``sleep``: all sleep.
+``FAIL_CODE`` at once, the others sleep; ``sleep``: all sleep; ``stubborn
+DIR``: all write their pid to ``DIR/<JAXPAR_PROCESS_ID>.pid``, print a line
+and sleep, ignoring SIGTERM as a JAX worker of a ``jax.distributed`` job does
+(its preemption notifier takes the signal), so only SIGKILL stops them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -25,6 +29,13 @@ def main(argv: list[str]) -> int:
     return 0
   if mode == 'fail' and rank == argv[1]:
     return FAIL_CODE
+  if mode == 'stubborn':
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(f'probe {rank} ignores SIGTERM', flush=True)
+    with open(os.path.join(argv[1], f'{rank}.pid.tmp'), 'w') as f:
+      f.write(str(os.getpid()))
+    os.replace(os.path.join(argv[1], f'{rank}.pid.tmp'),
+               os.path.join(argv[1], f'{rank}.pid'))
   time.sleep(SLEEP_S)
   return 0
 

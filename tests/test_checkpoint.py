@@ -3,7 +3,6 @@ mesh."""
 
 import functools
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,19 +15,6 @@ from jax.sharding import PartitionSpec as P
 import jaxpar
 from jaxpar import checkpoint
 from jaxpar.models import gpt
-
-
-def assert_round_trip(path, state, like, *, schedule=None):
-  """Saves ``state`` and restores it onto ``like``'s shardings: bit-identical,
-  every leaf on ``state``'s sharding. Returns the restored state."""
-  checkpoint.save(path, state, schedule=schedule)
-  restored = checkpoint.restore(path, like, schedule=schedule)
-  chex.assert_trees_all_equal(restored, state)
-  assert all(jax.tree.leaves(jax.tree.map(
-      lambda a, b: a.sharding.is_equivalent_to(b.sharding, a.ndim), restored,
-      state)))
-  return restored
-
 
 OPT = optax.adam(0.05)
 # A 4-layer GPT: 4 pipeline stages as interleaved 1F1B (2 ranks x 2) or 1F1B
@@ -251,32 +237,3 @@ def test_save_errors(tmp_path, args, error, match):
   with pytest.raises(error, match=match):
     checkpoint.save(kwargs.pop('directory'), kwargs.pop('state'), **kwargs)
   assert not (tmp_path / 'c').exists()
-
-
-def test_stage_placements_move_whole_trees_and_keep_shards():
-  """``stages_like`` / ``stages_in_model_order`` (what checkpoints and
-  ``Trainer.params`` use) equal the executor's per-leaf moves, keep the
-  shards of global arrays, and refuse leaves of the wrong placement."""
-  schedule = jaxpar.pipeline.zero_bubble_v(2, 2)
-  mesh = jaxpar.make_mesh(stage=2, tensor=4)
-  model = {'w': np.arange(4 * 8 * 4, dtype=np.float32).reshape(4, 8, 4),
-           'b': np.arange(4, dtype=np.float32)}
-  ranks = jaxpar.pipeline.stages_to_ranks(model, schedule)
-  like = {'w': jax.device_put(ranks['w'], NamedSharding(
-              mesh, P('stage', None, None, 'tensor'))),
-          'b': jax.device_put(ranks['b'], NamedSharding(mesh, P('stage')))}
-  placed = jaxpar.parallel.stages_like(model, like, schedule)
-  for k in model:
-    np.testing.assert_array_equal(placed[k], ranks[k])
-    assert placed[k].sharding.is_equivalent_to(like[k].sharding, placed[k].ndim)
-  back = jaxpar.parallel.stages_in_model_order(placed, schedule)
-  for k in model:
-    np.testing.assert_array_equal(back[k], model[k])
-  assert back['w'].sharding.spec == P('stage', None, 'tensor')
-  with pytest.raises(ValueError, match=r"stages\['w'\] has shape \(4, 8, 4\)"
-                     r".*\(num_ranks, num_stages // num_ranks\) = \(2, 2\)"):
-    jaxpar.parallel.stages_in_model_order(model, schedule)
-  with pytest.raises(ValueError, match='schedule.num_stages=4'):
-    jaxpar.parallel.stages_like(ranks, like, schedule)
-  with pytest.raises(TypeError, match='must be a jaxpar.pipeline.Schedule'):
-    jaxpar.parallel.stages_in_model_order(placed, 'zero_bubble_v')

@@ -1,6 +1,8 @@
-"""The command line: the demo learns, any mesh gives the same losses, bad flags
-fail in one line with exit code 2, runs of non-finite steps stop with exit
-code 3, damaged checkpoints are refused with exit code 4.
+"""The command line (jaxpar.cli): the parser's commands, help and errors; the
+demo learns, any mesh gives the same losses, bad flags fail in one line with
+exit code 2, runs of non-finite steps stop with exit code 3, damaged
+checkpoints are refused with exit code 4; the demo's held-out loss is the
+dense model's.
 
 ``python -m jaxpar`` runs as a process where the process is the point (the
 default demo end to end, ``launch``, an exit code with nothing else on
@@ -16,11 +18,14 @@ import sys
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import jaxpar
 from jaxpar import __main__ as cli
-from jaxpar.cli import demo
+from jaxpar.cli import demo, text_data
+from jaxpar.models import gpt
+from helpers import random_gpt_params
 
 
 def jaxpar_cli(*args, timeout=600):
@@ -263,7 +268,7 @@ def test_text_run_evaluates_samples_and_resumes_bit_exactly(tmp_path, capfd):
   assert straight['sample'].startswith('The ')
   speed = straight['throughput']
   # 6N + 12LdS, L=2, d=16, S=16, V=256: N = 2 * 3280 (blocks) + 32 (final
-  # LayerNorm) + 4352 (LM head) = 10944 (tests/test_text_data.py: by hand).
+  # LayerNorm) + 4352 (LM head) = 10944 (tests/test_models.py: by hand).
   assert speed["flops_per_token"] == 6 * 10944 + 12 * 2 * 16 * 16
   assert speed['flop_per_s'] == speed['tokens_per_s'] * speed['flops_per_token']
   # The one-device contrast (--baseline): the default demo's test.
@@ -321,3 +326,58 @@ def test_bad_text_flags_exit_2_in_one_line(capsys, args, message):
   assert exit_.value.code == 2
   err = capsys.readouterr().err
   assert err.count('\n') == 1 and message in err, err
+
+
+# -- python -m jaxpar: the command parser, in this process -----------------
+
+
+def test_help_lists_every_command(capfd):
+  code, out, _ = run_cli(capfd, '--help')
+  assert code == 0
+  for command in ('demo', 'bench', 'launch'):
+    assert command in out
+  code, out, _ = run_cli(capfd)
+  assert code == 2 and 'usage: python -m jaxpar' in out
+
+
+@pytest.mark.parametrize('command', ['demo', 'bench', 'launch'])
+def test_command_help_is_the_commands_own(capfd, command):
+  code, out, _ = run_cli(capfd, command, '--help')
+  assert code == 0
+  assert f'usage: python -m jaxpar {command}' in out
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['nonsense'], "invalid choice: 'nonsense'"),
+    (['launch', '-n', '2'], 'give the command after --'),
+    (['launch', '-n', '0', '--', 'demo'], '-n must be >= 1, got 0'),
+    (['launch', '--', 'demo'], 'the following arguments are required: '
+     '-n/--num-processes'),
+])
+def test_errors_exit_2_with_the_rule(capfd, argv, message):
+  code, _, err = run_cli(capfd, *argv)
+  assert code == 2
+  assert message in err, err
+
+
+# -- the demo's evaluation ---------------------------------------------------
+
+
+def test_held_out_loss_on_the_mesh_is_the_dense_loss(x64):
+  """The demo's evaluation: the dense loss of the sharded params (ZeRO-3,
+  interleaved stages on 2x2x2) equals gpt_loss on one device, float64."""
+  config = gpt.GPTConfig(vocab_size=256, seq_len=8, d_model=16, num_heads=2,
+                         num_layers=4)
+  params = random_gpt_params(config, np.float64)
+  pp, layout = gpt.split_for_pipeline(params, num_stages=4)
+  trainer = jaxpar.parallel.trainer(
+      gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.adam(1e-3),
+      schedule=jaxpar.pipeline.interleaved_one_f_one_b(2, 2, 2),
+      mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
+      stage_mask=layout.mask, zero_stage=3, tensor_rules=gpt.TENSOR_RULES)
+  text = text_data.split(np.frombuffer(open(__file__, 'rb').read(), np.uint8))
+  evaluate = demo.held_out_loss(trainer, layout, config, text, batch=8)
+  held = text_data.held_out_batch(text.held_out, batch=8, seq_len=8)
+  np.testing.assert_allclose(evaluate(trainer.init(pp)),
+                             gpt.gpt_loss(params, held, config=config),
+                             rtol=1e-10)

@@ -10,69 +10,20 @@ import optax
 import pytest
 
 import jaxpar
-
-D_IN, D_HID, D_OUT = 5, 7, 3
-
-
-def init_params(seed=0, dtype=jnp.float32):
-  """NumPy arrays: placed on a mesh without compiling a slicing program."""
-  rng = np.random.default_rng(seed)
-  return {
-      'hidden': {'w': rng.standard_normal((D_IN, D_HID)).astype(dtype),
-                 'b': np.zeros(D_HID, dtype)},
-      'out': {'w': rng.standard_normal((D_HID, D_OUT)).astype(dtype) / 3,
-              'b': np.full(D_OUT, 0.1, dtype)},
-  }
-
-
-def loss_fn(params, batch):
-  h = jnp.tanh(batch['x'] @ params['hidden']['w'] + params['hidden']['b'])
-  y = h @ params['out']['w'] + params['out']['b']
-  return optax.losses.squared_error(y, batch['y']).mean()
+from helpers import (D_HID, D_IN, assert_same_history, make_batches, mlp_loss,
+                     mlp_params, reference_run)
 
 
 def loss_with_aux(params, batch):
-  loss = loss_fn(params, batch)
+  loss = mlp_loss(params, batch)
   return loss, {'loss_x2': 2.0 * loss}
-
-
-def make_batches(num_steps, batch_size, seed=1, dtype=np.float32):
-  rng = np.random.default_rng(seed)
-  return [{'x': rng.normal(size=(batch_size, D_IN)).astype(dtype),
-           'y': rng.normal(size=(batch_size, D_OUT)).astype(dtype)}
-          for _ in range(num_steps)]
-
-
-def reference_run(params, batches, optimizer, max_grad_norm=None, *,
-                  loss_of=loss_fn, with_step=False):
-  """Plain single-device optax training: the ground truth. Its step is
-  jitted (one compile, instead of one per operation and leaf shape).
-  ``with_step``: ``loss_of(params, batch, step)``, ``step`` the number of
-  updates so far."""
-  if max_grad_norm is not None:
-    optimizer = optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)
-
-  @jax.jit
-  def step(params, opt_state, batch, i):
-    args = (i,) if with_step else ()
-    loss, grads = jax.value_and_grad(loss_of)(params, batch, *args)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state, loss,
-            optax.tree.norm(grads))
-
-  opt_state = jax.jit(optimizer.init)(params)
-  history = []
-  for i, batch in enumerate(batches):
-    params, opt_state, loss, norm = step(params, opt_state, batch, i)
-    history.append((loss, norm, params))
-  return history
 
 
 @functools.cache
 def adam_reference(max_grad_norm):
   """The float64 reference of ``test_matches_single_device_float64`` (call
   it under x64): computed once per ``max_grad_norm``."""
-  return reference_run(init_params(dtype=jnp.float64),
+  return reference_run(mlp_params(dtype=jnp.float64),
                        make_batches(4, 32, dtype=np.float64), optax.adam(0.05),
                        max_grad_norm)
 
@@ -87,13 +38,6 @@ def parallel_run(step, params, batches, optimizer):
   return state, history
 
 
-def assert_same_history(got, want, rtol):
-  for (loss, norm, params), (ref_loss, ref_norm, ref_params) in zip(got, want):
-    np.testing.assert_allclose(loss, ref_loss, rtol=rtol)
-    np.testing.assert_allclose(norm, ref_norm, rtol=rtol)
-    chex.assert_trees_all_close(params, ref_params, rtol=rtol, atol=rtol)
-
-
 # Every pair of options together (4 runs, not all 8 triples: each is a
 # program to compile); shard_map with clipping and 2 microbatches also in
 # test_any_mesh_shape_float64 and in test_zero.py, on other meshes.
@@ -102,11 +46,11 @@ def assert_same_history(got, want, rtol):
     ('pmap', 2, None)])
 def test_matches_single_device_float64(x64, backend, num_microbatches,
                                        max_grad_norm):
-  params = init_params(dtype=jnp.float64)
+  params = mlp_params(dtype=jnp.float64)
   batches = make_batches(4, 32, dtype=np.float64)
   optimizer = optax.adam(0.05)
   step = jaxpar.data_parallel.trainer(
-      loss_fn, optimizer, mesh=jaxpar.make_mesh(data=8), backend=backend,
+      mlp_loss, optimizer, mesh=jaxpar.make_mesh(data=8), backend=backend,
       num_microbatches=num_microbatches, max_grad_norm=max_grad_norm).step
   state, got = parallel_run(step, params, batches, optimizer)
   assert_same_history(got, adam_reference(max_grad_norm), rtol=1e-10)
@@ -120,10 +64,10 @@ def test_matches_single_device_float64(x64, backend, num_microbatches,
 def test_any_mesh_shape_float64(x64, sizes):
   n = sizes.get('data', 1) * sizes.get('stage', 1) * sizes.get('tensor', 1)
   mesh = jaxpar.make_mesh(**sizes, devices=jax.devices()[:n])
-  params = init_params(dtype=jnp.float64)
+  params = mlp_params(dtype=jnp.float64)
   batches = make_batches(3, 16, dtype=np.float64)
   optimizer = optax.sgd(0.1, momentum=0.9)
-  step = jaxpar.data_parallel.trainer(loss_fn, optimizer, mesh=mesh,
+  step = jaxpar.data_parallel.trainer(mlp_loss, optimizer, mesh=mesh,
                                    num_microbatches=2, max_grad_norm=0.5).step
   _, got = parallel_run(step, params, batches, optimizer)
   assert_same_history(got, reference_run(params, batches, optimizer, 0.5),
@@ -131,10 +75,10 @@ def test_any_mesh_shape_float64(x64, sizes):
 
 
 def test_matches_single_device_float32():
-  params = init_params()
+  params = mlp_params()
   batches = make_batches(3, 64)
   optimizer = optax.adamw(0.01)
-  step = jaxpar.data_parallel.trainer(loss_fn, optimizer,
+  step = jaxpar.data_parallel.trainer(mlp_loss, optimizer,
                                    mesh=jaxpar.make_mesh(data=8),
                                    num_microbatches=4, max_grad_norm=1.0).step
   _, got = parallel_run(step, params, batches, optimizer)
@@ -145,25 +89,25 @@ def test_matches_single_device_float32():
 @pytest.mark.parametrize('backend', ['shard_map', 'pmap'])
 def test_gradient_is_the_mean_not_n_times_it(x64, backend):
   """The shard_map pitfall: an implicit psum would make the step N x larger."""
-  params = init_params(dtype=jnp.float64)
+  params = mlp_params(dtype=jnp.float64)
   batch = make_batches(1, 16, dtype=np.float64)[0]
-  step = jaxpar.data_parallel.trainer(loss_fn, optax.sgd(1.0),
+  step = jaxpar.data_parallel.trainer(mlp_loss, optax.sgd(1.0),
                                    mesh=jaxpar.make_mesh(data=8),
                                    backend=backend).step
   state, _ = step(jaxpar.TrainState.create(params, optax.sgd(1.0)), batch)
-  grads = jax.grad(loss_fn)(params, batch)
+  grads = jax.grad(mlp_loss)(params, batch)
   applied = jax.tree.map(jnp.subtract, params, state.params)
   chex.assert_trees_all_close(applied, grads, rtol=1e-12)
 
 
 def test_aux_is_averaged(x64):
-  params = init_params(dtype=jnp.float64)
+  params = mlp_params(dtype=jnp.float64)
   batch = make_batches(1, 16, dtype=np.float64)[0]
   step = jaxpar.data_parallel.trainer(loss_with_aux, optax.sgd(0.1),
                                    mesh=jaxpar.make_mesh(data=8),
                                    has_aux=True, num_microbatches=2).step
   _, stats = step(jaxpar.TrainState.create(params, optax.sgd(0.1)), batch)
-  np.testing.assert_allclose(stats.aux['loss_x2'], 2 * loss_fn(params, batch),
+  np.testing.assert_allclose(stats.aux['loss_x2'], 2 * mlp_loss(params, batch),
                              rtol=1e-12)
 
 
@@ -172,12 +116,12 @@ def test_accepts_numpy_and_unplaced_arrays_and_compiles_once():
 
   def counted_loss(params, batch):
     traces.append(1)
-    return loss_fn(params, batch)
+    return mlp_loss(params, batch)
 
   optimizer = optax.sgd(0.1)
   step = jaxpar.data_parallel.trainer(counted_loss, optimizer,
                                    mesh=jaxpar.make_mesh(data=8)).step
-  state = jaxpar.TrainState.create(init_params(), optimizer)
+  state = jaxpar.TrainState.create(mlp_params(), optimizer)
   for i, batch in enumerate(make_batches(4, 16)):
     if i % 2:
       batch = jax.tree.map(jnp.asarray, batch)  # unplaced jax arrays
@@ -215,9 +159,9 @@ def test_microbatching_bounds_activation_memory():
 
 def test_non_finite_step_is_skipped():
   optimizer = optax.adam(0.1)
-  step = jaxpar.data_parallel.trainer(loss_fn, optimizer,
+  step = jaxpar.data_parallel.trainer(mlp_loss, optimizer,
                                    mesh=jaxpar.make_mesh(data=8)).step
-  state = jaxpar.TrainState.create(init_params(), optimizer)
+  state = jaxpar.TrainState.create(mlp_params(), optimizer)
   good, bad = make_batches(2, 16)
   bad['x'][3, 1] = np.nan
   new, stats = step(state, bad)
@@ -225,20 +169,37 @@ def test_non_finite_step_is_skipped():
   chex.assert_trees_all_equal(new, state)
   new, stats = step(new, good)
   assert not bool(stats.skipped) and int(new.step) == 1
-  want = reference_run(init_params(), [good], optimizer)[0][2]
+  want = reference_run(mlp_params(), [good], optimizer)[0][2]
   chex.assert_trees_all_close(new.params, want, rtol=1e-5, atol=1e-6)
 
 
 def test_infinite_gradient_is_skipped():
   def loss_inf_grad(params, batch):
-    return jnp.sqrt(jnp.abs(params['out']['b'][0] - 0.1)) + loss_fn(params, batch)
+    return jnp.sqrt(jnp.abs(params['out']['b'][0] - 0.1)) + mlp_loss(params, batch)
 
   step = jaxpar.data_parallel.trainer(loss_inf_grad, optax.sgd(0.1),
                                    mesh=jaxpar.make_mesh(data=8)).step
-  state = jaxpar.TrainState.create(init_params(), optax.sgd(0.1))
+  state = jaxpar.TrainState.create(mlp_params(), optax.sgd(0.1))
   new, stats = step(state, make_batches(1, 16)[0])
   assert np.isfinite(stats.loss) and bool(stats.skipped)
   chex.assert_trees_all_equal(new.params, state.params)
+
+
+@pytest.mark.parametrize('backend', ['shard_map', 'pmap'])
+def test_integer_param_leaf_is_named(backend):
+  """An int32 leaf in params: a TypeError naming its path and the fix, from
+  ``init`` and from ``step`` on a state built elsewhere, before any trace
+  (``jax.grad`` would fail naming no leaf)."""
+  params = dict(mlp_params(), counts={'seen': jnp.zeros(3, jnp.int32)})
+  trainer = jaxpar.data_parallel.trainer(
+      mlp_loss, optax.adam(0.1), mesh=jaxpar.make_mesh(data=8),
+      backend=backend)
+  match = r"params leaf 'counts/seen' has dtype int32.*astype.*in the batch"
+  with pytest.raises(TypeError, match=match):
+    trainer.init(params)
+  state = jaxpar.TrainState.create(params, optax.adam(0.1))
+  with pytest.raises(TypeError, match=match):
+    trainer.step(state, make_batches(1, 16)[0])
 
 
 # -- The options shared with the 3D trainer: key, compute_dtype, remat_policy
@@ -248,7 +209,7 @@ KEY = 42
 
 
 def dropout_loss(params, batch, key):
-  """``loss_fn`` with dropout on the hidden units: the key matters."""
+  """``mlp_loss`` with dropout on the hidden units: the key matters."""
   keep = jax.random.bernoulli(key, 0.7, (batch['x'].shape[0], D_HID))
   h = jnp.tanh(batch['x'] @ params['hidden']['w'] + params['hidden']['b'])
   y = (h * keep / 0.7) @ params['out']['w'] + params['out']['b']
@@ -273,7 +234,7 @@ def keyed_reference_loss(num_microbatches):
 @functools.cache
 def keyed_reference():
   """Float64, 8 microbatches in all (call it under x64)."""
-  return reference_run(init_params(dtype=jnp.float64),
+  return reference_run(mlp_params(dtype=jnp.float64),
                        make_batches(3, 32, dtype=np.float64), optax.adam(0.05),
                        loss_of=keyed_reference_loss(8), with_step=True)
 
@@ -289,7 +250,7 @@ def test_key_matches_single_device_float64(x64, backend, data,
       dropout_loss, optax.adam(0.05), backend=backend, zero_stage=zero_stage,
       mesh=jaxpar.make_mesh(data=data, devices=jax.devices()[:data]),
       num_microbatches=num_microbatches, key=jax.random.key(KEY))
-  state = trainer.init(init_params(dtype=jnp.float64))
+  state = trainer.init(mlp_params(dtype=jnp.float64))
   got = []
   for batch in make_batches(3, 32, dtype=np.float64):
     state, stats = trainer.step(state, batch)
@@ -300,7 +261,7 @@ def test_key_matches_single_device_float64(x64, backend, data,
 def test_key_is_folded_with_the_step_and_the_microbatch(x64):
   """The reference above is not a fixed point: other key handling (one
   key for every step or every microbatch) gives other losses."""
-  params = init_params(dtype=jnp.float64)
+  params = mlp_params(dtype=jnp.float64)
   batch = make_batches(1, 32, dtype=np.float64)[0]
   want = keyed_reference_loss(8)
   key = jax.random.key(KEY)
@@ -310,12 +271,12 @@ def test_key_is_folded_with_the_step_and_the_microbatch(x64):
 
 
 def bf16_reference(params, batch, num_microbatches=1):
-  """Loss and gradient of ``loss_fn`` on params cast to bfloat16, on one
+  """Loss and gradient of ``mlp_loss`` on params cast to bfloat16, on one
   device: the mean over ``num_microbatches`` consecutive slices of
   ``batch`` (each slice's gradient is rounded to bfloat16 by the cast's
   transpose, then they are averaged in float32, as the step does)."""
   def cast(p, mb):
-    return loss_fn(optax.tree.cast(p, jnp.bfloat16), mb).astype(jnp.float32)
+    return mlp_loss(optax.tree.cast(p, jnp.bfloat16), mb).astype(jnp.float32)
   mbs = jax.tree.map(lambda x: x.reshape(num_microbatches, -1, *x.shape[1:]),
                      batch)
   loss, grads = jax.vmap(jax.value_and_grad(cast), in_axes=(None, 0))(
@@ -329,10 +290,10 @@ def test_compute_dtype_casts_params_inside_the_loss(backend, zero_stage):
   """float32 batch: the maths is float32 on bfloat16-rounded params, so the
   step equals the one-device reference (16 microbatches: 8 devices x 2) to
   float32 rounding, and differs from the uncast loss's gradient."""
-  params = init_params()
+  params = mlp_params()
   batch = make_batches(1, 32)[0]
   trainer = jaxpar.data_parallel.trainer(
-      loss_fn, optax.sgd(1.0), mesh=jaxpar.make_mesh(data=8), backend=backend,
+      mlp_loss, optax.sgd(1.0), mesh=jaxpar.make_mesh(data=8), backend=backend,
       zero_stage=zero_stage, num_microbatches=2, compute_dtype=jnp.bfloat16)
   state = trainer.init(params)
   assert state.params['out']['w'].dtype == jnp.float32
@@ -341,7 +302,7 @@ def test_compute_dtype_casts_params_inside_the_loss(backend, zero_stage):
   applied = jax.tree.map(jnp.subtract, params, trainer.params(new))
   np.testing.assert_allclose(stats.loss, want_loss, rtol=1e-5)
   chex.assert_trees_all_close(applied, want_grads, rtol=1e-5, atol=1e-6)
-  plain = jax.grad(loss_fn)(params, batch)
+  plain = jax.grad(mlp_loss)(params, batch)
   assert max(jax.tree.leaves(jax.tree.map(
       lambda a, b: float(jnp.max(jnp.abs(a - b))), applied, plain))) > 1e-4
   assert stats.loss.dtype == jnp.float32
@@ -352,11 +313,11 @@ def test_compute_dtype_casts_params_inside_the_loss(backend, zero_stage):
 def test_compute_dtype_bfloat16_batch_loosely():
   """A bfloat16 batch: the loss runs in bfloat16 (each device, each
   microbatch), comes back float32, and follows the reference loosely."""
-  params = init_params()
+  params = mlp_params()
   batch = jax.tree.map(lambda x: x.astype(jnp.bfloat16),
                        make_batches(1, 32)[0])
   trainer = jaxpar.data_parallel.trainer(
-      loss_fn, optax.sgd(1.0), mesh=jaxpar.make_mesh(data=8),
+      mlp_loss, optax.sgd(1.0), mesh=jaxpar.make_mesh(data=8),
       num_microbatches=2, compute_dtype='bfloat16')
   new, stats = trainer.step(trainer.init(params), batch)
   want_loss, want_grads = bf16_reference(params, batch)
@@ -372,10 +333,10 @@ def test_compute_dtype_bfloat16_batch_loosely():
 def test_remat_policy_matches_single_device_float64(x64, remat_policy,
                                                     zero_stage):
   trainer = jaxpar.data_parallel.trainer(
-      loss_fn, optax.adam(0.05), mesh=jaxpar.make_mesh(data=8),
+      mlp_loss, optax.adam(0.05), mesh=jaxpar.make_mesh(data=8),
       num_microbatches=2, max_grad_norm=0.5, zero_stage=zero_stage,
       remat_policy=remat_policy)
-  state = trainer.init(init_params(dtype=jnp.float64))
+  state = trainer.init(mlp_params(dtype=jnp.float64))
   got = []
   for batch in make_batches(4, 32, dtype=np.float64):
     state, stats = trainer.step(state, batch)
@@ -392,12 +353,12 @@ def test_remat_policy_decides_what_the_backward_keeps(capsys):
 
   def saved(remat_policy):
     options = _trainer._check_options(
-        loss_fn, optax.sgd(0.1), mesh=jaxpar.make_mesh(data=8), axis='data',
+        mlp_loss, optax.sgd(0.1), mesh=jaxpar.make_mesh(data=8), axis='data',
         max_grad_norm=None, num_microbatches=1, zero_stage=0, has_aux=False,
         backend='shard_map', key=None, compute_dtype=None,
         remat_policy=remat_policy)
-    print_saved_residuals(_trainer._differentiated(loss_fn, options),
-                          init_params(), make_batches(1, 16)[0])
+    print_saved_residuals(_trainer._differentiated(mlp_loss, options),
+                          mlp_params(), make_batches(1, 16)[0])
     return capsys.readouterr().out
 
   assert 'f32[16,7]' in saved(None)
@@ -407,12 +368,12 @@ def test_remat_policy_decides_what_the_backward_keeps(capsys):
 class TestErrors:
   mesh = None
 
-  def step(self, fn=loss_fn, **kw):
+  def step(self, fn=mlp_loss, **kw):
     kw.setdefault('mesh', jaxpar.make_mesh(data=8))
     return jaxpar.data_parallel.trainer(fn, optax.sgd(0.1), **kw).step
 
   def state(self):
-    return jaxpar.TrainState.create(init_params(), optax.sgd(0.1))
+    return jaxpar.TrainState.create(mlp_params(), optax.sgd(0.1))
 
   def test_batch_not_divisible(self):
     step = self.step(num_microbatches=2)
@@ -439,7 +400,7 @@ class TestErrors:
 
   def test_not_an_optax_optimizer(self):
     with pytest.raises(TypeError, match='optax.GradientTransformation'):
-      jaxpar.data_parallel.trainer(loss_fn, lambda g: g,
+      jaxpar.data_parallel.trainer(mlp_loss, lambda g: g,
                                 mesh=jaxpar.make_mesh(data=8)).step
 
   def test_bad_options(self):
@@ -463,18 +424,3 @@ class TestErrors:
     with pytest.raises(TypeError, match=r'loss_fn\(params, batch, key\): '
                        'loss_fn must take the key as its last argument'):
       step(self.state(), make_batches(1, 16)[0])
-
-
-def test_make_mesh_errors_name_both_counts():
-  with pytest.raises(ValueError, match=r'needs 4 devices but jax.device_count\(\) '
-                     r'is 8.*devices=jax.devices\(\)\[:4\]'):
-    jaxpar.make_mesh(data=2, tensor=2)
-  mesh = jaxpar.make_mesh(data=2, stage=2, tensor=2)
-  assert mesh.axis_names == ('data', 'stage', 'tensor')
-  assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-
-
-def test_simulate_cpu_devices_after_start():
-  jaxpar.simulate_cpu_devices(8)  # same count: fine
-  with pytest.raises(RuntimeError, match='before any JAX operation'):
-    jaxpar.simulate_cpu_devices(4)

@@ -4,6 +4,8 @@ import functools
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import jax
@@ -17,6 +19,7 @@ import distributed_worker as worker
 import launch_probe
 import jaxpar
 from jaxpar import checkpoint
+from jaxpar import cli
 from jaxpar import distributed
 from jaxpar.models import gpt
 
@@ -156,6 +159,112 @@ def test_launch_timeout_kills_all(worker_path):
     distributed.launch(2, ['sleep'], module='launch_probe', timeout=2)
 
 
+# -- Drills: the launcher in its own process, workers that ignore SIGTERM ---
+# (as JAX workers of a jax.distributed job do), a 1 s grace.
+
+DRILL_GRACE_S = 1.0
+
+
+def _launcher(pid_dir):
+  """``launch(2, ['stubborn', pid_dir], grace=1)`` in a process of its own
+  (it prints what ``launch`` returned), and the workers' pids."""
+  launcher = subprocess.Popen(
+      [sys.executable, '-c',
+       'import jaxpar.distributed as d; print("launch returned", d.launch('
+       f'2, ["stubborn", {str(pid_dir)!r}], module="launch_probe", '
+       f'grace={DRILL_GRACE_S}))'],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 60
+  files = [pid_dir / f'{i}.pid' for i in range(2)]
+  while not all(f.exists() for f in files):
+    assert launcher.poll() is None and time.monotonic() < deadline, (
+        launcher.communicate())
+    time.sleep(0.05)
+  return launcher, [int(f.read_text()) for f in files]
+
+
+def _alive(pids):
+  alive = []
+  for pid in pids:
+    try:
+      os.kill(pid, 0)
+      alive.append(pid)
+    except ProcessLookupError:
+      pass
+  return alive
+
+
+def _exits(err):
+  """The report's ``--- process i exited with code c ...`` lines."""
+  return [line for line in err.splitlines()
+          if line.startswith('--- process ')]
+
+
+def test_sigterm_to_the_launcher_leaves_no_worker_alive(tmp_path,
+                                                        worker_path):
+  """SIGTERM to the launcher goes to the workers, which ignore it; after the
+  grace they get SIGABRT (a stack dump), each exit is named, ``launch``
+  returns -15."""
+  launcher, pids = _launcher(tmp_path)
+  start = time.monotonic()
+  launcher.send_signal(signal.SIGTERM)
+  out, err = launcher.communicate(timeout=30)
+  took = time.monotonic() - start
+  assert _alive(pids) == []
+  assert DRILL_GRACE_S <= took < DRILL_GRACE_S + 3, took
+  assert 'launch returned -15' in out, (out, err)
+  assert 'got SIGTERM' in err
+  assert _exits(err) == [
+      f'--- process {i} exited with code -6 = SIGABRT (the launcher sent '
+      f'SIGTERM, then SIGABRT after {DRILL_GRACE_S:g} s: the stacks below); '
+      'last output:' for i in range(2)]
+  assert 'probe 1 ignores SIGTERM' in err     # the tails, with the stacks
+  assert 'launch_probe.py", line' in err
+
+
+def test_sigterm_with_the_terminal_gone(tmp_path, worker_path):
+  """``launch ... | tee log`` and Ctrl-C stops ``tee`` too: the launcher's
+  reports then meet a closed pipe, and it still stops every worker."""
+  launcher, pids = _launcher(tmp_path)
+  launcher.stdout.close()
+  launcher.stderr.close()
+  launcher.send_signal(signal.SIGTERM)
+  launcher.wait(timeout=30)
+  assert _alive(pids) == []
+
+
+@pytest.mark.parametrize('rank', [0, 1])
+def test_a_killed_worker_is_named_first(tmp_path, worker_path, rank):
+  """``kill -9`` of worker 0 (the coordinator) or 1: the launcher names it
+  first, stops the other (SIGTERM, SIGABRT after the grace) and returns
+  -9."""
+  launcher, pids = _launcher(tmp_path)
+  start = time.monotonic()
+  os.kill(pids[rank], signal.SIGKILL)
+  out, err = launcher.communicate(timeout=30)
+  took = time.monotonic() - start
+  assert _alive(pids) == []
+  assert took < DRILL_GRACE_S + 3, took
+  assert 'launch returned -9' in out, (out, err)
+  other = 1 - rank
+  assert _exits(err) == [
+      f'--- process {rank} exited with code -9 = SIGKILL (the first to '
+      'fail); last output:',
+      f'--- process {other} exited with code -6 = SIGABRT (the launcher sent '
+      f'SIGTERM, then SIGABRT after {DRILL_GRACE_S:g} s: the stacks below); '
+      'last output:']
+  assert f'probe {rank} ignores SIGTERM' in err
+
+
+@pytest.mark.parametrize('returned, status', [(0, 0), (3, 3), (-9, 137),
+                                              (-15, 143)])
+def test_launch_command_exit_status(monkeypatch, returned, status):
+  """``python -m jaxpar launch`` exits with the code, 128 + s for signal s."""
+  monkeypatch.setattr(distributed, 'launch', lambda *a, **k: returned)
+  assert cli.main(['launch', '-n', '2', '--grace', '1', '--',
+                          'demo']) == status
+
+
 @pytest.mark.parametrize('kwargs, error, match', [
     (dict(num_processes=0), ValueError, 'num_processes=0'),
     (dict(argv='demo'), TypeError, 'list of str'),
@@ -163,6 +272,7 @@ def test_launch_timeout_kills_all(worker_path):
     (dict(devices_per_process=0), ValueError, 'devices_per_process=0'),
     (dict(port=70000), ValueError, 'port=70000'),
     (dict(timeout=0), ValueError, 'timeout=0'),
+    (dict(grace=-1), ValueError, 'grace=-1'),
 ])
 def test_launch_errors(kwargs, error, match):
   args = dict(num_processes=2, argv=['demo'])

@@ -1,4 +1,12 @@
-"""pipeline_value_and_grad / pipeline_apply: exactly the sequential model, memory flat in m."""
+"""The pipeline executor: ``pipeline_value_and_grad`` / ``pipeline_apply``
+(and their ``_local`` forms) are exactly the sequential model; memory and
+program flat in m; dropout keys, ``has_aux`` and bfloat16 compute; the
+control flow of a tick in the compiled program; errors before compiling.
+
+Dropout is tested against the sequential model run with the same key per
+(stage, microbatch): the gradients then agree only if every block of a
+microbatch (F, I, W, a remat recompute) used the forward's mask.
+"""
 
 import math
 import re
@@ -6,76 +14,24 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar.cli.bench.pipeline import gpipe_autodiff_step
+from jaxpar import hlo
 from jaxpar import pipeline as sch
-from jaxpar.pipeline import (PipelineGrads, local_stages, pipeline_apply,
+from jaxpar.cli.bench.pipeline import gpipe_autodiff_step
+from jaxpar.pipeline import (PipelineGrads, StageVJP, pipeline_apply,
                              pipeline_apply_local, pipeline_value_and_grad,
                              pipeline_value_and_grad_local, ranks_to_stages,
                              stages_to_ranks, tick_table)
 from jaxpar.pipeline.executor import _tick_scan
-from test_lower import CONSTRUCTORS as SCHEDULES
-
-D, MB, OUT = 8, 2, 3  # width, microbatch size, target width
-NAN = float('nan')
-
-
-def stage_fn(params, x):
-  """A residual tanh layer; params is a nested pytree."""
-  return x + jnp.tanh(x @ params['w'] + params['b']) * params['gate']['s']
-
-
-def loss_fn(loss_params, y, target):
-  return jnp.mean((y @ loss_params['head'] + loss_params['bias'] - target)**2)
-
-
-def model(num_stages, batch, dtype=np.float64, seed=0):
-  """``(stage_params, loss_params, inputs, targets)`` as numpy arrays."""
-  rng = np.random.default_rng(seed)
-  f = lambda *shape: rng.normal(size=shape).astype(dtype)
-  stages = {'w': f(num_stages, D, D) / math.sqrt(D), 'b': f(num_stages, D),
-            'gate': {'s': 1 + f(num_stages) / 4}}
-  loss_params = {'head': f(D, OUT), 'bias': f(OUT)}
-  return stages, loss_params, f(batch, D), f(batch, OUT)
-
-
-def sequential_loss(stages, loss_params, inputs, targets, m):
-  """The reference: every stage in turn, the loss, the mean over microbatches."""
-  num_stages = jax.tree.leaves(stages)[0].shape[0]
-
-  def one(x, t):
-    for k in range(num_stages):
-      x = stage_fn(jax.tree.map(lambda a, k=k: a[k], stages), x)
-    return loss_fn(loss_params, x, t)
-  split = lambda a: a.reshape((m, -1) + a.shape[1:])
-  return jnp.mean(jax.vmap(one)(split(inputs), split(targets)))
-
-
-reference = jax.jit(jax.value_and_grad(sequential_loss, argnums=(0, 1, 2)),
-                    static_argnums=4)
-
-
-def assert_exact(got, want, rtol):
-  """Loss and every gradient leaf agree to ``rtol`` of the leaf's magnitude."""
-  loss, grads = got
-  want_loss, want_grads = want
-  np.testing.assert_allclose(loss, want_loss, rtol=rtol)
-  got_leaves = jax.tree.leaves((grads.stages, grads.head, grads.inputs))
-  want_leaves = jax.tree.leaves(want_grads)
-  assert len(got_leaves) == len(want_leaves) == 6
-  for g, w in zip(got_leaves, want_leaves):
-    assert g.shape == w.shape and g.dtype == w.dtype
-    np.testing.assert_allclose(g, w, rtol=rtol,
-                               atol=rtol * float(np.max(np.abs(w))))
-
-
-def mesh_for(p):
-  return jaxpar.make_mesh(stage=p, devices=jax.devices()[:p])
-
+from jaxpar.train_state import cast_params
+from helpers import (D, MB, NAN, OUT, SCHEDULES, assert_exact, dropout_loss,
+                     dropout_reference, dropout_stage, loss_fn, mesh_for,
+                     model, reference, stage_fn)
 
 # Every constructor; p in {1, 2, 4, 8}; m < p, m not a multiple of p;
 # with and without remat. Bubbles are filled with NaN throughout.
@@ -220,22 +176,6 @@ def test_apply_is_the_sequential_forward(x64, name, p, m):
   for k in range(schedule.num_stages):
     want = stage_fn(jax.tree.map(lambda a, k=k: a[k], stages), want)
   np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
-
-
-def test_placement_round_trip():
-  for schedule in (sch.one_f_one_b(4, 4), sch.interleaved_one_f_one_b(2, 2, 3),
-                   sch.zero_bubble_v(4, 4)):
-    tree = {'a': np.arange(schedule.num_stages * 2).reshape(-1, 2)}
-    ranks = stages_to_ranks(tree, schedule)
-    assert ranks['a'].shape == (schedule.num_ranks,
-                                schedule.num_stages // schedule.num_ranks, 2)
-    for r, stages in enumerate(local_stages(schedule)):
-      for j, k in enumerate(stages):
-        np.testing.assert_array_equal(ranks['a'][r, j], tree['a'][k])
-    np.testing.assert_array_equal(ranks_to_stages(ranks, schedule)['a'],
-                                  tree['a'])
-  ranks = stages_to_ranks(np.arange(4), sch.zero_bubble_v(2, 2))
-  np.testing.assert_array_equal(ranks, [[0, 3], [1, 2]])
 
 
 # --------------------------------------------------------------- memory
@@ -468,3 +408,206 @@ def test_embed_fn_runs_inside_stage_0(x64):
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves((loss, grads))):
     np.testing.assert_allclose(g, w, rtol=1e-10,
                                atol=1e-10 * float(np.max(np.abs(w))))
+
+
+# ------------------------------------- keys, has_aux, bfloat16 compute
+
+
+@pytest.mark.parametrize('name,p,m,remat', [
+    ('1f1b', 2, 3, False), ('zero_bubble_v', 2, 3, False), ('interleaved', 2, 4, True)])
+def test_dropout_is_the_sequential_models_with_the_same_keys(
+    x64, name, p, m, remat):
+  """I/W split (ZB-V), remat, interleaved: one mask per microbatch."""
+  schedule = SCHEDULES[name](p, m)
+  args = model(schedule.num_stages, m * MB)
+  key = jax.random.key(3)
+  step = pipeline_value_and_grad(dropout_stage, dropout_loss, schedule=schedule,
+                       mesh=mesh_for(p), has_aux=True,
+                       remat_policy='nothing' if remat else None,
+                       bubble_fill=float('nan'))
+  (loss, aux), grads = step(*args, key=key)
+  (want, want_aux), want_grads = dropout_reference(*args, key, m)
+  np.testing.assert_allclose(loss, want, rtol=1e-10)
+  np.testing.assert_allclose(aux['y2'], want_aux['y2'], rtol=1e-10)
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, w, rtol=1e-10,
+                               atol=1e-10 * float(np.max(np.abs(w))))
+  # Dropout is not a no-op: another key gives another loss.
+  (other, _), _ = step(*args, key=jax.random.key(4))
+  assert abs(float(other) - float(loss)) > 1e-3 * abs(float(loss))
+
+
+def test_aux_is_averaged_like_the_loss(x64):
+  """has_aux without a key: the microbatch mean of aux, exactly."""
+  schedule = sch.zero_bubble_h1(2, 4)
+  args = model(2, 4 * MB)
+
+  def loss_and_aux(lp, y, t):
+    return loss_fn(lp, y, t), {'y2': jnp.mean(y ** 2), 'max': jnp.max(y)}
+  (loss, aux), grads = pipeline_value_and_grad(
+      stage_fn, loss_and_aux, schedule=schedule, mesh=mesh_for(2),
+      has_aux=True)(*args)
+
+  def want(stages, lp, x, t):
+    def one(x, t):
+      for s in range(2):
+        x = stage_fn(jax.tree.map(lambda a, s=s: a[s], stages), x)
+      return loss_and_aux(lp, x, t)
+    split = lambda a: a.reshape((4, -1) + a.shape[1:])
+    return jax.tree.map(jnp.mean, jax.vmap(one)(split(x), split(t)))
+  want_loss, want_aux = jax.jit(want)(*args)   # one compile, not op by op
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-12)
+  for name in ('y2', 'max'):
+    np.testing.assert_allclose(aux[name], want_aux[name], rtol=1e-12)
+
+
+def test_bf16_stash_holds_activations_not_cast_params():
+  """The cast sits inside the stage: the stash is bf16 activations only."""
+  width, mb = 8, 3     # a [8, 8] weight and [3, 8] activations differ
+  stage = StageVJP(cast_params(stage_fn, jnp.bfloat16),
+                   remat_policy='everything')  # every residual jax.vjp lists
+  params = {'w': jnp.ones((width, width)), 'b': jnp.ones(width),
+            'gate': {'s': jnp.ones(())}}
+  _, stash = stage.trace(params, jnp.ones((mb, width), jnp.bfloat16))
+  assert stash and all(a.dtype == jnp.bfloat16 and a.shape == (mb, width)
+                       for a in stash), stash
+  # The contrast: the VJP's residuals do hold the cast weight (dx needs it);
+  # StageVJP recomputes it from the f32 params instead of stashing it.
+  residuals = jax.eval_shape(lambda p, x: stage._closure(p, x, None)[1],
+                             params, jnp.ones((mb, width), jnp.bfloat16))
+  assert any(a.shape == (width, width) and a.dtype == jnp.bfloat16
+             for a in residuals)
+
+
+def test_bf16_messages_and_stashes_are_half_the_bytes():
+  """The messages jaxpar emits are bf16 (half the bytes; XLA:CPU itself
+  widens bf16 collectives to f32, GPUs send them as they are), the compiled
+  scratch (stashes, mailbox) shrinks; loss and gradients come back in
+  float32, close to the float32 step's."""
+  p, m = 2, 4
+  schedule = sch.one_f_one_b(p, m)
+  args = model(p, m * 512, np.float32)
+  steps = {dtype: pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule,
+                                mesh=mesh_for(p), compute_dtype=dtype)
+           for dtype in (None, jnp.bfloat16)}
+  lowered = {d: s.lower(*args) for d, s in steps.items()}
+  permute = {d: hlo.collective_bytes(low.as_text(dialect='hlo'))[
+      'collective-permute'] for d, low in lowered.items()}
+  assert 2 * permute[jnp.bfloat16] == permute[None] > 0
+  temp = {d: low.compile().memory_analysis().temp_size_in_bytes
+          for d, low in lowered.items()}
+  # Measured 0.82 here (the f32 gradient accumulators and XLA:CPU's f32
+  # copies around collectives stay, among them the all-reduce of the p
+  # pending rows of grads.inputs: mb = 512 rows of width 8 make those rows
+  # weigh more than the stashes); activations in f32 would give ~1.
+  assert temp[jnp.bfloat16] < 0.85 * temp[None]
+  (l32, g32), (l16, g16) = jax.device_get(
+      [steps[d](*args) for d in (None, jnp.bfloat16)])
+  assert l16.dtype == g16.inputs.dtype == jnp.float32
+  np.testing.assert_allclose(l16, l32, rtol=1e-2)
+  diff = optax.tree.norm(jax.tree.map(jnp.subtract, g16, g32))
+  assert float(diff) < 3e-2 * float(optax.tree.norm(g32))
+
+
+def test_key_dtype_and_aux_errors():
+  schedule = sch.one_f_one_b(2, 2)
+  mesh = mesh_for(2)
+  args = model(2, 2 * MB, np.float32)
+  with pytest.raises(TypeError, match="compute_dtype='int8'.*floating"):
+    pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule, mesh=mesh,
+                  compute_dtype='int8')
+  step = pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule, mesh=mesh)
+  with pytest.raises(TypeError, match='key must be one PRNG key'):
+    step(*args, key=np.zeros(3, np.uint32))
+  with pytest.raises(TypeError, match='pass has_aux=True'):
+    pipeline_value_and_grad(stage_fn, lambda *a: (loss_fn(*a), {}), schedule=schedule,
+                  mesh=mesh)(*args)
+  with pytest.raises(TypeError, match=r"aux\['n'\] has dtype int32"):
+    pipeline_value_and_grad(stage_fn, lambda *a: (loss_fn(*a), {'n': jnp.int32(1)}),
+                  schedule=schedule, mesh=mesh, has_aux=True)(*args)
+
+
+# ------------------------------------------- control flow of a tick
+
+_HEADER = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$')
+_CALLED = re.compile(r'(?:condition|body|to_apply|calls|true_computation|'
+                     r'false_computation)=%?([\w.\-]+)|'
+                     r'branch_computations=\{([^}]*)\}')
+
+
+def data_dependent_control_flow(text, body=None):
+  """``{'while': n, 'conditional': n}``: the loops without a known trip count
+  and the conditionals (each reads a predicate back on XLA:GPU), in
+  computation ``body`` and everything it calls (the whole program: None)."""
+  comps, name = {}, None
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header and not line.startswith(' '):
+      name = header.group(1)
+      comps[name] = []
+      if line.startswith('ENTRY') and body is None:
+        body = name
+    elif name:
+      comps[name].append(line)
+  counts, seen = {'while': 0, 'conditional': 0}, set()
+
+  def visit(name):
+    if name in seen:
+      return
+    seen.add(name)
+    for line in comps[name]:
+      counts['while'] += ' while(' in line and 'known_trip_count' not in line
+      counts['conditional'] += ' conditional(' in line
+      for one, many in _CALLED.findall(line):
+        for callee in [one] if one else many.split(','):
+          visit(callee.strip().lstrip('%'))
+  visit(body)
+  return counts
+
+
+def tick_body(text, num_ticks):
+  """The body of the scan over ticks: the loop run ``num_ticks`` times."""
+  loops = [line for line in text.splitlines() if ' while(' in line and
+           f'"known_trip_count":{{"n":"{num_ticks}"}}' in line]
+  assert len(loops) == 1, loops
+  return re.search(r'body=%?([\w.\-]+)', loops[0]).group(1)
+
+
+def tanh_stage(w, x):
+  return jnp.tanh(x @ w)
+
+
+def scaled_loss(scale, y, t):
+  return jnp.mean((scale * y - t) ** 2)
+
+
+@pytest.mark.parametrize('schedule', [
+    jaxpar.pipeline.one_f_one_b(4, 8), jaxpar.pipeline.zero_bubble_v(2, 4)],
+                         ids=lambda s: s.name)
+def test_a_training_tick_has_four_whiles_and_one_conditional(schedule):
+  """One zero-or-one-trip while per block (F, the last stage's F, I, W), in
+  place, and one switch over the tick's messages (the ppermutes and the
+  psum of a row of the batch's cotangent). It was 6 + K whiles (9 here)."""
+  p = schedule.num_ranks
+  step = jaxpar.pipeline.pipeline_value_and_grad(
+      tanh_stage, scaled_loss, schedule=schedule,
+      mesh=jaxpar.make_mesh(stage=p, devices=jax.devices()[:p]))
+  w = jnp.zeros((schedule.num_stages, 8, 8))
+  x = jnp.zeros((schedule.num_microbatches * 2, 8))
+  text = jax.jit(step).lower(w, 1.0, x, x).compile().as_text()
+  body = tick_body(text, jaxpar.pipeline.tick_table(schedule).num_ticks)
+  assert data_dependent_control_flow(text, body) == {
+      'while': 4, 'conditional': 1}
+
+
+def test_one_rank_runs_no_ticks():
+  """One stage rank is data parallelism: a scan over microbatches, nothing
+  data-dependent."""
+  step = jaxpar.pipeline.pipeline_value_and_grad(
+      tanh_stage, scaled_loss,
+      schedule=jaxpar.pipeline.interleaved_one_f_one_b(1, 4, 2),
+      mesh=jaxpar.make_mesh(stage=1, devices=jax.devices()[:1]))
+  x = jnp.zeros((8, 8))
+  text = jax.jit(step).lower(jnp.zeros((2, 8, 8)), 1.0, x, x).compile(
+      ).as_text()
+  assert data_dependent_control_flow(text) == {'while': 0, 'conditional': 0}

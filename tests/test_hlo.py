@@ -1,7 +1,5 @@
 """Collectives counted from compiled HLO: CPU programs and GPU-style text."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -137,89 +135,3 @@ def test_rejects_uncompiled_and_other_objects(mesh):
     hlo.collective_counts(lowered)
   with pytest.raises(TypeError, match='got int'):
     hlo.collective_bytes(3)
-
-
-# ------------------------------------------- control flow of a pipeline tick
-
-_HEADER = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$')
-_CALLED = re.compile(r'(?:condition|body|to_apply|calls|true_computation|'
-                     r'false_computation)=%?([\w.\-]+)|'
-                     r'branch_computations=\{([^}]*)\}')
-
-
-def data_dependent_control_flow(text, body=None):
-  """``{'while': n, 'conditional': n}``: the loops without a known trip count
-  and the conditionals (each reads a predicate back on XLA:GPU), in
-  computation ``body`` and everything it calls (the whole program: None)."""
-  comps, name = {}, None
-  for line in text.splitlines():
-    header = _HEADER.match(line)
-    if header and not line.startswith(' '):
-      name = header.group(1)
-      comps[name] = []
-      if line.startswith('ENTRY') and body is None:
-        body = name
-    elif name:
-      comps[name].append(line)
-  counts, seen = {'while': 0, 'conditional': 0}, set()
-
-  def visit(name):
-    if name in seen:
-      return
-    seen.add(name)
-    for line in comps[name]:
-      counts['while'] += ' while(' in line and 'known_trip_count' not in line
-      counts['conditional'] += ' conditional(' in line
-      for one, many in _CALLED.findall(line):
-        for callee in [one] if one else many.split(','):
-          visit(callee.strip().lstrip('%'))
-  visit(body)
-  return counts
-
-
-def tick_body(text, num_ticks):
-  """The body of the scan over ticks: the loop run ``num_ticks`` times."""
-  loops = [line for line in text.splitlines() if ' while(' in line and
-           f'"known_trip_count":{{"n":"{num_ticks}"}}' in line]
-  assert len(loops) == 1, loops
-  return re.search(r'body=%?([\w.\-]+)', loops[0]).group(1)
-
-
-def stage_fn(w, x):
-  return jnp.tanh(x @ w)
-
-
-def loss_fn(scale, y, t):
-  return jnp.mean((scale * y - t) ** 2)
-
-
-@pytest.mark.parametrize('schedule', [
-    jaxpar.pipeline.one_f_one_b(4, 8), jaxpar.pipeline.zero_bubble_v(2, 4)],
-                         ids=lambda s: s.name)
-def test_a_training_tick_has_four_whiles_and_one_conditional(schedule):
-  """One zero-or-one-trip while per block (F, the last stage's F, I, W), in
-  place, and one switch over the tick's messages (the ppermutes and the
-  psum of a row of the batch's cotangent). It was 6 + K whiles (9 here)."""
-  p = schedule.num_ranks
-  step = jaxpar.pipeline.pipeline_value_and_grad(
-      stage_fn, loss_fn, schedule=schedule,
-      mesh=jaxpar.make_mesh(stage=p, devices=jax.devices()[:p]))
-  w = jnp.zeros((schedule.num_stages, 8, 8))
-  x = jnp.zeros((schedule.num_microbatches * 2, 8))
-  text = jax.jit(step).lower(w, 1.0, x, x).compile().as_text()
-  body = tick_body(text, jaxpar.pipeline.tick_table(schedule).num_ticks)
-  assert data_dependent_control_flow(text, body) == {
-      'while': 4, 'conditional': 1}
-
-
-def test_one_rank_runs_no_ticks():
-  """One stage rank is data parallelism: a scan over microbatches, nothing
-  data-dependent."""
-  step = jaxpar.pipeline.pipeline_value_and_grad(
-      stage_fn, loss_fn,
-      schedule=jaxpar.pipeline.interleaved_one_f_one_b(1, 4, 2),
-      mesh=jaxpar.make_mesh(stage=1, devices=jax.devices()[:1]))
-  x = jnp.zeros((8, 8))
-  text = jax.jit(step).lower(jnp.zeros((2, 8, 8)), 1.0, x, x).compile(
-      ).as_text()
-  assert data_dependent_control_flow(text) == {'while': 0, 'conditional': 0}

@@ -1,4 +1,6 @@
-"""Reference models: the dense NNX models and their tensor-parallel forms agree."""
+"""jaxpar.models: the dense NNX models and their tensor-parallel forms agree;
+``sampling.generate`` is the dense model token by token; ``flops`` counts
+6N + 12LdS as a hand count does."""
 
 import functools
 
@@ -12,7 +14,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar.models import MLP, gpt
+from jaxpar.models import MLP, flops, gpt, sampling
+from helpers import random_gpt_params
 
 tp = jaxpar.tensor_parallel
 
@@ -175,3 +178,85 @@ def test_block_dropout_masks_match_with_sequence_parallelism():
   assert np.abs(np.asarray(replicated) - np.asarray(plain)).max() > 0.1
   with pytest.raises(ValueError, match=r'rate=1.0 must be in \[0, 1\)'):
     tp.dropout(x, 1.0, key)
+
+
+# -- sampling ------------------------------------------------------------------
+
+TINY = gpt.GPTConfig(vocab_size=16, seq_len=4, d_model=8, num_heads=2,
+                     num_layers=2)
+
+
+@pytest.fixture(scope='module')
+def tiny_params():
+  return random_gpt_params(TINY)
+
+
+def _reference(params, prompt, length, pick):
+  """Token by token: the dense model on the last seq_len tokens."""
+  apply = jax.jit(gpt.gpt_apply, static_argnames='config')
+  tokens = list(prompt)
+  for t in range(length):
+    window = jnp.array([tokens[-TINY.seq_len:]])
+    logits = apply(params, window, config=TINY)[0, -1]
+    tokens.append(int(pick(logits, t)))
+  return tokens[len(prompt):]
+
+
+def test_greedy_generation_is_argmax_of_the_dense_model(tiny_params):
+  prompt = np.array([3, 1, 4])
+  out = sampling.generate(tiny_params, prompt, config=TINY, length=5)
+  assert out.dtype == jnp.int32
+  # 3 + 5 tokens > seq_len 4: the window slides.
+  assert out.tolist() == _reference(tiny_params, prompt, 5,
+                                    lambda logits, t: jnp.argmax(logits))
+
+
+def test_temperature_samples_with_the_key(tiny_params):
+  key, temperature = jax.random.key(5), 0.7
+  out = sampling.generate(tiny_params, [2], config=TINY, length=5,
+                          temperature=temperature, key=key)
+  assert out.tolist() == _reference(
+      tiny_params, [2], 5, lambda logits, t: jax.random.categorical(
+          jax.random.fold_in(key, t), logits / temperature))
+  other = sampling.generate(tiny_params, [2], config=TINY, length=5,
+                            temperature=temperature, key=jax.random.key(6))
+  assert other.tolist() != out.tolist()
+
+
+@pytest.mark.parametrize('kwargs,error,message', [
+    (dict(prompt=[]), ValueError, 'non-empty 1-D'),
+    (dict(prompt=[16]), ValueError, r'lie in \[0, 16\)'),
+    (dict(length=True), TypeError, 'length=True must be an int'),
+    (dict(length=0), ValueError, 'length=0 must be an int >= 1'),
+    (dict(temperature=-1.0), ValueError, 'finite and >= 0'),
+    (dict(temperature=0.5), ValueError, 'pass key='),
+])
+def test_generate_refuses_bad_arguments(tiny_params, kwargs, error, message):
+  args = dict(prompt=[1], length=2, temperature=0.0) | kwargs
+  with pytest.raises(error, match=message):
+    sampling.generate(tiny_params, args.pop('prompt'), config=TINY, **args)
+
+
+# -- FLOPs ---------------------------------------------------------------------
+
+
+def test_flops_per_token_by_hand():
+  """L=2, d=8, V=16, S=4, r=4: per block q,k,v,o 4*(64+8)=288, MLP
+  8*32+32 + 32*8+8 = 552, two LayerNorms 32 -> 872; final LN 16, head
+  8*16+16 = 144: N = 2*872 + 160 = 1904. Attention 12*2*8*4 = 768."""
+  assert flops.gpt_params_without_embeddings(TINY) == 1904
+  assert flops.gpt_flops_per_token(TINY) == 6 * 1904 + 768
+  params = gpt.gpt_params(nnx.eval_shape(lambda: gpt.GPT(TINY,
+                                                          rngs=nnx.Rngs(0))))
+  total = sum(x.size for x in jax.tree.leaves(params))
+  assert total == 1904 + 16 * 8 + 4 * 8   # + token and position tables
+
+
+def test_peak_flops_only_for_known_gpus():
+  class Device:
+    def __init__(self, platform, kind):
+      self.platform, self.device_kind = platform, kind
+  assert flops.peak_flops(Device('gpu', 'NVIDIA H100 80GB HBM3')) == 989e12
+  assert flops.peak_flops(Device('gpu', 'NVIDIA H200')) == 989e12
+  assert flops.peak_flops(Device('gpu', 'Tesla T4')) is None
+  assert flops.peak_flops(jax.devices()[0]) is None

@@ -35,8 +35,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_checkpoint import assert_round_trip
-from test_data_parallel import make_batches
+from helpers import assert_round_trip, make_batches
 
 import jaxpar
 from jaxpar.models import gpt
@@ -221,10 +220,59 @@ def test_3d_2x2x2(x64, zero_stage, max_grad_norm, num_layers, tmp_path):
     assert float(want[0][1]) > max_grad_norm     # clipping is exercised
   assert_close_history([(loss, norm, gpt.merge_from_pipeline(p, split))
                         for loss, norm, p in got], want)
+  # The compiled step (cached): no collective runs beside the tick loop.
+  assert jaxpar.hlo.unordered_collectives(
+      trainer.step.lower(state, data[0]).compile()) == []
   if zero_stage != 3:
     return
   # Adafactor's (1,) placeholders are no stage leaves: schedule= saves them.
   # Once, on the ZeRO-3 state (params and moments split over data, identity
   # slots): its optimizer state is laid out as ZeRO-1's, and zero_stage=0
-  # states with schedule= are test_checkpoint.py's and test_own_model.py's.
+  # states with schedule= are test_checkpoint.py's and test_from_nnx.py's.
   assert_round_trip(tmp_path, state, trainer.init(pp), schedule=schedule)
+
+
+# -- 3D with LAMB on every layer: no collective runs beside the pipeline ---
+
+def lamb_and_adafactor():
+  """LAMB on every param but the MLP matrices, which Adafactor factors."""
+  return optax.partition(
+      {'lamb': optax.lamb(0.01, eps=1e-6),
+       'adafactor': optax.adafactor(0.01, min_dim_size_to_factor=16,
+                                    eps=1e-12)},
+      lambda params: jax.tree_util.tree_map_with_path(
+          lambda path, _: 'adafactor' if any(
+              getattr(k, 'key', None) in ('fc_in', 'fc_out') for k in path)
+          else 'lamb', params))
+
+
+@functools.cache
+def lamb_and_adafactor_reference():
+  """``reference`` of the dense 3-layer GPT, two steps (call under x64)."""
+  config, params, *_, data = gpt_setup(3)
+  return reference(functools.partial(gpt.gpt_loss, config=config), params,
+                   data[:2], lamb_and_adafactor())
+
+
+@pytest.mark.parametrize('zero_stage', [0, 1, 3])
+def test_3d_lamb_adafactor_collectives_ordered(x64, zero_stage):
+  """LAMB and Adafactor in 3D (ZeRO 0/1/3) give the dense GPT's numbers, and
+  every collective of the step after the pipeline's tick loop reads its
+  result (``jaxpar.hlo.unordered_collectives``). The update's reshards of
+  the params (LAMB's trust ratios read them) did not: on XLA:CPU they ran
+  beside the loop's collectives and the step aborted after the 40-second
+  rendezvous timeout in 13 of 14 runs (issue 32), while this test's results
+  were right whenever it finished."""
+  _, _, schedule, pp, split, data = gpt_setup(3)
+  trainer = jaxpar.parallel.trainer(
+      gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, lamb_and_adafactor(),
+      schedule=schedule, mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
+      stage_mask=split.mask, tensor_rules=gpt.TENSOR_RULES,
+      zero_stage=zero_stage)
+  state = trainer.init(pp)
+  compiled = trainer.step.lower(state, data[0]).compile()
+  assert jaxpar.hlo.unordered_collectives(compiled) == []
+  got, _ = trained(trainer, pp, data[:2])
+  assert_close_history([(loss, norm, gpt.merge_from_pipeline(p, split))
+                        for loss, norm, p in got],
+                       lamb_and_adafactor_reference())

@@ -12,47 +12,8 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.models import gpt
-
-CONFIG = gpt.GPTConfig(vocab_size=16, seq_len=8, d_model=16, num_heads=4,
-                       num_layers=4)
-
-
-def dense_params(dtype, config=CONFIG):
-  return jax.tree.map(lambda x: x.astype(dtype),
-                      gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(0))))
-
-
-def batches(num, size=8, seed=0):
-  rng = np.random.default_rng(seed)
-  return [(rng.integers(0, CONFIG.vocab_size, (size, CONFIG.seq_len)),
-           rng.integers(0, CONFIG.vocab_size, (size, CONFIG.seq_len)))
-          for _ in range(num)]
-
-
-def dense_of(trainer, state, split):
-  """The trained params as ``gpt_params``, on the host: one transfer, then
-  numpy slices (no small device programs per leaf and layer)."""
-  return gpt.merge_from_pipeline(jax.device_get(trainer.params(state)),
-                                 split)
-
-
-def reference(params, data, optimizer, max_grad_norm, config=CONFIG):
-  """One device, the dense model: [(loss, grad norm, params)] per step."""
-  optimizer = optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)
-
-  @jax.jit   # one program: eager optax would compile op by op
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(functools.partial(
-        gpt.gpt_loss, config=config))(params, batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state,
-            (loss, optax.tree.norm(grads)))
-
-  opt_state, out = optimizer.init(params), []
-  for batch in data:
-    params, opt_state, (loss, norm) = step(params, opt_state, batch)
-    out.append((loss, norm, params))
-  return out
+from helpers import (FLOAT64_OPTIMIZER, GPT_CONFIG, dense_of, dense_params,
+                     float64_reference, gpt_batches)
 
 
 def run(mesh_sizes, schedule, params, data, optimizer, max_grad_norm):
@@ -80,10 +41,10 @@ def run(mesh_sizes, schedule, params, data, optimizer, max_grad_norm):
 #                     optimizer; clipping in its [3-0.5-5] case)
 #   interleaved       test_parallel_zero.py '4x2x1-interleaved-zero3',
 #                     test_optimizers.py::test_3d_2x2x2[3-0.5-5] (2x2x2),
-#                     test_own_model.py '4x2-interleaved-zero3' (the Llama)
+#                     test_from_nnx.py '4x2-interleaved-zero3' (the Llama)
 #   ZB-V              test_parallel_zero.py '2x2x2-zero_bubble_v-zero3', the restore
 #                     onto 1x2x4 ZB-V (zero_stage=0) in its interleaved case,
-#                     test_own_model.py '2x2-zero_bubble_v-stacked', '1x2x4-zero_bubble_v-annotated'
+#                     test_from_nnx.py '2x2-zero_bubble_v-stacked', '1x2x4-zero_bubble_v-annotated'
 CASES = {
     '1x2x4-zb_h1': (dict(data=1, stage=2, tensor=4),
                     lambda: jaxpar.pipeline.zero_bubble_h1(2, 4)),
@@ -92,25 +53,12 @@ CASES = {
 }
 
 
-# Linear in the gradient: adam would blow the rounding noise of the
-# key-bias gradient (exactly zero in exact arithmetic) up to full steps.
-FLOAT64_OPTIMIZER = optax.sgd(0.3, momentum=0.9)
-
-
-@functools.cache
-def float64_reference():
-  """One device, float64, 3 steps clipped at 0.5 (call under the x64
-  fixture): computed once for every case here and in test_parallel_zero."""
-  return reference(dense_params(jnp.float64), batches(3), FLOAT64_OPTIMIZER,
-                   0.5)
-
-
 @pytest.mark.parametrize('case', list(CASES))
 def test_matches_single_device_float64(x64, case):
   """Every mesh shape and schedule: same losses, norms and params."""
   mesh_sizes, make_schedule = CASES[case]
   got = run(mesh_sizes, make_schedule(), dense_params(jnp.float64),
-            batches(2), FLOAT64_OPTIMIZER, 0.5)
+            gpt_batches(2), FLOAT64_OPTIMIZER, 0.5)
   want = float64_reference()
   assert float(want[0][1]) > 0.5   # clipping is exercised
   for (loss, norm, p), (ref_loss, ref_norm, ref_p) in zip(got, want):
@@ -123,7 +71,7 @@ def test_uneven_layers_keep_identity_slots():
   """6 layers on 4 stages: slots (2, 2, 1, 1); padding stays exactly zero and
   every real layer gets the gradient of the 6-layer model (SGD, lr 1: the
   update is minus the gradient)."""
-  config = CONFIG._replace(num_layers=6)
+  config = GPT_CONFIG._replace(num_layers=6)
   params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(1)))
   pp, split = gpt.split_for_pipeline(params, num_stages=4)
   assert split.counts == (2, 2, 1, 1)
@@ -133,7 +81,7 @@ def test_uneven_layers_keep_identity_slots():
       gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.sgd(1.0),
       schedule=jaxpar.pipeline.one_f_one_b(4, 2), mesh=mesh,
       stage_mask=split.mask, tensor_rules=gpt.TENSOR_RULES)
-  batch = batches(1, size=4)[0]
+  batch = gpt_batches(1, size=4)[0]
   state, stats = trainer.step(trainer.init(pp), batch)
   stages = trainer.params(state).stages
   for leaf in jax.tree.leaves(stages):
@@ -171,7 +119,7 @@ class TestErrors:
         tensor_rules=gpt.TENSOR_RULES)
     with pytest.raises(ValueError, match=r'batch size 12 .* data size 2 x '
                        r'num_microbatches 4 = 8'):
-      trainer.step(trainer.init(pp), batches(1, size=12)[0])
+      trainer.step(trainer.init(pp), gpt_batches(1, size=12)[0])
 
   def test_tensor_size_must_divide_heads(self):
     pp, _ = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=1)
@@ -199,7 +147,7 @@ class TestErrors:
 
 # ------------------------------------------------ dropout, aux, bfloat16
 
-SMALL = CONFIG._replace(num_layers=2)   # one block per stage: fast compiles
+SMALL = GPT_CONFIG._replace(num_layers=2)   # one block per stage: fast compiles
 
 
 def gpipe_one_rank(num_stages, m):
@@ -250,7 +198,7 @@ def test_dropout_is_the_same_on_every_mesh_and_schedule():
   """
   config = SMALL._replace(dropout=0.2)
   params = dense_params(jnp.float32, SMALL)
-  data = batches(1)
+  data = gpt_batches(1)
   key = jax.random.key(7)
   got = trained(*make_trainer(dict(data=2, stage=2, tensor=2),
                                jaxpar.pipeline.one_f_one_b(2, 4), config,
@@ -271,7 +219,7 @@ def test_dropout_is_the_same_on_every_mesh_and_schedule():
 def test_aux_accuracy_is_the_dense_models(x64):
   """has_aux: per-token accuracy averaged over microbatches and data."""
   params = dense_params(jnp.float64, SMALL)
-  data = batches(1)
+  data = gpt_batches(1)
   mesh = jaxpar.make_mesh(data=2, stage=2, tensor=2)
   pp, split = gpt.split_for_pipeline(params, num_stages=2)
   trainer = jaxpar.parallel.trainer(
@@ -299,7 +247,7 @@ def test_bf16_compute_is_close_to_float32():
   by O(1), far outside these bounds.
   """
   params = dense_params(jnp.float32, SMALL)
-  data = batches(1)
+  data = gpt_batches(1)
   f32 = trained(*small_trainer(), params, data)
   bf16 = trained(*small_trainer(compute_dtype=jnp.bfloat16), params, data)
   (s32, p32), (s16, p16) = f32[0], bf16[0]
@@ -322,6 +270,6 @@ def test_non_finite_step_is_skipped():
   trainer, split = small_trainer()    # test_bf16's float32 program
   pp, _ = gpt.split_for_pipeline(params, num_stages=split.num_stages)
   state = trainer.init(pp)
-  new, stats = trainer.step(state, batches(1)[0])
+  new, stats = trainer.step(state, gpt_batches(1)[0])
   assert bool(stats.skipped) and int(new.step) == 0
   chex.assert_trees_all_equal(new.params, state.params)

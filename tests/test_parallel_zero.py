@@ -7,13 +7,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_checkpoint import assert_round_trip
-from test_parallel import (FLOAT64_OPTIMIZER, batches, dense_of,
-                           dense_params, float64_reference, reference)
 
 import jaxpar
 import jaxpar.hlo
 from jaxpar.models import gpt
+from helpers import (FLOAT64_OPTIMIZER, assert_round_trip, dense_of,
+                     dense_params, float64_reference, gpt_batches,
+                     gpt_reference)
 
 
 def make_trainer(mesh_sizes, schedule, optimizer, *, zero_stage,
@@ -41,9 +41,9 @@ def param_bytes(state):
              for x in jax.tree.leaves(state.params))
 
 
-# ZeRO-3 in float64 against test_parallel's one-device run (3 steps of
-# sgd+momentum clipped at 0.5: linear in the gradient, see test_parallel.py
-# on adam). Each case saves a checkpoint after 2 steps and checks the
+# ZeRO-3 in float64 against the one-device run of test_parallel.py
+# (helpers.float64_reference: 3 steps of sgd+momentum clipped at 0.5, linear
+# in the gradient, see helpers.FLOAT64_OPTIMIZER on adam). Each case saves a checkpoint after 2 steps and checks the
 # restored state's next step against the reference's third; ``onto``: the
 # checkpoint is saved in model order (schedule=) and also restored onto
 # another mesh, schedule and zero_stage=0 (data 4 -> 1, tensor 1 -> 4,
@@ -64,7 +64,7 @@ def test_matches_single_device_float64(x64, case, tmp_path):
   (bit for bit, then the same next step), onto another mesh and schedule too."""
   mesh_sizes, make_schedule, onto = CASES[case]
   schedule = make_schedule()
-  params, data = dense_params(jnp.float64), batches(3)
+  params, data = dense_params(jnp.float64), gpt_batches(3)
   want = float64_reference()
   trainer, split = make_trainer(mesh_sizes, schedule, FLOAT64_OPTIMIZER,
                                  zero_stage=3, max_grad_norm=0.5)
@@ -196,7 +196,7 @@ def test_zero3_memory_and_collectives():
   sizes, schedule = dict(data=4, stage=2, tensor=1), \
       jaxpar.pipeline.one_f_one_b(2, 2)
   pp, _ = gpt.split_for_pipeline(dense_params(jnp.float32), num_stages=2)
-  batch = batches(1)[0]
+  batch = gpt_batches(1)[0]
   out = {}
   for zero_stage in (1, 3):
     trainer, _ = make_trainer(sizes, schedule, optax.sgd(0.1),
@@ -266,7 +266,7 @@ class TestErrors:
     maker, _ = make_trainer(sizes, schedule, optax.sgd(0.1), zero_stage=1)
     user, _ = make_trainer(sizes, schedule, optax.adam(0.1), zero_stage=1)
     with pytest.raises(ValueError, match=r'optimizer.init\(state.params\)'):
-      user.step(maker.init(pp), batches(1)[0])
+      user.step(maker.init(pp), gpt_batches(1)[0])
 
 
 def test_padded_leaves_on_data_3_match_the_dense_model(x64, tmp_path):
@@ -283,7 +283,7 @@ def test_padded_leaves_on_data_3_match_the_dense_model(x64, tmp_path):
   data = [(rng.integers(0, 7, (6, 5)), rng.integers(0, 7, (6, 5)))
           for _ in range(2)]
   optimizer = optax.lamb(0.1)
-  want = reference(params, data, optimizer, 0.5, config)  # one device
+  want = gpt_reference(params, data, optimizer, 0.5, config)  # one device
   schedule = jaxpar.pipeline.one_f_one_b(2, 2)
   mesh = jaxpar.make_mesh(data=3, stage=2, devices=jax.devices()[:6])
   pp, split = gpt.split_for_pipeline(params, num_stages=2)

@@ -11,8 +11,8 @@ from jaxpar.pipeline.schedules import (Action, Schedule, ScheduleError,
                                        makespan, search)
 # action_costs is _search's own helper, tested here (not exported).
 from jaxpar.pipeline.schedules import _search as search_module
-from test_executor import (MB, NAN, assert_exact, loss_fn, mesh_for, model,
-                           reference, stage_fn)
+from helpers import (MB, NAN, assert_exact, loss_fn, mesh_for, model,
+                     reference, stage_fn)
 
 UNEQUAL = {'F': 1, 'I': 1.5, 'W': 0.5}  # I > W: ZB-H1's tail has a bubble
 

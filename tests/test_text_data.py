@@ -1,19 +1,11 @@
-"""Byte-level text data, sampling and model FLOPs: the split, batches as a
-pure function of (seed, step), their bounds, bad files refused with the
-path and the fix, generation against the dense model step by step, and
-6N + 12LdS against a hand count."""
+"""jaxpar.cli.text_data: byte-level text for the demo. The split, batches as
+a pure function of (seed, step), their bounds, bad files refused with the
+path and the fix, the unigram entropy."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 
-import jaxpar
-from jaxpar.cli import text_data as data, demo
-from jaxpar.models import flops
-from jaxpar.models import gpt, sampling
+from jaxpar.cli import text_data as data
 
 
 def test_split_holds_out_the_last_tenth():
@@ -109,110 +101,3 @@ def test_unigram_entropy():
   uniform = np.arange(256, dtype=np.uint8).repeat(3)
   np.testing.assert_allclose(data.unigram_entropy(uniform), np.log(256))
   assert data.unigram_entropy(np.zeros(10, np.uint8)) == 0.0
-
-
-def random_params(config: gpt.GPTConfig, dtype=np.float32) -> dict:
-  """Random params of ``gpt_params``' structure (``eval_shape``: building
-  the model eagerly compiles dozens of tiny programs)."""
-  shapes = gpt.gpt_params(nnx.eval_shape(lambda: gpt.GPT(config,
-                                                          rngs=nnx.Rngs(0))))
-  rng = np.random.default_rng(1)
-  return jax.tree.map(
-      lambda s: rng.normal(scale=0.3, size=s.shape).astype(dtype), shapes)
-
-
-def test_held_out_loss_on_the_mesh_is_the_dense_loss(x64):
-  """The demo's evaluation: the dense loss of the sharded params (ZeRO-3,
-  interleaved stages on 2x2x2) equals gpt_loss on one device, float64."""
-  config = gpt.GPTConfig(vocab_size=256, seq_len=8, d_model=16, num_heads=2,
-                         num_layers=4)
-  params = random_params(config, np.float64)
-  pp, layout = gpt.split_for_pipeline(params, num_stages=4)
-  trainer = jaxpar.parallel.trainer(
-      gpt.embed_fn, gpt.stage_fn, gpt.head_loss_fn, optax.adam(1e-3),
-      schedule=jaxpar.pipeline.interleaved_one_f_one_b(2, 2, 2),
-      mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
-      stage_mask=layout.mask, zero_stage=3, tensor_rules=gpt.TENSOR_RULES)
-  text = data.split(np.frombuffer(open(__file__, 'rb').read(), np.uint8))
-  evaluate = demo.held_out_loss(trainer, layout, config, text, batch=8)
-  held = data.held_out_batch(text.held_out, batch=8, seq_len=8)
-  np.testing.assert_allclose(evaluate(trainer.init(pp)),
-                             gpt.gpt_loss(params, held, config=config),
-                             rtol=1e-10)
-
-
-TINY = gpt.GPTConfig(vocab_size=16, seq_len=4, d_model=8, num_heads=2,
-                     num_layers=2)
-
-
-def test_flops_per_token_by_hand():
-  """L=2, d=8, V=16, S=4, r=4: per block q,k,v,o 4*(64+8)=288, MLP
-  8*32+32 + 32*8+8 = 552, two LayerNorms 32 -> 872; final LN 16, head
-  8*16+16 = 144: N = 2*872 + 160 = 1904. Attention 12*2*8*4 = 768."""
-  assert flops.gpt_params_without_embeddings(TINY) == 1904
-  assert flops.gpt_flops_per_token(TINY) == 6 * 1904 + 768
-  params = gpt.gpt_params(nnx.eval_shape(lambda: gpt.GPT(TINY,
-                                                          rngs=nnx.Rngs(0))))
-  total = sum(x.size for x in jax.tree.leaves(params))
-  assert total == 1904 + 16 * 8 + 4 * 8   # + token and position tables
-
-
-def test_peak_flops_only_for_known_gpus():
-  class Device:
-    def __init__(self, platform, kind):
-      self.platform, self.device_kind = platform, kind
-  assert flops.peak_flops(Device('gpu', 'NVIDIA H100 80GB HBM3')) == 989e12
-  assert flops.peak_flops(Device('gpu', 'NVIDIA H200')) == 989e12
-  assert flops.peak_flops(Device('gpu', 'Tesla T4')) is None
-  assert flops.peak_flops(jax.devices()[0]) is None
-
-
-@pytest.fixture(scope='module')
-def tiny_params():
-  return random_params(TINY)
-
-
-def _reference(params, prompt, length, pick):
-  """Token by token: the dense model on the last seq_len tokens."""
-  apply = jax.jit(gpt.gpt_apply, static_argnames='config')
-  tokens = list(prompt)
-  for t in range(length):
-    window = jnp.array([tokens[-TINY.seq_len:]])
-    logits = apply(params, window, config=TINY)[0, -1]
-    tokens.append(int(pick(logits, t)))
-  return tokens[len(prompt):]
-
-
-def test_greedy_generation_is_argmax_of_the_dense_model(tiny_params):
-  prompt = np.array([3, 1, 4])
-  out = sampling.generate(tiny_params, prompt, config=TINY, length=5)
-  assert out.dtype == jnp.int32
-  # 3 + 5 tokens > seq_len 4: the window slides.
-  assert out.tolist() == _reference(tiny_params, prompt, 5,
-                                    lambda logits, t: jnp.argmax(logits))
-
-
-def test_temperature_samples_with_the_key(tiny_params):
-  key, temperature = jax.random.key(5), 0.7
-  out = sampling.generate(tiny_params, [2], config=TINY, length=5,
-                          temperature=temperature, key=key)
-  assert out.tolist() == _reference(
-      tiny_params, [2], 5, lambda logits, t: jax.random.categorical(
-          jax.random.fold_in(key, t), logits / temperature))
-  other = sampling.generate(tiny_params, [2], config=TINY, length=5,
-                            temperature=temperature, key=jax.random.key(6))
-  assert other.tolist() != out.tolist()
-
-
-@pytest.mark.parametrize('kwargs,error,message', [
-    (dict(prompt=[]), ValueError, 'non-empty 1-D'),
-    (dict(prompt=[16]), ValueError, r'lie in \[0, 16\)'),
-    (dict(length=True), TypeError, 'length=True must be an int'),
-    (dict(length=0), ValueError, 'length=0 must be an int >= 1'),
-    (dict(temperature=-1.0), ValueError, 'finite and >= 0'),
-    (dict(temperature=0.5), ValueError, 'pass key='),
-])
-def test_generate_refuses_bad_arguments(tiny_params, kwargs, error, message):
-  args = dict(prompt=[1], length=2, temperature=0.0) | kwargs
-  with pytest.raises(error, match=message):
-    sampling.generate(tiny_params, args.pop('prompt'), config=TINY, **args)

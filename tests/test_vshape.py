@@ -5,8 +5,8 @@ import pytest
 from jaxpar import pipeline as pp
 from jaxpar.pipeline.schedules import _building_block as building_block
 from jaxpar.pipeline.schedules import _plot as plot_module
-from test_executor import (MB, NAN, assert_exact, loss_fn, mesh_for, model,
-                           reference, stage_fn)
+from helpers import (MB, NAN, assert_exact, loss_fn, mesh_for, model,
+                     reference, stage_fn)
 
 UNIFORM = {'F': 1, 'I': 1, 'W': 1, 'B': 2}  # per logical stage
 

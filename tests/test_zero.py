@@ -19,8 +19,8 @@ import jaxpar.hlo
 from jaxpar import data_parallel as dp
 from jaxpar import train_state
 from jaxpar.cli.bench import zero as zero_bench
-from test_data_parallel import (assert_same_history, loss_fn, make_batches,
-                                reference_run)
+from helpers import (assert_same_history, make_batches, mlp_loss,
+                     reference_run)
 
 MESHES = {'data8': dict(data=8), 'data4': dict(data=4),
           'data2_stage2_tensor2': dict(data=2, stage=2, tensor=2)}
@@ -506,5 +506,5 @@ class TestErrors:
 
   def test_pmap_backend(self):
     with pytest.raises(ValueError, match="zero_stage=3 needs backend='shard_map'"):
-      dp.trainer(loss_fn, optax.sgd(0.1), zero_stage=3,
+      dp.trainer(mlp_loss, optax.sgd(0.1), zero_stage=3,
                  mesh=jaxpar.make_mesh(data=8), backend='pmap').step

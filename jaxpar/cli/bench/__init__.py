@@ -19,6 +19,8 @@ import jax
 
 from jaxpar import mesh
 
+__all__ = ['main', 'markdown_table']
+
 
 def markdown_table(rows: list[dict]) -> str:
   """Rows of flat dicts as a markdown table (columns in first-seen order)."""

@@ -262,7 +262,9 @@ def test_pipeline_apply(x64):
 
 
 def test_pipeline_bfloat16():
-  """compute_dtype=bfloat16 (1F1B): close to the float32 model."""
+  """compute_dtype=bfloat16 (1F1B): close to the float32 model, each
+  stage's gradient to that stage's own (stages swapped would be off by
+  more than the whole gradient)."""
   schedule = jaxpar.pipeline.one_f_one_b(2, 2)
   stages = jax.tree.map(lambda a: a.astype(np.float32),
                         stage_params('lax', schedule.num_stages))
@@ -271,17 +273,28 @@ def test_pipeline_bfloat16():
       stage_fn, head_loss, schedule=schedule, compute_dtype=jnp.bfloat16,
       mesh=jaxpar.make_mesh(stage=2, devices=jax.devices()[:2]))
   loss, grads = step(stages, head, x, t)
-  want, d_stages = jax.jit(jax.value_and_grad(
-      lambda s: model_loss(stage_fn, s, head, x, t)))(stages)
-  got = jax.device_get(grads.stages)
-  assert got['w'].dtype == np.float32
-  # bf16 keeps ~3 digits: measured 0.5% on the loss and the gradient's
-  # norm, 2.5% of the largest entry on any entry.
+  want, want_grads = jax.jit(jax.value_and_grad(
+      lambda s, h, x: model_loss(stage_fn, s, h, x, t), argnums=(0, 1, 2)))(
+          stages, head, x)
+  got = jax.device_get((grads.stages, grads.head, grads.inputs))
+  assert all(g.dtype == np.float32 for g in jax.tree.leaves(got))
+  # bf16 keeps ~3 digits: measured 0.5% on the loss; on each stage's slice
+  # of each leaf, the head and the input gradient at most 2.9% of its norm
+  # and 2.5% of its largest entry on any entry (swapped stages: 130-180%).
   np.testing.assert_allclose(loss, want, rtol=2e-2)
-  np.testing.assert_allclose(optax.tree.norm(got), optax.tree.norm(d_stages),
-                             rtol=2e-2)
-  for g, d in zip(jax.tree.leaves(got), jax.tree.leaves(d_stages)):
-    np.testing.assert_allclose(g, d, atol=0.1 * float(np.abs(d).max()))
+  for g, w in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want_grads[0])):
+    for k in range(schedule.num_stages):   # stage k against stage k
+      assert_bf16_close(g[k], w[k])
+  for g, w in zip(got[1:], want_grads[1:]):
+    assert_bf16_close(g, w)
+
+
+def assert_bf16_close(got, want):
+  """``got`` is ``want`` to bfloat16's error: 5% of its norm, each entry
+  within 5% of its largest."""
+  want = np.asarray(want)
+  assert np.linalg.norm(got - want) <= 5e-2 * np.linalg.norm(want)
+  np.testing.assert_allclose(got, want, atol=5e-2 * float(np.abs(want).max()))
 
 
 # -- 3D trainer ----------------------------------------------------------------

@@ -1,12 +1,11 @@
-"""A user's own Flax NNX model (tests/llama.py) trained with jaxpar as written.
+"""jaxpar.parallel.from_nnx: a user's own Flax NNX model (tests/llama.py)
+trained with jaxpar as written.
 
 Every mesh and schedule against the single-device reference: the model as
 the user wrote it, ``jax.value_and_grad`` and optax on one device, float64.
 """
 
 import functools
-import pathlib
-import re
 
 import chex
 import jax
@@ -353,24 +352,3 @@ def test_dropout_keys_reseed_the_models_own_streams():
   np.testing.assert_allclose(
       split(net).functions[1](stage, x),
       net.blocks[2](net.blocks[1](net.blocks[0](x))), rtol=1e-6)
-
-
-def test_readme_recipe_runs_as_written():
-  """The README's "Train your own model" code, verbatim, on tests/llama.py's
-  model: its pipeline step (data x stage x tensor from rules) gives the loss
-  of the model on one device."""
-  readme = (pathlib.Path(__file__).parent.parent / 'README.md').read_text()
-  section = readme.split('## Train your own model', 1)[1].split('\n## ', 1)[0]
-  code = re.search(r'```python\n(.*?)```', section, re.S).group(1)
-  model = llama.Llama(llama.Config(), nnx.Rngs(0))
-  ids, targets = batches(num=1)[0]
-  graphdef, weights = nnx.split(model)   # one program, not op by op
-  want = jax.jit(lambda w: llama.loss(nnx.merge(graphdef, w), ids,
-                                      targets))(weights)
-  scope = dict(jax=jax, jaxpar=jaxpar, nnx=nnx, optax=optax, model=model,
-               ids=ids, targets=targets)
-  exec(code, scope)  # pylint: disable=exec-used
-  np.testing.assert_allclose(scope['stats'].loss, want, rtol=1e-5)
-  assert not jax.tree.all(jax.tree.map(  # the step trained the model
-      lambda a, b: bool(jnp.all(a == b)), params_of(model),
-      params_of(llama.Llama(llama.Config(), nnx.Rngs(0)))))

@@ -13,8 +13,7 @@ import jaxpar
 from jaxpar import pipeline as pp
 from jaxpar.pipeline import StageVJP, stash_policy
 from jaxpar.train_state import POLICIES
-from test_rng_precision import dropout_loss, dropout_stage, reference
-from test_executor import model
+from helpers import dropout_loss, dropout_reference, dropout_stage, model
 
 # Every named policy and one given as a jax.checkpoint policy.
 ALL_POLICIES = [*POLICIES, jax.checkpoint_policies.checkpoint_dots]
@@ -170,7 +169,7 @@ def test_every_policy_is_exact_with_zero_bubble_and_dropout(x64, policy):
       mesh=jaxpar.make_mesh(stage=p, devices=jax.devices()[:p]),
       remat_policy=policy, bubble_fill=float('nan'))
   (loss, _), grads = step(*args, key=key)
-  (want, _), want_grads = reference(*args, key, m)
+  (want, _), want_grads = dropout_reference(*args, key, m)
   np.testing.assert_allclose(loss, want, rtol=1e-10)
   for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(g, w, rtol=1e-10,

@@ -7,19 +7,13 @@ import pytest
 
 from jaxpar import pipeline as sch
 from jaxpar.pipeline.schedules._tick_table import F, I, IDLE, W, local_stages, tick_table
+from helpers import SCHEDULES
 
-CONSTRUCTORS = {
-    'gpipe': sch.gpipe,
-    '1f1b': sch.one_f_one_b,
-    'interleaved': lambda p, m: sch.interleaved_one_f_one_b(p, m, 2),
-    'zb_h1': sch.zero_bubble_h1,
-    'zero_bubble_v': sch.zero_bubble_v,
-    'v_half': sch.v_half,
-    'v_min': sch.v_min,
-}
-CASES = [(name, p, m) for name in CONSTRUCTORS for p, m in
+CASES = [(name, p, m) for name in SCHEDULES for p, m in
          [(1, 3), (2, 1), (2, 4), (4, 2), (4, 8), (3, 7), (8, 8)]
          if name != 'interleaved' or m % p == 0]
+
+
 def replay(low):
   """Runs the table on symbolic values; asserts every read gets what it needs.
 
@@ -94,7 +88,7 @@ def expected(sched):
 
 @pytest.mark.parametrize('name,p,m', CASES)
 def test_table_replays(name, p, m):
-  sched = CONSTRUCTORS[name](p, m)
+  sched = SCHEDULES[name](p, m)
   low = tick_table(sched)
   done = replay(low)
   assert set(done) == expected(sched)
@@ -118,17 +112,17 @@ def test_table_replays(name, p, m):
   assert low.recv_slot.shape == (low.num_ticks, p, len(low.offsets))
 
 
-GRID = [(name, p, m) for name in CONSTRUCTORS for p in (1, 2, 3, 4, 8)
+GRID = [(name, p, m) for name in SCHEDULES for p in (1, 2, 3, 4, 8)
         for m in (1, 2, 4, 8, 12, 32, 64)
         if name != 'interleaved' or m % p == 0]
 
 
-@pytest.mark.parametrize('name', CONSTRUCTORS)
+@pytest.mark.parametrize('name', SCHEDULES)
 def test_lockstep_time_is_the_simulated_time(name):
   """``tick_table(s).makespan()`` (what the executor scans) == ``simulate``'s."""
   for n, p, m in GRID:
     if n == name:
-      sched = CONSTRUCTORS[name](p, m)
+      sched = SCHEDULES[name](p, m)
       assert tick_table(sched).makespan() == sched.simulate().makespan, (p, m)
 
 
@@ -145,7 +139,7 @@ def test_lockstep_time_by_hand():
 
 @pytest.mark.parametrize('name,p,m', [c for c in CASES if c[0] != 'gpipe'])
 def test_forward_only_table_replays(name, p, m):
-  low = tick_table(CONSTRUCTORS[name](p, m), forward_only=True)
+  low = tick_table(SCHEDULES[name](p, m), forward_only=True)
   assert not low.training
   assert set(np.unique(low.kind)) <= {IDLE, F}
   assert low.num_stash_slots == 0
@@ -154,7 +148,7 @@ def test_forward_only_table_replays(name, p, m):
 
 @pytest.mark.parametrize('name', ['1f1b', 'interleaved', 'zb_h1', 'zero_bubble_v'])
 def test_buffers_are_flat_in_m(name):
-  small, large = (tick_table(CONSTRUCTORS[name](4, m)) for m in (8, 64))
+  small, large = (tick_table(SCHEDULES[name](4, m)) for m in (8, 64))
   assert small.num_stash_slots == large.num_stash_slots
   assert small.num_mailbox_slots == large.num_mailbox_slots
   assert large.num_ticks > 7 * small.num_ticks // 2

@@ -1,0 +1,234 @@
+"""The package's shape, read from its source (``ast``; nothing is imported
+but the packages whose ``__all__`` is checked).
+
+- no import circle among jaxpar's modules, at any level;
+- ``jaxpar.pipeline.schedules`` imports no JAX: its modules and every jaxpar
+  module they import use the standard library, numpy and (to draw)
+  matplotlib only;
+- the root holds at most 8 modules;
+- no module imports another package's private module or name
+  (``from jaxpar.X._y import`` or ``from jaxpar.X import _y`` outside
+  ``jaxpar.X``); a package's own rooms and its ancestors' (the root's
+  ``_compat``, ``_validate``) are its to use;
+- every package's ``__init__`` lists its API in ``__all__``;
+- no function body (its code lines, without the docstring, blank lines and
+  comments) is over 100 lines.
+"""
+
+import ast
+import importlib
+import pathlib
+import sys
+
+import jaxpar
+
+PACKAGE = pathlib.Path(jaxpar.__file__).parent
+ROOT_MODULES = 8
+MAX_BODY_LINES = 100
+# What the schedules may import besides the standard library (matplotlib:
+# only ``Schedule.plot``, imported inside it).
+SCHEDULE_IMPORTS = {'numpy', 'matplotlib'}
+
+
+def module_name(path):
+  parts = path.relative_to(PACKAGE.parent).with_suffix('').parts
+  return '.'.join(parts[:-1] if parts[-1] == '__init__' else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob('*.py'))}
+
+
+def is_package(name):
+  return MODULES[name].name == '__init__.py'
+
+
+def imported(name, source, modules=MODULES):
+  """Every name the module ``name`` imports, as ``(dotted name, line)``: top
+  level, in functions, in ``if TYPE_CHECKING:`` blocks alike; relative
+  imports resolved; ``from m import x`` is ``m.x`` when that is a module
+  (or a private name: ``m._x``), else ``m``."""
+  package = name if name in modules and is_package(name) else (
+      name.rsplit('.', 1)[0])
+  found = []
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      found += [(alias.name, node.lineno) for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ''
+      if node.level:
+        parts = package.split('.')[:len(package.split('.')) - node.level + 1]
+        base = '.'.join(parts + ([base] if base else []))
+      for alias in node.names:
+        sub = f'{base}.{alias.name}'
+        private = alias.name.startswith('_') and base.startswith('jaxpar')
+        found.append((sub if sub in modules or private else base,
+                      node.lineno))
+  return found
+
+
+def imports(name):
+  """The jaxpar modules ``name`` imports (a private name: its module's)."""
+  found = set()
+  for target, _ in imported(name, MODULES[name].read_text()):
+    if target not in MODULES:
+      target = target.rsplit('.', 1)[0]
+    if target in MODULES and target != name:
+      found.add(target)
+  return found
+
+
+def cycle(graph):
+  """One import circle of ``graph`` as a list of modules, or ``None``."""
+  state = {}
+
+  def visit(node, path):
+    state[node] = 'open'
+    for nxt in sorted(graph[node]):
+      if state.get(nxt) == 'open':
+        return path[path.index(nxt):] + [nxt]
+      if nxt not in state and (found := visit(nxt, path + [nxt])):
+        return found
+    state[node] = 'done'
+    return None
+
+  for node in sorted(graph):
+    if node not in state and (found := visit(node, [node])):
+      return found
+  return None
+
+
+def private_imports(name, source):
+  """``'line: name imports X (private to P)'`` for each import of a private
+  module or name of a package ``P`` that is neither ``name``'s package nor
+  one of its ancestors."""
+  package = name if name in MODULES and is_package(name) else (
+      name.rsplit('.', 1)[0])
+  bad = []
+  for target, line in imported(name, source):
+    parts = target.split('.')
+    if parts[0] != 'jaxpar':
+      continue
+    for i, part in enumerate(parts):
+      if part.startswith('_') and not part.startswith('__'):
+        owner = '.'.join(parts[:i])
+        if not (package == owner or package.startswith(owner + '.')):
+          bad.append(f'{line}: {name} imports {target} (private to {owner})')
+        break
+  return bad
+
+
+def third_party(name):
+  """The top-level packages outside jaxpar and the standard library that
+  ``name`` imports."""
+  tops = {m.split('.')[0] for m, _ in imported(name, MODULES[name].read_text())}
+  return tops - {'jaxpar', '__future__'} - set(sys.stdlib_module_names)
+
+
+def closure(names):
+  """``names`` and every jaxpar module they import, transitively."""
+  seen, todo = set(), list(names)
+  while todo:
+    name = todo.pop()
+    if name not in seen:
+      seen.add(name)
+      todo += imports(name)
+  return seen
+
+
+def body_lines(node, lines):
+  """Code lines of a function's body: no docstring, blank line or comment."""
+  body = node.body
+  if (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+      and isinstance(body[0].value.value, str)):
+    body = body[1:]
+  if not body:
+    return 0
+  return sum(1 for line in lines[body[0].lineno - 1:node.end_lineno]
+             if line.strip() and not line.strip().startswith('#'))
+
+
+# -- the checkers can fail ---------------------------------------------------
+
+
+def test_cycle_finder_finds_a_circle():
+  assert cycle({'a': {'b'}, 'b': {'c'}, 'c': {'a'}}) == ['a', 'b', 'c', 'a']
+  assert cycle({'a': {'b'}, 'b': set()}) is None
+
+
+def test_private_import_finder_finds_them():
+  name = 'jaxpar.parallel._trainer'
+  assert private_imports(name, 'from jaxpar.pipeline.executor._jaxpr import '
+                         'flatten') == [
+      '1: jaxpar.parallel._trainer imports jaxpar.pipeline.executor._jaxpr '
+      '(private to jaxpar.pipeline.executor)']
+  assert private_imports(name, 'from jaxpar.pipeline import _helper') == [
+      '1: jaxpar.parallel._trainer imports jaxpar.pipeline._helper '
+      '(private to jaxpar.pipeline)']
+  assert private_imports(name, 'from ..data_parallel import _specs')
+  # Its own package's rooms, the root's shared ones, public names: allowed.
+  assert not private_imports(name, 'from jaxpar.parallel import _params\n'
+                             'from . import _placement\n'
+                             'from jaxpar._validate import check_int\n'
+                             'from jaxpar.pipeline import executor\n'
+                             'import jaxpar._compat')
+
+
+def test_the_jax_finder_sees_jax():
+  """The executor's modules import JAX: the check below would see it."""
+  assert 'jax' in third_party('jaxpar.pipeline.executor._tick_scan')
+
+
+# -- the properties ------------------------------------------------------------
+
+
+def test_no_import_circle():
+  graph = {name: imports(name) for name in MODULES}
+  assert len(graph) > 60 and graph['jaxpar.pipeline.schedules._action'] == {
+      'jaxpar._validate'}
+  assert cycle(graph) is None, f'import circle: {" -> ".join(cycle(graph))}'
+
+
+def test_schedules_import_no_jax():
+  schedules = [n for n in MODULES
+               if n.startswith('jaxpar.pipeline.schedules')]
+  assert len(schedules) >= 12
+  used = {name: third_party(name) - SCHEDULE_IMPORTS
+          for name in sorted(closure(schedules))}
+  assert not any(used.values()), {n: u for n, u in used.items() if u}
+
+
+def test_root_holds_at_most_8_modules():
+  root = sorted(p.name for p in PACKAGE.glob('*.py'))
+  assert len(root) <= ROOT_MODULES, root
+
+
+def test_no_module_imports_another_packages_private_module():
+  bad = [f'{MODULES[name].relative_to(PACKAGE.parent)}:{line}'
+         for name in MODULES
+         for line in private_imports(name, MODULES[name].read_text())]
+  assert not bad, '\n'.join(bad)
+
+
+def test_every_package_lists_its_api_in_all():
+  packages = sorted(n for n in MODULES if is_package(n))
+  assert len(packages) >= 12
+  for name in packages:
+    module = importlib.import_module(name)
+    assert isinstance(getattr(module, '__all__', None), list), (
+        f'{name} defines no __all__')
+    missing = [n for n in module.__all__ if not hasattr(module, n)]
+    assert not missing, f'{name}.__all__ names what it lacks: {missing}'
+
+
+def test_no_function_body_over_100_lines():
+  long = []
+  for path in MODULES.values():
+    source = path.read_text()
+    lines = source.splitlines()
+    for node in ast.walk(ast.parse(source)):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        n = body_lines(node, lines)
+        if n > MAX_BODY_LINES:
+          long.append(f'{path.relative_to(PACKAGE.parent)}:{node.lineno} '
+                      f'{node.name}: {n} lines')
+  assert not long, '\n'.join(long)
