@@ -30,8 +30,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ['KINDS', 'Collective', 'collective_bytes', 'collective_counts',
-           'collectives']
+__all__ = ['KINDS', 'Collective', 'Unordered', 'collective_bytes',
+           'collective_counts', 'collectives', 'unordered_collectives']
 
 KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'collective-permute',
          'all-to-all')
@@ -241,3 +241,161 @@ def collective_bytes(program: Any) -> dict[str, int]:
   for c in collectives(program):
     total[c.kind] += c.bytes
   return total
+
+
+class Unordered(NamedTuple):
+  """A collective that may run beside a loop of collectives (see
+  ``unordered_collectives``).
+
+  Attributes:
+    computation: the HLO computation holding both (e.g. the entry one).
+    loop: the earlier ``while``/``conditional``/``call`` that holds
+      collectives.
+    op: the later collective (or loop, branch or call holding collectives)
+      that does not depend on ``loop``'s result.
+  """
+  computation: str
+  loop: str
+  op: str
+
+
+# `[ENTRY ]%name (params) -> result {` -- a computation's first line.
+_COMPUTATION = re.compile(r'^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$')
+_CALLED = re.compile(
+    r'\b(?:body|condition|calls|true_computation|false_computation)='
+    r'%?([\w.\-]+)')
+_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
+_NESTED = ('while', 'conditional', 'call', 'async-start')
+
+
+def _computations(text: str) -> dict[str, list]:
+  """``{computation name: [instruction match, ...]}`` in printed order (a
+  scheduled module prints each computation in its schedule's order)."""
+  comps, current = {}, None
+  for line in text.splitlines():
+    if not line.startswith(' '):
+      m = _COMPUTATION.match(line)
+      current = comps.setdefault(m.group('name'), []) if m else None
+      continue
+    m = _INSTRUCTION.match(line)
+    if m is not None and current is not None:
+      current.append(m)
+  return comps
+
+
+def _called(m: re.Match) -> list[str]:
+  """The computations an instruction runs (loop body and condition, branches,
+  called or async-wrapped computations); not reducers' ``to_apply``."""
+  rest = m.group('rest')
+  names = _CALLED.findall(rest)
+  for group in _BRANCHES.findall(rest):
+    names += [b.strip().lstrip('%') for b in group.split(',') if b.strip()]
+  return names
+
+
+def _holders(comps: dict[str, list]) -> set[str]:
+  """Names of the computations that (transitively) run a collective."""
+  holds: dict[str, bool] = {}
+
+  def visit(name: str) -> bool:
+    if name not in holds:
+      holds[name] = False   # a cycle cannot add a collective
+      holds[name] = any(_is_collective(m) or any(map(visit, _called(m)))
+                        for m in comps.get(name, ()))
+    return holds[name]
+  return {name for name in comps if visit(name)}
+
+
+def _is_collective(m: re.Match) -> bool:
+  op = m.group('op')
+  return (op[:-len('-start')] if op.endswith('-start') else op) in KINDS
+
+
+def _loop_ancestors(instructions: list, loops: set[str]) -> dict[str, set]:
+  """For each instruction, the ``loops`` whose results it reads, following
+  tuples element by element (a ``get-tuple-element`` of a ``tuple`` or an
+  ``opt-barrier`` of one reads that element only: XLA:CPU gives neither a
+  buffer of its own, so it orders nothing at run time)."""
+  by_name = {m.group('name'): m for m in instructions}
+  ancestors: dict[str, set] = {}
+
+  def operand_names(m):
+    return [o.split()[-1].lstrip('%') for o in _operands(m.group('rest'))]
+
+  def of(name: str) -> set:
+    if name not in by_name:
+      return set()
+    return ancestors.get(name, set()) | ({name} & loops)
+
+  for m in instructions:
+    name, operands = m.group('name'), operand_names(m)
+    source = by_name.get(operands[0]) if operands else None
+    if m.group('op') == 'get-tuple-element' and source is not None:
+      if source.group('op') == 'opt-barrier':
+        inner = operand_names(source)
+        source = by_name.get(inner[0]) if inner else None
+      if source is not None and source.group('op') == 'tuple':
+        index = int(re.search(r'index=(\d+)', m.group('rest')).group(1))
+        ancestors[name] = of(operand_names(source)[index])
+        continue
+    ancestors[name] = set().union(*map(of, operands)) if operands else set()
+  return ancestors
+
+
+def unordered_collectives(program: Any) -> list[Unordered]:
+  """Collectives that may run beside a loop of collectives, on XLA:CPU.
+
+  XLA:CPU orders one device's collectives by launch only, and a ``while``
+  (or ``conditional``, ``call``) holding collectives counts as launched as
+  soon as its body goes asynchronous. A later collective that does not read
+  the loop's result can then run beside the loop's own collectives, in a
+  different order on each device; each waiting collective blocks a thread of
+  one shared pool (as many threads as devices), and once it is full the
+  program hangs until the 40-second rendezvous timeout aborts the process.
+  A program is safe when every collective (or loop of collectives) after
+  such a loop in the same computation depends on it; this lists the pairs
+  that do not.
+
+  Args:
+    program: a compiled program or its HLO text (see ``collectives``).
+
+  Returns:
+    list of ``Unordered(computation, loop, op)``, in schedule order; empty
+    when the collectives of every computation are ordered.
+
+  Example:
+    >>> import jaxpar
+    >>> hlo = '''HloModule m, is_scheduled=true
+    ... %body (p: f32[2]) -> f32[2] {
+    ...   %p = f32[2]{0} parameter(0)
+    ...   ROOT %sum = f32[2]{0} all-reduce(%p), to_apply=%add
+    ... }
+    ... ENTRY %main (x: f32[2], y: f32[2]) -> (f32[2], f32[2]) {
+    ...   %x = f32[2]{0} parameter(0)
+    ...   %y = f32[2]{0} parameter(1)
+    ...   %loop = f32[2]{0} while(%x), condition=%cond, body=%body
+    ...   %late = f32[2]{0} all-reduce(%y), to_apply=%add
+    ...   ROOT %out = (f32[2]{0}, f32[2]{0}) tuple(%loop, %late)
+    ... }'''
+    >>> jaxpar.hlo.unordered_collectives(hlo)   # `late` reads y, not `loop`
+    [Unordered(computation='main', loop='loop', op='late')]
+    >>> jaxpar.hlo.unordered_collectives(hlo.replace('all-reduce(%y)',
+    ...                                              'all-reduce(%loop)'))
+    []
+  """
+  comps = _computations(_hlo_text(program))
+  holders = _holders(comps)
+  found = []
+  for computation, instructions in comps.items():
+    bearing = [m for m in instructions
+               if _is_collective(m) or set(_called(m)) & holders]
+    loops = {m.group('name') for m in bearing if m.group('op') in _NESTED}
+    if not loops:
+      continue
+    ancestors = _loop_ancestors(instructions, loops)
+    for i, later in enumerate(bearing):
+      for earlier in bearing[:i]:
+        name = earlier.group('name')
+        if name in loops and name not in ancestors[later.group('name')]:
+          found.append(Unordered(computation, name, later.group('name')))
+  return found

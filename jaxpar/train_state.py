@@ -224,28 +224,67 @@ def apply_gradients(state: TrainState, grads: PyTree, *, loss: jax.Array,
     ([0.5, 0.5], 1)
   """
   grad_norm = global_norm(grads)
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  new_state = _updated(state, grads, grad_norm, ok, optimizer=optimizer,
+                       max_grad_norm=max_grad_norm, update_specs=update_specs)
+  return _kept(ok, new_state, state), StepStats(loss, grad_norm, ~ok)
+
+
+def _after_gradients(tree: PyTree, ok: jax.Array) -> PyTree:
+  """``tree``'s arrays as values computed from ``ok`` (equal where ``ok``).
+
+  ``ok`` is computed from the gradients (their norm), so everything that
+  reads the result -- collectives that reshard the params or take their
+  norm -- runs after the whole gradient computation, also on XLA:CPU: its
+  runtime orders one device's collectives by launch only, and a loop of
+  collectives (the pipeline's tick scan) counts as launched once its first
+  iteration goes asynchronous, so a collective that does not depend on the
+  loop's result can run beside it, in a different order on each device,
+  until the blocked threads exhaust the thread pool and the rendezvous
+  aborts (``docs/reliability.md``). An ``optimization_barrier`` orders HLO,
+  not XLA:CPU's runtime (it reuses the buffers); a select does. Where ``ok``
+  is false the values are zeros: the update is skipped and its result
+  discarded (``_kept``). Non-numeric leaves (PRNG keys) pass unchanged.
+  """
+  def gate(x):
+    if not isinstance(x, jax.Array) or not (
+        jnp.issubdtype(x.dtype, jnp.number) or x.dtype == jnp.bool_):
+      return x
+    return jnp.where(ok, x, jnp.zeros_like(x))
+  return jax.tree.map(gate, tree)
+
+
+def _updated(state: TrainState, grads: PyTree, grad_norm: jax.Array,
+             ok: jax.Array, *, optimizer: optax.GradientTransformation,
+             max_grad_norm: float | None, update_specs: PyTree | None
+             ) -> TrainState:
+  """The state after the update, as if ``ok`` (the caller keeps the old one
+  where not: ``_kept``); its inputs pass ``_after_gradients`` first."""
   if max_grad_norm is not None:
     # optax.clip_by_global_norm's rule, with the norm computed once.
     grads = jax.tree.map(
         lambda g: jnp.where(grad_norm < max_grad_norm, g,
                             g / grad_norm.astype(g.dtype) * max_grad_norm
                             ).astype(g.dtype), grads)
-  params = state.params
+  params, opt_state = _after_gradients((state.params, state.opt_state), ok)
   if update_specs is not None:
     params = jax.lax.with_sharding_constraint(params, update_specs)
-  updates, opt_state = optimizer.update(grads, state.opt_state, params)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
   new_params = optax.apply_updates(params, updates)
-  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  # Same dtypes out as in, never weakly typed: the next step hits the cache.
-  keep = lambda new, old: jax.tree.map(
-      lambda n, o: jax.lax.convert_element_type(jnp.where(ok, n, o), o.dtype),
-      new, old)
-  new_params = keep(new_params, params)
-  if update_specs is not None:  # select on the slices, then gather once
+  if update_specs is not None:  # the update's slices, gathered once
     new_params = jax.lax.with_sharding_constraint(new_params, update_specs)
-  new_state = TrainState(state.step + ok.astype(state.step.dtype), new_params,
-                         keep(opt_state, state.opt_state))
-  return new_state, StepStats(loss, grad_norm, ~ok)
+  return TrainState(state.step, new_params, opt_state)
+
+
+def _kept(ok: jax.Array, new: TrainState, old: TrainState) -> TrainState:
+  """``new`` where ``ok``, else ``old`` (the step counts only if ``ok``); same
+  dtypes out as in, never weakly typed, so the next step hits the cache.
+  ``new`` and ``old`` are laid out alike: a select, no collective."""
+  keep = lambda n, o: jax.lax.convert_element_type(jnp.where(ok, n, o),
+                                                  o.dtype)
+  return TrainState(old.step + ok.astype(old.step.dtype),
+                    jax.tree.map(keep, new.params, old.params),
+                    jax.tree.map(keep, new.opt_state, old.opt_state))
 
 
 def shardings(mesh: Mesh, specs: PyTree) -> PyTree:
@@ -301,13 +340,18 @@ def sharded_update(state: TrainState, grads: PyTree, *, loss: jax.Array,
   Call it inside ``jax.set_mesh(mesh)``.
   """
   def update(state, grads, loss):
-    return apply_gradients(state, grads, loss=loss, optimizer=optimizer,
-                           max_grad_norm=max_grad_norm,
-                           update_specs=update_specs)
+    grad_norm = global_norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    return _updated(state, grads, grad_norm, ok, optimizer=optimizer,
+                    max_grad_norm=max_grad_norm,
+                    update_specs=update_specs), grad_norm, ok
   replicated = NamedSharding(mesh, P())
-  out = (shardings(mesh, state_specs),
-         StepStats(replicated, replicated, replicated))
-  return jax.sharding.auto_axes(update, out_sharding=out)(state, grads, loss)
+  out = (shardings(mesh, state_specs), replicated, replicated)
+  new, grad_norm, ok = jax.sharding.auto_axes(update, out_sharding=out)(
+      state, grads, loss)
+  # Both laid out as state_specs: the select needs no collective that reads
+  # the old state alone (``_after_gradients``).
+  return _kept(ok, new, state), StepStats(loss, grad_norm, ~ok)
 
 
 def signature(tree: PyTree) -> tuple:

@@ -256,6 +256,26 @@ def test_a_killed_worker_is_named_first(tmp_path, worker_path, rank):
   assert f'probe {rank} ignores SIGTERM' in err
 
 
+def test_a_worker_stuck_inside_a_step_fails_the_run_in_bounded_time(
+    worker_path, capfd):
+  """Process 1 sleeps forever inside a step (an ``io_callback``) while
+  process 0 waits in the step's all-reduce. With ``Timeouts(collective=5,
+  shutdown=3)`` process 0's all-reduce raises after 5 s, its shutdown
+  barrier gives up 3 s later naming process 1, every process stops, and the
+  launcher names both exits with their tails (process 1's with its stack)."""
+  start = time.monotonic()
+  code = distributed.launch(2, ['stuck', '1'], module='launch_probe',
+                            devices_per_process=1, grace=DRILL_GRACE_S,
+                            timeout=300)
+  took = time.monotonic() - start
+  err = capfd.readouterr().err
+  assert code != 0
+  assert took < 120, took    # start-up and compile, 5 s, 3 s, the grace
+  assert 'Timed out waiting 5000ms' in err
+  assert 'Some timed out task names:\n1' in err   # the shutdown barrier
+  assert sorted(line.split()[2] for line in _exits(err)) == ['0', '1']
+
+
 @pytest.mark.parametrize('returned, status', [(0, 0), (3, 3), (-9, 137),
                                               (-15, 143)])
 def test_launch_command_exit_status(monkeypatch, returned, status):
@@ -297,6 +317,11 @@ def test_initialize_single_process_is_a_no_op(clean_env):
     (dict(local_device_count=0), {}, ValueError, 'local_device_count=0'),
     ({}, {distributed.ENV_NUM_PROCESSES: 'two'}, ValueError,
      'JAXPAR_NUM_PROCESSES'),
+    (dict(timeouts=(5, 5, 5)), {}, TypeError, 'Timeouts'),
+    (dict(timeouts=distributed.Timeouts(collective=0)), {}, ValueError,
+     'timeouts.collective'),
+    ({}, {distributed.ENV_SHUTDOWN_TIMEOUT: '0'}, ValueError,
+     'timeouts.shutdown'),
     # Valid, but JAX already runs here with another layout.
     (dict(coordinator='127.0.0.1:1234', num_processes=2, process_id=0), {},
      RuntimeError, 'before any JAX operation'),

@@ -19,9 +19,13 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     parser.error('give the command after --, e.g. -- demo --steps 10')
   if args.num_processes < 1:
     parser.error(f'-n must be >= 1, got {args.num_processes}')
-  return distributed.launch(args.num_processes, command,
-                            devices_per_process=args.devices_per_process,
-                            port=args.port)
+  if args.grace is not None and not 0 <= args.grace < float('inf'):
+    parser.error(f'--grace must be >= 0 seconds, got {args.grace}')
+  code = distributed.launch(
+      args.num_processes, command, devices_per_process=args.devices_per_process,
+      port=args.port,
+      grace=distributed.GRACE_S if args.grace is None else args.grace)
+  return code if code >= 0 else 128 - code   # killed by signal s: 128 + s
 
 
 def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -48,6 +52,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                       help='simulated CPU devices in each process')
   launch.add_argument('--port', type=int,
                       help='coordinator port (default: free)')
+  launch.add_argument('--grace', type=float,
+                      help='seconds between SIGTERM and SIGKILL when the '
+                      f'processes are stopped (default {distributed.GRACE_S:g})')
   launch.add_argument('args', nargs=argparse.REMAINDER,
                       help='-- followed by the jaxpar command to run')
   return parser, launch

@@ -137,6 +137,21 @@ def microbatched_value_and_grad(loss_fn: Callable[..., Any], params: PyTree,
   return jax.tree.map(lambda t: t / num_microbatches, total)
 
 
+def check_float_params(params: PyTree) -> None:
+  """``TypeError`` naming the first leaf of ``params`` that is not floating
+  point: the step differentiates every leaf (``jax.grad`` fails on integers
+  with a message naming none), so say which one and what to do, eagerly."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    dtype = _dtype(leaf)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+      name = jax.tree_util.keystr(path, simple=True, separator='/')
+      raise TypeError(
+          f'params leaf {name!r} has dtype {dtype}; the step differentiates '
+          'every leaf of params, so each must be floating point: cast it '
+          "(e.g. .astype('float32')) if it is a weight, or keep integer data "
+          'out of params (in the batch, or closed over in loss_fn).')
+
+
 def _check_aux(aux) -> None:
   for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
     if not jnp.issubdtype(leaf.dtype, jnp.inexact):
@@ -443,6 +458,7 @@ def _check_model(state: TrainState, batch: PyTree, microbatch: int,
   """The optimizer state and ``loss_fn`` on one microbatch, on logical,
   unsharded shapes (user code need not be valid under sharding types)."""
   logical = logical_shapes(state)
+  check_float_params(logical.params)
   check_opt_state(logical, options.optimizer)
   micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       (microbatch, *np.shape(x)[1:]), _dtype(x)), batch)
@@ -480,6 +496,13 @@ class _CheckedStep:
   def lower(self, state: TrainState, batch: PyTree):
     self._check(state, batch)
     return self.step.lower(state, batch)
+
+
+def _checked_init(init: Callable[[PyTree], TrainState],
+                  params: PyTree) -> TrainState:
+  """``Trainer.init``: float params (``check_float_params``), then ``init``."""
+  check_float_params(params)
+  return init(params)
 
 
 def _logical_params(state: TrainState) -> PyTree:
@@ -595,4 +618,5 @@ def trainer(
       has_aux=has_aux, backend=backend, key=key, compute_dtype=compute_dtype,
       remat_policy=remat_policy)
   step = (_PmapStep if backend == 'pmap' else _ShardMapStep)(options)
-  return Trainer(step.init, _CheckedStep(step, options), _logical_params)
+  return Trainer(functools.partial(_checked_init, step.init),
+                 _CheckedStep(step, options), _logical_params)

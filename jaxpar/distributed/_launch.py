@@ -3,29 +3,61 @@
 ``launch(N, argv)`` starts ``python -m jaxpar <argv...>`` N times with the
 ``JAXPAR_*`` variables that ``initialize`` (``_runtime.py``) reads, so the N
 processes form one ``jax.distributed`` job with gloo collectives on CPU
-(``python -m jaxpar launch -n N -- demo ...``). One failing process stops
-them all; its exit code is returned.
+(``python -m jaxpar launch -n N -- demo ...``).
+
+The launcher owns its workers: none outlives it unless it is SIGKILLed.
+
+* **Stopping.** The workers get SIGTERM; those alive ``grace`` seconds later
+  get SIGABRT, on which Python's fault handler (on in every worker) prints
+  every thread's stack -- where a stuck worker hangs -- and those alive
+  ``_ABORT_S`` later SIGKILL. A JAX worker of a ``jax.distributed`` job
+  keeps running on SIGTERM (its preemption notifier takes the signal), so it
+  always takes the grace.
+* **One fails, all stop**, and ``launch`` returns the failed worker's code.
+* **Signals are forwarded.** SIGTERM or SIGINT to the launcher (Slurm,
+  Kubernetes, ``timeout``, Ctrl-C) stops the workers the same way, that
+  signal first; ``launch`` returns ``-signum`` (the command line exits with
+  ``128 + signum``).
+* **Every exit is named.** On a failure, a signal or a timeout, each worker's
+  exit is one line ``--- process i exited with code c (...)`` on stderr with
+  the tail of its output, the first failure first (at once, before the
+  others are stopped). Process 0's output also streams to this process's
+  stdout/stderr as it comes; the others' is kept for the report. Workers run
+  with ``PYTHONUNBUFFERED=1`` (unless set), so a killed worker's last lines
+  are in its tail.
 """
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import IO, NamedTuple
+
+try:
+  import resource
+except ImportError:   # not on Windows
+  resource = None
 
 from jaxpar.distributed._runtime import (ENV_COORDINATOR,
                                          ENV_LOCAL_DEVICE_COUNT,
                                          ENV_NUM_PROCESSES, ENV_PROCESS_ID,
                                          _check_int)
 
-_GRACE_S = 5.0     # SIGTERM -> SIGKILL
+GRACE_S = 5.0     # SIGTERM -> SIGABRT (a stack dump) ...
+_ABORT_S = 2.0    # ... -> SIGKILL
 _POLL_S = 0.05
-_LOG_TAIL = 4000   # characters of a failed process's output shown
+_TAIL_LINES = 30   # lines of each worker's output in the report ...
+_TAIL_CHARS = 4000   # ... at most this many characters
+_FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
 
 def free_port() -> int:
@@ -35,37 +67,43 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-  """SIGTERM the running processes, SIGKILL those alive after a grace time."""
-  for p in procs:
-    if p.poll() is None:
-      p.terminate()
-  deadline = time.monotonic() + _GRACE_S
-  for p in procs:
-    try:
-      p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      p.kill()
-      p.wait()
+class _Worker(NamedTuple):
+  process: int                        # its JAXPAR_PROCESS_ID
+  popen: subprocess.Popen
+  log: IO[bytes]                      # all its output (stdout and stderr)
+  tees: tuple[threading.Thread, ...]  # process 0: copies to our terminal
 
 
 class _Exit(NamedTuple):
+  """Why the launch ends: all done, the first worker that failed, a signal
+  this process got, or the timeout."""
   process: int | None   # the first process that failed, or None
-  code: int             # its exit code (a signal s gives -s), or 0
+  code: int             # its exit code (a signal s gives -s), -signum, or 0
+  signum: int | None = None   # a signal this process got
+  timed_out: bool = False
+
+
+class _Caught:
+  """Signals received while ``_caught_signals`` is active (``signum``)."""
+  signum: int | None = None
 
 
 def launch(num_processes: int, argv: Sequence[str], *,
            devices_per_process: int | None = None, port: int | None = None,
-           module: str = 'jaxpar', timeout: float | None = None) -> int:
+           module: str = 'jaxpar', timeout: float | None = None,
+           grace: float = GRACE_S) -> int:
   """Runs ``python -m <module> <argv...>`` as ``num_processes`` local processes.
 
   Process ``i`` gets ``JAXPAR_COORDINATOR=127.0.0.1:<port>``,
   ``JAXPAR_NUM_PROCESSES``, ``JAXPAR_PROCESS_ID=i`` (and
   ``JAXPAR_LOCAL_DEVICE_COUNT``) in its environment, for ``initialize()`` to
-  read. Process 0 writes to this process's stdout/stderr; the others' output
-  is kept and shown (its tail) only if they fail. If one process exits with
-  an error, the others are terminated at once (a JAX process would otherwise
-  wait for the dead one in its next collective).
+  read. Process 0's output streams to this process's stdout/stderr; every
+  worker's is kept, and its tail shown with a line naming the process and its
+  exit code if the run fails, the first failure first. If one process exits
+  with an error, the others get SIGTERM at once, SIGABRT after ``grace`` (a
+  stack dump in their output) and SIGKILL (a JAX process would otherwise
+  wait for the dead one in its next collective); SIGTERM or SIGINT to this
+  process are forwarded the same way.
 
   Args:
     num_processes: ``N >= 1``.
@@ -75,15 +113,18 @@ def launch(num_processes: int, argv: Sequence[str], *,
       it to the program.
     port: the coordinator port on localhost; default a free one.
     module: the module to run (``python -m module``).
-    timeout: seconds before all processes are killed and ``TimeoutError`` is
-      raised; ``None`` waits forever.
+    timeout: seconds before all processes are stopped and ``TimeoutError``
+      is raised; ``None`` waits forever.
+    grace: seconds between SIGTERM (or the signal forwarded) and SIGABRT
+      when the workers are stopped.
 
   Returns:
-    The first non-zero exit code (a signal ``s`` gives ``-s``), or 0.
+    The first non-zero exit code (a signal ``s`` gives ``-s``), ``-signum``
+    if this process got SIGTERM/SIGINT, or 0.
 
   Raises:
     ValueError / TypeError: bad arguments.
-    TimeoutError: ``timeout`` expired (all processes are killed first).
+    TimeoutError: ``timeout`` expired (all processes are stopped first).
 
   Example:
     >>> # Two demo processes take a minute: not run as a doctest.
@@ -92,31 +133,29 @@ def launch(num_processes: int, argv: Sequence[str], *,
     ...                           devices_per_process=4)  # doctest: +SKIP
     0
   """
-  _check_launch(num_processes, argv, devices_per_process, port, timeout)
+  _check_launch(num_processes, argv, devices_per_process, port, timeout,
+                grace)
   port = free_port() if port is None else port
-  procs, logs = [], []
-  first_failure = _Exit(None, 0)
-  try:
-    for i in range(num_processes):
-      log = None if i == 0 else tempfile.TemporaryFile()
-      logs.append(log)
-      procs.append(subprocess.Popen(
-          [sys.executable, '-m', module, *argv],
-          env=_process_env(i, num_processes, port, devices_per_process),
-          stdout=log, stderr=None if log is None else subprocess.STDOUT))
-    first_failure = _wait(procs, timeout, what=(
-        f'{num_processes} processes of python -m {module} {" ".join(argv)}'))
-  finally:
-    _stop(procs)
-    _show_output(first_failure, logs)
-    for log in logs:
-      if log is not None:
-        log.close()
-  return first_failure.code
+  what = f'{num_processes} processes of python -m {module} {" ".join(argv)}'
+  workers: list[_Worker] = []
+  end = _Exit(None, 0)
+  with _caught_signals() as caught:
+    try:
+      for i in range(num_processes):
+        workers.append(_start(i, [sys.executable, '-m', module, *argv],
+                              _process_env(i, num_processes, port,
+                                           devices_per_process)))
+      end = _wait(workers, timeout, caught)
+    finally:
+      _finish(workers, end, grace)
+  if end.timed_out:
+    raise TimeoutError(f'launch: {what} ran past timeout={timeout}s and were '
+                       'stopped.')
+  return end.code
 
 
 def _check_launch(num_processes, argv, devices_per_process, port,
-                  timeout) -> None:
+                  timeout, grace) -> None:
   _check_int(num_processes, 'num_processes', 1)
   if isinstance(argv, str) or not isinstance(argv, Sequence) or not all(
       isinstance(a, str) for a in argv):
@@ -129,43 +168,211 @@ def _check_launch(num_processes, argv, devices_per_process, port,
                      'a free one.')
   if timeout is not None and not timeout > 0:
     raise ValueError(f'timeout={timeout!r} must be > 0 seconds, or None.')
+  if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (
+      0 <= grace < float('inf')):
+    raise ValueError(f'grace={grace!r} must be >= 0 seconds (between SIGTERM '
+                     f'and SIGKILL), e.g. {GRACE_S}.')
 
 
 def _process_env(i: int, num_processes: int, port: int,
                  devices_per_process: int | None) -> dict[str, str]:
-  """This environment plus the ``JAXPAR_*`` variables of process ``i``."""
+  """This environment plus the ``JAXPAR_*`` variables of process ``i`` (and,
+  unless set, ``PYTHONUNBUFFERED=1``: a killed worker loses no output;
+  ``PYTHONFAULTHANDLER=1``: SIGABRT prints its Python stacks)."""
   env = dict(os.environ)
   env.update({ENV_COORDINATOR: f'127.0.0.1:{port}',
               ENV_NUM_PROCESSES: str(num_processes),
               ENV_PROCESS_ID: str(i)})
+  env.setdefault('PYTHONUNBUFFERED', '1')
+  env.setdefault('PYTHONFAULTHANDLER', '1')   # SIGABRT prints the stacks
   if devices_per_process is not None:
     env[ENV_LOCAL_DEVICE_COUNT] = str(devices_per_process)
   return env
 
 
-def _wait(procs: list[subprocess.Popen], timeout: float | None, *,
-          what: str) -> _Exit:
-  """Polls until all exit or one fails; ``TimeoutError`` past ``timeout``."""
+@contextlib.contextmanager
+def _caught_signals() -> Iterator[_Caught]:
+  """Records SIGTERM/SIGINT in the yielded ``_Caught`` instead of dying (in
+  the main thread; elsewhere signals cannot be caught and keep their
+  handlers); the previous handlers come back on exit."""
+  caught = _Caught()
+  if threading.current_thread() is not threading.main_thread():
+    yield caught
+    return
+
+  def record(signum, frame):
+    del frame
+    if caught.signum is None:
+      caught.signum = signum
+  previous = {s: signal.signal(s, record) for s in _FORWARDED}
+  try:
+    yield caught
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
+def _start(i: int, command: list[str], env: dict[str, str]) -> _Worker:
+  """Process ``i``: its output into a temporary file (process 0's copied to
+  this process's stdout/stderr as well, as it comes)."""
+  log = tempfile.TemporaryFile('a+b')   # appends wherever a report reads
+  if i != 0:
+    popen = subprocess.Popen(command, env=env, stdout=log,
+                             stderr=subprocess.STDOUT)
+    return _Worker(i, popen, log, ())
+  popen = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+  lock = threading.Lock()
+  tees = tuple(threading.Thread(target=_tee, args=(pipe, out, log, lock),
+                                daemon=True)
+               for pipe, out in ((popen.stdout, 'stdout'),
+                                 (popen.stderr, 'stderr')))
+  for tee in tees:
+    tee.start()
+  return _Worker(i, popen, log, tees)
+
+
+def _tee(pipe: IO[bytes], out: str, log: IO[bytes],
+         lock: threading.Lock) -> None:
+  """Copies ``pipe`` to ``sys.<out>`` (looked up per chunk: a test may swap
+  it) and to ``log`` until the process closes it; a terminal that went away
+  (a closed pipe) only stops the copy to it, the pipe is still drained."""
+  decoder = codecs.getincrementaldecoder('utf-8')(errors='replace')
+  terminal = True
+  while chunk := os.read(pipe.fileno(), 65536):
+    with lock:
+      log.write(chunk)
+      log.flush()
+    if terminal:
+      try:
+        stream = getattr(sys, out)
+        stream.write(decoder.decode(chunk))
+        stream.flush()
+      except (OSError, ValueError):
+        terminal = False
+  pipe.close()
+
+
+def _wait(workers: list[_Worker], timeout: float | None,
+          caught: _Caught) -> _Exit:
+  """Polls until all exit, one fails, this process gets a signal or
+  ``timeout`` passes (``_Exit``)."""
   deadline = None if timeout is None else time.monotonic() + timeout
-  while any(p.poll() is None for p in procs):
-    bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
-    if bad:
-      return _Exit(bad[0], procs[bad[0]].returncode)
+  while any(w.popen.poll() is None for w in workers):
+    if caught.signum is not None:
+      return _Exit(None, -caught.signum, caught.signum)
+    failed = [w for w in workers if w.popen.poll() not in (None, 0)]
+    if failed:
+      return _Exit(failed[0].process, failed[0].popen.returncode)
     if deadline is not None and time.monotonic() > deadline:
-      _stop(procs)
-      raise TimeoutError(f'launch: {what} ran past timeout={timeout}s and '
-                         'were killed.')
+      return _Exit(None, 0, timed_out=True)
     time.sleep(_POLL_S)
-  bad = [i for i, p in enumerate(procs) if p.returncode != 0]
-  return _Exit(bad[0], procs[bad[0]].returncode) if bad else _Exit(None, 0)
+  failed = [w for w in workers if w.popen.returncode != 0]
+  return (_Exit(failed[0].process, failed[0].popen.returncode) if failed
+          else _Exit(None, 0))
 
 
-def _show_output(failure: _Exit, logs: list) -> None:
-  """The tail of the failed process's output on stderr (process 0's is
-  there already)."""
-  if failure.process is not None and logs[failure.process] is not None:
-    log = logs[failure.process]
-    log.seek(0)
-    tail = log.read().decode(errors='replace')[-_LOG_TAIL:]
-    print(f'--- process {failure.process} exited with code {failure.code}; '
-          f'last output:\n{tail}', file=sys.stderr)
+def _finish(workers: list[_Worker], end: _Exit, grace: float) -> None:
+  """Reports the first failure, stops the rest (forwarding a signal this
+  process got), reports their exits, closes the logs. The workers are
+  stopped whatever happens to the reports."""
+  failed = end.process is not None
+  stopping = failed or end.signum is not None or end.timed_out or any(
+      w.popen.poll() is None for w in workers)   # e.g. an exception here
+  sent = {}
+  try:
+    if failed:
+      _report(workers[end.process], 'the first to fail')
+    elif end.signum is not None:
+      _say(f'--- launch: got {signal.Signals(end.signum).name}; forwarding '
+           f'it to the {len(workers)} processes, SIGKILL after {grace:g} s')
+    elif end.timed_out:
+      _say(f'--- launch: timeout; stopping the {len(workers)} processes '
+           f'(SIGTERM, SIGKILL after {grace:g} s)')
+  finally:
+    sent = _stop(workers, end.signum or signal.SIGTERM, grace)
+  for tee in (t for w in workers for t in w.tees):   # process 0's last lines
+    tee.join(timeout=1.0)
+  if stopping:
+    for w in workers:
+      if w.process != end.process:
+        _report(w, sent.get(w.process, 'on its own'))
+  for w in workers:
+    w.log.close()
+
+
+def _stop(workers: list[_Worker], signum: int, grace: float
+          ) -> dict[int, str]:
+  """``signum`` to the running workers; to those alive after ``grace``
+  seconds SIGABRT (Python's fault handler, on in every worker, prints where
+  each thread is: the report shows where a stuck worker hangs; no core
+  file), then SIGKILL after ``_ABORT_S``. ``{process: what was sent}``."""
+  name = signal.Signals(signum).name
+  sent = {}
+  for w in workers:
+    if w.popen.poll() is None:
+      w.popen.send_signal(signum)
+      sent[w.process] = f'the launcher sent {name}'
+  _wait_all(workers, grace)
+  for w in workers:
+    if w.popen.poll() is None:
+      _no_core_file(w.popen.pid)
+      w.popen.send_signal(signal.SIGABRT)
+      sent[w.process] += (f', then SIGABRT after {grace:g} s: the stacks '
+                          'below')
+  _wait_all(workers, _ABORT_S)
+  for w in workers:
+    if w.popen.poll() is None:
+      w.popen.kill()
+      w.popen.wait()
+      sent[w.process] += ', then SIGKILL'
+  return sent
+
+
+def _wait_all(workers: list[_Worker], seconds: float) -> None:
+  """Waits up to ``seconds`` in all for the workers to exit."""
+  deadline = time.monotonic() + seconds
+  for w in workers:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+      w.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _no_core_file(pid: int) -> None:
+  """A SIGABRT the launcher sends writes no core file (Linux; elsewhere the
+  user's limit holds)."""
+  prlimit = getattr(resource, 'prlimit', None)   # Linux
+  if prlimit is not None:
+    with contextlib.suppress(OSError, ValueError):
+      prlimit(pid, resource.RLIMIT_CORE, (0, prlimit(
+          pid, resource.RLIMIT_CORE)[1]))
+
+
+def _report(worker: _Worker, why: str) -> None:
+  """``--- process i exited with code c[ = SIGNAME] (why); last output:``
+  and the tail of its output, on stderr."""
+  for tee in worker.tees:   # process 0: the rest of its output first
+    tee.join(timeout=1.0)
+  code, name = worker.popen.returncode, ''
+  if code is not None and code < 0:
+    with contextlib.suppress(ValueError):
+      name = f' = {signal.Signals(-code).name}'
+  _say(f'--- process {worker.process} exited with code {code}{name} ({why}); '
+       f'last output:\n{_tail(worker.log)}')
+
+
+def _say(text: str) -> None:
+  """``text`` on stderr, if it is still there (a closed pipe is no reason
+  to leave workers behind)."""
+  with contextlib.suppress(OSError, ValueError):
+    print(text, file=sys.stderr, flush=True)
+
+
+def _tail(log: IO[bytes]) -> str:
+  """The last ``_TAIL_LINES`` lines (at most ``_TAIL_CHARS`` characters) of
+  a worker's output."""
+  log.seek(0, os.SEEK_END)
+  size = log.tell()
+  log.seek(max(0, size - 4 * _TAIL_CHARS))
+  text = log.read().decode(errors='replace')
+  lines = text.splitlines()[-_TAIL_LINES:]
+  return '\n'.join(lines)[-_TAIL_CHARS:] or '(no output)'

@@ -30,7 +30,7 @@ the ``JAXPAR_*`` variables ``launch`` (``_launch.py``) sets.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -44,6 +44,33 @@ ENV_COORDINATOR = 'JAXPAR_COORDINATOR'
 ENV_NUM_PROCESSES = 'JAXPAR_NUM_PROCESSES'
 ENV_PROCESS_ID = 'JAXPAR_PROCESS_ID'
 ENV_LOCAL_DEVICE_COUNT = 'JAXPAR_LOCAL_DEVICE_COUNT'
+ENV_COLLECTIVE_TIMEOUT = 'JAXPAR_COLLECTIVE_TIMEOUT'
+ENV_HEARTBEAT_TIMEOUT = 'JAXPAR_HEARTBEAT_TIMEOUT'
+ENV_SHUTDOWN_TIMEOUT = 'JAXPAR_SHUTDOWN_TIMEOUT'
+
+
+class Timeouts(NamedTuple):
+  """How long a multi-process run waits for a peer that stops answering,
+  in seconds (``None``: JAX's and XLA's defaults, in brackets).
+
+  Attributes:
+    collective: a CPU (gloo) collective waits this long for its peers, then
+      raises ``JaxRuntimeError`` (``Gloo ... Timed out waiting ...ms``) in
+      the processes waiting (XLA's ``--xla_cpu_collective_timeout_seconds``
+      [1800]). GPUs' NCCL collectives have their own.
+    heartbeat: a process that sent no heartbeat for this long (killed,
+      frozen, unreachable) is declared dead and every process stops, naming
+      it (``jax.distributed``'s ``heartbeat_timeout_seconds`` [100]). A
+      process stuck in Python keeps sending heartbeats: the collective
+      timeout catches it.
+    shutdown: at exit each process waits this long for the others at the
+      shutdown barrier, then every process stops and the error names those
+      that did not arrive (``Some timed out task names: 1``;
+      ``shutdown_timeout_seconds`` [300]).
+  """
+  collective: int | None = None
+  heartbeat: int | None = None
+  shutdown: int | None = None
 
 
 def _env_int(name: str) -> int | None:
@@ -72,7 +99,8 @@ def _check_coordinator(coordinator: str) -> None:
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *,
-               local_device_count: int | None = None) -> None:
+               local_device_count: int | None = None,
+               timeouts: Timeouts | None = None) -> None:
   """Joins this process to a multi-process JAX run (before any JAX operation).
 
   Wraps ``jax.distributed.initialize``. Each argument left ``None`` is read
@@ -91,6 +119,13 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     local_device_count: CPU devices this process simulates
       (``jax_num_cpu_devices``); ``None`` keeps JAX's default. Ignored by
       GPU/TPU backends, whose devices are the hardware's.
+    timeouts: ``Timeouts(collective, heartbeat, shutdown)`` in seconds: how
+      long a peer that stops answering is waited for. Each field left
+      ``None`` is read from ``JAXPAR_COLLECTIVE_TIMEOUT`` /
+      ``JAXPAR_HEARTBEAT_TIMEOUT`` / ``JAXPAR_SHUTDOWN_TIMEOUT``, else JAX's
+      default holds. A process stuck inside a step then fails the others in
+      about ``collective + shutdown`` seconds, the shutdown barrier naming
+      it (``docs/reliability.md``).
 
   On CPU, cross-process collectives use gloo
   (``jax_cpu_collectives_implementation='gloo'``). Calling it again with the
@@ -125,6 +160,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   _check_int(num_processes, 'num_processes', 1)
   _check_int(process_id, 'process_id', 0)
   _check_int(local_device_count, 'local_device_count', 1)
+  timeouts = _timeouts(timeouts)
   if num_processes is not None and process_id is not None and (
       process_id >= num_processes):
     raise ValueError(f'process_id={process_id} must be < num_processes='
@@ -153,10 +189,34 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     jax.config.update('jax_num_cpu_devices', int(local_device_count))
   if single:
     return
+  if timeouts.collective is not None:   # read when the CPU backend starts
+    os.environ['XLA_FLAGS'] = ' '.join(filter(None, [
+        os.environ.get('XLA_FLAGS'),
+        f'--xla_cpu_collective_timeout_seconds={timeouts.collective}']))
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   jax.distributed.initialize(
       coordinator, None if num_processes is None else int(num_processes),
-      None if process_id is None else int(process_id))
+      None if process_id is None else int(process_id),
+      **{name: int(value) for name, value in (
+          ('heartbeat_timeout_seconds', timeouts.heartbeat),
+          ('shutdown_timeout_seconds', timeouts.shutdown))
+         if value is not None})
+
+
+def _timeouts(timeouts: Timeouts | None) -> Timeouts:
+  """``timeouts`` checked, its ``None`` fields read from the environment."""
+  if timeouts is None:
+    timeouts = Timeouts()
+  if not isinstance(timeouts, Timeouts):
+    raise TypeError('timeouts must be a jaxpar.distributed.Timeouts('
+                    'collective, heartbeat, shutdown) in seconds, got '
+                    f'{type(timeouts).__name__}.')
+  env = (ENV_COLLECTIVE_TIMEOUT, ENV_HEARTBEAT_TIMEOUT, ENV_SHUTDOWN_TIMEOUT)
+  values = [_env_int(name) if value is None else value
+            for value, name in zip(timeouts, env)]
+  for value, field in zip(values, Timeouts._fields):
+    _check_int(value, f'timeouts.{field}', 1)
+  return Timeouts(*values)
 
 
 def is_main_process() -> bool:
