@@ -27,7 +27,7 @@ from jaxpar.pipeline import (PipelineGrads, StageVJP, pipeline_apply,
                              pipeline_apply_local, pipeline_value_and_grad,
                              pipeline_value_and_grad_local, ranks_to_stages,
                              stages_to_ranks, tick_table)
-from jaxpar.pipeline.executor import _tick_scan
+from jaxpar.pipeline.executor import _tick_rows
 from jaxpar.train_state import cast_params
 from helpers import (D, MB, NAN, OUT, SCHEDULES, assert_exact, dropout_loss,
                      dropout_reference, dropout_stage, loss_fn, mesh_for,
@@ -229,7 +229,7 @@ def test_the_result_is_summed_num_ranks_rows_at_a_time(name, p, m, training):
   until it is summed: ``ceil(m / p)`` sums, every row once, and no slot is
   written again before the sum that reads it."""
   low = tick_table(SCHEDULES[name](p, m), forward_only=not training)
-  slot, rows = _tick_scan.edge_rows(low)
+  slot, rows = _tick_rows.edge_rows(low)
   sums = np.flatnonzero((rows < m).any(1))
   assert len(sums) == -(-m // p)
   assert sorted(rows[rows < m]) == list(range(m))
@@ -239,7 +239,7 @@ def test_the_result_is_summed_num_ranks_rows_at_a_time(name, p, m, training):
         continue
       written = np.flatnonzero(slot[:t + 1] == k)   # writes of slot k so far
       done = written[-1]                            # the last one is the row's
-      at = (low.kind[done] == (_tick_scan.I if training else _tick_scan.F)) & (
+      at = (low.kind[done] == (_tick_rows.I if training else _tick_rows.F)) & (
           low.stage[done] == (0 if training else low.schedule.num_stages - 1))
       assert (low.microbatch[done][at] == row).all() and at.any()
 

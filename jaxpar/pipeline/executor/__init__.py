@@ -9,7 +9,7 @@ trees move between model order and the rank placement ``[p, v, ...]``
 """
 
 from jaxpar.pipeline.executor._pipeline import PipelineGrads as PipelineGrads
-from jaxpar.pipeline.executor._tick_scan import LossFn as LossFn
+from jaxpar.pipeline.executor._tick_state import LossFn as LossFn
 from jaxpar.pipeline.executor._tick_scan import StageFn as StageFn
 from jaxpar.pipeline.executor._pipeline import pipeline_apply as pipeline_apply
 from jaxpar.pipeline.executor._pipeline import (
@@ -32,7 +32,7 @@ from jaxpar.pipeline.executor._checks import check_fn as check_fn
 from jaxpar.pipeline.executor._checks import check_leading as check_leading
 from jaxpar.pipeline.executor._jaxpr import is_var as is_jaxpr_var
 from jaxpar.pipeline.executor._jaxpr import needed as jaxpr_needed
-from jaxpar.pipeline.executor._tick_scan import messages as tick_messages
+from jaxpar.pipeline.executor._tick_rows import messages as tick_messages
 from jaxpar.pipeline.executor._vma import vary as vary
 from jaxpar.pipeline.executor._vma import vma as varying_axes
 

@@ -87,218 +87,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxpar.pipeline.executor._microbatches import with_key
 from jaxpar.pipeline.executor._stage_vjp import StageVJP, stash_policy
+from jaxpar.pipeline.executor._tick_rows import F, I, blocks, edge_rows, messages
+from jaxpar.pipeline.executor._tick_state import (
+    Accumulators, Action, Avals, BlockState, Carry, Edge, LossFn, Plan, Rank,
+    Result, TickRow)
 from jaxpar.pipeline.executor._vma import full, like, vary, vma
-from jaxpar.pipeline.schedules import KIND_CODES, TickTable
+from jaxpar.pipeline.schedules import TickTable
 
 PyTree = Any
-F, I, W = (KIND_CODES[k] for k in 'FIW')   # the tick table's kind codes
 StageFn = Callable[..., jax.Array]
-LossFn = Callable[..., Any]
-
-
-# ------------------------------------------------------------ named state
-
-
-class Action(NamedTuple):
-  """One rank's row of the tick table at one tick (``TickRow.ranks``: each
-  field ``[p, ...]``, every rank's). ``-1`` means none: idle, no mailbox
-  read (stage 0's batch), no message received over an offset."""
-  kind: Any          # F, I, W (the table's codes) or idle
-  block: Any         # index into ``Plan.kinds`` (``blocks``), -1 idle
-  stage: Any         # logical stage
-  microbatch: Any
-  local_stage: Any   # index into the rank's ``local_params`` (``[v, ...]``)
-  read_slot: Any     # mailbox slot of the input (-1: the batch)
-  stash_slot: Any
-  weight_slot: Any
-  recv_slot: Any     # ``[K]``: where a message over offset k lands
-
-
-class TickRow(NamedTuple):
-  """One tick of the table: the ``xs`` of the scan."""
-  ranks: Action        # every rank's action
-  message: Any         # the tick's message pattern (``messages``)
-  pending_slot: Any    # the pending slot of the result row done now
-  summed_rows: Any     # ``[p]``: each pending slot's row if summed now
-
-
-class Plan(NamedTuple):
-  """What the tick table and the options fix before tracing."""
-  table: TickTable
-  kinds: tuple[tuple[int, bool, bool], ...]   # the blocks present (``blocks``)
-  patterns: tuple[tuple[bool, ...], ...]      # message patterns (``messages``)
-  axis: str                                   # the pipeline axis
-  bubble_fill: float
-  training: bool
-  embedding: bool   # stage 0 embeds the raw microbatch (``embed_fn``)
-
-  @property
-  def with_edge(self) -> bool:
-    """A batch-sized result, summed ``p`` rows at a time (``edge_rows``):
-    stage 0's input cotangents (forward only: the outputs); none with
-    ``embed_fn``."""
-    return not self.embedding
-
-
-class Rank(NamedTuple):
-  """One rank's view of the step, the same on every tick: its index on the
-  pipeline axis, its inputs (the params cast to vary over that axis) and
-  the user's functions (``stage``: ``stage_fn`` cut into blocks)."""
-  index: jax.Array            # ``axis_index`` over the pipeline axis
-  stage: StageVJP
-  loss_fn: LossFn | None      # ``None``: forward only
-  embed_fn: Callable[..., jax.Array] | None
-  local_params: PyTree        # ``[v, ...]``: this rank's stages
-  loss_params: PyTree
-  embed_params: PyTree
-  inputs: PyTree              # ``[m, mb, ...]`` (raw with ``embed_fn``)
-  targets: PyTree             # leaves ``[m, mb, ...]``
-  key: jax.Array | None       # the step's key
-  embed_key: jax.Array | None
-  offset: Any                 # global index of the shard's first microbatch
-  has_aux: bool
-  num_microbatches: int
-  num_stages: int
-
-
-class Avals(NamedTuple):
-  """Types of what the blocks produce (``_avals``)."""
-  act: Any                # an activation or its cotangent, one microbatch
-  act_vma: frozenset[str]   # the mesh axes activations vary over
-  stash: Any              # one stash slot: ``F``'s residuals
-  kept: Any = None        # what ``I`` keeps for ``W`` (training)
-  dstage: Any = None      # one stage's parameter gradient
-  value: Any = None       # ``(loss, aux)`` of one microbatch
-  dhead: Any = None       # ``loss_params``' gradient
-
-
-class Accumulators(NamedTuple):
-  """What the training blocks add to, from zeros, over the ticks."""
-  stages: PyTree   # ``[v, ...]``: ``local_params``' gradient (``W``)
-  value: PyTree    # ``(loss, aux)``: each microbatch's share, ``/ m``
-  head: PyTree     # ``loss_params``' gradient (the last stage's ``F``)
-  embed: PyTree    # ``embed_params``' gradient (stage 0's ``W``)
-
-
-class Edge(NamedTuple):
-  """The batch-sized result being written (``Plan.with_edge``)."""
-  pending: jax.Array   # ``[p, mb, ...]``: rows done, waiting for their psum
-  result: jax.Array    # ``[m, mb, ...]``: the output, written row by row
-
-
-class Carry(NamedTuple):
-  """The scan's carry: the rank's buffers, updated in place every tick."""
-  mailbox: PyTree      # ``[num_mailbox_slots + 1, mb, ...]``; the last is spare
-  stash: PyTree        # ``[num_stash_slots, ...]``: ``F``'s residuals
-  wstash: PyTree       # ``(kept, dx)`` ``[num_weight_slots, ...]``: I for W
-  acc: Accumulators | None   # training only
-  edge: Edge | None
-
-
-class BlockState(NamedTuple):
-  """What a block reads and updates in place (the carry of its ``when``)."""
-  payload: jax.Array   # what the rank sends this tick (``bubble_fill``: none)
-  acc: Accumulators | None
-  stash: PyTree
-  wstash: PyTree       # ``None`` in an ``F`` block, which does not carry it
-
-
-class Result(NamedTuple):
-  """``run``'s result when training; all but ``stages`` summed over the axis."""
-  value: PyTree              # ``(loss, aux)``, ``aux`` ``()`` without has_aux
-  stages: PyTree             # ``[v, ...]``: ``local_params``' gradient
-  head: PyTree               # ``loss_params``' gradient
-  inputs: jax.Array | None   # ``[m, mb, ...]``: ``None`` with ``embed_fn``
-  embed: PyTree              # ``embed_params``' gradient, ``None`` without
-
-
-# ------------------------------------------------------------ the tick table
-
-
-def blocks(table: TickTable, *, loss: bool, embed: bool
-           ) -> tuple[np.ndarray, tuple[tuple[int, bool, bool], ...]]:
-  """The block each rank runs at each tick, as a code into a list of kinds.
-
-  A block is ``(kind, first, last)``: ``first`` is stage 0 with an
-  ``embed_fn`` (its ``F`` embeds the raw microbatch, its ``W`` adds the
-  embedding's gradient), ``last`` the last stage's ``F`` with the loss.
-
-  Returns:
-    ``(code, kinds)``: int32 ``[T, p]`` (``-1`` idle) and the blocks present,
-    ``kinds[code]``, in a fixed order.
-  """
-  kind, stage = table.kind, table.stage
-  first = embed & (stage == 0) & ((kind == F) | (kind == W))
-  last = loss & (stage == table.schedule.num_stages - 1) & (kind == F)
-  keys = np.stack([kind, first, last], -1)
-  present = sorted({tuple(int(v) for v in k) for k in keys.reshape(-1, 3)
-                    if k[0]})
-  code = np.full(kind.shape, -1, np.int32)
-  for c, k in enumerate(present):
-    code[(keys == k).all(-1)] = c
-  return code, tuple((k, bool(f), bool(l)) for k, f, l in present)
-
-
-def messages(table: TickTable, edge: bool
-             ) -> tuple[np.ndarray, tuple[tuple[bool, ...], ...]]:
-  """What is communicated at each tick, the same on every rank.
-
-  A pattern is one flag per nonzero offset (a ``ppermute`` over it) plus,
-  with ``edge``, one for the ``psum`` of the pending rows of the batch-sized
-  result (``edge_rows``).
-
-  Returns:
-    ``(code, patterns)``: int32 ``[T]`` and the distinct patterns.
-  """
-  remote = [k for k, o in enumerate(table.offsets) if o]
-  flags = (table.recv_slot[:, :, remote] >= 0).any(1)
-  if edge:
-    summed = (edge_rows(table)[1] < table.schedule.num_microbatches
-              ).any(1)
-    flags = np.concatenate([flags, summed[:, None]], 1)
-  patterns = sorted({tuple(bool(f) for f in row) for row in flags})
-  code = np.array([patterns.index(tuple(bool(f) for f in row))
-                   for row in flags], np.int32)
-  return code, tuple(patterns)
-
-
-def edge_rows(table: TickTable) -> tuple[np.ndarray, np.ndarray]:
-  """When each row of the batch-sized result is done, and when it is summed.
-
-  A row (stage 0's input cotangent of a microbatch when training, else the
-  last stage's output) is done on one rank; it waits in one of
-  ``K = num_ranks`` pending slots until ``K`` rows are done (or the last
-  one is), then one ``psum`` over the pipeline axis brings them to every
-  rank: ``ceil(m / K)`` collectives of ``K`` rows, not ``m`` of one.
-
-  Returns:
-    ``(slot, rows)``: int32 ``[T]``, the pending slot the row done at tick
-    ``t`` is written to (``K``: none, a write that is dropped); int32
-    ``[T, K]``, the result row each slot holds when tick ``t`` sums them
-    (``m``: none).
-  """
-  train = table.training
-  kind, stage = (I, 0) if train else (F, table.schedule.num_stages - 1)
-  at = (table.kind == kind) & (table.stage == stage)
-  done = np.where(at.any(1), np.where(at, table.microbatch, -1).max(1), -1)
-  k, m = table.schedule.num_ranks, table.schedule.num_microbatches
-  slot = np.full(done.shape, k, np.int32)
-  rows = np.full(done.shape + (k,), m, np.int32)
-  ticks = np.flatnonzero(done >= 0)
-  for n, t in enumerate(ticks):
-    slot[t] = n % k
-    if n % k == k - 1 or n == len(ticks) - 1:
-      group = ticks[n - n % k:n + 1]
-      rows[t, :len(group)] = done[group]
-  return slot, rows
 
 
 # ------------------------------------------------------------ the scan

@@ -1,0 +1,134 @@
+"""The named state of the executor's tick scan (``_tick_scan.run``).
+
+What one rank holds while it scans the tick table: the fixed inputs
+(``Rank``, ``Avals``, ``Plan``), one tick's row (``TickRow`` of ``Action``s),
+the scan carry (``Carry``: mailbox, stashes, ``Accumulators``, ``Edge``), a
+block's view (``BlockState``) and the result (``Result``). NamedTuples, so
+the scan carries them as pytrees and a reader sees what each field is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+
+from jaxpar.pipeline.executor._stage_vjp import StageVJP
+from jaxpar.pipeline.schedules import TickTable
+
+PyTree = Any
+LossFn = Callable[..., Any]
+
+
+class Action(NamedTuple):
+  """One rank's row of the tick table at one tick (``TickRow.ranks``: each
+  field ``[p, ...]``, every rank's). ``-1`` means none: idle, no mailbox
+  read (stage 0's batch), no message received over an offset."""
+  kind: Any          # F, I, W (the table's codes) or idle
+  block: Any         # index into ``Plan.kinds`` (``blocks``), -1 idle
+  stage: Any         # logical stage
+  microbatch: Any
+  local_stage: Any   # index into the rank's ``local_params`` (``[v, ...]``)
+  read_slot: Any     # mailbox slot of the input (-1: the batch)
+  stash_slot: Any
+  weight_slot: Any
+  recv_slot: Any     # ``[K]``: where a message over offset k lands
+
+
+class TickRow(NamedTuple):
+  """One tick of the table: the ``xs`` of the scan."""
+  ranks: Action        # every rank's action
+  message: Any         # the tick's message pattern (``messages``)
+  pending_slot: Any    # the pending slot of the result row done now
+  summed_rows: Any     # ``[p]``: each pending slot's row if summed now
+
+
+class Plan(NamedTuple):
+  """What the tick table and the options fix before tracing."""
+  table: TickTable
+  kinds: tuple[tuple[int, bool, bool], ...]   # the blocks present (``blocks``)
+  patterns: tuple[tuple[bool, ...], ...]      # message patterns (``messages``)
+  axis: str                                   # the pipeline axis
+  bubble_fill: float
+  training: bool
+  embedding: bool   # stage 0 embeds the raw microbatch (``embed_fn``)
+
+  @property
+  def with_edge(self) -> bool:
+    """A batch-sized result, summed ``p`` rows at a time (``edge_rows``):
+    stage 0's input cotangents (forward only: the outputs); none with
+    ``embed_fn``."""
+    return not self.embedding
+
+
+class Rank(NamedTuple):
+  """One rank's view of the step, the same on every tick: its index on the
+  pipeline axis, its inputs (the params cast to vary over that axis) and
+  the user's functions (``stage``: ``stage_fn`` cut into blocks)."""
+  index: jax.Array            # ``axis_index`` over the pipeline axis
+  stage: StageVJP
+  loss_fn: LossFn | None      # ``None``: forward only
+  embed_fn: Callable[..., jax.Array] | None
+  local_params: PyTree        # ``[v, ...]``: this rank's stages
+  loss_params: PyTree
+  embed_params: PyTree
+  inputs: PyTree              # ``[m, mb, ...]`` (raw with ``embed_fn``)
+  targets: PyTree             # leaves ``[m, mb, ...]``
+  key: jax.Array | None       # the step's key
+  embed_key: jax.Array | None
+  offset: Any                 # global index of the shard's first microbatch
+  has_aux: bool
+  num_microbatches: int
+  num_stages: int
+
+
+class Avals(NamedTuple):
+  """Types of what the blocks produce (``_avals``)."""
+  act: Any                # an activation or its cotangent, one microbatch
+  act_vma: frozenset[str]   # the mesh axes activations vary over
+  stash: Any              # one stash slot: ``F``'s residuals
+  kept: Any = None        # what ``I`` keeps for ``W`` (training)
+  dstage: Any = None      # one stage's parameter gradient
+  value: Any = None       # ``(loss, aux)`` of one microbatch
+  dhead: Any = None       # ``loss_params``' gradient
+
+
+class Accumulators(NamedTuple):
+  """What the training blocks add to, from zeros, over the ticks."""
+  stages: PyTree   # ``[v, ...]``: ``local_params``' gradient (``W``)
+  value: PyTree    # ``(loss, aux)``: each microbatch's share, ``/ m``
+  head: PyTree     # ``loss_params``' gradient (the last stage's ``F``)
+  embed: PyTree    # ``embed_params``' gradient (stage 0's ``W``)
+
+
+class Edge(NamedTuple):
+  """The batch-sized result being written (``Plan.with_edge``)."""
+  pending: jax.Array   # ``[p, mb, ...]``: rows done, waiting for their psum
+  result: jax.Array    # ``[m, mb, ...]``: the output, written row by row
+
+
+class Carry(NamedTuple):
+  """The scan's carry: the rank's buffers, updated in place every tick."""
+  mailbox: PyTree      # ``[num_mailbox_slots + 1, mb, ...]``; the last is spare
+  stash: PyTree        # ``[num_stash_slots, ...]``: ``F``'s residuals
+  wstash: PyTree       # ``(kept, dx)`` ``[num_weight_slots, ...]``: I for W
+  acc: Accumulators | None   # training only
+  edge: Edge | None
+
+
+class BlockState(NamedTuple):
+  """What a block reads and updates in place (the carry of its ``when``)."""
+  payload: jax.Array   # what the rank sends this tick (``bubble_fill``: none)
+  acc: Accumulators | None
+  stash: PyTree
+  wstash: PyTree       # ``None`` in an ``F`` block, which does not carry it
+
+
+class Result(NamedTuple):
+  """``run``'s result when training; all but ``stages`` summed over the axis."""
+  value: PyTree              # ``(loss, aux)``, ``aux`` ``()`` without has_aux
+  stages: PyTree             # ``[v, ...]``: ``local_params``' gradient
+  head: PyTree               # ``loss_params``' gradient
+  inputs: jax.Array | None   # ``[m, mb, ...]``: ``None`` with ``embed_fn``
+  embed: PyTree              # ``embed_params``' gradient, ``None`` without
