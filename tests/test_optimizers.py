@@ -257,8 +257,8 @@ def lamb_and_adafactor_reference():
 @pytest.mark.parametrize('zero_stage', [1, 3])
 def test_3d_lamb_adafactor_collectives_ordered(x64, zero_stage):
   """LAMB and Adafactor in 3D (ZeRO 1/3; ZeRO 0: ``test_3d_2x2x2``) give
-  the dense GPT's numbers, and every collective of the step after the pipeline's tick loop reads its
-  result (``jaxpar.hlo.unordered_collectives``). The update's reshards of
+  the dense GPT's numbers, and every collective of the step after the
+  pipeline's tick loop reads its result (``jaxpar.hlo.unordered_collectives``). The update's reshards of
   the params (LAMB's trust ratios read them) did not: on XLA:CPU they ran
   beside the loop's collectives and the step aborted after the 40-second
   rendezvous timeout in 13 of 14 runs (issue 32), while this test's results
