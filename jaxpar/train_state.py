@@ -43,7 +43,7 @@ from jaxpar._validate import check_int
 __all__ = [
     'POLICIES', 'SkipCount', 'StepStats', 'TooManySkippedError', 'TrainState',
     'Trainer', 'apply_gradients', 'cast_params', 'check_remat_policy',
-    'count_skipped', 'global_norm', 'sharded_update',
+    'check_update_args', 'count_skipped', 'global_norm', 'sharded_update',
 ]
 
 PyTree = Any
@@ -86,6 +86,38 @@ def check_max_grad_norm(max_grad_norm: Any) -> None:
         'clipping.')
 
 
+def check_update_args(optimizer: optax.GradientTransformation,
+                      params: PyTree, opt_state: PyTree) -> None:
+  """``TypeError`` if ``optimizer.update`` needs an argument the step lacks.
+
+  The step calls ``optimizer.update(grads, opt_state, params, value=loss)``
+  (``apply_gradients``); a transform that requires more keyword arguments
+  (``grad`` and ``value_fn`` of optax's line searches, ``optax.lbfgs``)
+  cannot run in it. Abstract evaluation only (``jax.eval_shape``) on ``params``-shaped
+  gradients.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jaxpar
+    >>> params = {'w': jnp.ones(3)}
+    >>> opt = optax.contrib.reduce_on_plateau()
+    >>> jaxpar.train_state.check_update_args(opt, params, opt.init(params))
+  """
+  def update(params, opt_state):
+    return optax.with_extra_args_support(optimizer).update(
+        params, opt_state, params, value=jnp.zeros((), jnp.float32))
+  try:
+    jax.eval_shape(update, params, opt_state)
+  except TypeError as e:
+    if 'required keyword-only argument' not in str(e):
+      raise
+    raise TypeError(
+        f"optimizer.update needs an argument a train step cannot give ({e}). "
+        'Each step calls optimizer.update(grads, opt_state, params, '
+        'value=loss): value= is the mean loss of the batch, nothing else is '
+        'passed. Use a transform that needs at most value= (e.g. not a line '
+        'search, which also needs value_fn=).') from e
+
+
 class TrainState(NamedTuple):
   """What a train step carries from one step to the next.
 
@@ -94,24 +126,31 @@ class TrainState(NamedTuple):
       non-finite steps do not count).
     params: the model parameters (any pytree).
     opt_state: the optax optimizer state for ``params``.
+    model_state: the model's variables that are not trained params (Flax
+      NNX ``nnx.BatchStat`` running statistics, counters): the
+      forward pass reads them and gives their new values, which every step
+      carries to the next (not differentiated, not seen by the optimizer).
+      ``None`` (the default) for a model without any.
   """
   step: jax.Array
   params: PyTree
   opt_state: PyTree
+  model_state: PyTree = None
 
   @classmethod
-  def create(cls, params: PyTree,
-             optimizer: optax.GradientTransformation) -> 'TrainState':
+  def create(cls, params: PyTree, optimizer: optax.GradientTransformation,
+             model_state: PyTree = None) -> 'TrainState':
     """A fresh state: ``step=0`` and ``opt_state=optimizer.init(params)``.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxpar
       >>> state = jaxpar.TrainState.create({'w': jnp.zeros(3)}, optax.sgd(0.1))
-      >>> int(state.step)
-      0
+      >>> int(state.step), state.model_state
+      (0, None)
     """
     optimizer = check_optimizer(optimizer)
-    return cls(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    return cls(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+               model_state)
 
 
 class StepStats(NamedTuple):
@@ -131,6 +170,11 @@ class StepStats(NamedTuple):
   aux: PyTree = None
 
 
+def stored_opt_state(state: TrainState) -> PyTree:
+  """``state.opt_state`` as stored (``Trainer.opt_state``'s default)."""
+  return state.opt_state
+
+
 class Trainer(NamedTuple):
   """The pure functions of a training run, the one shape of every train step.
 
@@ -138,14 +182,21 @@ class Trainer(NamedTuple):
   ``jaxpar.parallel.trainer``.
 
   Attributes:
-    init: ``init(params) -> TrainState``, placed and sharded on the mesh as
-      the step expects it (ZeRO shardings included).
+    init: ``init(params, model_state=None) -> TrainState``, placed and
+      sharded on the mesh as the step expects it (ZeRO shardings included);
+      ``model_state`` (``TrainState.model_state``) is stored replicated.
     step: ``step(state, batch) -> (state, StepStats)``, jitted; accepts plain
       (numpy or unplaced) arrays and places them; ``step.lower(state, batch)``
       gives the lowered program (for ``.compile().memory_analysis()``).
     params: ``params(state)`` -> the params in model order, as global arrays
       that keep their sharding (nothing is replicated: ``np.asarray(leaf)``
       gathers one leaf to the host, a jitted function uses them in place).
+    opt_state: ``opt_state(state)`` -> the optimizer state laid out like
+      ``params(state)`` (model order, logical shapes, the same mesh), as
+      ``optimizer.init(params(state))`` would shape it: what optax's helpers
+      take with the params, e.g.
+      ``optax.contrib.schedule_free_eval_params(trainer.opt_state(state),
+      trainer.params(state))``. Default: ``state.opt_state`` as stored.
 
   Example:
     >>> import jax.numpy as jnp, numpy as np, optax, jaxpar
@@ -158,10 +209,13 @@ class Trainer(NamedTuple):
     >>> state, stats = trainer.step(state, batch)
     >>> trainer.params(state)['w'].shape, int(state.step)
     ((4, 2), 1)
+    >>> trainer.opt_state(state)[0].mu['w'].shape      # Adam's first moment
+    (4, 2)
   """
-  init: Callable[[PyTree], TrainState]
+  init: Callable[..., TrainState]
   step: Callable[[TrainState, PyTree], tuple[TrainState, StepStats]]
   params: Callable[[TrainState], PyTree]
+  opt_state: Callable[[TrainState], PyTree] = stored_opt_state
 
 
 def global_norm(tree: PyTree) -> jax.Array:
@@ -186,7 +240,8 @@ def global_norm(tree: PyTree) -> jax.Array:
 def apply_gradients(state: TrainState, grads: PyTree, *, loss: jax.Array,
                     optimizer: optax.GradientTransformation,
                     max_grad_norm: float | None = None,
-                    update_specs: PyTree | None = None
+                    update_specs: PyTree | None = None,
+                    model_state: PyTree = None
                     ) -> tuple[TrainState, StepStats]:
   """One optimizer update with global-norm clipping and non-finite skipping.
 
@@ -195,21 +250,28 @@ def apply_gradients(state: TrainState, grads: PyTree, *, loss: jax.Array,
 
     |g| = global_norm(g)                      before clipping (StepStats)
     g  <- optax.clip_by_global_norm(max_grad_norm)(g)      if max_grad_norm
-    params, opt_state <- optimizer.update(g, opt_state, params) ...
+    params, opt_state <- optimizer.update(g, opt_state, params, value=loss)
 
   so ``max_grad_norm=c`` equals ``optax.chain(optax.clip_by_global_norm(c),
-  optimizer)``. If ``loss`` or ``|g|`` is not finite the update is skipped:
-  params, optimizer state and step come back unchanged.
+  optimizer)``. ``value=loss`` is optax's convention for the transforms
+  whose update takes the loss (``GradientTransformationExtraArgs``:
+  ``optax.contrib.reduce_on_plateau``, ``momo``); the others ignore it
+  (``optax.with_extra_args_support``). If ``loss`` or ``|g|`` is not finite
+  the update is skipped: params, optimizer state, model state and step come
+  back unchanged.
 
   Args:
     state: the ``TrainState`` before the step.
     grads: gradient of the mean loss, shaped like ``state.params``.
-    loss: the mean loss (only its finiteness is used).
+    loss: the mean loss: its finiteness gates the update, and it is the
+      ``value=`` of the optimizer's update.
     optimizer: any optax ``GradientTransformation``.
     max_grad_norm: clip to this global norm; ``None``: no clipping.
     update_specs: optional ``PartitionSpec`` tree for ``state.params`` under
       which the update runs (ZeRO-1: each device updates the ``1/N`` of the
       params whose optimizer state it holds); only inside ``auto_axes``.
+    model_state: the model state the forward pass gave (the new
+      ``state.model_state``, kept only if the step is); ``None``: unchanged.
 
   Returns:
     ``(new_state, StepStats(loss, grad_norm, skipped))``.
@@ -225,8 +287,9 @@ def apply_gradients(state: TrainState, grads: PyTree, *, loss: jax.Array,
   """
   grad_norm = global_norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  new_state = _updated(state, grads, grad_norm, ok, optimizer=optimizer,
-                       max_grad_norm=max_grad_norm, update_specs=update_specs)
+  new_state = _updated(state, grads, grad_norm, ok, loss, optimizer=optimizer,
+                       max_grad_norm=max_grad_norm, update_specs=update_specs,
+                       model_state=model_state)
   return _kept(ok, new_state, state), StepStats(loss, grad_norm, ~ok)
 
 
@@ -255,9 +318,10 @@ def _after_gradients(tree: PyTree, ok: jax.Array) -> PyTree:
 
 
 def _updated(state: TrainState, grads: PyTree, grad_norm: jax.Array,
-             ok: jax.Array, *, optimizer: optax.GradientTransformation,
-             max_grad_norm: float | None, update_specs: PyTree | None
-             ) -> TrainState:
+             ok: jax.Array, loss: jax.Array, *,
+             optimizer: optax.GradientTransformation,
+             max_grad_norm: float | None, update_specs: PyTree | None,
+             model_state: PyTree) -> TrainState:
   """The state after the update, as if ``ok`` (the caller keeps the old one
   where not: ``_kept``); its inputs pass ``_after_gradients`` first."""
   if max_grad_norm is not None:
@@ -269,11 +333,13 @@ def _updated(state: TrainState, grads: PyTree, grad_norm: jax.Array,
   params, opt_state = _after_gradients((state.params, state.opt_state), ok)
   if update_specs is not None:
     params = jax.lax.with_sharding_constraint(params, update_specs)
-  updates, opt_state = optimizer.update(grads, opt_state, params)
+  updates, opt_state = optax.with_extra_args_support(optimizer).update(
+      grads, opt_state, params, value=loss)
   new_params = optax.apply_updates(params, updates)
   if update_specs is not None:  # the update's slices, gathered once
     new_params = jax.lax.with_sharding_constraint(new_params, update_specs)
-  return TrainState(state.step, new_params, opt_state)
+  return TrainState(state.step, new_params, opt_state,
+                    state.model_state if model_state is None else model_state)
 
 
 def _kept(ok: jax.Array, new: TrainState, old: TrainState) -> TrainState:
@@ -283,8 +349,7 @@ def _kept(ok: jax.Array, new: TrainState, old: TrainState) -> TrainState:
   keep = lambda n, o: jax.lax.convert_element_type(jnp.where(ok, n, o),
                                                   o.dtype)
   return TrainState(old.step + ok.astype(old.step.dtype),
-                    jax.tree.map(keep, new.params, old.params),
-                    jax.tree.map(keep, new.opt_state, old.opt_state))
+                    *(jax.tree.map(keep, n, o) for n, o in zip(new[1:], old[1:])))
 
 
 def shardings(mesh: Mesh, specs: PyTree) -> PyTree:
@@ -330,25 +395,27 @@ def sharded_update(state: TrainState, grads: PyTree, *, loss: jax.Array,
                    optimizer: optax.GradientTransformation, mesh: Mesh,
                    state_specs: TrainState,
                    max_grad_norm: float | None = None,
-                   update_specs: PyTree | None = None
+                   update_specs: PyTree | None = None,
+                   model_state: PyTree = None
                    ) -> tuple[TrainState, StepStats]:
   """``apply_gradients`` on global arrays, partitioned by XLA (inside ``jit``).
 
   Runs under ``jax.sharding.auto_axes``: inside, the mesh axes are ``Auto``
   and XLA's SPMD partitioner inserts the collectives every transform needs;
   the new state comes out with ``state_specs`` (the shardings it went in with).
-  Call it inside ``jax.set_mesh(mesh)``.
+  ``model_state`` as ``apply_gradients``'s (laid out as
+  ``state_specs.model_state``). Call it inside ``jax.set_mesh(mesh)``.
   """
-  def update(state, grads, loss):
+  def update(state, grads, loss, model_state):
     grad_norm = global_norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    return _updated(state, grads, grad_norm, ok, optimizer=optimizer,
-                    max_grad_norm=max_grad_norm,
-                    update_specs=update_specs), grad_norm, ok
+    return _updated(state, grads, grad_norm, ok, loss, optimizer=optimizer,
+                    max_grad_norm=max_grad_norm, update_specs=update_specs,
+                    model_state=model_state), grad_norm, ok
   replicated = NamedSharding(mesh, P())
   out = (shardings(mesh, state_specs), replicated, replicated)
   new, grad_norm, ok = jax.sharding.auto_axes(update, out_sharding=out)(
-      state, grads, loss)
+      state, grads, loss, model_state)
   # Both laid out as state_specs: the select needs no collective that reads
   # the old state alone (``_after_gradients``).
   return _kept(ok, new, state), StepStats(loss, grad_norm, ~ok)
@@ -378,47 +445,58 @@ def _on_mesh(x: Any, mesh: Mesh) -> Any:
 
 def _init_program(prepare: Callable[[PyTree], PyTree],
                   optimizer: optax.GradientTransformation, specs: TrainState,
-                  mesh: Mesh) -> Callable[[PyTree], TrainState]:
-  """One jitted ``params -> TrainState``: ``prepare``, then the params split
-  as stored (``specs.params``), then ``optimizer.init`` on the sharded params
-  (the optimizer state is born sharded), the state placed by ``specs``."""
+                  mesh: Mesh) -> Callable[[PyTree, PyTree], TrainState]:
+  """One jitted ``(params, model_state) -> TrainState``: ``prepare``, then
+  the params split as stored (``specs.params``), then ``optimizer.init`` on
+  the sharded params (the optimizer state is born sharded), the state placed
+  by ``specs``."""
   out = shardings(mesh, specs)
 
-  def create(params):
+  def create(params, model_state):
     state = TrainState(jnp.zeros((), jnp.int32), params,
-                       optimizer.init(params))
+                       optimizer.init(params), model_state)
     return jax.tree.map(lambda x: jax.lax.convert_element_type(x, x.dtype),
                         state)  # not weakly typed, as the step's output
 
-  def placed(params):
+  def placed(params, model_state):
     params = jax.device_put(prepare(params), out.params)
-    return jax.sharding.auto_axes(create, out_sharding=out)(params)
+    return jax.sharding.auto_axes(create, out_sharding=out)(params,
+                                                            model_state)
   return jax.jit(placed)
+
+
+def replicated_specs(tree: PyTree) -> PyTree:
+  """``P()`` for every leaf of ``tree`` (how ``model_state`` is stored)."""
+  return jax.tree.map(lambda _: P(), tree)
 
 
 def placed_init(
     storage: Callable[[PyTree], tuple[Callable[[PyTree], PyTree],
                                       optax.GradientTransformation,
                                       TrainState]],
-    *, mesh: Mesh) -> Callable[[PyTree], TrainState]:
-  """``init(params) -> TrainState``: a fresh state built on ``mesh``.
+    *, mesh: Mesh) -> Callable[..., TrainState]:
+  """``init(params, model_state=None) -> TrainState``: a fresh state on ``mesh``.
 
   ``storage(params) -> (prepare, optimizer, specs)`` (called once per params
   signature, on shapes): ``prepare`` (pure ``jnp``) turns the params as given
   into the params as stored (e.g. padded, in a rank placement), ``optimizer``
-  inits them and ``specs`` are the state's ``PartitionSpec``s. Each signature
-  is one jitted program (``_init_program``), compiled once per trainer: no
-  per-leaf eager op compiles.
+  inits them and ``specs`` are the state's ``PartitionSpec``s. The
+  ``model_state`` is stored replicated. Each signature is one jitted program
+  (``_init_program``), compiled once per trainer: no per-leaf eager op
+  compiles.
   """
   programs = {}
 
-  def init(params: PyTree) -> TrainState:
-    key = signature(params)
+  def init(params: PyTree, model_state: PyTree = None) -> TrainState:
+    key = signature((params, model_state))
     if key not in programs:
-      programs[key] = _init_program(*storage(params), mesh)
-    params = jax.tree.map(lambda x: _on_mesh(x, mesh), params)
+      prepare, optimizer, specs = storage(params)
+      specs = specs._replace(model_state=replicated_specs(model_state))
+      programs[key] = _init_program(prepare, optimizer, specs, mesh)
+    params, model_state = jax.tree.map(lambda x: _on_mesh(x, mesh),
+                                       (params, model_state))
     with jax.set_mesh(mesh):
-      return programs[key](params)
+      return programs[key](params, model_state)
   return init
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import jaxpar
 from helpers import (D_HID, D_IN, assert_same_history, make_batches, mlp_loss,
@@ -358,7 +359,7 @@ def test_remat_policy_decides_what_the_backward_keeps(capsys):
         backend='shard_map', key=None, compute_dtype=None,
         remat_policy=remat_policy)
     print_saved_residuals(_trainer._differentiated(mlp_loss, options),
-                          mlp_params(), make_batches(1, 16)[0])
+                          mlp_params(), None, make_batches(1, 16)[0])
     return capsys.readouterr().out
 
   assert 'f32[16,7]' in saved(None)
@@ -424,3 +425,133 @@ class TestErrors:
     with pytest.raises(TypeError, match=r'loss_fn\(params, batch, key\): '
                        'loss_fn must take the key as its last argument'):
       step(self.state(), make_batches(1, 16)[0])
+
+
+# -- An NNX model with BatchNorm: params and running statistics ---------------
+
+
+class BatchNormMLP(nnx.Module):
+  """``x -> linear -> BatchNorm -> relu -> linear``, float64 (BatchNorm's
+  running statistics are float32, as Flax stores them)."""
+
+  def __init__(self, axis_name=None, *, rngs):
+    f64 = {'param_dtype': jnp.float64, 'rngs': rngs}
+    self.l1 = nnx.Linear(4, 8, use_bias=False, **f64)  # BN cancels a bias
+    self.bn = nnx.BatchNorm(8, axis_name=axis_name, dtype=jnp.float64, **f64)
+    self.l2 = nnx.Linear(8, 2, **f64)
+
+  def __call__(self, x):
+    return self.l2(jax.nn.relu(self.bn(self.l1(x))))
+
+
+# Flax stores BatchNorm's statistics in float32 and warns when a float64
+# forward writes them (its behaviour; the values are exact to float32).
+flax_float32_stats = pytest.mark.filterwarnings(
+    'ignore:scatter inputs have incompatible types:FutureWarning')
+
+
+def bn_loss(m, batch):
+  return jnp.mean((m(batch[0]) - batch[1]) ** 2)
+
+
+def bn_batches(num):
+  rng = np.random.default_rng(0)
+  return [(rng.normal(size=(32, 4)), rng.normal(size=(32, 2)))
+          for _ in range(num)]
+
+
+@functools.cache
+def bn_reference(num_microbatches, n=8):
+  """The model as written on one device, ``nnx.Optimizer`` on the global
+  batch; with ``k`` microbatches the step's loss is the mean over the ``k``
+  global microbatches (microbatch ``i``: every device's ``i``-th), run in
+  order through the one model (its statistics updated after each)."""
+  model = BatchNormMLP(rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  k = num_microbatches
+
+  def micro(x, i):
+    return x.reshape(n, k, -1, *x.shape[1:])[:, i].reshape(-1, *x.shape[1:])
+
+  @nnx.jit
+  def step(model, opt, batch):
+    loss = lambda m: sum(bn_loss(m, (micro(batch[0], i), micro(batch[1], i)))
+                         for i in range(k)) / k
+    opt.update(model, nnx.grad(loss)(model))
+
+  for batch in bn_batches(2):
+    step(model, opt, batch)
+  return nnx.to_pure_dict(nnx.state(model))
+
+
+@flax_float32_stats
+@pytest.mark.parametrize('zero_stage,num_microbatches', [(0, 1), (1, 2),
+                                                         (3, 2)])
+def test_nnx_batchnorm_synced_matches_one_device(x64, zero_stage,
+                                                 num_microbatches):
+  """``from_nnx`` of a model whose BatchNorm syncs over ``data``: params and
+  running statistics come back equal to the one-device ``nnx.Optimizer``
+  loop (float64; the statistics float32, to the bit), the statistics
+  threaded through the microbatches in order; the up-front check traces the
+  loss with the ``data`` axis bound."""
+  model = BatchNormMLP('data', rngs=nnx.Rngs(0))
+  m = jaxpar.data_parallel.from_nnx(model, loss=bn_loss)
+  trainer = jaxpar.data_parallel.trainer(
+      m, optax.adam(1e-2), mesh=jaxpar.make_mesh(data=8),
+      zero_stage=zero_stage, num_microbatches=num_microbatches)
+  state = trainer.init(m.params, m.model_state)
+  for batch in bn_batches(2):
+    state, stats = trainer.step(state, batch)
+  m.update(model, trainer.params(state), state.model_state)
+  want = bn_reference(num_microbatches)
+  chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(model)), want,
+                              rtol=1e-9, atol=1e-12)
+  assert float(jnp.abs(model.bn.mean[...]).max()) > 1e-3   # they moved
+  np.testing.assert_array_equal(model.bn.var[...], want['bn']['var'])
+
+
+@flax_float32_stats
+def test_nnx_batchnorm_unsynced_statistics_are_averaged(x64):
+  """Without ``axis_name`` each device normalises its own shard; the running
+  statistics that come back are the mean over ``data`` of the devices':
+  the running mean that of the global batch, the running variance the mean
+  of the shards' (biased) variances."""
+  model = BatchNormMLP(rngs=nnx.Rngs(0))
+  m = jaxpar.data_parallel.from_nnx(model, loss=bn_loss)
+  trainer = jaxpar.data_parallel.trainer(m, optax.sgd(0.1),
+                                         mesh=jaxpar.make_mesh(data=8))
+  x, y = bn_batches(1)[0]
+  state, _ = trainer.step(trainer.init(m.params, m.model_state), (x, y))
+  h = model.l1(x).reshape(8, 4, 8)                  # [device, row, feature]
+  momentum = model.bn.momentum
+  want_mean = (1 - momentum) * h.mean(axis=(0, 1))
+  want_var = momentum + (1 - momentum) * h.var(axis=1).mean(0)
+  np.testing.assert_allclose(state.model_state['bn']['mean'], want_mean,
+                             rtol=1e-6)
+  np.testing.assert_allclose(state.model_state['bn']['var'], want_var,
+                             rtol=1e-6)
+  assert not np.allclose(want_var, momentum + (1 - momentum) * h.reshape(
+      32, 8).var(0), rtol=1e-3)   # not the global batch's variance
+
+
+@flax_float32_stats
+def test_from_nnx_bad_inputs(x64):
+  model = BatchNormMLP(rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match='must be a Flax NNX module'):
+    jaxpar.data_parallel.from_nnx(lambda x: x, loss=bn_loss)
+  with pytest.raises(TypeError, match=r'loss must be a function loss\(m, '):
+    jaxpar.data_parallel.from_nnx(model, loss=None)
+  m = jaxpar.data_parallel.from_nnx(model, loss=bn_loss)
+  with pytest.raises(ValueError, match="DataParallelModel needs backend="):
+    jaxpar.data_parallel.trainer(m, optax.sgd(0.1), backend='pmap',
+                                 mesh=jaxpar.make_mesh(data=8))
+
+  def grows(m, batch):       # a forward that adds a variable
+    m.extra = nnx.BatchStat(jnp.zeros(3))
+    return bn_loss(m, batch)
+  trainer = jaxpar.data_parallel.trainer(
+      jaxpar.data_parallel.from_nnx(model, loss=grows), optax.sgd(0.1),
+      mesh=jaxpar.make_mesh(data=8))
+  state = jaxpar.TrainState.create(m.params, optax.sgd(0.1), m.model_state)
+  with pytest.raises(ValueError, match='may update variables but not add'):
+    trainer.step(state, bn_batches(1)[0])

@@ -35,6 +35,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+import helpers
 from helpers import assert_round_trip, make_batches
 
 import jaxpar
@@ -76,15 +77,20 @@ def assert_close_history(got, want):
     chex.assert_trees_all_close(params, ref_params, rtol=1e-9, atol=1e-10)
 
 
-def reference(loss, params, batches, optimizer, max_grad_norm=None):
-  """Plain optax on one device: [(loss, grad norm, params)] per step."""
+def reference(loss, params, batches, optimizer, max_grad_norm=None, *,
+              with_opt_state=False):
+  """Plain optax on one device: [(loss, grad norm, params)] per step (and
+  the last optimizer state, ``with_opt_state``). The loss goes to the update
+  as ``value=``, optax's convention (``reduce_on_plateau``)."""
   if max_grad_norm is not None:
     optimizer = optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)
+  optimizer = optax.with_extra_args_support(optimizer)
 
   @jax.jit   # one program: eager optax would compile op by op
   def step(params, opt_state, batch):
     value, grads = jax.value_and_grad(loss)(params, batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
+    updates, opt_state = optimizer.update(grads, opt_state, params,
+                                          value=value)
     return (optax.apply_updates(params, updates), opt_state,
             (value, optax.tree.norm(grads)))
 
@@ -92,7 +98,7 @@ def reference(loss, params, batches, optimizer, max_grad_norm=None):
   for batch in batches:
     params, opt_state, (value, norm) = step(params, opt_state, batch)
     out.append((value, norm, params))
-  return out
+  return (out, opt_state) if with_opt_state else out
 
 
 def trained(trainer, params, batches):
@@ -159,6 +165,56 @@ def test_data_parallel(x64, zero_stage, max_grad_norm):
   if max_grad_norm is not None:
     assert float(want[0][1]) > max_grad_norm     # clipping is exercised
   assert_close_history(trained(trainer, mlp_params(), mlp_batches())[0], want)
+
+
+# Transforms whose update takes the loss (value=), and schedule-free, whose
+# evaluation params read the optimizer state next to the params.
+LOSS_TAKING = {
+    # rtol=0.5: a step that does not halve the loss is a plateau, so the
+    # scale drops within the 3 steps
+    'reduce_on_plateau': lambda: optax.chain(
+        optax.adam(0.01, eps=1e-6), optax.contrib.reduce_on_plateau(
+            factor=0.5, patience=0, rtol=0.5, accumulation_size=1)),
+    'schedule_free': lambda: optax.contrib.schedule_free_adamw(
+        0.01, eps=1e-6),
+}
+
+
+@pytest.mark.parametrize('name', list(LOSS_TAKING))
+def test_data_parallel_transforms_that_take_the_loss(x64, name):
+  """``reduce_on_plateau`` (its update needs ``value=``) and
+  ``schedule_free`` in DP ZeRO-3 equal optax on one device, and
+  ``schedule_free_eval_params(trainer.opt_state(state),
+  trainer.params(state))`` works on what the trainer gives (logical shapes:
+  no leaf of the small MLP splits 8 ways, so all are stored padded)."""
+  params = helpers.mlp_params(dtype=np.float64)
+  trainer = jaxpar.data_parallel.trainer(
+      helpers.mlp_loss, LOSS_TAKING[name](), mesh=jaxpar.make_mesh(data=8),
+      zero_stage=3)
+  want, opt_state = reference(helpers.mlp_loss, params, mlp_batches(),
+                              LOSS_TAKING[name](), with_opt_state=True)
+  got, state = trained(trainer, params, mlp_batches())
+  assert_close_history(got, want)
+  got_opt = trainer.opt_state(state)
+  chex.assert_trees_all_close(got_opt, opt_state, rtol=1e-9, atol=1e-12)
+  if name == 'reduce_on_plateau':
+    assert float(opt_state[1].scale) < 1      # the plateau rule acted
+  else:
+    chex.assert_trees_all_close(
+        optax.contrib.schedule_free_eval_params(got_opt, trainer.params(state)),
+        optax.contrib.schedule_free_eval_params(opt_state, want[-1][2]),
+        rtol=1e-9, atol=1e-12)
+
+
+def test_data_parallel_refuses_a_transform_needing_more_than_the_loss():
+  """A line search also needs ``value_fn=``: refused at the first step,
+  naming it, before anything is compiled."""
+  params = helpers.mlp_params()
+  trainer = jaxpar.data_parallel.trainer(helpers.mlp_loss, optax.lbfgs(),
+                                         mesh=jaxpar.make_mesh(data=8))
+  with pytest.raises(TypeError, match="'value_fn'.*value=loss"):
+    trainer.step(jaxpar.TrainState.create(params, optax.lbfgs()),
+                 make_batches(1, 16)[0])
 
 
 # -- 3D: a GPT on data=2 x stage=2 x tensor=2, against the dense GPT ------

@@ -1,8 +1,11 @@
-"""jaxpar.train_state's skip guard: consecutive non-finite steps stop a loop;
-isolated ones do not."""
+"""jaxpar.train_state: the shared update (model state, optax's ``value=``)
+and the skip guard (consecutive non-finite steps stop a loop; isolated ones
+do not)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxpar
@@ -41,3 +44,40 @@ def test_stops_at_max_skipped():
 def test_errors(count, skipped, max_skipped, error, match):
   with pytest.raises(error, match=match):
     jaxpar.count_skipped(count, skipped, max_skipped=max_skipped)
+
+
+# -- the update -----------------------------------------------------------------
+
+
+def test_update_carries_the_model_state_unless_skipped():
+  """``model_state=`` is the forward's new model state: kept with the step,
+  dropped (the old one kept) when the step is skipped; ``None`` keeps it.
+  A 3-field ``TrainState`` still builds (``model_state=None``)."""
+  assert jaxpar.TrainState(0, {}, ()).model_state is None
+  state = jaxpar.TrainState.create({'w': jnp.ones(2)}, optax.sgd(0.5),
+                                   model_state={'count': jnp.int32(3)})
+  @jax.jit   # one program (eager, each op compiles)
+  def update(loss, model_state):
+    return jaxpar.train_state.apply_gradients(
+        state, {'w': jnp.ones(2)}, loss=loss, optimizer=optax.sgd(0.5),
+        model_state=model_state)
+  new, _ = update(1.0, {'count': jnp.int32(4)})
+  assert int(new.model_state['count']) == 4 and int(new.step) == 1
+  new, stats = update(np.nan, {'count': jnp.int32(4)})
+  assert bool(stats.skipped) and int(new.model_state['count']) == 3
+  assert int(update(1.0, None)[0].model_state['count']) == 3
+
+
+def test_update_passes_the_loss_as_value():
+  """optax's ``value=`` convention: ``reduce_on_plateau`` sees the loss;
+  ``check_update_args`` names an argument a step cannot give."""
+  opt = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(
+      patience=0, factor=0.5, accumulation_size=1))
+  state = jaxpar.TrainState.create({'w': jnp.ones(2)}, opt)
+  new, _ = jax.jit(lambda s: jaxpar.train_state.apply_gradients(
+      s, {'w': jnp.ones(2)}, loss=jnp.float32(2.5), optimizer=opt))(state)
+  assert float(new.opt_state[1].best_value) == 2.5
+  lbfgs = optax.lbfgs()
+  with pytest.raises(TypeError, match="'value_fn'"):
+    jaxpar.train_state.check_update_args(lbfgs, state.params,
+                                         lbfgs.init(state.params))

@@ -5,10 +5,13 @@ the global batch, exactly, with the batch split over ``data``. Its
 ``zero_stage`` 1 splits the optimizer state over ``data`` and 3 the params
 too (FSDP). The ZeRO building blocks (``data_spec``, ``gathered``,
 ``reduce_gradients``, ...) are what ``jaxpar.parallel`` composes with the
-pipeline and tensor axes. Behind this API: ``_trainer`` (the step),
+pipeline and tensor axes. ``from_nnx(model, loss=...)`` gives a Flax NNX
+model as ``trainer`` takes it; the model state (BatchNorm statistics) rides
+in ``TrainState.model_state``. Behind this API: ``_trainer`` (the step),
 ``_specs`` (spec arithmetic), ``_state`` (placing a state from outside
-``jit``), ``_blocks`` (collectives inside ``shard_map``) and ``_padding``
-(storage of leaves that no dim divides).
+``jit``), ``_blocks`` (collectives inside ``shard_map``), ``_padding``
+(storage of leaves that no dim divides), ``_from_nnx`` (the NNX model) and
+``_model_state`` (the model state threaded and merged over ``data``).
 
 **ZeRO.** Plain data parallelism keeps the params and the optimizer state on
 every device: for Adam in float32 that is 16 bytes per parameter on each of
@@ -96,6 +99,8 @@ Example:
 from jaxpar.data_parallel._blocks import gather as gather
 from jaxpar.data_parallel._blocks import gathered as gathered
 from jaxpar.data_parallel._blocks import reduce_gradients as reduce_gradients
+from jaxpar.data_parallel._from_nnx import DataParallelModel as DataParallelModel
+from jaxpar.data_parallel._from_nnx import from_nnx as from_nnx
 from jaxpar.data_parallel._padding import Padded as Padded
 from jaxpar.data_parallel._specs import data_dim as data_dim
 from jaxpar.data_parallel._specs import data_spec as data_spec
@@ -109,6 +114,7 @@ from jaxpar.data_parallel._trainer import trainer as trainer
 # jaxpar-internal (for jaxpar.parallel, jaxpar.checkpoint, the bench; not in
 # __all__): batch and state checks, padded-storage plumbing, vary.
 from jaxpar.data_parallel._blocks import vary as vary
+from jaxpar.data_parallel._from_nnx import reseeded as reseeded
 from jaxpar.data_parallel._padding import is_padded as is_padded
 from jaxpar.data_parallel._padding import logical_shapes as logical_shapes
 from jaxpar.data_parallel._padding import logical_sharding as logical_sharding
@@ -124,7 +130,7 @@ from jaxpar.data_parallel._trainer import batch_size_of as batch_size_of
 from jaxpar.data_parallel._trainer import check_opt_state as check_opt_state
 
 __all__ = [
-    'Padded', 'StateBytes', 'bytes_per_device', 'data_dim', 'data_spec',
-    'data_specs', 'gather', 'gathered', 'reduce_gradients', 'shard_state',
-    'state_specs', 'trainer',
+    'DataParallelModel', 'Padded', 'StateBytes', 'bytes_per_device',
+    'data_dim', 'data_spec', 'data_specs', 'from_nnx', 'gather', 'gathered',
+    'reduce_gradients', 'shard_state', 'state_specs', 'trainer',
 ]

@@ -356,7 +356,8 @@ def padded_optimizer(optimizer: optax.GradientTransformation,
   enters a norm, a mean, a factored moment or a trust ratio), and its
   results are padded back like its inputs (updates like ``params``, else
   like ``grads``; the state like ``state``, or under ``specs``, the
-  optimizer state's specs, for ``init``). Padded entries stay zero.
+  optimizer state's specs, for ``init``). Padded entries stay zero. Extra
+  arguments of ``update`` (``value=``) pass through.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxpar
@@ -374,9 +375,9 @@ def padded_optimizer(optimizer: optax.GradientTransformation,
   def init(params):
     return pad(optimizer.init(unpad(params)), specs, mesh=mesh)
 
-  def update(updates, state, params=None):
-    new, new_state = optimizer.update(unpad(updates), unpad(state),
-                                      unpad(params))
+  def update(updates, state, params=None, **extra_args):
+    new, new_state = optax.with_extra_args_support(optimizer).update(
+        unpad(updates), unpad(state), unpad(params), **extra_args)
     return (_like(new, updates if params is None else params),
             _like(new_state, state))
-  return optax.GradientTransformation(init, update)
+  return optax.GradientTransformationExtraArgs(init, update)

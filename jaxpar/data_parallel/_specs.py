@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar._validate import check_int
 from jaxpar.data_parallel._padding import entry_axes, split_size
 from jaxpar.mesh import axis_size
-from jaxpar.train_state import PyTree, TrainState
+from jaxpar.train_state import PyTree, TrainState, replicated_specs
 
 ZERO_STAGES = (0, 1, 3)
 
@@ -186,9 +186,9 @@ def state_specs(state: TrainState, *, zero_stage: int, param_specs: PyTree,
     ``zero_specs`` for stage 3, else ``param_specs``; every params-shaped
     subtree of ``opt_state`` ``zero_specs`` for stages 1 and 3, else
     ``param_specs`` (``optax.MaskedNode`` kept where the state has one);
-    other optimizer leaves (counts, Adafactor's factored moments)
-    replicated. ``state`` holds logical shapes (``Padded`` leaves at their
-    ``shape``).
+    other optimizer leaves (counts, Adafactor's factored moments) and
+    ``model_state`` replicated. ``state`` holds logical shapes (``Padded``
+    leaves at their ``shape``).
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxpar
@@ -208,4 +208,4 @@ def state_specs(state: TrainState, *, zero_stage: int, param_specs: PyTree,
       lambda node: _masked_like(node, opt) if mirrors(node)
       else jax.tree.map(lambda _: P(), node), state.opt_state, is_leaf=mirrors)
   return TrainState(P(), zero_specs if zero_stage == 3 else param_specs,
-                    opt_state)
+                    opt_state, replicated_specs(state.model_state))

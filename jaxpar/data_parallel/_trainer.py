@@ -45,6 +45,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import vma
 from jaxpar._validate import check_int
 from jaxpar.data_parallel._blocks import gathered, reduce_gradients, vary
+from jaxpar.data_parallel._from_nnx import DataParallelModel
+from jaxpar.data_parallel._model_state import merged, stateful, varying
 from jaxpar.data_parallel._padding import (logical_shapes, pad,
                                            padded_optimizer, place, unpadded)
 from jaxpar.data_parallel._specs import (check_zero_stage, data_specs,
@@ -54,8 +56,8 @@ from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 cast_params, check_compute_dtype, check_key,
                                 check_remat_policy,
                                 apply_gradients, auto_view, check_max_grad_norm,
-                                check_optimizer, placed_init, sharded_update,
-                                signature)
+                                check_optimizer, check_update_args,
+                                placed_init, sharded_update, signature)
 
 BACKENDS = ('shard_map', 'pmap')
 
@@ -93,48 +95,57 @@ def split_microbatches(batch: PyTree, num_microbatches: int) -> PyTree:
 
 
 def microbatched_value_and_grad(loss_fn: Callable[..., Any], params: PyTree,
-                                batch: PyTree, *, num_microbatches: int = 1,
-                                has_aux: bool = False,
+                                model_state: PyTree, batch: PyTree, *,
+                                num_microbatches: int = 1,
                                 axis: str | None = None,
                                 key: jax.Array | None = None):
   """Mean loss and gradient over ``num_microbatches`` slices of ``batch``.
 
-  ``loss = 1/k sum_i loss_fn(params, batch_i)`` and its gradient; gradients
-  accumulate in a ``lax.scan`` so only one microbatch's activations are live
-  at a time. Inside ``shard_map`` (or ``pmap``), ``axis`` names the mesh
-  axis the batch is split over (the scan's carry must vary over it too).
+  ``loss_fn(params, model_state, batch_i[, key]) -> (loss, (aux,
+  model_state))`` (``_model_state.stateful``'s form). ``loss = 1/k sum_i
+  loss(params, batch_i)`` and its gradient; gradients accumulate in a
+  ``lax.scan`` so only one microbatch's activations are live at a time, and
+  the model state is threaded through the microbatches in order. Inside
+  ``shard_map`` (or ``pmap``), ``axis`` names the mesh axis the batch is
+  split over (the scan's carry must vary over it too).
 
-  With a ``key``, microbatch ``i`` runs ``loss_fn(params, batch_i,
-  fold_in(key, g))`` with ``g = axis_index(axis) * k + i`` (``g = i``
-  without ``axis``): its index in the global batch.
+  With a ``key``, microbatch ``i`` runs ``loss_fn(params, model_state,
+  batch_i, fold_in(key, g))`` with ``g = axis_index(axis) * k + i`` (``g =
+  i`` without ``axis``): its index in the global batch.
 
   Returns:
-    ``(loss, grads, aux)``; ``aux`` is the microbatch mean of the auxiliary
-    output (``None`` without ``has_aux``).
+    ``(loss, grads, aux, model_state)``; ``aux`` is the microbatch mean of
+    the auxiliary output, ``model_state`` the one after the last microbatch.
   """
-  vg = jax.value_and_grad(loss_fn, has_aux=has_aux)
+  vg = jax.value_and_grad(loss_fn, has_aux=True)
   first = (0 if axis is None or key is None
            else jax.lax.axis_index(axis) * num_microbatches)
 
-  def one(mb, index):
+  def one(state, mb, index):
     keys = () if key is None else (jax.random.fold_in(key, first + index),)
-    out, grads = vg(params, mb, *keys)
-    loss, aux = out if has_aux else (out, None)
-    return loss, grads, aux
+    (loss, (aux, state)), grads = vg(params, state, mb, *keys)
+    return (loss, grads, aux), state
 
   if num_microbatches == 1:
-    return one(batch, 0)
+    out, model_state = one(model_state, batch, 0)
+    return (*out, model_state)
 
-  def body(acc, mb_and_index):
-    return jax.tree.map(jnp.add, acc, one(*mb_and_index)), None
+  def body(carry, mb_and_index):
+    acc, state = carry
+    out, state = one(state, *mb_and_index)
+    if axis is not None:
+      state = varying(state, axis)
+    return (jax.tree.map(jnp.add, acc, out), state), None
 
   mbs = split_microbatches(batch, num_microbatches)
   zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
-      one, jax.tree.map(lambda x: x[0], mbs), 0))
+      one, model_state, jax.tree.map(lambda x: x[0], mbs), 0)[0])
   if axis is not None:
     zero = jax.lax.pcast(zero, axis, to='varying')
-  total, _ = jax.lax.scan(body, zero, (mbs, jnp.arange(num_microbatches)))
-  return jax.tree.map(lambda t: t / num_microbatches, total)
+    model_state = varying(model_state, axis)
+  (total, model_state), _ = jax.lax.scan(
+      body, (zero, model_state), (mbs, jnp.arange(num_microbatches)))
+  return (*jax.tree.map(lambda t: t / num_microbatches, total), model_state)
 
 
 def check_float_params(params: PyTree) -> None:
@@ -161,20 +172,39 @@ def _check_aux(aux) -> None:
           'return float metrics (e.g. accuracy as float32).')
 
 
-def check_loss_fn(loss_fn, params, batch, *, has_aux: bool,
-                  key: Any = None) -> None:
+def _under_mesh(fn: Callable[..., Any], mesh: Mesh | None
+                ) -> Callable[..., Any]:
+  """``fn`` with the mesh's axes bound, for abstract evaluation: a loss may
+  use collectives over them (``nnx.BatchNorm(axis_name='data')``)."""
+  if mesh is None:
+    return fn
+  return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(),
+                       check_vma=False)
+
+
+def check_loss_fn(loss_fn, params, batch, *, has_aux: bool, key: Any = None,
+                  model_state: PyTree = None, carries_state: bool = False,
+                  mesh: Mesh | None = None) -> None:
   """``TypeError`` unless ``loss_fn(params, batch[, key])`` gives a float
-  scalar. Abstract evaluation only (``jax.eval_shape``): nothing is compiled.
+  scalar (``carries_state``: ``loss_fn(params, model_state, batch[, key])
+  -> (out, model_state)``, the new model state shaped like the old).
+  Abstract evaluation only (``jax.eval_shape``), on ``mesh``'s axes when
+  given: nothing is compiled.
   """
-  call = 'loss_fn(params, batch' + (')' if key is None else ', key)')
+  call = ('loss(m, batch)' if carries_state else
+          'loss_fn(params, batch' + (')' if key is None else ', key)'))
+  args = (params, model_state, batch) if carries_state else (params, batch)
   try:
-    out = jax.eval_shape(loss_fn, params, batch,
+    out = jax.eval_shape(_under_mesh(loss_fn, mesh), *args,
                          *(() if key is None else (key,)))
   except TypeError as e:
-    if key is None or 'positional argument' not in str(e):
+    if key is None or carries_state or 'positional argument' not in str(e):
       raise
     raise TypeError(f'with key= the step calls {call}: loss_fn must take '
                     f'the key as its last argument ({e}).') from e
+  if carries_state:
+    out, new = out
+    _check_new_model_state(model_state, new)
   if has_aux:
     if not (isinstance(out, tuple) and len(out) == 2):
       raise TypeError(
@@ -188,7 +218,20 @@ def check_loss_fn(loss_fn, params, batch, *, has_aux: bool,
         + ('' if has_aux else ', or pass has_aux=True if it returns (loss, aux)')
         + '.')
   if not jnp.issubdtype(out.dtype, jnp.floating):
-    raise TypeError(f'loss_fn must return a float scalar, got {out.dtype}.')
+    raise TypeError(f'{call} must return a float scalar, got {out.dtype}.')
+
+
+def _check_new_model_state(old: PyTree, new: PyTree) -> None:
+  """``ValueError`` unless the forward's model state is shaped like the old
+  one (the step carries it from one step to the next)."""
+  shapes = lambda tree: jax.tree.map(lambda x: (np.shape(x), _dtype(x)),
+                                     tree)
+  if shapes(old) != shapes(new):
+    raise ValueError(
+        f'the model state after the forward pass {shapes(new)} differs from '
+        f'the one before {shapes(old)}: the step carries it from one step '
+        'to the next, so the forward may update variables but not add, '
+        'remove or reshape them (create every variable in __init__).')
 
 
 # -- The options ------------------------------------------------------------
@@ -207,6 +250,8 @@ class _Options(NamedTuple):
   key: jax.Array | None
   compute_dtype: np.dtype | None
   remat: Callable[..., Any] | None   # a jax.checkpoint policy; None: no remat
+  carries_state: bool   # loss_fn is a DataParallelModel's: it takes and
+                        # gives the model state
 
 
 def _remat(remat_policy: Any) -> Callable[..., Any] | None:
@@ -220,8 +265,16 @@ def _remat(remat_policy: Any) -> Callable[..., Any] | None:
 def _check_options(loss_fn, optimizer, *, mesh, axis, max_grad_norm,
                    num_microbatches, zero_stage, has_aux, backend, key,
                    compute_dtype, remat_policy) -> _Options:
-  if not callable(loss_fn):
-    raise TypeError(f'loss_fn must be callable, got {loss_fn!r}.')
+  carries_state = isinstance(loss_fn, DataParallelModel)
+  if carries_state:
+    if backend != 'shard_map':
+      raise ValueError(f"a DataParallelModel needs backend='shard_map' (got "
+                       f'{backend!r}; pmap is the legacy path without a '
+                       'model state).')
+    loss_fn = loss_fn.loss_fn
+  elif not callable(loss_fn):
+    raise TypeError(f'loss_fn must be callable (or a DataParallelModel from '
+                    f'jaxpar.data_parallel.from_nnx), got {loss_fn!r}.')
   optimizer = check_optimizer(optimizer)
   check_max_grad_norm(max_grad_norm)
   if backend not in BACKENDS:
@@ -237,31 +290,38 @@ def _check_options(loss_fn, optimizer, *, mesh, axis, max_grad_norm,
   check_key(key)
   return _Options(loss_fn, optimizer, mesh, axis, max_grad_norm,
                   num_microbatches, zero_stage, bool(has_aux), key,
-                  check_compute_dtype(compute_dtype), _remat(remat_policy))
+                  check_compute_dtype(compute_dtype), _remat(remat_policy),
+                  carries_state)
 
 
 # -- The loss as the step differentiates it ---------------------------------
 
 
 def _at_least_float32(fn: Callable[..., Any]) -> Callable[..., Any]:
-  """``fn`` with its outputs (loss, aux) promoted to float32 or wider."""
+  """``fn`` (``stateful``'s form) with its loss and aux promoted to float32
+  or wider (the model state keeps its dtypes)."""
   def promoted(*args):
-    return jax.tree.map(
+    loss, (aux, model_state) = fn(*args)
+    loss, aux = jax.tree.map(
         lambda a: a.astype(jnp.promote_types(a.dtype, jnp.float32)),
-        fn(*args))
+        (loss, aux))
+    return loss, (aux, model_state)
   return promoted
 
 
 def _differentiated(loss_fn: Callable[..., Any],
                     options: _Options) -> Callable[..., Any]:
-  """``loss_fn(params, microbatch[, key])`` as the step differentiates it.
+  """``loss_fn`` as the step differentiates it, in ``stateful``'s form
+  ``f(params, model_state, microbatch[, key]) -> (loss, (aux,
+  model_state))``.
 
   With ``compute_dtype`` it runs on the params cast to it, inside the
   function (``cast_params``: the cast's transpose gives float32 gradients),
   and its loss and aux come back at least float32; with a remat policy the
   whole of it runs under ``jax.checkpoint(policy=...)``.
   """
-  fn = loss_fn
+  fn = stateful(loss_fn, has_aux=options.has_aux,
+                carries_state=options.carries_state)
   if options.compute_dtype is not None:
     fn = _at_least_float32(cast_params(fn, options.compute_dtype))
   if options.remat is not None:
@@ -304,21 +364,23 @@ class _Layouts:
                    padded_optimizer(o.optimizer, specs.opt_state, mesh=o.mesh))
 
 
-def _local_grads(loss_fn, params, batch, *keys, options: _Options,
-                 layout: _Layout):
+def _local_grads(loss_fn, params, model_state, batch, *keys,
+                 options: _Options, layout: _Layout):
   """One device's part, inside ``shard_map``: the mean loss, the gradients
-  in the ZeRO layout (reduced over the data axis) and the mean aux."""
+  in the ZeRO layout (reduced over the data axis), the mean aux and the
+  model state (``_model_state.merged``)."""
   axis, zero_stage = options.axis, options.zero_stage
   fn = gathered(loss_fn, layout.split, axis=axis) if zero_stage == 3 else loss_fn
   params = vary(params, layout.specs.params, axis=axis)
-  loss, grads, aux = microbatched_value_and_grad(
-      fn, params, batch, num_microbatches=options.num_microbatches,
-      has_aux=options.has_aux, axis=axis, key=keys[0] if keys else None)
+  loss, grads, aux, model_state = microbatched_value_and_grad(
+      fn, params, model_state, batch,
+      num_microbatches=options.num_microbatches, axis=axis,
+      key=keys[0] if keys else None)
   loss, aux = jax.lax.pmean((loss, aux), axis)
   grads = reduce_gradients(grads, layout.split if zero_stage
                            else layout.specs.params, axis=axis,
                            summed=zero_stage == 3)
-  return loss, grads, aux
+  return loss, grads, aux, merged(model_state, axis)
 
 
 class _ShardMapStep:
@@ -343,15 +405,17 @@ class _ShardMapStep:
     # a fresh key each step, a function of (key, step): resumes draw alike
     keys = tuple(jax.random.fold_in(k, state.step) for k in keys)
     grads_specs = layout.split if o.zero_stage else layout.specs.params
-    loss, grads, aux = jax.shard_map(
+    loss, grads, aux, model_state = jax.shard_map(
         functools.partial(_local_grads, self.loss_fn, options=o,
                           layout=layout), mesh=o.mesh,
-        in_specs=(layout.specs.params, P(o.axis), *(P() for _ in keys)),
-        out_specs=(P(), grads_specs, P()))(state.params, batch, *keys)
+        in_specs=(layout.specs.params, P(), P(o.axis), *(P() for _ in keys)),
+        out_specs=(P(), grads_specs, P(), P()))(
+            state.params, state.model_state, batch, *keys)
     state, stats = sharded_update(
         state, grads, loss=loss, optimizer=layout.optimizer, mesh=o.mesh,
         state_specs=layout.specs, max_grad_norm=o.max_grad_norm,
-        update_specs=layout.split if o.zero_stage == 1 else None)
+        update_specs=layout.split if o.zero_stage == 1 else None,
+        model_state=model_state)
     return state, stats._replace(aux=aux)
 
   def _place(self, state: TrainState, batch: PyTree) -> tuple:
@@ -395,9 +459,9 @@ class _PmapStep:
     if key is not None:
       key = jax.random.fold_in(key, state.step)
     params = jax.lax.pcast(state.params, o.axis, to='varying')
-    loss, grads, aux = microbatched_value_and_grad(
-        self.loss_fn, params, batch, num_microbatches=o.num_microbatches,
-        has_aux=o.has_aux, axis=o.axis, key=key)
+    loss, grads, aux, _ = microbatched_value_and_grad(
+        self.loss_fn, params, state.model_state, batch,
+        num_microbatches=o.num_microbatches, axis=o.axis, key=key)
     loss, grads, aux = jax.lax.pmean((loss, grads, aux), o.axis)
     state, stats = apply_gradients(state, grads, loss=loss,
                                    optimizer=o.optimizer,
@@ -415,8 +479,8 @@ class _PmapStep:
   def lower(self, state: TrainState, batch: PyTree):
     return self.compiled.lower(state, self._split(batch), self.options.key)
 
-  def init(self, params: PyTree) -> TrainState:
-    return TrainState.create(params, self.options.optimizer)
+  def init(self, params: PyTree, model_state: PyTree = None) -> TrainState:
+    return TrainState.create(params, self.options.optimizer, model_state)
 
 
 # -- The checks of a step's inputs --------------------------------------------
@@ -460,13 +524,15 @@ def _check_model(state: TrainState, batch: PyTree, microbatch: int,
   logical = logical_shapes(state)
   check_float_params(logical.params)
   check_opt_state(logical, options.optimizer)
+  check_update_args(options.optimizer, logical.params, logical.opt_state)
   micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       (microbatch, *np.shape(x)[1:]), _dtype(x)), batch)
   loss_fn = options.loss_fn
   if options.compute_dtype is not None:
     loss_fn = cast_params(loss_fn, options.compute_dtype)
   check_loss_fn(loss_fn, logical.params, micro, has_aux=options.has_aux,
-                key=options.key)
+                key=options.key, model_state=logical.model_state,
+                carries_state=options.carries_state, mesh=options.mesh)
 
 
 class _CheckedStep:
@@ -498,16 +564,22 @@ class _CheckedStep:
     return self.step.lower(state, batch)
 
 
-def _checked_init(init: Callable[[PyTree], TrainState],
-                  params: PyTree) -> TrainState:
+def _checked_init(init: Callable[..., TrainState], params: PyTree,
+                  model_state: PyTree = None) -> TrainState:
   """``Trainer.init``: float params (``check_float_params``), then ``init``."""
   check_float_params(params)
-  return init(params)
+  return init(params, model_state)
 
 
 def _logical_params(state: TrainState) -> PyTree:
   """``state.params`` at their logical shapes, as sharded (``auto_view``)."""
   return auto_view(unpadded(state.params))
+
+
+def _logical_opt_state(state: TrainState) -> PyTree:
+  """``state.opt_state`` laid out as ``_logical_params``: logical shapes, the
+  same mesh (``Trainer.opt_state``)."""
+  return auto_view(unpadded(state.opt_state))
 
 
 def trainer(
@@ -531,7 +603,11 @@ def trainer(
     loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over the
       examples of ``batch`` (``(scalar, aux)`` with ``has_aux``; aux leaves are
       float and are averaged like the loss); ``loss_fn(params, batch, key)``
-      with a ``key``.
+      with a ``key``. Or a Flax NNX model's ``DataParallelModel``
+      (``from_nnx(model, loss=...)``): its model state (BatchNorm
+      statistics) is carried in ``TrainState.model_state``, threaded through
+      each device's microbatches in order and merged over ``axis`` as
+      ``jaxpar.data_parallel.from_nnx`` says.
     optimizer: any optax ``GradientTransformation`` (chains, ``lamb``,
       ``adafactor``, ``MultiSteps``, ...): it runs on global arrays.
     mesh: a mesh from ``jaxpar.make_mesh``; the batch is split over ``axis``,
@@ -571,8 +647,9 @@ def trainer(
       re-gathers the params in the backward whatever the policy.
 
   Returns:
-    ``Trainer(init, step, params)``: ``init(params)`` gives a placed
-    ``TrainState`` in the ``zero_stage`` layout; ``step(state, batch) ->
+    ``Trainer(init, step, params, opt_state)``: ``init(params,
+    model_state=None)`` gives a placed ``TrainState`` in the ``zero_stage``
+    layout (the model state replicated); ``step(state, batch) ->
     (state, StepStats)`` takes a batch pytree of numpy or jax arrays with
     leading size ``B`` (placed on the mesh by the step; any state is placed
     into the step's layout); ``stats.loss`` is the global mean before the
@@ -580,7 +657,9 @@ def trainer(
     non-finite loss or gradients skip the update (``stats.skipped``).
     ``params(state)`` returns ``state.params`` at their logical shapes as
     they are sharded (``train_state.auto_view``: nothing is replicated but
-    the leaves ZeRO pads): the one way to read a state's params.
+    the leaves ZeRO pads): the one way to read a state's params;
+    ``opt_state(state)`` the optimizer state likewise. The optimizer's
+    update gets the loss as ``value=`` (``train_state.apply_gradients``).
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxpar
@@ -619,4 +698,5 @@ def trainer(
       remat_policy=remat_policy)
   step = (_PmapStep if backend == 'pmap' else _ShardMapStep)(options)
   return Trainer(functools.partial(_checked_init, step.init),
-                 _CheckedStep(step, options), _logical_params)
+                 _CheckedStep(step, options), _logical_params,
+                 _logical_opt_state)
