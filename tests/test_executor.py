@@ -611,3 +611,106 @@ def test_one_rank_runs_no_ticks():
   text = jax.jit(step).lower(jnp.zeros((2, 8, 8)), 1.0, x, x).compile(
       ).as_text()
   assert data_dependent_control_flow(text) == {'while': 0, 'conditional': 0}
+
+
+# -- model state that is not a parameter (BatchNorm statistics) ---------------
+
+
+def norm_stage(params, x, state):
+  """A BatchNorm-like residual layer: the batch statistics of ``x @ w``
+  normalise it, the running ones (``state``) are updated and also shift
+  the output, so the backward must see the state of its forward."""
+  h = x @ params['w']
+  mean, var = jnp.mean(h, 0), jnp.var(h, 0)
+  y = x + jnp.tanh((h - mean) / jnp.sqrt(var + 1e-3) * params['gate']['s']
+                   + params['b'] + state['mean'])
+  return y, {'mean': 0.9 * state['mean'] + 0.1 * mean,
+             'var': 0.9 * state['var'] + 0.1 * var}
+
+
+def norm_reference(stages, loss_params, inputs, targets, state, m):
+  """One device, the microbatches in order: ``value_and_grad`` of each
+  (gradients accumulated), every stage's state passed on to the next."""
+  one = lambda tree, k: jax.tree.map(lambda a: a[k], tree)
+
+  def microbatch(stages, loss_params, x, t, state):
+    new = []
+    for k in range(jax.tree.leaves(stages)[0].shape[0]):
+      x, s = norm_stage(one(stages, k), x, one(state, k))
+      new.append(s)
+    return (loss_fn(loss_params, x, t) / m,
+            jax.tree.map(lambda *a: jnp.stack(a), *new))
+  grad = jax.jit(jax.value_and_grad(microbatch, (0, 1, 2), has_aux=True))
+  split = lambda a: a.reshape((m, -1) + a.shape[1:])
+  total, dxs = None, []
+  for x, t in zip(split(inputs), split(targets)):
+    (loss, state), (ds, dl, dx) = grad(stages, loss_params, x, t, state)
+    total = jax.tree.map(jnp.add, total, (loss, ds, dl)) if total else (
+        loss, ds, dl)
+    dxs.append(dx)
+  return total, np.concatenate(dxs), state
+
+
+@pytest.mark.parametrize('name,p,m', [('1f1b', 4, 4), ('zero_bubble_v', 2, 3),
+                                      ('zero_bubble_v', 1, 2)])
+def test_stage_state_is_the_sequential_loop(x64, name, p, m):
+  """Statistics per microbatch, the running ones updated once per
+  microbatch in order, per stage: loss, gradients and the final state."""
+  schedule = SCHEDULES[name](p, m)
+  stages, loss_params, x, t = model(schedule.num_stages, m * 2 * MB)
+  rng = np.random.default_rng(1)
+  state = {'mean': rng.normal(size=(schedule.num_stages, D)),
+           'var': np.ones((schedule.num_stages, D))}
+  step = pipeline_value_and_grad(norm_stage, loss_fn, schedule=schedule,
+                                 mesh=mesh_for(p), bubble_fill=NAN)
+  loss, grads, new = step(stages, loss_params, x, t, stage_state=state)
+  (want_loss, ds, dl), dx, want = norm_reference(
+      stages, loss_params, x, t, state, m)
+  assert_exact((loss, grads), (want_loss, (ds, dl, dx)), rtol=1e-12)
+  for got, ref in zip(jax.tree.leaves(new), jax.tree.leaves(want)):
+    np.testing.assert_allclose(got, ref, rtol=1e-12)
+
+
+def test_stage_state_errors():
+  """Out-of-order forwards of a stage, and a new state of another shape."""
+  p, m = 2, 2
+  stages, loss_params, x, t = model(p, m * MB, np.float32)
+  state = {'mean': np.zeros((p, D), np.float32),
+           'var': np.ones((p, D), np.float32)}
+  backwards = sch.Schedule(p, p, m, (0, 1), (
+      ('0F1', '0F0', None, None, '0B1', '0B0'),
+      (None, '1F1', '1B1', '1F0', '1B0'))).validate()
+  step = pipeline_value_and_grad(norm_stage, loss_fn, schedule=backwards,
+                                 mesh=mesh_for(p))
+  with pytest.raises(ValueError, match=r"'custom' runs stage 0's forwards in "
+                     r'microbatch order \[1, 0\]'):
+    step(stages, loss_params, x, t, stage_state=state)
+  step = pipeline_value_and_grad(
+      lambda w, x, s: (stage_fn(w, x), s['mean']), loss_fn,
+      schedule=sch.one_f_one_b(p, m), mesh=mesh_for(p))
+  with pytest.raises(ValueError, match='must return.*new_state of the'):
+    step(stages, loss_params, x, t, stage_state=state)
+  with pytest.raises(ValueError, match=r"stage_state\['mean'\] has shape"):
+    step(stages, loss_params, x, t, stage_state=jax.tree.map(
+        lambda a: a[:1], state))
+
+
+def test_input_grads_off_holds_no_batch_sized_cotangent(x64):
+  """``input_grads=False``: ``grads.inputs`` is None, the rest is bitwise
+  the same, and the step holds less: no batch-sized output, less scratch
+  (the pending rows)."""
+  p, m = 2, 8
+  schedule = sch.one_f_one_b(p, m)
+  args = model(p, m * MB)
+  on, off = (pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule,
+                                     mesh=mesh_for(p), input_grads=flag)
+             for flag in (True, False))
+  (loss, grads), (loss_off, grads_off) = on(*args), off(*args)
+  assert grads_off.inputs is None
+  for a, b in zip(jax.tree.leaves((loss, grads._replace(inputs=None))),
+                  jax.tree.leaves((loss_off, grads_off))):
+    np.testing.assert_array_equal(a, b)
+  on, off = (step.lower(*args).compile().memory_analysis()
+             for step in (on, off))
+  assert on.output_size_in_bytes - off.output_size_in_bytes >= args[2].nbytes
+  assert on.temp_size_in_bytes > off.temp_size_in_bytes

@@ -22,9 +22,12 @@ from jaxpar.pipeline.executor._placement import (
     ranks_to_stages as ranks_to_stages)
 from jaxpar.pipeline.executor._placement import (
     stages_to_ranks as stages_to_ranks)
+from jaxpar.pipeline.executor._profile import profile as profile
 from jaxpar.pipeline.executor._stage_vjp import DEFAULT_POLICY as DEFAULT_POLICY
 from jaxpar.pipeline.executor._stage_vjp import StageVJP as StageVJP
 from jaxpar.pipeline.executor._stage_vjp import stash_policy as stash_policy
+from jaxpar.pipeline.executor._timeline import RankTotals as RankTotals
+from jaxpar.pipeline.executor._timeline import Timeline as Timeline
 
 # jaxpar-internal (for jaxpar.parallel's trainer and from_nnx; not in __all__):
 # input checks, the jaxpr dataflow helpers and the varying-axes casts.
@@ -42,4 +45,6 @@ __all__ = [
     'pipeline_apply', 'pipeline_apply_local', 'pipeline_value_and_grad',
     'pipeline_value_and_grad_local', 'ranks_to_stages', 'stages_to_ranks',
     'stash_policy',
+    # jaxpar.pipeline.profile: a step's ticks as they ran
+    'profile', 'RankTotals', 'Timeline',
 ]

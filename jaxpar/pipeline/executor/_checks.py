@@ -15,11 +15,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpar.mesh import axis_size
-from jaxpar.pipeline.executor._microbatches import with_key
-from jaxpar.pipeline.schedules import Schedule, TickTable
+from jaxpar.pipeline.executor._microbatches import with_key, with_state
+from jaxpar.pipeline.schedules import KIND_CODES, Schedule, TickTable
 
 PyTree = Any
 StageFn = Callable[[PyTree, jax.Array], jax.Array]
+F = KIND_CODES['F']
 
 
 def check_fn(fn: Any, name: str) -> None:
@@ -51,11 +52,16 @@ def check_leading(tree: PyTree, size: int, name: str, rule: str) -> None:
 
 
 def check_stage_fn(stage_fn: StageFn, params: PyTree, x: Any,
-                   key: Any = None) -> None:
+                   key: Any = None, state: PyTree = None) -> None:
   """``ValueError`` unless ``stage_fn`` keeps the shape and dtype of ``x``
-  (one microbatch's activation, an array or its aval)."""
-  out = jax.eval_shape(stage_fn, jax.tree.map(lambda a: a[0], params), x,
-                       *with_key(key))
+  (one microbatch's activation, an array or its aval) and, given a
+  ``state`` (``[v, ...]``), returns ``(y, new_state)`` with ``new_state``
+  shaped like one stage's state."""
+  first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+  out = jax.eval_shape(stage_fn, first(params), x, *with_key(key),
+                       *with_state(state, first))
+  if state is not None:
+    out = _check_new_state(out, first(state))
   if (not isinstance(out, jax.ShapeDtypeStruct) or out.shape != x.shape
       or out.dtype != x.dtype):
     got = (f'{out.dtype}{list(out.shape)}' if isinstance(
@@ -67,6 +73,40 @@ def check_stage_fn(stage_fn: StageFn, params: PyTree, x: Any,
         'the stages: in front of the pipeline (embed_fn of '
         'pipeline_value_and_grad_local, or chain PipelineGrads.inputs, their '
         'cotangent) or into loss_fn.')
+
+
+def _check_new_state(out: Any, state: PyTree) -> Any:
+  """``y`` of a stateful ``stage_fn``'s ``(y, new_state)``; ``ValueError``
+  unless ``new_state`` has the structure, shapes and dtypes of ``state``."""
+  types = lambda tree: jax.tree.map(
+      lambda a: (np.shape(a), jnp.result_type(a)), tree)
+  if not (isinstance(out, tuple) and len(out) == 2) or (
+      jax.tree.structure(out[1]) != jax.tree.structure(state)
+      or types(out[1]) != types(state)):
+    raise ValueError(
+        'with stage_state, stage_fn(params, x, [key,] state) must return '
+        '(y, new_state), new_state of the structure, shapes and dtypes of '
+        f'one stage\'s state {jax.tree.map(jax.typeof, state)}; got '
+        f'{jax.tree.map(jax.typeof, out)}. Return the updated state (e.g. '
+        'BatchNorm running statistics, cast back to its dtype) with y.')
+  return out[0]
+
+
+def check_state_order(table: TickTable) -> None:
+  """``ValueError`` unless every stage runs its ``F`` actions in increasing
+  microbatch order: a stage's state then passes from each microbatch to
+  the next, as on one device."""
+  for stage in range(table.schedule.num_stages):
+    at = (table.kind == F) & (table.stage == stage)
+    ticks, ranks = np.nonzero(at)
+    order = table.microbatch[ticks, ranks][np.argsort(ticks, kind='stable')]
+    if np.any(np.diff(order) <= 0):
+      raise ValueError(
+          f'schedule {table.schedule.name!r} runs stage {stage}\'s forwards '
+          f'in microbatch order {order.tolist()}; with stage_state each '
+          'stage must run its microbatches in increasing order (the state '
+          'after microbatch i is the input of microbatch i + 1). Use a '
+          'schedule that does (every built-in one), or pass no stage_state.')
 
 
 def check_loss_fn(loss_fn: Callable[..., Any], loss_params: PyTree,
@@ -118,6 +158,12 @@ def check_table(table: Any) -> TickTable:
                     f'jaxpar.pipeline.tick_table(schedule), got '
                     f'{type(table).__name__}.')
   return table
+
+
+def check_bool(value: Any, name: str) -> None:
+  """``TypeError`` unless ``value`` is a bool."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f'{name}={value!r} must be True or False.')
 
 
 def check_fill(bubble_fill: Any) -> float:

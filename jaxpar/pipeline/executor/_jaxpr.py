@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import jax.extend.core as jex
-import jax.numpy as jnp
 
 from jaxpar import _compat
 
@@ -54,25 +53,29 @@ def needed(jaxpr: jex.Jaxpr, targets: Sequence[Any],
   return keep[::-1]
 
 
-def subfunction(closed: jex.ClosedJaxpr, eqns: Sequence[int],
-                invars: Sequence[Any], outvars: Sequence[Any]
-                ) -> Callable[..., list]:
-  """The computation of ``closed``'s ``eqns`` from ``invars`` to ``outvars``."""
-  jaxpr = closed.jaxpr
-  sub = jex.Jaxpr(jaxpr.constvars, list(invars), list(outvars),
-                  [jaxpr.eqns[k] for k in eqns], jaxpr.effects,
-                  jaxpr.debug_info)
-  return jex.jaxpr_as_fun(jex.ClosedJaxpr(sub, closed.consts))
-
-
 def _inner(params: dict) -> jex.ClosedJaxpr:
   inner = params.get('jaxpr', params.get('call_jaxpr', params.get('fun_jaxpr')))
   return inner if isinstance(inner, jex.ClosedJaxpr) else jex.ClosedJaxpr(
       inner, ())
 
 
+def bind(eqn: jex.JaxprEqn, ins: Sequence[Any]) -> list:
+  """``eqn``'s primitive applied to ``ins`` (under a trace): its outputs."""
+  outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+  return outs if eqn.primitive.multiple_results else [outs]
+
+
+def scan_parts(params: dict, ins: Sequence[Any]) -> tuple[list, list, list]:
+  """A ``scan`` eqn's operands (or body invars) as ``(consts, carry, xs)``,
+  from its ``params``."""
+  num_consts, num_carry = _compat.scan_counts(params)
+  ins = list(ins)
+  return (ins[:num_consts], ins[num_consts:num_consts + num_carry],
+          ins[num_consts + num_carry:])
+
+
 def _evaluate(jaxpr: jex.Jaxpr, consts: Sequence[Any], *args) -> list:
-  """``jaxpr(*args)`` with calls inlined and scans unrolled (under a trace)."""
+  """``jaxpr(*args)`` with calls inlined, in scan bodies too (under a trace)."""
   env = dict(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
   read = lambda v: v.val if not is_var(v) else env[v]
@@ -83,37 +86,33 @@ def _evaluate(jaxpr: jex.Jaxpr, consts: Sequence[Any], *args) -> list:
       inner = _inner(eqn.params)
       outs = _evaluate(inner.jaxpr, inner.consts, *ins)
     elif name == 'scan':
-      outs = _unrolled_scan(eqn.params, ins)
+      outs = _scan(eqn, ins)
     else:
-      outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(
-          eqn.params))
-      outs = outs if eqn.primitive.multiple_results else [outs]
+      outs = bind(eqn, ins)
     env.update(zip(eqn.outvars, outs))
   return [read(v) for v in jaxpr.outvars]
 
 
-def _unrolled_scan(params: dict, ins: list) -> list:
-  body, length = params['jaxpr'], params['length']
-  num_consts, num_carry = _compat.scan_counts(params)
-  consts = ins[:num_consts]
-  carry = ins[num_consts:num_consts + num_carry]
-  xs = ins[num_consts + num_carry:]
-  steps = range(length - 1, -1, -1) if params['reverse'] else range(length)
-  ys = {}
-  for i in steps:
-    outs = _evaluate(body.jaxpr, body.consts, *consts, *carry,
-                     *[x[i] for x in xs])
-    carry, ys[i] = outs[:len(carry)], outs[len(carry):]
-  stacked = [jnp.stack([ys[i][k] for i in range(length)])
-             for k in range(len(body.jaxpr.outvars) - len(carry))]
-  return list(carry) + stacked
+def _scan(eqn: jex.JaxprEqn, ins: list) -> list:
+  """The ``scan`` eqn re-bound by ``lax.scan`` of its body, calls inlined."""
+  body, params = eqn.params['jaxpr'], eqn.params
+  consts, carry, xs = scan_parts(params, ins)
+  num_carry = len(carry)
+
+  def step(carry, xs):
+    outs = _evaluate(body.jaxpr, body.consts, *consts, *carry, *xs)
+    return outs[:num_carry], outs[num_carry:]
+  carry, ys = jax.lax.scan(step, carry, xs, length=params['length'],
+                           reverse=params['reverse'], unroll=params['unroll'])
+  return [*carry, *ys]
 
 
 def flatten(fn: Callable[..., Any], *args) -> jex.ClosedJaxpr:
-  """``jax.make_jaxpr(fn)(*args)`` with jit calls inlined, scans unrolled.
+  """``jax.make_jaxpr(fn)(*args)`` with jit and remat calls inlined.
 
   Every operation then stands alone in the jaxpr, so slices of it can keep
-  or drop each one (the layers of a ``lax.scan`` become separate layers).
+  or drop each one; a ``lax.scan`` stays one (its body flattened in turn),
+  so the jaxpr does not grow with the number of iterations.
   """
   closed = jax.make_jaxpr(fn)(*args)
   return jax.make_jaxpr(lambda *a: _evaluate(closed.jaxpr, closed.consts, *a))(

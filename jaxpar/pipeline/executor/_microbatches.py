@@ -3,7 +3,7 @@
 ``microbatched`` splits the step's batch into the ``m`` microbatches the
 tick table names; ``with_key`` gives the trailing arguments of a stage, loss
 or embedding function called on one microbatch (its key, when the step has
-one).
+one), ``with_state`` a stateful stage's last one (its state).
 """
 
 from __future__ import annotations
@@ -41,3 +41,9 @@ def microbatched(inputs: jax.Array, targets: PyTree, m: int):
 def with_key(key: Any) -> tuple:
   """The trailing arguments of a user function: ``(key,)``, or ``()``."""
   return () if key is None else (key,)
+
+
+def with_state(state: PyTree, pick: Any) -> tuple:
+  """A stateful stage's last argument, ``(pick(state),)`` (its stage's
+  part of ``state``), or ``()`` without a state."""
+  return () if state is None else (pick(state),)

@@ -16,8 +16,11 @@ sharded over a data axis.
 
 Options of the training steps: ``key`` (randomness such as dropout: one key
 per stage and global microbatch, the same in its forward and backward),
-``has_aux`` (``loss_fn`` returns ``(loss, aux)``) and ``compute_dtype``
-(e.g. bfloat16 compute on float32 params).
+``has_aux`` (``loss_fn`` returns ``(loss, aux)``), ``compute_dtype``
+(e.g. bfloat16 compute on float32 params), ``stage_state`` (model state
+that is not a parameter, e.g. BatchNorm's running statistics, passed from
+each microbatch to the next as on one device) and ``input_grads=False``
+(no input cotangent).
 """
 from __future__ import annotations
 
@@ -34,7 +37,9 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import vma
 from jaxpar.pipeline.executor import _tick_scan
 from jaxpar.pipeline.executor._checks import (
-    check_axis, check_fill, check_float, check_fn, check_leading, check_loss_fn, check_table, check_offset, check_schedule, check_stage_fn)
+    check_axis, check_bool, check_fill, check_float, check_fn, check_leading,
+    check_loss_fn, check_offset, check_schedule, check_stage_fn,
+    check_state_order, check_table)
 from jaxpar.pipeline.executor._microbatches import microbatched, with_key
 from jaxpar.pipeline.executor._placement import ranks_to_stages, stages_to_ranks
 from jaxpar.pipeline.executor._stage_vjp import stash_policy
@@ -55,7 +60,7 @@ class PipelineGrads(NamedTuple):
       ``loss_fn`` takes after the last stage.
     inputs: like ``inputs``, ``[batch, ...]``: for a layer in front of the
       pipeline, chain it with that layer's VJP (``None`` when the step runs
-      that layer itself, as ``embed_fn``).
+      that layer itself, as ``embed_fn``, or with ``input_grads=False``).
     embed: like ``embed_params`` of ``pipeline_value_and_grad_local``'s ``embed_fn``
       (``None`` without one).
   """
@@ -76,8 +81,9 @@ def pipeline_value_and_grad_local(
     microbatch_offset: Any = 0, has_aux: bool = False,
     compute_dtype: Any = None, embed_fn: Callable[..., jax.Array] | None = None,
     embed_params: PyTree = None, embed_key: jax.Array | None = None,
-    remat_policy: Any = None
-) -> tuple[Any, PipelineGrads]:
+    remat_policy: Any = None, stage_state: PyTree = None,
+    input_grads: bool = True
+) -> tuple[Any, PipelineGrads] | tuple[Any, PipelineGrads, PyTree]:
   """One rank's share of ``pipeline_value_and_grad``; call it inside ``jax.shard_map``.
 
   For composing pipeline parallelism with other axes: the caller's
@@ -89,7 +95,9 @@ def pipeline_value_and_grad_local(
 
   Args:
     stage_fn: ``stage_fn(one_stage_params, x) -> y``, ``y`` like ``x``;
-      ``stage_fn(one_stage_params, x, key)`` when ``key`` is given.
+      ``stage_fn(one_stage_params, x, key)`` when ``key`` is given; with
+      ``stage_state`` it takes the stage's state last and returns ``(y,
+      new_state)``: ``stage_fn(one_stage_params, x, [key,] state)``.
     loss_fn: ``loss_fn(loss_params, y, target) -> scalar``, the mean loss of
       one microbatch, run after the last stage (``(scalar, aux)`` with
       ``has_aux``; a trailing ``key`` argument when ``key`` is given).
@@ -131,15 +139,30 @@ def pipeline_value_and_grad_local(
       matrix products kept, elementwise work recomputed), ``'everything'``,
       ``'dots_no_batch'``, ``'nothing'`` or a ``jax.checkpoint_policies``
       policy.
+    stage_state: model state that is not a parameter (BatchNorm running
+      statistics, counters), like ``local_params`` this rank's ``[v, ...]``
+      in the order of ``stages_to_ranks``; ``None``: stateless stages. Each
+      stage runs its microbatches in order (every built-in schedule does;
+      another is a ``ValueError``) and passes its state from each
+      microbatch's ``F`` to the next, as one device running the microbatches
+      in turn does; a microbatch's backward sees the state of its forward.
+      The state is not differentiated; ``new_state`` must keep its
+      structure, shapes and dtypes.
+    input_grads: ``False`` skips the input cotangent (``PipelineGrads.
+      inputs`` is ``None``): no batch-sized buffer and no collective for it.
 
   Returns:
     ``(loss, PipelineGrads(stages, head, inputs, embed))`` (``((loss, aux),
-    ...)`` with ``has_aux``): the mean loss over this shard's batch and its
-    gradients; ``stages`` is this rank's ``[v, ...]`` (varying over
-    ``axis``), the rest is reduced over ``axis``. Nothing is reduced over
+    ...)`` with ``has_aux``), and with ``stage_state`` the state after the
+    last microbatch as a third result, ``[v, ...]`` like ``stage_state``:
+    the mean loss over this shard's batch and its
+    gradients; ``stages`` (and the state) is this rank's ``[v, ...]``
+    (varying over ``axis``), the rest is reduced over ``axis``. Nothing is reduced over
     other axes: with a batch sharded ``n`` ways over a data axis, ``pmean``
     the loss and the parameter gradients over it and divide ``inputs`` (this
-    shard's cotangent) by ``n``. With one rank (``num_ranks == 1``) there
+    shard's cotangent) by ``n``; the state is this shard's (its statistics
+    are of this shard's microbatches: combine it over the data axis as the
+    model's rule says). With one rank (``num_ranks == 1``) there
     are no ticks: the microbatches run in turn (``lax.scan`` of
     ``value_and_grad``), as data parallelism runs them.
 
@@ -182,6 +205,11 @@ def pipeline_value_and_grad_local(
     check_float(tree, name)
   check_leading(local_params, schedule.num_stages // schedule.num_ranks,
                 'local_params', 'num_stages // num_ranks')
+  if stage_state is not None:
+    check_leading(stage_state, schedule.num_stages // schedule.num_ranks,
+                  'stage_state', 'num_stages // num_ranks')
+    check_state_order(table)
+  check_bool(input_grads, 'input_grads')
   check_key(key)
   check_offset(microbatch_offset)
   stash_policy(remat_policy)
@@ -207,21 +235,23 @@ def pipeline_value_and_grad_local(
     # A value, not its aval: under a shard_map manual over some axes only,
     # eval_shape rejects avals that carry manual-axis types.
     x = full(x, 0)
-  check_stage_fn(stage_fn, local_params, x, key)
+  check_stage_fn(stage_fn, local_params, x, key, stage_state)
   check_loss_fn(loss_fn, loss_params, x, jax.tree.map(lambda t: t[0], ts),
                 key, has_aux)
   res = _tick_scan.run(
       stage_fn, loss_fn, table, local_params, loss_params, xs, ts,
       axis=axis, bubble_fill=check_fill(bubble_fill),
       key=key, offset=microbatch_offset, has_aux=has_aux, embed_fn=embed_fn,
-      embed_params=embed_params, embed_key=embed_key, remat_policy=remat_policy)
+      embed_params=embed_params, embed_key=embed_key, remat_policy=remat_policy,
+      stage_state=stage_state, input_grads=input_grads)
   dx = res.inputs
-  if not embedding:
+  if dx is not None:
     dx = dx.reshape(np.shape(inputs))
     if dtype is not None:
       dx = dx.astype(inputs_dtype)
-  return ((res.value if has_aux else res.value[0]),
-          PipelineGrads(res.stages, res.head, dx, res.embed))
+  out = ((res.value if has_aux else res.value[0]),
+         PipelineGrads(res.stages, res.head, dx, res.embed))
+  return out if stage_state is None else out + (res.state,)
 
 
 def pipeline_apply_local(
@@ -259,8 +289,8 @@ def pipeline_apply_local(
 def pipeline_value_and_grad(
     stage_fn: StageFn, loss_fn: LossFn, *, schedule: Schedule, mesh: Mesh,
     axis: str = 'stage', bubble_fill: float = 0.0,
-    has_aux: bool = False, compute_dtype: Any = None, remat_policy: Any = None
-) -> Callable[..., tuple[Any, PipelineGrads]]:
+    has_aux: bool = False, compute_dtype: Any = None, remat_policy: Any = None,
+    input_grads: bool = True) -> Callable[..., tuple]:
   """A jitted pipelined step: the loss and gradients of the batch mean.
 
   Like ``jax.value_and_grad`` of the sequential model (no optimizer: plug
@@ -277,6 +307,12 @@ def pipeline_value_and_grad(
   k_ik)`` with ``k_ik = fold_in(fold_in(key, i), k)`` and the loss gets
   ``k_iS``: the same masks in the forward, the backward and a recompute, and
   the same result for every schedule of ``S`` stages.
+
+  Model state that is not a parameter (BatchNorm running statistics) is
+  passed as ``step(..., stage_state=state)``: each stage then runs as
+  ``stage_fn(params_k, x, [k_ik,] state_k) -> (y, new_state_k)`` on
+  microbatches ``0, 1, ..., m - 1`` in turn, as one device does (see
+  ``pipeline_value_and_grad_local``).
 
   Memory per rank: the parameters, the batch and its gradient, plus
   ``tick_table(schedule).num_stash_slots`` stashes (VJP residuals without the
@@ -309,12 +345,17 @@ def pipeline_value_and_grad(
     compute_dtype: e.g. ``jnp.bfloat16``: stages and loss compute on params
       and inputs cast to it, so activations, stashes and messages are in it;
       the loss, aux and all gradients keep their dtypes (float32).
+    input_grads: ``False``: ``grads.inputs`` is ``None`` and is not
+      computed (no batch-sized buffer, no collective for it); for callers
+      with nothing in front of the pipeline to differentiate.
 
   Returns:
-    ``step(stage_params, loss_params, inputs, targets, key=None) -> (loss,
-    PipelineGrads(stages, head, inputs))`` (``((loss, aux), grads)`` with
-    ``has_aux``), jitted. ``stage_params`` is a pytree stacked
-    ``[num_stages, ...]`` in model order; ``inputs`` is ``[batch, ...]`` and
+    ``step(stage_params, loss_params, inputs, targets, key=None,
+    stage_state=None) -> (loss, PipelineGrads(stages, head, inputs))``
+    (``((loss, aux), grads)`` with ``has_aux``; ``(loss, grads,
+    new_state)`` with a ``stage_state``), jitted. ``stage_params`` is a
+    pytree stacked ``[num_stages, ...]`` in model order, and so are
+    ``stage_state`` and ``new_state``; ``inputs`` is ``[batch, ...]`` and
     ``targets`` a pytree of ``[batch, ...]`` leaves; ``key`` a PRNG key for
     the functions (``jax.random.key(seed)``; fold in the step number to
     draw new masks each step). Shapes are checked when ``step`` is traced,
@@ -357,6 +398,20 @@ def pipeline_value_and_grad(
     ...                           np.zeros((32, 16)), key=jax.random.key(0))
     >>> loss.dtype, sorted(aux), grads.stages['w'].dtype
     (dtype('float32'), ['mean_y'], dtype('float32'))
+
+    A stage with state (a running mean of its inputs, as BatchNorm keeps):
+
+    >>> def norm_fn(p, x, mean):
+    ...   y = stage_fn(p, x - jnp.mean(x, 0))
+    ...   return y, 0.9 * mean + 0.1 * jnp.mean(x, 0)
+    >>> step = jaxpar.pipeline.pipeline_value_and_grad(
+    ...     norm_fn, loss_fn, mesh=jaxpar.make_mesh(stage=4, data=2),
+    ...     schedule=jaxpar.pipeline.one_f_one_b(4, 8), input_grads=False)
+    >>> loss, grads, mean = step(params, 2.0, np.ones((32, 16)),
+    ...                          np.zeros((32, 16)),
+    ...                          stage_state=np.zeros((4, 16)))
+    >>> mean.shape, grads.inputs is None
+    ((4, 16), True)
   """
   check_fn(stage_fn, 'stage_fn')
   check_fn(loss_fn, 'loss_fn')
@@ -365,36 +420,50 @@ def pipeline_value_and_grad(
   bubble_fill = check_fill(bubble_fill)
   check_compute_dtype(compute_dtype)
   stash_policy(remat_policy)
+  check_bool(input_grads, 'input_grads')
+  first, stacked = (lambda tree: jax.tree.map(lambda a: a[0], tree),
+                    lambda tree: jax.tree.map(lambda a: a[None], tree))
 
-  def local(params, loss_params, inputs, targets, key):
-    out, grads = pipeline_value_and_grad_local(
-        stage_fn, loss_fn, jax.tree.map(lambda a: a[0], params), loss_params,
+  def local(params, loss_params, inputs, targets, key, state):
+    out, grads, *new_state = pipeline_value_and_grad_local(
+        stage_fn, loss_fn, first(params), loss_params,
         inputs, targets, table=table, axis=axis,
         bubble_fill=bubble_fill, key=key, has_aux=has_aux,
-        compute_dtype=compute_dtype, remat_policy=remat_policy)
-    return out, grads._replace(
-        stages=jax.tree.map(lambda a: a[None], grads.stages))
+        compute_dtype=compute_dtype, remat_policy=remat_policy,
+        stage_state=first(state), input_grads=input_grads)
+    return (out, grads._replace(stages=stacked(grads.stages)),
+            stacked(new_state[0] if new_state else None))
 
   by_stage = NamedSharding(mesh, P(axis))
+  to_ranks = lambda tree: jax.reshard(stages_to_ranks(
+      tree, schedule, out_sharding=by_stage), by_stage)
   # Manual over every mesh axis (replicated over the others): XLA:CPU 0.10
   # aborts on a bfloat16 all-reduce in a partly manual shard_map.
   sharded = jax.shard_map(
-      local, mesh=mesh, in_specs=(P(axis), P(), P(), P(), P()),
-      out_specs=(P(), PipelineGrads(P(axis), P(), P())))
+      local, mesh=mesh, in_specs=(P(axis), P(), P(), P(), P(), P(axis)),
+      out_specs=(P(), PipelineGrads(P(axis), P(), P()), P(axis)))
 
   @jax.jit
-  def step(stage_params, loss_params, inputs, targets, key=None):
+  def step(stage_params, loss_params, inputs, targets, key=None,
+           stage_state=None):
     check_leading(stage_params, schedule.num_stages, 'stage_params',
                   'schedule.num_stages')
+    if stage_state is not None:
+      check_leading(stage_state, schedule.num_stages, 'stage_state',
+                    'schedule.num_stages')
     check_key(key)
     # Replicated on every device (a no-op unless the caller sharded them).
     loss_params, inputs, targets, key = jax.reshard(
         (loss_params, inputs, targets, key), NamedSharding(mesh, P()))
-    out, grads = sharded(jax.reshard(stages_to_ranks(
-        stage_params, schedule, out_sharding=by_stage), by_stage),
-                         loss_params, inputs, targets, key)
-    return out, grads._replace(stages=ranks_to_stages(
+    out, grads, new_state = sharded(
+        to_ranks(stage_params), loss_params, inputs, targets, key,
+        None if stage_state is None else to_ranks(stage_state))
+    out = out, grads._replace(stages=ranks_to_stages(
         grads.stages, schedule, out_sharding=by_stage))
+    if stage_state is None:
+      return out
+    return out + (ranks_to_stages(new_state, schedule,
+                                  out_sharding=by_stage),)
   return step
 
 

@@ -29,9 +29,20 @@ into
   the backward runs once (``I + W = B`` in FLOPs); values that depend on the
   parameters alone are recomputed in ``W`` rather than kept, so ``kept``
   holds activation-sized values. The cut sees through ``jax.jit`` and
-  ``jax.checkpoint`` calls and unrolls ``lax.scan`` (a stage that scans over
-  its layers is cut layer by layer); the compiled blocks are then as long as
-  a Python loop's.
+  ``jax.checkpoint`` calls; a ``lax.scan`` (a stage that scans over its
+  layers) is cut body by body, not unrolled (``_cut``): ``I`` and ``W`` are
+  scans of one layer's halves, ``kept`` stacked per layer, so the blocks'
+  programs and compile time do not grow with the number of layers.
+
+**Model state** that is not a parameter (BatchNorm's running statistics):
+with ``state=`` given to ``trace`` and every block,
+``stage_fn(params, x, [key,] state) -> (y, new_state)`` (the state last) and
+``forward`` returns ``(y, stash, new_state)``. The VJP is over
+``(params, x)`` only; ``new_state`` gets no cotangent. The state counts as
+``x`` in the dataflow pass: residuals that depend on it are stashed (under
+``'nothing'``, the state itself), so the backward of a microbatch sees the
+state of that microbatch's forward; the backward blocks read only the
+state's structure, never its values.
 
 Stash per microbatch for ``L`` residual layers ``x + gelu(x @ w_k)`` of
 ``[mb, d]`` activations: ``'everything'`` ``6 L`` arrays (the input, the
@@ -62,8 +73,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from jaxpar.pipeline.executor import _jaxpr, _vma
+from jaxpar.pipeline.executor import _cut, _jaxpr, _vma
 from jaxpar.train_state import check_remat_policy
 
 PyTree = Any
@@ -111,47 +123,72 @@ class StageVJP:
     self._input = self._weight = None
     self._args_def = None
 
-  def _fn(self, key):
-    """``stage_fn`` of ``(params, x)`` under the policy, ``key`` bound."""
+  def _fn(self, key, state):
+    """``stage_fn`` of ``(params, x)`` under the policy, ``key`` and
+    ``state`` bound; returns ``(y, new_state)`` (``new_state`` None
+    without a state)."""
     fn = self.stage_fn
     if self.policy is not None:
       # The blocks are separate programs: no CSE across them to prevent.
       fn = jax.checkpoint(fn, policy=self.policy, prevent_cse=False)
-    return fn if key is None else lambda params, x: fn(params, x, key)
+    extra = tuple(a for a in (key, state) if a is not None)
+    if state is None:
+      return lambda params, x: (fn(params, x, *extra), None)
+    return lambda params, x: tuple(fn(params, x, *extra))
 
-  def _closure(self, params, x, key):
-    y, vjp = jax.vjp(self._fn(key), params, x)
+  def _closure(self, params, x, key, state=None):
+    y, vjp, new_state = jax.vjp(self._fn(key, state), params, x, has_aux=True)
     leaves, treedef = jax.tree.flatten(vjp)
-    return y, leaves, treedef
+    return y, leaves, treedef, new_state
 
-  def trace(self, params: PyTree, x: jax.Array, key: Any = None):
+  def trace(self, params: PyTree, x: jax.Array, key: Any = None,
+            state: PyTree = None):
     """Records the residual structure; returns ``(y, stash)`` avals."""
     self._x = jax.typeof(x)
-    closed = jax.make_jaxpr(lambda p, x, k: self._closure(p, x, k)[:2])(
-        params, x, key)
+    outputs = lambda p, x, k, s: (lambda y, leaves, _, new: (y, leaves, new))(
+        *self._closure(p, x, k, s))
+    closed, (_, leaves, new_state) = jax.make_jaxpr(
+        outputs, return_shape=True)(params, x, key, state)
+    if state is not None:
+      _check_state(state, new_state)
     jaxpr = closed.jaxpr
     at = len(jax.tree.leaves(params))
-    from_x = _jaxpr.depends_on(jaxpr, jaxpr.invars[at:at + 1])
+    num_state = len(jax.tree.leaves(state))
+    # The state counts as x: what depends on it is stashed (the backward of
+    # microbatch i sees the state of i's forward, not the current one).
+    from_x = _jaxpr.depends_on(jaxpr, [jaxpr.invars[at]] + jaxpr.invars[
+        len(jaxpr.invars) - num_state:len(jaxpr.invars)])
     self._from_x = tuple(_jaxpr.is_var(v) and v in from_x
-                         for v in jaxpr.outvars[1:])
-    y, leaves = closed.out_avals[0], closed.out_avals[1:]
-    return y, [a for a, keep in zip(leaves, self._from_x) if keep]
+                         for v in jaxpr.outvars[1:1 + len(leaves)])
+    return (closed.out_avals[0],
+            [a for a, keep in zip(closed.out_avals[1:1 + len(leaves)],
+                                  self._from_x) if keep])
 
-  def forward(self, params: PyTree, x: jax.Array, key: Any = None):
-    """``(y, stash)`` for the ``F`` block (traced, as in the executor)."""
-    y, leaves, _ = self._closure(params, x, key)
+  def forward(self, params: PyTree, x: jax.Array, key: Any = None,
+              state: PyTree = None):
+    """``(y, stash)`` for the ``F`` block (traced, as in the executor);
+    ``(y, stash, new_state)`` with a ``state``."""
+    y, leaves, _, new_state = self._closure(params, x, key, state)
     if len(leaves) != len(self._from_x):
       raise RuntimeError('stage_fn traced to a different VJP structure twice; '
                          'it must be a pure function of (params, x).')
-    return y, [a for a, keep in zip(leaves, self._from_x) if keep]
+    stash = [a for a, keep in zip(leaves, self._from_x) if keep]
+    return (y, stash) if state is None else (y, stash, new_state)
 
   def backward(self, params: PyTree, stash: Any, dy: jax.Array,
-               key: Any = None):
-    """``(dparams, dx)`` in one piece (the ``I`` and ``W`` blocks together)."""
+               key: Any = None, state: PyTree = None):
+    """``(dparams, dx)`` in one piece (the ``I`` and ``W`` blocks together).
+
+    Only the structure of ``state`` is read: what depends on its values
+    comes from the stash.
+    """
     zeros = _vma.full(self._x, 0.0)
-    # The closure at x = 0: its x-dependent parts are dead code, the rest
-    # are the residuals of the parameters and the key alone (a dropout mask).
-    _, from_params, treedef = self._closure(params, zeros, key)
+    # The closure at x = 0 (and state = 0): its x-dependent parts are dead
+    # code, the rest are the residuals of the parameters and the key alone
+    # (a dropout mask).
+    state = None if state is None else jax.tree.map(
+        lambda a: _vma.full(jax.typeof(a), 0.0), state)
+    _, from_params, treedef, _ = self._closure(params, zeros, key, state)
     if len(from_params) != len(self._from_x):
       raise RuntimeError('stage_fn traced to a different VJP structure twice; '
                          'call the blocks under jit, as the executor does.')
@@ -161,47 +198,51 @@ class StageVJP:
     return jax.tree.unflatten(treedef, leaves)(dy)
 
   def split(self, params: PyTree, stash: Any, dy: jax.Array,
-            key: Any = None) -> PyTree:
-    """Cuts the backward into ``I`` and ``W``; returns the ``kept`` avals."""
+            key: Any = None, state: PyTree = None) -> PyTree:
+    """Cuts the backward into ``I`` and ``W``; returns the ``kept`` avals.
+
+    As in ``backward``, only the structure of ``state`` is read; the blocks
+    then take it (or not) and ignore it.
+    """
     args, self._args_def = jax.tree.flatten(((params, key), stash, dy))
     num_consts = len(jax.tree.leaves((params, key)))
 
     def flat(*args):
       (params, key), stash, dy = jax.tree.unflatten(self._args_def, args)
-      dparams, dx = self.backward(params, stash, dy, key)
+      dparams, dx = self.backward(params, stash, dy, key, state)
       return jax.tree.leaves(dparams) + [dx]
-    closed = _jaxpr.flatten(flat, *args)  # every operation its own eqn
-    jaxpr = closed.jaxpr
-    *dparams, dx = jaxpr.outvars
-    in_i = _jaxpr.needed(jaxpr, [dx])
-    # Values from the parameters and key alone: W recomputes them rather
-    # than keep.
-    params_only = set(jaxpr.constvars) | (set(jaxpr.invars) - _jaxpr.depends_on(
-        jaxpr, jaxpr.invars[num_consts:]))
-    for eqn in jaxpr.eqns:
-      if all(not _jaxpr.is_var(v) or v in params_only for v in eqn.invars):
-        params_only.update(eqn.outvars)
-    from_i = {o for k in in_i for o in jaxpr.eqns[k].outvars
-              if o not in params_only}
-    in_w = _jaxpr.needed(jaxpr, dparams, from_i)
-    used = [v for k in in_w for v in jaxpr.eqns[k].invars] + dparams
-    kept = list(dict.fromkeys(
-        v for v in used if _jaxpr.is_var(v) and v in from_i))
-    self._input = _jaxpr.subfunction(closed, in_i, jaxpr.invars, [dx] + kept)
-    self._weight = _jaxpr.subfunction(closed, in_w, jaxpr.invars + kept,
-                                      dparams)
+    # Every operation its own eqn; scans stay scans and are cut body by body.
+    self._input, self._weight = _cut.cut(_jaxpr.flatten(flat, *args),
+                                         num_consts)
     self._dparams_def = jax.tree.structure(params)
-    return [v.aval for v in kept]
+    return jax.make_jaxpr(self._input)(*args).out_avals[1:]
 
   def input_grad(self, params: PyTree, stash: Any, dy: jax.Array,
-                 key: Any = None):
-    """The ``I`` block: ``(dx, kept)``."""
+                 key: Any = None, state: PyTree = None):
+    """The ``I`` block: ``(dx, kept)`` (``state`` is not read)."""
+    del state  # what depends on it is in the stash
     dx, *kept = self._input(*jax.tree.leaves(((params, key), stash, dy)))
     return dx, kept
 
   def weight_grad(self, params: PyTree, stash: Any, dy: jax.Array,
-                  kept: list, key: Any = None) -> PyTree:
-    """The ``W`` block: ``dparams`` from what ``I`` kept."""
+                  kept: list, key: Any = None, state: PyTree = None
+                  ) -> PyTree:
+    """The ``W`` block: ``dparams`` from what ``I`` kept (``state`` is not
+    read)."""
+    del state  # what depends on it is in the stash
     dparams = self._weight(*jax.tree.leaves(((params, key), stash, dy)),
                            *kept)
     return jax.tree.unflatten(self._dparams_def, dparams)
+
+
+def _check_state(state: PyTree, new_state: PyTree) -> None:
+  """``new_state`` must have the structure, shapes and dtypes of ``state``."""
+  same = jax.tree.structure(state) == jax.tree.structure(new_state) and all(
+      (jnp.shape(a), jnp.result_type(a)) == (b.shape, b.dtype)
+      for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new_state)))
+  if not same:
+    raise ValueError(
+        'stage_fn(params, x, [key,] state) must return (y, new_state) with '
+        'new_state of the same tree structure, shapes and dtypes as state; '
+        f'got state {jax.tree.map(jax.typeof, state)} and new_state '
+        f'{new_state}. Return the updated state in the structure it came in.')

@@ -8,7 +8,8 @@ step (``Rank``), the types of what the blocks produce (``_avals``), the
 blocks and message patterns the table holds (``_plan``), the buffers
 (``_init_carry``), the scan of ``_tick``, the sums (``_result``). The
 scan's carry is a ``Carry`` (mailbox, stash, weight stash,
-``Accumulators``, the pending and result rows as an ``Edge``); its ``xs``
+``Accumulators``, the pending and result rows as an ``Edge``, the stages'
+state); its ``xs``
 are ``TickRow``s, each rank's part an ``Action``; a block reads and
 updates a ``BlockState``. Per tick (``_tick``), every rank
 
@@ -21,9 +22,12 @@ updates a ``BlockState``. Per tick (``_tick``), every rank
    * ``F``: ``stage_fn`` forward, writing the activations its backward needs
      (never the parameters or values computed from them alone) to its stash
      slot in place; on the last stage also ``loss_fn`` and the loss
-     cotangent;
+     cotangent. A stateful stage (``stage_state``) reads its state and
+     writes the new one in its place, so each microbatch's ``F`` sees the
+     state the previous one left (what depends on it is stashed);
    * ``I``: the input cotangent, keeping what ``W`` needs (the cotangents at
-     the parameter-consuming operations) in a weight-stash slot;
+     the parameter-consuming operations; the input cotangent too when ``W``
+     sends it) in a weight-stash slot;
    * ``W``: the parameter cotangent from what ``I`` kept, added to the
      gradient accumulator in place. ``I`` and ``W`` together do the FLOPs of
      one backward; a schedule's ``B`` runs as an ``I`` and the ``W`` after it.
@@ -92,7 +96,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpar.pipeline.executor._microbatches import with_key
+from jaxpar.pipeline.executor._microbatches import with_key, with_state
+from jaxpar.pipeline.executor._profile import stamp
 from jaxpar.pipeline.executor._stage_vjp import StageVJP, stash_policy
 from jaxpar.pipeline.executor._tick_rows import F, I, blocks, edge_rows, messages
 from jaxpar.pipeline.executor._tick_state import (
@@ -114,7 +119,8 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, table: TickTable,
         key: jax.Array | None = None, offset: Any = 0,
         has_aux: bool = False, embed_fn: Callable[..., jax.Array] | None = None,
         embed_params: PyTree = None, embed_key: jax.Array | None = None,
-        remat_policy: Any = None) -> Result | jax.Array:
+        remat_policy: Any = None, stage_state: PyTree = None,
+        input_grads: bool = True) -> Result | jax.Array:
   """The scan over ticks on one rank (inside ``shard_map``); see module doc.
 
   Args are one rank's view: ``local_params`` ``[v, ...]``, ``inputs``
@@ -122,7 +128,10 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, table: TickTable,
   leaves ``[m, mb, ...]``; ``key`` the step's key, ``offset`` the global index
   of this shard's first microbatch; ``embed_fn(embed_params, inputs[i])``
   (``+ (fold_in(embed_key, offset + i),)`` with an ``embed_key``) gives stage
-  0's input.
+  0's input. ``stage_state`` (training only) is ``[v, ...]`` like
+  ``local_params``: the stages' state, passed from each ``F`` of a stage to
+  its next (in microbatch order, ``check_state_order``). Without
+  ``input_grads`` no input cotangent is computed or held.
 
   Returns:
     Training (``loss_fn`` given): a ``Result``: the loss (and aux) and the
@@ -136,7 +145,8 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, table: TickTable,
         stage_fn, loss_fn, schedule, local_params, loss_params, inputs,
         targets, axis=axis, key=key, offset=offset,
         has_aux=has_aux, embed_fn=embed_fn, embed_params=embed_params,
-        embed_key=embed_key, remat_policy=remat_policy)
+        embed_key=embed_key, remat_policy=remat_policy,
+        stage_state=stage_state, input_grads=input_grads)
   training = loss_fn is not None
   # Every value the blocks touch varies over the pipeline axis and over
   # what the batch varies over (e.g. 'data'): no gradient is then psum-ed
@@ -152,27 +162,30 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, table: TickTable,
       embed_params=vary(embed_params, base), inputs=inputs, targets=targets,
       key=key, embed_key=embed_key, offset=offset, has_aux=has_aux,
       num_microbatches=schedule.num_microbatches,
-      num_stages=schedule.num_stages)
+      num_stages=schedule.num_stages, state=vary(stage_state, base))
   avals = _avals(rank, axis)
   plan, rows = _plan(table, axis, bubble_fill, training,
-                     embedding=embed_fn is not None)
+                     embedding=embed_fn is not None, input_grads=input_grads)
   carry, _ = jax.lax.scan(functools.partial(_tick, rank, avals, plan),
                           _init_carry(rank, avals, plan), rows)
   return _result(plan, carry)
 
 
 def _plan(table: TickTable, axis: str, bubble_fill: float, training: bool,
-          *, embedding: bool) -> tuple[Plan, TickRow]:
+          *, embedding: bool, input_grads: bool) -> tuple[Plan, TickRow]:
   """The blocks and message patterns present, and the scan's rows."""
   codes, kinds = blocks(table, loss=training, embed=embedding)
-  message, patterns = messages(table, not embedding)
+  plan = Plan(table, kinds, (), axis, bubble_fill, training, embedding,
+              input_grads, embedding or any(
+                  a is not None and a.kind == 'B'
+                  for actions in table.schedule.actions for a in actions))
+  message, patterns = messages(table, plan.with_edge)
   pending_slot, summed_rows = edge_rows(table)
   ranks = Action(table.kind, codes, table.stage, table.microbatch,
                  table.local_stage, table.read_slot, table.stash_slot,
                  table.weight_slot, table.recv_slot)
-  plan = Plan(table, kinds, patterns, axis, bubble_fill, training,
-              embedding)
-  return plan, TickRow(ranks, message, pending_slot, summed_rows)
+  return (plan._replace(patterns=patterns),
+          TickRow(ranks, message, pending_slot, summed_rows))
 
 
 def _avals(rank: Rank, axis: str) -> Avals:
@@ -185,6 +198,7 @@ def _avals(rank: Rank, axis: str) -> Avals:
   """
   training = rank.loss_fn is not None
   one_params = _params_of(rank, 0)
+  one_state = _at(rank.state, 0)
   k0 = _key(rank, rank.index * 0, rank.index * 0)
   x0 = (jax.eval_shape(lambda ep, mb: _embedded(rank, ep, mb),
                        rank.embed_params, rank.index * 0)
@@ -192,8 +206,10 @@ def _avals(rank: Rank, axis: str) -> Avals:
   act_vma = vma(rank.inputs) | {axis} | vma(x0)
   while True:
     x = vary(jnp.zeros(x0.shape, x0.dtype), act_vma)
-    y_aval, stash = rank.stage.trace(one_params, x, k0)
-    new = act_vma | vma(y_aval)
+    state = vary(one_state, act_vma)   # varies as the activations do
+    y_aval, stash = rank.stage.trace(one_params, x, k0, state=state)
+    new = act_vma | vma(y_aval) | vma(_new_state(rank, one_params, x, k0,
+                                                 state))
     if training:
       y = vary(jnp.zeros_like(x), vma(y_aval))
       value, (dhead, dy_aval) = jax.eval_shape(
@@ -201,7 +217,8 @@ def _avals(rank: Rank, axis: str) -> Avals:
           jax.tree.map(lambda t: t[0], rank.targets), k0)
       dy = vary(jnp.zeros_like(x), new | vma(dy_aval))
       dstage, dx_aval = jax.eval_shape(
-          rank.stage.backward, one_params, full(stash, 0), dy, k0)
+          functools.partial(rank.stage.backward, state=state), one_params,
+          full(stash, 0), dy, k0)
       new |= vma(dy_aval) | vma(dx_aval)
     if new == act_vma:
       break
@@ -209,7 +226,7 @@ def _avals(rank: Rank, axis: str) -> Avals:
   act = jax.typeof(x)
   if not training:
     return Avals(act, act_vma, stash)
-  kept = rank.stage.split(one_params, full(stash, 0), dy, k0)
+  kept = rank.stage.split(one_params, full(stash, 0), dy, k0, state=state)
   return Avals(act, act_vma, stash, kept, dstage, value, dhead)
 
 
@@ -226,14 +243,15 @@ def _init_carry(rank: Rank, avals: Avals, plan: Plan) -> Carry:
         vary(full(jax.eval_shape(lambda: rank.embed_params), 0),
              avals.act_vma))
     stash = full(avals.stash, fill, table.num_stash_slots)
-    wstash = full((avals.kept, avals.act), fill,
+    wstash = full((avals.kept, avals.act if plan.dx_at_w else None), fill,
                   max(table.num_weight_slots, 1))
   mailbox = full(avals.act, fill, table.num_mailbox_slots + 1)
   if plan.with_edge:
     edge = Edge(full(avals.act, 0, p), vary(
         jnp.zeros((m,) + avals.act.shape, avals.act.dtype),
         avals.act_vma - {plan.axis}))
-  return Carry(mailbox, stash, wstash, acc, edge)
+  return Carry(mailbox, stash, wstash, acc, edge,
+               vary(rank.state, avals.act_vma))
 
 
 def _tick(rank: Rank, avals: Avals, plan: Plan, carry: Carry,
@@ -242,10 +260,15 @@ def _tick(rank: Rank, avals: Avals, plan: Plan, carry: Carry,
   messages, land them and the summed result rows (module doc, 1-4)."""
   action = _action(row.ranks, rank.index)
   x = _block_input(rank, carry.mailbox, action)
+  # jaxpar.pipeline.profile's hook (_profile.stamp: a host timestamp here,
+  # after the block and after the messages); outside a profile it returns
+  # its values and adds nothing to the program.
+  x = stamp(plan, 'start', x, action)
   target = jax.tree.map(lambda t: t[action.microbatch], rank.targets)
   state = _run_blocks(rank, avals, plan, action, x, target, BlockState(
       full(avals.act, plan.bubble_fill), carry.acc, carry.stash,
-      carry.wstash))
+      carry.wstash, carry.state))
+  state = stamp(plan, 'computed', state)
   local, remote = _offsets(plan.table)
   spare = plan.table.num_mailbox_slots
   # A local hand-off (the loss cotangent): no message.
@@ -255,12 +278,14 @@ def _tick(rank: Rank, avals: Avals, plan: Plan, carry: Carry,
   if plan.with_edge:
     pending = _pend(plan, action, row.pending_slot, state.payload,
                     carry.edge.pending)
-  got = _exchange(plan, avals, row.message, state.payload, pending)
+  got = stamp(plan, 'received',
+              _exchange(plan, avals, row.message, state.payload, pending))
   mailbox = _deliver(mailbox, action.recv_slot, remote, got, spare)
   if plan.with_edge:
     edge = Edge(pending, _write_rows(carry.edge.result, row.summed_rows,
                                      got[-1]))
-  return Carry(mailbox, state.stash, state.wstash, state.acc, edge), None
+  return Carry(mailbox, state.stash, state.wstash, state.acc, edge,
+               state.state), None
 
 
 def _result(plan: Plan, carry: Carry) -> Result | jax.Array:
@@ -272,7 +297,7 @@ def _result(plan: Plan, carry: Carry) -> Result | jax.Array:
   value, head, embed = jax.lax.psum((acc.value, acc.head, acc.embed),
                                     plan.axis)
   return Result(value, acc.stages, head, result,
-                embed if plan.embedding else None)
+                embed if plan.embedding else None, carry.state)
 
 
 # ------------------------------------------------------------ one tick
@@ -323,7 +348,8 @@ def _forward(rank: Rank, avals: Avals, first: bool, last: bool,
              state: BlockState) -> BlockState:
   """The ``F`` block: the stage's forward (stage 0 with ``embed_fn``: of
   the embedded microbatch). Training stashes the residuals; the last stage
-  adds its loss and sends the loss's cotangent instead of ``y``."""
+  adds its loss and sends the loss's cotangent instead of ``y``. A
+  stateful stage reads its state and writes the new one in its place."""
   if first:
     x = like(_embedded(rank, rank.embed_params, action.microbatch).astype(
         avals.act.dtype), avals.act)
@@ -331,36 +357,42 @@ def _forward(rank: Rank, avals: Avals, first: bool, last: bool,
   if rank.loss_fn is None:
     return state._replace(payload=like(rank.stage.stage_fn(params, x),
                                        avals.act))
-  y, residuals = rank.stage.forward(
-      params, x, _key(rank, action.stage, action.microbatch))
-  stash = _put(state.stash, action.stash_slot, residuals)
+  y, residuals, *new_state = rank.stage.forward(
+      params, x, _key(rank, action.stage, action.microbatch),
+      state=_at(state.state, action.local_stage))
+  state = state._replace(stash=_put(state.stash, action.stash_slot,
+                                    residuals),
+                         state=_put(state.state, action.local_stage,
+                                    new_state[0] if new_state else None))
   if not last:
-    return state._replace(payload=like(y, avals.act), stash=stash)
+    return state._replace(payload=like(y, avals.act))
   value, (dhead, dy) = _seed(rank, rank.loss_params, y, target,
                              _key(rank, rank.num_stages, action.microbatch))
   acc = state.acc._replace(value=_add(state.acc.value, value),
                            head=_add(state.acc.head, dhead))
-  return state._replace(payload=like(dy, avals.act), acc=acc, stash=stash)
+  return state._replace(payload=like(dy, avals.act), acc=acc)
 
 
 def _input_grad(rank: Rank, avals: Avals, action: Action, dy: jax.Array,
                 state: BlockState) -> BlockState:
-  """The ``I`` block: the input cotangent (sent), and what ``W`` needs
-  (with it) in the weight stash."""
+  """The ``I`` block: the input cotangent (sent), and what ``W`` needs in
+  the weight stash (with the input cotangent if ``W`` sends it)."""
   stashed = jax.tree.map(lambda b: b[action.stash_slot], state.stash)
   dx, kept = rank.stage.input_grad(
       _params_of(rank, action.local_stage), stashed, dy,
       _key(rank, action.stage, action.microbatch))
   dx = like(dx, avals.act)
   return state._replace(payload=dx, wstash=_put(
-      state.wstash, action.weight_slot, (kept, dx)))
+      state.wstash, action.weight_slot,
+      (kept, None if state.wstash[1] is None else dx)))
 
 
 def _weight_grad(rank: Rank, avals: Avals, first: bool, action: Action,
                  dy: jax.Array, state: BlockState) -> BlockState:
   """The ``W`` block: the stage's parameter cotangent from what ``I``
   kept, added to its gradient (stage 0 with ``embed_fn``: and the
-  embedding's VJP, recomputed); sends ``I``'s input cotangent."""
+  embedding's VJP, recomputed); sends ``I``'s input cotangent if it was
+  a schedule's ``B`` (``Plan.dx_at_w``)."""
   j, mb = action.local_stage, action.microbatch
   stashed = jax.tree.map(lambda b: b[action.stash_slot], state.stash)
   kept, dx = jax.tree.map(lambda b: b[action.weight_slot], state.wstash)
@@ -372,8 +404,8 @@ def _weight_grad(rank: Rank, avals: Avals, first: bool, action: Action,
   if first:
     _, vjp = jax.vjp(lambda ep: _embedded(rank, ep, mb), rank.embed_params)
     embed = _add(embed, vjp(dx.astype(avals.act.dtype))[0])
-  return state._replace(payload=dx, acc=state.acc._replace(stages=stages,
-                                                           embed=embed))
+  return state._replace(payload=state.payload if dx is None else dx,
+                        acc=state.acc._replace(stages=stages, embed=embed))
 
 
 def _offsets(table: TickTable) -> tuple[list[int], list[int]]:
@@ -453,7 +485,21 @@ def _write_rows(result: jax.Array, summed_rows: jax.Array,
 
 def _params_of(rank: Rank, j: Any) -> PyTree:
   """The rank's ``j``-th local stage's parameters."""
-  return jax.tree.map(lambda a: a[j], rank.local_params)
+  return _at(rank.local_params, j)
+
+
+def _at(tree: PyTree, j: Any) -> PyTree:
+  """Row ``j`` of every leaf (``None`` stays ``None``)."""
+  return jax.tree.map(lambda a: a[j], tree)
+
+
+def _new_state(rank: Rank, params: PyTree, x: jax.Array, key: Any,
+               state: PyTree) -> PyTree:
+  """The aval of a stateful stage's new state (``None``: stateless)."""
+  if state is None:
+    return None
+  return jax.eval_shape(lambda *a: rank.stage.stage_fn(*a)[1], params, x,
+                        *with_key(key), state)
 
 
 def _key(rank: Rank, stage: Any, microbatch: Any) -> jax.Array | None:
@@ -505,69 +551,81 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
                targets: PyTree, *, axis: str,
                key: jax.Array | None, offset: Any, has_aux: bool,
                embed_fn: Callable[..., jax.Array] | None, embed_params: PyTree,
-               embed_key: jax.Array | None, remat_policy: Any = None):
+               embed_key: jax.Array | None, remat_policy: Any = None,
+               stage_state: PyTree = None, input_grads: bool = True):
   """``run`` on one rank: the microbatches in turn, no ticks.
 
   A ``lax.scan`` over the ``m`` microbatches of ``jax.value_and_grad`` of
   the whole model (embedding, the ``num_stages`` stages in order, the loss),
-  accumulating as data parallelism's microbatches do; the same keys, results
-  and return values as ``run``. Plain autodiff (XLA fuses the backward)
-  unless a ``remat_policy`` other than ``'everything'`` is asked for: each
-  stage is then a ``jax.checkpoint`` with that policy.
+  accumulating as data parallelism's microbatches do and passing the
+  stages' state (if any) from each microbatch to the next; the same keys,
+  results and return values as ``run``. Plain autodiff (XLA fuses the
+  backward) unless a ``remat_policy`` other than ``'everything'`` is asked
+  for: each stage is then a ``jax.checkpoint`` with that policy.
   """
   m, num_stages = schedule.num_microbatches, schedule.num_stages
   train = loss_fn is not None
   base = vma(inputs) | {axis}
-  local_params, loss_params, embed_params = vary(
-      (local_params, loss_params, embed_params), base)
+  local_params, loss_params, embed_params, stage_state = vary(
+      (local_params, loss_params, embed_params, stage_state), base)
   layer = stage_fn
   policy = None if remat_policy is None else stash_policy(remat_policy)
   if train and policy is not None:
     layer = jax.checkpoint(stage_fn, policy=policy)
 
-  def model(params, lp, ep, x, target, mb):
-    """The microbatch's share of the mean loss (and aux), or its output."""
+  def model(params, lp, ep, x, target, mb, states):
+    """The microbatch's share of the mean loss and ``(aux, new states)``,
+    or (forward only) its output."""
     g = offset + mb
     if embed_fn is not None:
       k = None if embed_key is None else jax.random.fold_in(embed_key, g)
       x = embed_fn(ep, x, *with_key(k))
     keys = None if key is None else jax.random.fold_in(key, g)
     key_of = lambda k: () if key is None else (jax.random.fold_in(keys, k),)
+    new = []
     for j in range(num_stages):
-      x = layer(jax.tree.map(lambda a, j=j: a[j], params), x, *key_of(j))
+      x = layer(_at(params, j), x, *key_of(j),
+                *with_state(states, lambda s, j=j: _at(s, j)))
+      if states is not None:
+        x, new_state = x
+        new.append(new_state)
     if not train:
       return x
     out = loss_fn(lp, x, target, *key_of(num_stages))
-    loss, aux = out if has_aux else (out, ())
-    return jax.tree.map(lambda a: a.astype(jnp.promote_types(
-        a.dtype, jnp.float32)) / m, (loss, aux))
+    loss, aux = jax.tree.map(lambda a: a.astype(jnp.promote_types(
+        a.dtype, jnp.float32)) / m, out if has_aux else (out, ()))
+    return loss, (aux, jax.tree.map(lambda *a: jnp.stack(a), *new)
+                  if new else None)
 
   mbs = jnp.arange(m)
   if not train:
     return jax.lax.psum(jax.lax.map(
-        lambda a: model(local_params, None, embed_params, *a),
+        lambda a: model(local_params, None, embed_params, *a, None),
         (inputs, targets, mbs)), axis)
-  argnums = (0, 1, 2) if embed_fn is not None else (0, 1, 2, 3)
-  grad = jax.value_and_grad(model, argnums, has_aux=True)
+  with_dx = embed_fn is None and input_grads
+  grad = jax.value_and_grad(model, (0, 1, 2, 3) if with_dx else (0, 1, 2),
+                            has_aux=True)
 
-  def body(acc, a):
-    x, target, mb = a
-    out, grads = grad(local_params, loss_params, embed_params, x, target, mb)
-    dx = grads[3] if embed_fn is None else None
-    acc = jax.tree.map(lambda s, d: s + vary(d, vma(s)), acc, (out, grads[:3]))
-    return acc, dx
+  def body(carry, a):
+    acc, states = carry
+    (loss, (aux, new)), grads = grad(local_params, loss_params, embed_params,
+                                     *a, states)
+    acc = jax.tree.map(lambda s, d: s + vary(d, vma(s)), acc,
+                       ((loss, aux), grads[:3]))
+    return (acc, like(new, states)), (grads[3] if with_dx else None)
 
   first = jax.tree.map(lambda a: a[0], (inputs, targets))
+  (loss, (aux, new)), grads = jax.eval_shape(lambda: grad(
+      local_params, loss_params, embed_params, *first, mbs[0], stage_state))
   zero = jax.tree.map(
       lambda a: vary(jnp.zeros(a.shape, a.dtype), base | vma(a)),
-      jax.eval_shape(lambda: jax.tree.map(lambda a: a, grad(
-          local_params, loss_params, embed_params, *first, mbs[0]))))
-  zero = (zero[0], zero[1][:3])
-  (out, (grads, dlp, de)), dx = jax.lax.scan(body, zero, (inputs, targets,
-                                                          mbs))
+      ((loss, aux), grads[:3]))
+  # The states vary as the new ones do (e.g. over a data axis).
+  ((out, (grads, dlp, de)), states), dx = jax.lax.scan(
+      body, (zero, vary(stage_state, vma(new))), (inputs, targets, mbs))
   out, dlp, de, dx = jax.lax.psum((out, dlp, de, dx), axis)
   return Result(out, grads, dlp, dx,
-                (de if embed_fn is not None else None))
+                (de if embed_fn is not None else None), states)
 
 
 def when(pred: jax.Array, fn: Callable[[PyTree], PyTree],

@@ -53,13 +53,17 @@ class Plan(NamedTuple):
   bubble_fill: float
   training: bool
   embedding: bool   # stage 0 embeds the raw microbatch (``embed_fn``)
+  input_grads: bool = True   # training computes stage 0's input cotangents
+  # The weight stash holds ``I``'s input cotangent for ``W``: ``W`` sends it
+  # (a schedule's ``B``, run as ``I`` then ``W``) or embeds it (``embed_fn``).
+  dx_at_w: bool = True
 
   @property
   def with_edge(self) -> bool:
     """A batch-sized result, summed ``p`` rows at a time (``edge_rows``):
     stage 0's input cotangents (forward only: the outputs); none with
-    ``embed_fn``."""
-    return not self.embedding
+    ``embed_fn`` or without ``input_grads``."""
+    return not self.embedding and (self.input_grads or not self.training)
 
 
 class Rank(NamedTuple):
@@ -81,6 +85,8 @@ class Rank(NamedTuple):
   has_aux: bool
   num_microbatches: int
   num_stages: int
+  state: PyTree = None        # ``[v, ...]``: the stages' state before the
+                              # step (``None``: stateless stages)
 
 
 class Avals(NamedTuple):
@@ -113,8 +119,10 @@ class Carry(NamedTuple):
   mailbox: PyTree      # ``[num_mailbox_slots + 1, mb, ...]``; the last is spare
   stash: PyTree        # ``[num_stash_slots, ...]``: ``F``'s residuals
   wstash: PyTree       # ``(kept, dx)`` ``[num_weight_slots, ...]``: I for W
+                       # (``dx`` ``None`` unless ``Plan.dx_at_w``)
   acc: Accumulators | None   # training only
   edge: Edge | None
+  state: PyTree = None   # ``[v, ...]``: each local stage's state so far
 
 
 class BlockState(NamedTuple):
@@ -123,6 +131,7 @@ class BlockState(NamedTuple):
   acc: Accumulators | None
   stash: PyTree
   wstash: PyTree       # ``None`` in an ``F`` block, which does not carry it
+  state: PyTree = None   # ``[v, ...]``: the stages' state (``F`` updates it)
 
 
 class Result(NamedTuple):
@@ -132,3 +141,4 @@ class Result(NamedTuple):
   head: PyTree               # ``loss_params``' gradient
   inputs: jax.Array | None   # ``[m, mb, ...]``: ``None`` with ``embed_fn``
   embed: PyTree              # ``embed_params``' gradient, ``None`` without
+  state: PyTree = None       # ``[v, ...]``: the stages' state after the step

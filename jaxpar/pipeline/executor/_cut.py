@@ -1,0 +1,310 @@
+"""The ``I``/``W`` cut of a stage's backward jaxpr, ``lax.scan`` bodies too.
+
+``cut(closed, num_params)`` takes the backward ``(params..., rest...) ->
+(dparams..., dx)`` (calls inlined by ``_jaxpr.flatten``) and returns the
+input-gradient program ``I: args -> (dx, *kept)`` and the weight-gradient
+program ``W: (args, *kept) -> dparams``. ``I`` runs the operations ``dx``
+needs; ``W`` runs the rest of what ``dparams`` needs and reads the values of
+``I`` it would otherwise recompute from ``kept``; values that depend on the
+parameters alone (the first ``num_params`` inputs) are recomputed in ``W``
+instead of kept. Each operation runs once (``I + W = B`` in FLOPs).
+
+A ``lax.scan`` (a stage's layers, its transposed backward) is cut the same
+way, body by body, instead of being unrolled: ``I`` runs a scan of the body's
+``I`` half, carrying the carries that half reads (the cotangent flowing
+through the layers), and stacks per iteration the body values ``W`` needs
+(``kept`` gains them, ``[length, ...]``); ``W`` runs a scan of the body's
+``W`` half over those, carrying the rest (a weight's summed cotangent), or,
+when it carries nothing (each layer its own weights), ``jax.vmap`` of it. The
+programs are then as long as one layer's, whatever the scan's length.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from jaxpar.pipeline.executor import _cut, _jaxpr
+  >>> layer = lambda h, w: (h + jnp.tanh(h @ w), None)
+  >>> stage = lambda w, x: jax.lax.scan(layer, x, w)[0]
+  >>> w, x = jnp.ones((6, 3, 3)) / 9, jnp.ones((2, 3))
+  >>> def backward(w, x, dy):
+  ...   return list(jax.vjp(stage, w, x)[1](dy))
+  >>> program = _cut.cut(_jaxpr.flatten(backward, w, x, x), 1)
+  >>> dx, *kept = program.input_grad(w, x, x)
+  >>> dw, = program.weight_grad(w, x, x, *kept)
+  >>> want_dw, want_dx = jax.vjp(stage, w, x)[1](x)
+  >>> bool(jnp.allclose(dw, want_dw) and jnp.allclose(dx, want_dx))
+  True
+  >>> [a.shape for a in kept]   # per layer: its input, the tanh's cotangent
+  [(6, 2, 3), (6, 2, 3)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+
+from jaxpar.pipeline.executor import _jaxpr
+
+is_var = _jaxpr.is_var
+
+
+class Programs(NamedTuple):
+  """The backward cut in two: ``input_grad(*args) -> [dx, *kept]`` and
+  ``weight_grad(*args, *kept) -> dparams`` (flat lists)."""
+  input_grad: Callable[..., list]
+  weight_grad: Callable[..., list]
+
+
+def cut(closed: jex.ClosedJaxpr, num_params: int) -> Programs:
+  """``closed: (params..., rest...) -> (dparams..., dx)`` cut into ``I`` and
+  ``W``; see the module doc."""
+  jaxpr = closed.jaxpr
+  *dparams, dx = jaxpr.outvars
+  level = _Level(jaxpr, jaxpr.invars[:num_params])
+  input_items = level.input_pass([dx])
+  weight_items, kept = level.weight_pass(dparams)
+  consts = dict(zip(jaxpr.constvars, closed.consts))
+
+  def input_grad(*args):
+    env = {**consts, **dict(zip(jaxpr.invars, args))}
+    _run(input_items, env)
+    return [_read(env, v) for v in [dx, *kept]]
+
+  def weight_grad(*args):
+    env = {**consts, **dict(zip([*jaxpr.invars, *kept], args))}
+    _run(weight_items, env)
+    return [_read(env, v) for v in dparams]
+  return Programs(input_grad, weight_grad)
+
+
+# An item of a program: an eqn of the jaxpr, or one half of a cut scan.
+Item = Any
+
+
+def _read(env: dict, v: Any) -> Any:
+  return v.val if not is_var(v) else env[v]
+
+
+def _run(items: Sequence[Item], env: dict) -> None:
+  """Runs ``items`` in order (under a trace), their outputs into ``env``."""
+  for item in items:
+    if isinstance(item, _ScanHalf):
+      item.run(env)
+    else:
+      env.update(zip(item.outvars, _jaxpr.bind(
+          item, [_read(env, v) for v in item.invars])))
+
+
+def _reads(items: Sequence[Item], targets: Iterable[Any] = ()) -> set:
+  """The variables ``items`` read, and the ``targets``."""
+  found = {v for v in targets if is_var(v)}
+  for item in items:
+    found.update(v for v in item.invars if is_var(v))
+  return found
+
+
+class _Level:
+  """A jaxpr (the backward or a scan's body) and its two passes.
+
+  ``params_only``: the variables computed from ``params_invars`` (and
+  constants) alone: ``W`` recomputes them rather than keep them.
+  ``from_input``: after ``input_pass``, the values ``I`` computes (and
+  ``blocked``: the body's ``I`` carries), which ``W`` reads from ``kept``.
+  """
+
+  def __init__(self, jaxpr: jex.Jaxpr, params_invars: Iterable[Any]):
+    self.jaxpr = jaxpr
+    self.params_only = set(jaxpr.constvars) | set(params_invars)
+    self.bodies = {}    # id(scan eqn) -> _Level of its body
+    self.scans = {}     # id(scan eqn) -> _ScanCut, after input_pass
+    self.from_input = set()
+    for eqn in jaxpr.eqns:
+      pure = all(not is_var(v) or v in self.params_only for v in eqn.invars)
+      if pure:
+        self.params_only.update(eqn.outvars)
+      elif eqn.primitive.name == 'scan':
+        self._body(eqn)
+
+  def _body(self, eqn: jex.JaxprEqn) -> None:
+    """The body's level; its stacked outputs from the parameters alone (a
+    layer's weight, transposed) are such outside too."""
+    body = eqn.params['jaxpr'].jaxpr
+    consts, _, xs = _jaxpr.scan_parts(eqn.params, eqn.invars)
+    inner_consts, inner_carry, inner_xs = _jaxpr.scan_parts(eqn.params,
+                                                            body.invars)
+    level = _Level(body, [
+        inner for inner, outer in zip(inner_consts + inner_xs, consts + xs)
+        if not is_var(outer) or outer in self.params_only])
+    self.bodies[id(eqn)] = level
+    num_carry = len(inner_carry)
+    self.params_only.update(
+        out for out, inner in zip(eqn.outvars[num_carry:],
+                                  body.outvars[num_carry:])
+        if not is_var(inner) or inner in level.params_only)
+
+  def input_pass(self, targets: Sequence[Any],
+                 blocked: Iterable[Any] = ()) -> list[Item]:
+    """The items that compute ``targets``: ``I``'s program at this level."""
+    need = {v for v in targets if is_var(v)}
+    items, self.scans = [], {}
+    for eqn in reversed(self.jaxpr.eqns):
+      outs = [o for o in eqn.outvars if o in need]
+      if not outs:
+        continue
+      item = eqn
+      if id(eqn) in self.bodies:
+        self.scans[id(eqn)] = scan = _ScanCut(eqn, self, outs)
+        item = scan.input_half
+      items.append(item)
+      need.update(v for v in item.invars if is_var(v))
+    items.reverse()
+    self.from_input = set(blocked) | {
+        o for item in items for o in item.outvars if o not in self.params_only}
+    return items
+
+  def weight_pass(self, targets: Sequence[Any]) -> tuple[list[Item], list]:
+    """``W``'s items for ``targets`` after ``input_pass``, and the values of
+    ``I`` they read (``kept``)."""
+    stop = self.from_input
+    need = {v for v in targets if is_var(v) and v not in stop}
+    items = []
+    for eqn in reversed(self.jaxpr.eqns):
+      outs = [o for o in eqn.outvars if o in need]
+      if not outs:
+        continue
+      item = (self.scans[id(eqn)].weight_half(outs) if id(eqn) in self.scans
+              else eqn)
+      items.append(item)
+      need.update(v for v in item.invars if is_var(v) and v not in stop)
+    items.reverse()
+    kept = [v for v in [*(v for item in items for v in item.invars), *targets]
+            if is_var(v) and v in stop]
+    return items, list(dict.fromkeys(kept))
+
+
+class _Stacked:
+  """``I``'s per-iteration copies of a body value, stacked (an outer var)."""
+
+  def __init__(self, inner: Any):
+    self.inner = inner
+
+
+class _ScanCut:
+  """A scan eqn cut in two: ``input_half`` computes the outputs ``I``
+  needs; ``weight_half(outs)`` the others, reading what the input half
+  stacks for it (``stacked``: body var -> outer ``_Stacked``)."""
+
+  def __init__(self, eqn: jex.JaxprEqn, outer: _Level, outs: Sequence[Any]):
+    self.eqn, self.outer, self.body = eqn, outer, outer.bodies[id(eqn)]
+    jaxpr = self.body.jaxpr
+    _, self.carry_in, _ = _jaxpr.scan_parts(eqn.params, jaxpr.invars)
+    self.num_carry = len(self.carry_in)
+    self.carry_out = jaxpr.outvars[:self.num_carry]
+    self.stacked = {}
+    carry, ys = self._slots(outs)
+    while True:   # I carries what its own body reads
+      items = self.body.input_pass(
+          self.targets(carry, ys), [self.carry_in[s] for s in carry])
+      more = self._carries_read(items, carry, ys)
+      if not more:
+        break
+      carry = sorted(carry + more)
+    self.input_carry = carry
+    self.input_half = _ScanHalf(self, items, carry, ys, self.stacked, ())
+
+  def _slots(self, outs: Sequence[Any]) -> tuple[list[int], list[int]]:
+    index = {o: k for k, o in enumerate(self.eqn.outvars)}
+    slots = sorted(index[o] for o in outs)
+    return ([k for k in slots if k < self.num_carry],
+            [k - self.num_carry for k in slots if k >= self.num_carry])
+
+  def targets(self, carry: Sequence[int], ys: Sequence[int]) -> list:
+    outvars = self.body.jaxpr.outvars
+    return ([self.carry_out[s] for s in carry]
+            + [outvars[self.num_carry + j] for j in ys])
+
+  def _carries_read(self, items: Sequence[Item], carry: Sequence[int],
+                    ys: Sequence[int], taken: Sequence[int] = ()) -> list[int]:
+    """The carries ``items`` (or the outputs) read, beyond ``carry``."""
+    read = _reads(items, self.targets(carry, ys))
+    return [s for s, v in enumerate(self.carry_in)
+            if v in read and s not in carry and s not in taken]
+
+  def weight_half(self, outs: Sequence[Any]) -> _ScanHalf:
+    """The scan of the body's ``W`` half for ``outs``; the input half stacks
+    the body values it reads."""
+    carry, ys = self._slots(outs)
+    while True:   # W carries the rest of what its body reads
+      items, kept = self.body.weight_pass(self.targets(carry, ys))
+      more = self._carries_read(items, carry, ys, self.input_carry)
+      if not more:
+        break
+      carry = sorted(carry + more)
+    for v in kept:
+      if v not in self.stacked:
+        self.stacked[v] = _Stacked(v)
+        self.outer.from_input.add(self.stacked[v])
+    return _ScanHalf(self, items, carry, ys, {}, [
+        (v, self.stacked[v]) for v in kept])
+
+
+class _ScanHalf:
+  """One half of a cut scan: ``lax.scan`` of ``items`` over the scan's
+  iterations, carrying the ``carry`` slots, producing the ``ys`` outputs
+  (and ``stack``'s body values, stacked); ``given`` pairs a body value with
+  the outer stack it reads per iteration."""
+
+  def __init__(self, scan: _ScanCut, items: list[Item], carry: list[int],
+               ys: list[int], stack: dict, given: Sequence[tuple[Any, Any]]):
+    self.scan, self.items, self.carry, self.ys = scan, items, carry, ys
+    self.stack, self.given = stack, list(given)
+    eqn, body = scan.eqn, scan.body.jaxpr
+    read = _reads(items, scan.targets(carry, ys))
+    consts, carry_ops, xs = _jaxpr.scan_parts(eqn.params, eqn.invars)
+    inner_consts, _, inner_xs = _jaxpr.scan_parts(eqn.params, body.invars)
+    self.consts = [(i, o) for i, o in zip(inner_consts, consts) if i in read]
+    self.xs = [(i, o) for i, o in zip(inner_xs, xs) if i in read] + self.given
+    self.init = [carry_ops[s] for s in carry]
+
+  @property
+  def invars(self) -> list:
+    return ([o for _, o in self.consts] + self.init + [o for _, o in self.xs])
+
+  @property
+  def outvars(self) -> list:
+    outs = self.scan.eqn.outvars
+    return ([outs[s] for s in self.carry]
+            + [outs[self.scan.num_carry + j] for j in self.ys]
+            + list(self.stack.values()))
+
+  def run(self, env: dict) -> None:
+    scan, body = self.scan, self.scan.body.jaxpr
+    consts = {i: _read(env, o) for i, o in self.consts}
+    consts.update(zip(body.constvars, scan.eqn.params['jaxpr'].consts))
+    carry_in = [scan.carry_in[s] for s in self.carry]
+    targets = scan.targets(self.carry, self.ys) + list(self.stack)
+    num_carry = len(self.carry)
+
+    def step(carry, xs):
+      inner = {**consts, **dict(zip(carry_in, carry))}
+      inner.update(zip([i for i, _ in self.xs], xs))
+      _run(self.items, inner)
+      outs = [_literal(v) if not is_var(v) else inner[v] for v in targets]
+      return outs[:num_carry], outs[num_carry:]
+    params, xs = scan.eqn.params, [_read(env, o) for _, o in self.xs]
+    if not self.carry and not self.stack and xs:
+      # W of independent layers is a map: batched, it reads the kept stacks
+      # in place (a loop's operands would be copies) and runs one batched
+      # matmul per weight instead of a loop of small ones.
+      env.update(zip(self.outvars, jax.vmap(lambda *x: step([], x)[1])(*xs)))
+      return
+    carry, ys = jax.lax.scan(
+        step, [_read(env, o) for o in self.init], xs, length=params['length'],
+        reverse=params['reverse'], unroll=params['unroll'])
+    env.update(zip(self.outvars, [*carry, *ys]))
+
+
+def _literal(v: jex.Literal) -> jax.Array:
+  return jnp.asarray(v.val, v.aval.dtype)

@@ -1,0 +1,140 @@
+"""jaxpar.pipeline.profile: every rank's ticks as they ran, and the Timeline's
+arithmetic (compute, messages, waiting, overhead, outside add up)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpar
+from jaxpar import pipeline as pp
+from jaxpar.pipeline.schedules import KIND_CODES
+
+
+def _stage(w, x):
+  return jnp.tanh(x @ w)
+
+
+def _loss(_, y, t):
+  return jnp.mean((y - t) ** 2)
+
+
+def _in_order(schedule):
+  """Each rank's blocks as the executor runs them: ``(kind code, stage,
+  microbatch)``, a ``B`` as its ``I`` then its ``W``."""
+  out = []
+  for row in schedule.actions:
+    blocks = []
+    for a in row:
+      if a is not None:
+        for kind in ('IW' if a.kind == 'B' else a.kind):
+          blocks.append((KIND_CODES[kind], a.stage, a.microbatch))
+    out.append(blocks)
+  return out
+
+
+def test_measured_blocks_run_in_the_schedules_order():
+  # Two stages per rank (B runs as I then W) and two devices per rank (a
+  # data axis): the timeline keeps each rank's first.
+  schedule = pp.interleaved_one_f_one_b(2, 4, 2)
+  mesh = jaxpar.make_mesh(stage=2, data=2, devices=jax.devices()[:4])
+  step = pp.pipeline_value_and_grad(_stage, _loss, schedule=schedule,
+                                    mesh=mesh)
+  rng = np.random.default_rng(0)
+  args = (rng.normal(size=(schedule.num_stages, 8, 8)).astype(np.float32) / 3,
+          0., rng.normal(size=(16, 8)).astype(np.float32),
+          np.zeros((16, 8), np.float32))
+  want = step(*args)
+  timeline = pp.profile(step, *args, steps=2)
+  table = timeline.table
+  ticks = table.num_ticks
+  assert table.schedule is schedule
+  assert timeline.start.shape == (2, ticks, 2)
+  # What the devices reported running, in the order of their timestamps.
+  for rank, blocks in enumerate(_in_order(schedule)):
+    for n in range(2):
+      order = np.argsort(timeline.start[n, :, rank], kind='stable')
+      ran = [tuple(int(v) for v in a) for a in timeline.actions[order, rank]
+             if a[0]]
+      assert ran == blocks, (rank, n)
+  busy = timeline.actions[..., 0] > 0
+  np.testing.assert_array_equal(timeline.actions[..., 0], table.kind)
+  np.testing.assert_array_equal(timeline.actions[..., 1][busy],
+                                table.stage[busy])
+  np.testing.assert_array_equal(timeline.actions[..., 2][busy],
+                                table.microbatch[busy])
+  # Each rank's stamps in time: start <= computed <= received <= next start,
+  # all between the call and the return.
+  s, c, e = timeline.start, timeline.computed, timeline.received
+  assert (s <= c).all() and (c <= e).all() and (e[:, :-1] <= s[:, 1:]).all()
+  assert (timeline.called[:, None] <= s).all()
+  assert (e <= timeline.returned[:, None]).all()
+  for t in timeline.totals():
+    assert t.compute + t.messages + t.waiting + t.overhead + t.outside == (
+        pytest.approx(t.wall, rel=1e-9))
+    assert 0 <= t.bubble <= t.waiting and min(t[1:]) >= 0
+  assert set(timeline.costs()) == {'F', 'I', 'W', 'B'}
+  assert timeline.message_seconds() > 0
+  # After profiling, the step compiles as before: no callback, same result.
+  assert 'callback' not in step.lower(*args).as_text()
+  for got, expected in zip(jax.tree.leaves(step(*args)),
+                           jax.tree.leaves(want)):
+    np.testing.assert_array_equal(got, expected)
+
+
+def _synthetic():
+  """A Timeline of 1F1B on 2 ranks with made-up times: tick ``t`` of rank
+  ``r`` starts at ``10 t + r``, computes ``2 + r``, and every rank's
+  messages land at ``10 t + 6``; the step is called at -1, returns at
+  ``10 T + 1``."""
+  table = pp.tick_table(pp.one_f_one_b(2, 2))
+  ticks = table.num_ticks
+  t, r = np.meshgrid(np.arange(ticks), np.arange(2), indexing='ij')
+  s = (10. * t + r)[None]
+  c = s + 2 + r
+  e = (10. * t + 6 + 0 * r)[None]
+  actions = np.stack([table.kind, table.stage, table.microbatch], -1)
+  return pp.Timeline(table, actions, s, c, e, np.full((1, 2), -1.),
+                     np.full((1, 2), 10. * ticks + 1),
+                     np.ones(ticks, bool))
+
+
+def test_totals_split_the_step_as_documented():
+  timeline = _synthetic()
+  ticks = timeline.table.num_ticks
+  idle = (timeline.table.kind == 0).sum(0)
+  for t in timeline.totals():
+    r = t.rank
+    assert t.wall == 10 * ticks + 2
+    assert t.compute == (2 + r) * ticks
+    # Rank 1 computes one unit longer: rank 0 waits 2 per tick (the last
+    # rank reaches the messages at 10 t + 4), which land 2 later.
+    assert t.waiting == (2 if r == 0 else 0) * ticks
+    assert t.messages == 2 * ticks
+    assert t.bubble == (2 * idle[0] if r == 0 else 0)
+    assert t.overhead == (4 + r) * (ticks - 1)
+    assert t.outside == (r + 1) + 5
+    assert sum(t[2:7]) == t.wall
+  assert timeline.costs() == {'F': 2.5, 'I': 2.5, 'W': 2.5, 'B': 5.0}
+  assert timeline.message_seconds() == 2
+  predicted = timeline.predicted()
+  assert predicted['measured'] == 10 * ticks - 4
+  assert predicted['lockstep'] == timeline.table.makespan(
+      timeline.costs(), 2) >= predicted['simulated'] > 0
+  assert 'rank' in timeline.summary() and '1F1B' in timeline.summary()
+
+
+def test_plot_draws_simulated_measured_and_totals():
+  fig = _synthetic().plot()
+  assert len(fig.axes) == 3
+  with pytest.raises(ValueError, match='step=5 must be an int'):
+    _synthetic().plot(step=5)
+
+
+def test_bad_calls_raise():
+  with pytest.raises(TypeError, match='step=3 is not callable'):
+    pp.profile(3)
+  with pytest.raises(ValueError, match='steps=0 must be an int >= 1'):
+    pp.profile(jax.jit(jnp.sin), 1., steps=0)
+  with pytest.raises(ValueError, match='ran no pipeline tick'):
+    pp.profile(jax.jit(jnp.sin), 1., steps=1, warmup=0)
