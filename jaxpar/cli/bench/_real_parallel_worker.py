@@ -3,8 +3,10 @@
 ``python -m jaxpar.cli.bench._real_parallel_worker CONFIG_JSON``, started by
 ``jaxpar.distributed.launch`` with one CPU device per process; the config
 holds ``measure``'s sizes and options, the ``cores`` and the ``out`` path.
-Each rank pins all its threads to ``config['cores'][rank]`` before JAX starts
-its backend, joins the job (gloo), and times, in rotated turns within every
+Each rank pins all its threads to ``config['cores'][rank]`` (unless
+``config['pinned']`` is false) and adds ``config['xla_flags']`` to
+``XLA_FLAGS`` before JAX starts its backend, joins the job (gloo), and times,
+in rotated turns within every
 repetition (round ``r`` starts with the ``r``-th step, so that no step always
 runs after the same one):
 
@@ -28,9 +30,11 @@ runs after the same one):
 
 A barrier (``sync_global_devices``) precedes every timed step, so all ranks
 start it together; rank 0's median wall time and process CPU time are
-reported. Rank 0 checks that every step's loss equals its baseline's loss
-(the steps compute the same maths) and writes the rows to ``config['out']``
-as JSON.
+reported. Then the pipelines of ``config['profile']`` (constructor names)
+run under ``jaxpar.pipeline.profile`` (``profile_steps``): their rows get
+where the time went. Rank 0 checks that every step's loss equals its
+baseline's loss (the steps compute the same maths) and writes the rows to
+``config['out']`` as JSON.
 """
 
 from __future__ import annotations
@@ -134,40 +138,39 @@ def model(layers: int, width: int, batch: int, seed: int = 0):
 def accumulated_grads(layers, head, xs, ts, stage=stage_fn):
   """Mean loss and gradients over microbatches ``xs: [k, mb, D]`` in turn.
 
-  Returns ``(loss, (dlayers, dhead, dxs))`` of the mean over the ``k``
+  Returns ``(loss, (dlayers, dhead))`` of the mean over the ``k``
   microbatches; only one microbatch's activations are alive at a time.
-  ``stage`` is the layer stack (a ``VARIANTS`` value).
+  ``stage`` is the layer stack (a ``VARIANTS`` value). No step of the bench
+  computes the inputs' cotangent (the pipelines run with
+  ``input_grads=False``): no layer in front of the stages needs it.
   """
   grad = jax.value_and_grad(
-      lambda w, h, x, t: loss_fn(h, stage({'w': w}, x), t),
-      argnums=(0, 1, 2))
+      lambda w, h, x, t: loss_fn(h, stage({'w': w}, x), t), argnums=(0, 1))
 
   def body(carry, xt):
     loss, dw, dh = carry
-    l, (gw, gh, gx) = grad(layers, head, *xt)
-    return (loss + l, dw + gw, dh + gh), gx
+    l, (gw, gh) = grad(layers, head, *xt)
+    return (loss + l, dw + gw, dh + gh), None
 
   init = (jnp.zeros_like(xs[0, 0, 0]), jnp.zeros_like(layers),
           jnp.zeros_like(head))
-  (loss, dw, dh), dxs = jax.lax.scan(body, init, (xs, ts))
+  (loss, dw, dh), _ = jax.lax.scan(body, init, (xs, ts))
   k = xs.shape[0]
-  return loss / k, (dw / k, dh / k, dxs / k)
+  return loss / k, (dw / k, dh / k)
 
 
 def data_parallel_grads(mesh, stage=stage_fn) -> Callable:
   """``accumulated_grads`` of each rank's ``m/N`` microbatches, a ``pmean``."""
-  n = mesh.shape['data']
 
   def local(layers, head, xs, ts):
     # Varying params: the per-rank grads are local, the pmean sums them once.
     layers, head = jax.lax.pcast((layers, head), 'data', to='varying')
-    loss, (dw, dh, dxs) = accumulated_grads(layers, head, xs, ts, stage)
-    loss, dw, dh = jax.lax.pmean((loss, dw, dh), 'data')
-    return loss, (dw, dh, dxs / n)
+    return jax.lax.pmean(accumulated_grads(layers, head, xs, ts, stage),
+                         'data')
 
   return jax.jit(jax.shard_map(
       local, mesh=mesh, in_specs=(P(), P(), P('data'), P('data')),
-      out_specs=(P(), (P(), P(), P('data')))))
+      out_specs=(P(), (P(), P()))))
 
 
 # ---------------------------------------------------------------- the steps
@@ -183,11 +186,13 @@ class Step(NamedTuple):
   policy: str = ''              # the pipeline's stash policy
   baseline: str = SEQUENTIAL    # the step its speed-up is measured against
   messages: int = 0             # collectives over the pipeline axis per step
+  profiled: bool = False        # also run it under jaxpar.pipeline.profile
 
 
 def _schedules(p: int, m: int, layers: int, names: list | None
                ) -> tuple[list, list[dict]]:
-  """``[(schedule, ideal)]`` to time, and note rows for those that can't run."""
+  """``[((schedule, ideal), constructor name)]`` to time, and note rows for
+  those that can't run."""
   found, notes = [], []
   for name, extra in SCHEDULES:
     constructor = getattr(jaxpar.pipeline, name, None)
@@ -204,7 +209,7 @@ def _schedules(p: int, m: int, layers: int, names: list | None
           f'{schedule.num_stages} stages')})
       continue
     sim = schedule.simulate(IDEAL_COSTS)
-    found.append((schedule, sum(sim.busy) / sim.makespan))
+    found.append(((schedule, sum(sim.busy) / sim.makespan), name))
   return found, notes
 
 
@@ -258,7 +263,8 @@ def _steps(config: dict) -> tuple[dict[str, Step], list[dict]]:
   schedules, notes = _schedules(n, m, config['layers'],
                                 config.get('schedules'))
   policies = config.get('policies') or [None]
-  for schedule, ideal in schedules:
+  profiled = config.get('profile') or ()
+  for (schedule, ideal), constructor in schedules:
     s = schedule.num_stages
     stages = {'w': w.reshape((s, -1) + w.shape[1:])}
     args = (jax.device_put(stages, NamedSharding(mesh, P('stage'))),
@@ -267,10 +273,12 @@ def _steps(config: dict) -> tuple[dict[str, Step], list[dict]]:
       name = schedule.name if len(policies) == 1 else (
           f'{schedule.name} [{policy}]')
       steps[name] = Step(
-          jaxpar.pipeline.pipeline_value_and_grad(stage, loss_fn, schedule=schedule,
-                                        mesh=mesh, remat_policy=policy),
+          jaxpar.pipeline.pipeline_value_and_grad(
+              stage, loss_fn, schedule=schedule, mesh=mesh,
+              remat_policy=policy, input_grads=False),
           args, n, s, ideal, policy or DEFAULT_POLICY,
-          messages=messages(schedule))
+          messages=messages(schedule),
+          profiled=n > 1 and constructor in profiled and policy == policies[0])
 
   if config.get('data_parallel', True) and m % n:
     notes.append({'step': DATA_PARALLEL, 'ranks': n, 'm': m, 'note': (
@@ -295,13 +303,14 @@ def _steps(config: dict) -> tuple[dict[str, Step], list[dict]]:
 
 
 def messages(schedule) -> int:
-  """The collectives over the pipeline axis in one ``pipeline_value_and_grad``: the
-  ticks' ``ppermute``s (one per sending offset) and sums of pending result
-  rows (``jaxpar.pipeline.executor``'s ``tick_messages``), plus the final ``psum``."""
-  if schedule.num_ranks == 1:   # no ticks (the executor runs them in turn), no messages
+  """The collectives over the pipeline axis in one ``pipeline_value_and_grad``
+  without input cotangents: the ticks' ``ppermute``s (one per sending
+  offset; ``jaxpar.pipeline.executor``'s ``tick_messages``), plus the final
+  ``psum``."""
+  if schedule.num_ranks == 1:   # no ticks (the executor runs them in turn)
     return 0
   table = jaxpar.pipeline.tick_table(schedule)
-  code, patterns = tick_messages(table, True)
+  code, patterns = tick_messages(table, False)
   return int(sum(sum(patterns[c]) for c in code)) + 1
 
 
@@ -363,10 +372,34 @@ def time_steps(steps: dict[str, Step], *, repeats: int, warmup: int
                        losses.get(name)) for name in steps}
 
 
+# The split of a profiled step (``jaxpar.pipeline.RankTotals``' fields), in
+# ms per step, averaged over the ranks: the row's ``<part>_ms`` columns.
+SPLIT = ('compute', 'messages', 'waiting', 'bubble', 'overhead', 'outside')
+
+
+def profile_steps(steps: dict[str, Step], *, repeats: int
+                  ) -> dict[str, dict[str, float]]:
+  """Where the time of each ``profiled`` step went (``jaxpar.pipeline.profile``,
+  ``repeats`` steps after one warm-up): ``<part>_ms`` of ``SPLIT`` and
+  ``profiled_ms`` (the ranks' mean wall time under the profile, host
+  callbacks included: the sum of the parts but ``bubble``, which is a part
+  of ``waiting``). Every rank calls it, in the same order."""
+  out = {}
+  for name, step in steps.items():
+    if step.profiled:
+      totals = jaxpar.pipeline.profile(step.fn, *step.args,
+                                       steps=repeats).totals()
+      out[name] = {f'{part}_ms': 1e3 * float(np.mean(
+          [getattr(t, part) for t in totals])) for part in (*SPLIT, 'wall')}
+      out[name]['profiled_ms'] = out[name].pop('wall_ms')
+  return out
+
+
 def rows(config: dict) -> list[dict]:
   """Rank 0's table rows, ``[]`` elsewhere (all ranks call it together)."""
   steps, notes = _steps(config)
   timed = time_steps(steps, repeats=config['repeats'], warmup=config['warmup'])
+  split = profile_steps(steps, repeats=config['repeats'])
   if jax.process_index() != 0:
     return []
   out = []
@@ -388,7 +421,8 @@ def rows(config: dict) -> list[dict]:
                 'cpu_ratio': cpu_seconds / base.cpu_seconds,
                 'vs': step.baseline,
                 'cores': ','.join(map(str, config['cores'][:step.ranks])),
-                'messages': step.messages})
+                'messages': step.messages, 'pinned': config.get('pinned', True),
+                **split.get(name, {})})
   return _relative(out, steps) + notes
 
 
@@ -419,12 +453,17 @@ def main(argv: list[str]) -> int:
   os.dup2(2, 1)  # keep the bench's stdout (its tables) free of gloo's chatter
   rank = int(os.environ[distributed.ENV_PROCESS_ID])
   core = config['cores'][rank]
-  pin_process(core)   # before JAX starts its thread pools
+  pin = config.get('pinned', True)
+  if pin:
+    pin_process(core)   # before JAX starts its thread pools
+  if config.get('xla_flags'):   # read when the backend starts, below
+    os.environ['XLA_FLAGS'] = ' '.join(
+        [os.environ.get('XLA_FLAGS', ''), config['xla_flags']]).strip()
   jax.config.update('jax_platforms', 'cpu')  # cores, even on a GPU host
   distributed.initialize()
   result = rows(config)
   pinned = multihost_utils.process_allgather(
-      np.array([_threads_pinned(core)]))
+      np.array([_threads_pinned(core) or not pin]))
   if not pinned.all():
     raise RuntimeError(
         f'real_parallel: threads of ranks {np.flatnonzero(~pinned).tolist()} '

@@ -5,7 +5,9 @@ the ``_local`` forms run inside a caller's (the 3D trainer's). Inside, a
 stage's backward is cut into its input-gradient and weight-gradient halves
 (``StageVJP``, with a ``remat_policy`` for what the stash keeps), and stage
 trees move between model order and the rank placement ``[p, v, ...]``
-(``stages_to_ranks`` / ``ranks_to_stages``).
+(``stages_to_ranks`` / ``ranks_to_stages``). ``profile`` runs a step with a
+host timestamp at each tick's seams and returns a ``Timeline``: each rank's
+blocks and messages as they ran, and where the time went.
 """
 
 from jaxpar.pipeline.executor._pipeline import PipelineGrads as PipelineGrads
