@@ -496,11 +496,11 @@ def test_bf16_messages_and_stashes_are_half_the_bytes():
   assert 2 * permute[jnp.bfloat16] == permute[None] > 0
   temp = {d: low.compile().memory_analysis().temp_size_in_bytes
           for d, low in lowered.items()}
-  # Measured 0.82 here (the f32 gradient accumulators and XLA:CPU's f32
-  # copies around collectives stay, among them the all-reduce of the p
-  # pending rows of grads.inputs: mb = 512 rows of width 8 make those rows
+  # Measured 0.86 here (W recomputes the tanh rather than keep it; the f32
+  # gradient accumulators and XLA:CPU's f32 copies around collectives stay,
+  # among them the all-reduce of the p pending rows of grads.inputs: mb = 512 rows of width 8 make those rows
   # weigh more than the stashes); activations in f32 would give ~1.
-  assert temp[jnp.bfloat16] < 0.85 * temp[None]
+  assert temp[jnp.bfloat16] < 0.9 * temp[None]
   (l32, g32), (l16, g16) = jax.device_get(
       [steps[d](*args) for d in (None, jnp.bfloat16)])
   assert l16.dtype == g16.inputs.dtype == jnp.float32

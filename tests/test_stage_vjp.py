@@ -92,6 +92,21 @@ def test_stash_holds_activations_not_weights():
   assert kept and all(a.shape[0] == MB for a in kept)
 
 
+@pytest.mark.parametrize('fn', [stacked, scanned])
+def test_kept_holds_cotangents_not_what_w_recomputes_elementwise(fn):
+  """Under 'dots' W recomputes ``tanh(x @ a)`` from the stashed product (a
+  zero-bubble schedule holds ``kept`` per deferred W): ``kept`` is each
+  layer's cotangent at ``x @ a`` and between the layers (the last layer's
+  is ``dy``), plus, scanned, the layer inputs -- what 'everything' keeps."""
+  w = params(dtype=np.float32)
+  x = np.ones((MB, D), np.float32)
+  stage, stash = split_blocks(fn, w, x, x, 'dots')
+  kept = [a.shape for a in jax.eval_shape(stage.input_grad, w, stash, x)[1]]
+  want = ([(L, MB, D), (L, MB, 2 * D)] if fn is scanned else
+          [(MB, 2 * D), (MB, D)] * (L - 1) + [(MB, 2 * D)])
+  assert sorted(kept) == sorted(want)
+
+
 def _flops(fn, *args):
   return jax.jit(fn).lower(*args).compile().cost_analysis()['flops']
 

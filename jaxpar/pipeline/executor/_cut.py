@@ -6,8 +6,10 @@ input-gradient program ``I: args -> (dx, *kept)`` and the weight-gradient
 program ``W: (args, *kept) -> dparams``. ``I`` runs the operations ``dx``
 needs; ``W`` runs the rest of what ``dparams`` needs and reads the values of
 ``I`` it would otherwise recompute from ``kept``; values that depend on the
-parameters alone (the first ``num_params`` inputs) are recomputed in ``W``
-instead of kept. Each operation runs once (``I + W = B`` in FLOPs).
+parameters alone (the first ``num_params`` inputs), and elementwise functions
+of what ``W`` reads anyway (an activation from a stashed product), are
+recomputed in ``W`` instead of kept. Each other operation runs once
+(``I + W = B`` in FLOPs, up to that elementwise work).
 
 A ``lax.scan`` (a stage's layers, its transposed backward) is cut the same
 way, body by body, instead of being unrolled: ``I`` runs a scan of the body's
@@ -62,7 +64,7 @@ def cut(closed: jex.ClosedJaxpr, num_params: int) -> Programs:
   ``W``; see the module doc."""
   jaxpr = closed.jaxpr
   *dparams, dx = jaxpr.outvars
-  level = _Level(jaxpr, jaxpr.invars[:num_params])
+  level = _Level(jaxpr, jaxpr.invars[:num_params], jaxpr.invars)
   input_items = level.input_pass([dx])
   weight_items, kept = level.weight_pass(dparams)
   consts = dict(zip(jaxpr.constvars, closed.consts))
@@ -77,6 +79,19 @@ def cut(closed: jex.ClosedJaxpr, num_params: int) -> Programs:
     _run(weight_items, env)
     return [_read(env, v) for v in dparams]
   return Programs(input_grad, weight_grad)
+
+
+# Elementwise and layout primitives: ``W`` recomputes their outputs from
+# what it reads anyway rather than keep them (``_Level.cheap``).
+_ELEMENTWISE = frozenset((
+    'abs', 'acos', 'acosh', 'add', 'add_any', 'and', 'asin', 'asinh', 'atan',
+    'atan2', 'atanh', 'broadcast_in_dim', 'cbrt', 'ceil', 'clamp',
+    'convert_element_type', 'copy', 'copy_p', 'cos', 'cosh', 'div', 'eq',
+    'erf', 'erf_inv', 'erfc', 'exp', 'exp2', 'expand_dims', 'expm1', 'floor',
+    'ge', 'gt', 'integer_pow', 'is_finite', 'le', 'log', 'log1p', 'logistic',
+    'lt', 'max', 'min', 'mul', 'ne', 'neg', 'not', 'or', 'pow', 'reshape',
+    'round', 'rsqrt', 'select_n', 'sign', 'sin', 'sinh', 'sqrt', 'square',
+    'squeeze', 'sub', 'tan', 'tanh', 'transpose', 'xor'))
 
 
 # An item of a program: an eqn of the jaxpr, or one half of a cut scan.
@@ -110,39 +125,56 @@ class _Level:
 
   ``params_only``: the variables computed from ``params_invars`` (and
   constants) alone: ``W`` recomputes them rather than keep them.
+  ``cheap``: the variables ``W`` reads without ``kept`` (``free_invars``,
+  ``params_only``) and those elementwise functions of them compute (the
+  policy's recomputed activation ``tanh(x @ w)`` from the stashed product):
+  ``W`` recomputes them too, so ``kept`` holds what only ``I``'s products
+  and cotangents give.
   ``from_input``: after ``input_pass``, the values ``I`` computes (and
   ``blocked``: the body's ``I`` carries), which ``W`` reads from ``kept``.
   """
 
-  def __init__(self, jaxpr: jex.Jaxpr, params_invars: Iterable[Any]):
+  def __init__(self, jaxpr: jex.Jaxpr, params_invars: Iterable[Any],
+               free_invars: Iterable[Any]):
     self.jaxpr = jaxpr
     self.params_only = set(jaxpr.constvars) | set(params_invars)
+    self.cheap = self.params_only | set(free_invars)
     self.bodies = {}    # id(scan eqn) -> _Level of its body
     self.scans = {}     # id(scan eqn) -> _ScanCut, after input_pass
     self.from_input = set()
     for eqn in jaxpr.eqns:
-      pure = all(not is_var(v) or v in self.params_only for v in eqn.invars)
-      if pure:
+      ins = [v for v in eqn.invars if is_var(v)]
+      if all(v in self.params_only for v in ins):
         self.params_only.update(eqn.outvars)
+        self.cheap.update(eqn.outvars)
       elif eqn.primitive.name == 'scan':
         self._body(eqn)
+      elif (eqn.primitive.name in _ELEMENTWISE
+            and all(v in self.cheap for v in ins)):
+        self.cheap.update(eqn.outvars)
 
   def _body(self, eqn: jex.JaxprEqn) -> None:
     """The body's level; its stacked outputs from the parameters alone (a
-    layer's weight, transposed) are such outside too."""
+    layer's weight, transposed), or cheap in the body (a recomputed
+    activation), are such outside too."""
     body = eqn.params['jaxpr'].jaxpr
     consts, _, xs = _jaxpr.scan_parts(eqn.params, eqn.invars)
     inner_consts, inner_carry, inner_xs = _jaxpr.scan_parts(eqn.params,
                                                             body.invars)
-    level = _Level(body, [
-        inner for inner, outer in zip(inner_consts + inner_xs, consts + xs)
-        if not is_var(outer) or outer in self.params_only])
+    outside = list(zip(inner_consts + inner_xs, consts + xs))
+    level = _Level(
+        body, [i for i, o in outside if not is_var(o) or o in self.params_only],
+        [i for i, o in outside if not is_var(o) or o in self.cheap])
     self.bodies[id(eqn)] = level
     num_carry = len(inner_carry)
     self.params_only.update(
         out for out, inner in zip(eqn.outvars[num_carry:],
                                   body.outvars[num_carry:])
         if not is_var(inner) or inner in level.params_only)
+    self.cheap.update(
+        out for out, inner in zip(eqn.outvars[num_carry:],
+                                  body.outvars[num_carry:])
+        if not is_var(inner) or inner in level.cheap)
 
   def input_pass(self, targets: Sequence[Any],
                  blocked: Iterable[Any] = ()) -> list[Item]:
@@ -166,9 +198,10 @@ class _Level:
 
   def weight_pass(self, targets: Sequence[Any]) -> tuple[list[Item], list]:
     """``W``'s items for ``targets`` after ``input_pass``, and the values of
-    ``I`` they read (``kept``)."""
-    stop = self.from_input
-    need = {v for v in targets if is_var(v) and v not in stop}
+    ``I`` they read (``kept``); ``W`` recomputes the ``cheap`` ones."""
+    # Read (late: a cut scan's stacks join ``from_input`` as it is met).
+    stop = lambda v: v in self.from_input and v not in self.cheap
+    need = {v for v in targets if is_var(v) and not stop(v)}
     items = []
     for eqn in reversed(self.jaxpr.eqns):
       outs = [o for o in eqn.outvars if o in need]
@@ -177,10 +210,10 @@ class _Level:
       item = (self.scans[id(eqn)].weight_half(outs) if id(eqn) in self.scans
               else eqn)
       items.append(item)
-      need.update(v for v in item.invars if is_var(v) and v not in stop)
+      need.update(v for v in item.invars if is_var(v) and not stop(v))
     items.reverse()
     kept = [v for v in [*(v for item in items for v in item.invars), *targets]
-            if is_var(v) and v in stop]
+            if is_var(v) and stop(v)]
     return items, list(dict.fromkeys(kept))
 
 

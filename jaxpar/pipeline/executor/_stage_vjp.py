@@ -25,10 +25,13 @@ into
   recomputation) cut in two. ``I`` runs the operations ``dx`` needs; ``W``
   runs the rest of what ``dparams`` needs and reads the values of ``I`` it
   would otherwise recompute -- the cotangents at the parameter-consuming
-  operations, recomputed activations -- from ``kept``. Each operation of
-  the backward runs once (``I + W = B`` in FLOPs); values that depend on the
-  parameters alone are recomputed in ``W`` rather than kept, so ``kept``
-  holds activation-sized values. The cut sees through ``jax.jit`` and
+  operations -- from ``kept``. Each matrix product of the backward runs
+  once (``I + W = B`` in FLOPs, up to elementwise work); values that depend
+  on the parameters alone, and elementwise functions of what ``W`` reads
+  anyway (the policy's recomputed ``tanh(x @ w)`` from the stashed product),
+  are recomputed in ``W`` rather than kept, so ``kept`` holds the
+  activation-sized cotangents only: a zero-bubble schedule holds it for
+  every deferred ``W``. The cut sees through ``jax.jit`` and
   ``jax.checkpoint`` calls; a ``lax.scan`` (a stage that scans over its
   layers) is cut body by body, not unrolled (``_cut``): ``I`` and ``W`` are
   scans of one layer's halves, ``kept`` stacked per layer, so the blocks'
