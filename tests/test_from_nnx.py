@@ -262,17 +262,44 @@ class TestErrors:
       self.from_nnx(counts=(4, 2))
 
   def test_function_reading_the_other_part(self):
-    """A tied head reads the embedding, which is embed's."""
+    """A tied head reads the embedding: one param of embed (pm.tied); a
+    head reading block params, or embed reading head params, is refused."""
     tied = lambda m, y, t: llama.xent(m.embed.attend(m.final_norm(y)), t)
     pm = self.from_nnx(head_loss=tied)
+    ids = jax.ShapeDtypeStruct((2, 6), jnp.int32)
+    assert pm.tied(pm.params, ids, ids) == (('embed', 'embedding'),)
+    assert self.from_nnx().tied(pm.params, ids, ids) == ()
     y = jnp.zeros((2, 6, 16))
     with pytest.raises(ValueError, match=r"head_loss reads \['embed/embedding'"
-                       r"\].*tied embeddings"):
+                       r"\].*may read the embed params"):
       pm.functions[2](pm.params.head, y, jnp.zeros((2, 6), jnp.int32))
+    deep = lambda m, y, t: tied(m, m.blocks[0](y), t)
+    with pytest.raises(ValueError, match=r"head_loss reads \['blocks/0/.*"
+                       r"never block params"):
+      self.from_nnx(head_loss=deep).tied(pm.params, ids, ids)
+    with pytest.raises(ValueError, match=r"embed reads \['final_norm/scale'"
+                       r"\].*pass head=\[...\] to from_nnx without"):
+      self.from_nnx(embed=lambda m, ids: m.final_norm(m.embed(ids))).tied(
+          pm.params, ids, ids)
     # The fix the message names: say which params are the head's.
     pm = self.from_nnx(head=['embed', 'final_norm', 'head'],
                        embed=lambda m, ids: jnp.zeros(ids.shape + (16,)))
     assert sorted(pm.params.head) == ['embed', 'final_norm', 'head']
+
+  def test_batch_stats_outside_the_blocks(self, x64):
+    model = NormNet(nnx.Rngs(0))
+    model.inp_norm = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"nnx.BatchStat \['inp_norm/mean', "
+                       r"'inp_norm/var'\] outside blocks='blocks'.*Move the "
+                       r"normalisation into the blocks"):
+      self.from_nnx(model)
+
+  def test_block_param_shared_with_another_part(self):
+    model = self.model()
+    model.blocks[1].mlp.w_up.kernel = model.blocks[0].mlp.w_up.kernel
+    with pytest.raises(ValueError, match=r"param 'blocks/1/mlp/w_up/kernel' "
+                       r"is the same nnx.Param as 'blocks/0/mlp/w_up/kernel'"):
+      self.from_nnx(model)
 
   def test_tensor_rule_matching_nothing(self):
     with pytest.raises(ValueError, match=r"tensor_rules \['attn/w_q/kernel'\] "
@@ -352,3 +379,292 @@ def test_dropout_keys_reseed_the_models_own_streams():
   np.testing.assert_allclose(
       split(net).functions[1](stage, x),
       net.blocks[2](net.blocks[1](net.blocks[0](x))), rtol=1e-6)
+
+
+# ------------------------------------------------------------ tied weights
+
+
+class _TiedBlock(nnx.Module):
+
+  def __init__(self, rngs):
+    self.ln = nnx.LayerNorm(8, param_dtype=jnp.float64, rngs=rngs)
+    self.fc = nnx.Linear(8, 8, param_dtype=jnp.float64, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.fc(jax.nn.gelu(self.ln(x)))
+
+
+class TiedGPT(nnx.Module):
+  """GPT-2's tying as a user writes it: the logits are ``wte.attend``."""
+
+  def __init__(self, rngs):
+    self.wte = nnx.Embed(CONFIG.vocab, 8, param_dtype=jnp.float64,
+                         rngs=rngs)
+    self.blocks = nnx.List([_TiedBlock(rngs) for _ in range(4)])
+    self.ln_f = nnx.LayerNorm(8, param_dtype=jnp.float64, rngs=rngs)
+
+  def __call__(self, ids):
+    x = self.wte(ids)
+    for block in self.blocks:
+      x = block(x)
+    return self.wte.attend(self.ln_f(x))
+
+
+def tied_head_loss(m, y, t):
+  return llama.xent(m.wte.attend(m.ln_f(y)), t)
+
+
+SCHEDULE_FREE = optax.chain(   # an update that needs value= (the loss)
+    optax.contrib.schedule_free_sgd(0.5),
+    optax.contrib.reduce_on_plateau(factor=0.5, patience=0,
+                                    accumulation_size=1))
+
+
+CLIPPED = optax.chain(optax.clip_by_global_norm(0.05), OPTIMIZER)
+
+
+def tied_optimizer(options):
+  """The one-device optimizer of a case's trainer options."""
+  if options.get('max_grad_norm'):
+    assert options['max_grad_norm'] == 0.05
+    return CLIPPED
+  return SCHEDULE_FREE if options.get('schedule_free') else OPTIMIZER
+
+
+@functools.cache
+def tied_reference(optimizer):
+  """The tied model as written on one device, optax with value=loss: per
+  step (loss, params, opt_state)."""
+  with jax.enable_x64(True):
+    graphdef, params, rest = nnx.split(TiedGPT(nnx.Rngs(0)), nnx.Param, ...)
+
+    @jax.jit   # one program: eager optax would compile op by op
+    def step(params, opt_state, ids, targets):
+      loss, grads = jax.value_and_grad(lambda p: llama.xent(
+          nnx.merge(graphdef, p, rest)(ids), targets))(params)
+      updates, opt_state = optax.with_extra_args_support(optimizer).update(
+          grads, opt_state, params, value=loss)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state, out = optimizer.init(params), []
+    for batch in batches(num=3, size=8, seq=4):
+      params, opt_state, loss = step(params, opt_state, *batch)
+      out.append((loss, params, opt_state))
+    return out
+
+
+TIED = {   # mesh, schedule, trainer options, from_nnx options
+    'interleaved-clip-zero3': (
+        dict(data=2, stage=2),
+        lambda: jaxpar.pipeline.interleaved_one_f_one_b(2, 2, 2),
+        dict(max_grad_norm=0.05, zero_stage=3), {}),
+    'zero_bubble_v-clip-zero3': (
+        dict(data=2, stage=2), lambda: jaxpar.pipeline.zero_bubble_v(2, 2),
+        dict(max_grad_norm=0.05, zero_stage=3), {}),
+    '1f1b-3d-rules-zero1-schedule_free': (
+        dict(data=2, stage=2, tensor=2),
+        lambda: jaxpar.pipeline.one_f_one_b(2, 2),
+        dict(zero_stage=1, schedule_free=True),
+        dict(tensor_rules={'wte/embedding': ('tensor', None),
+                           'fc/kernel': (None, 'tensor')})),
+}
+
+
+@functools.cache
+def tied_run(case):
+  """(model, pm, trainer, [(state, stats) after each step]) of a case."""
+  mesh_sizes, make_schedule, options, split = TIED[case]
+  with jax.enable_x64(True):
+    model, schedule = TiedGPT(nnx.Rngs(0)), make_schedule()
+    pm = jaxpar.parallel.from_nnx(
+        model, blocks='blocks', num_stages=schedule.num_stages,
+        embed=lambda m, ids: m.wte(ids), head_loss=tied_head_loss, **split)
+    trainer = jaxpar.parallel.trainer(
+        pm, SCHEDULE_FREE if options.get('schedule_free') else OPTIMIZER,
+        schedule=schedule, mesh=mesh(**mesh_sizes),
+        **{k: v for k, v in options.items() if k != 'schedule_free'})
+    state, out = trainer.init(pm.params), []
+    for batch in batches(num=3, size=8, seq=4):
+      state, stats = trainer.step(state, batch)
+      out.append((state, stats))
+    return model, pm, trainer, out
+
+
+@pytest.mark.parametrize('case', list(TIED))
+def test_tied_embeddings_match_the_tied_model_float64(x64, case):
+  """GPT-2's tied wte (head_loss reads m.wte.attend) is one param: the
+  README recipe trains it as the one-device model as written (the global
+  norm counts it once: clipping is exact)."""
+  model, pm, trainer, out = tied_run(case)
+  assert list(pm.params.embed) == ['wte'] and list(pm.params.head) == ['ln_f']
+  want = tied_reference(tied_optimizer(TIED[case][2]))
+  for (_, stats), (ref_loss, _, _) in zip(out, want):
+    np.testing.assert_allclose(stats.loss, ref_loss, rtol=1e-10)
+  pm.update(model, jax.device_get(trainer.params(out[-1][0])))
+  chex.assert_trees_all_close(params_of(model),
+                              nnx.to_pure_dict(want[-1][1]), rtol=1e-10,
+                              atol=1e-12)
+
+
+def test_optax_extra_args_and_schedule_free_eval_params_in_3d(x64):
+  """reduce_on_plateau gets value=loss in the 3D step; Trainer.opt_state is
+  laid out like Trainer.params, so schedule_free_eval_params takes both as
+  written; all as optax on one device (the tied model, 3D with rules)."""
+  _, pm, trainer, out = tied_run('1f1b-3d-rules-zero1-schedule_free')
+  _, params, opt_state = tied_reference(SCHEDULE_FREE)[-1]
+  state = out[-1][0]
+  assert float(state.opt_state[1].scale) == float(opt_state[1].scale) < 1
+  got = optax.contrib.schedule_free_eval_params(
+      trainer.opt_state(state)[0], trainer.params(state))
+  chex.assert_trees_all_close(
+      nnx.to_pure_dict(pm.to_state(jax.device_get(got))),
+      nnx.to_pure_dict(optax.contrib.schedule_free_eval_params(
+          opt_state[0], params)), rtol=1e-10, atol=1e-12)
+
+
+def test_live_state_handed_to_a_schedule_placing_stages_differently(
+    x64, tmp_path):
+  """Interleaved (p=2, v=2: ranks hold stages (0, 2), (1, 3)) -> ZB-V
+  (p=2: (0, 3), (1, 2)), same [p, v, ...] shapes: the state says its
+  placement and the ZB-V trainer re-lays it; the run is the one-device one."""
+  first = tied_run('interleaved-clip-zero3')[3][0][0]
+  _, pm, zbv, _ = tied_run('zero_bubble_v-clip-zero3')
+  assert first.params.placement == ((0, 2), (1, 3))
+  state, stats = zbv.step(first, batches(size=8, seq=4)[1])
+  assert state.params.placement == ((0, 3), (1, 2))
+  want = tied_reference(tied_optimizer(TIED['zero_bubble_v-clip-zero3'][2]))
+  np.testing.assert_allclose(stats.loss, want[1][0], rtol=1e-10)
+  chex.assert_trees_all_close(
+      nnx.to_pure_dict(pm.to_state(jax.device_get(zbv.params(state)))),
+      nnx.to_pure_dict(want[1][1]), rtol=1e-10, atol=1e-12)
+  with pytest.raises(ValueError, match=r"rank placement \(\(0, 2\), \(1, 3\)\) "
+                     r"of schedule 'Interleaved 1F1B \(v=2\)', not in that of "
+                     r"schedule='ZB-V'"):
+    jaxpar.checkpoint.save(tmp_path, first, step=1,
+                           schedule=jaxpar.pipeline.zero_bubble_v(2, 2))
+  one_f_one_b = tied_run('1f1b-3d-rules-zero1-schedule_free')[3][0][0]
+  with pytest.raises(ValueError, match=r"schedule '1F1B' \(2 ranks, 2 "
+                     r"stages\).*checkpoint.restore"):
+    zbv.step(one_f_one_b, batches(size=8, seq=4)[1])
+
+
+
+# ------------------------------------------------------ BatchNorm statistics
+
+
+class _NormBlock(nnx.Module):
+
+  def __init__(self, rngs):
+    self.fc = nnx.Linear(8, 8, param_dtype=jnp.float64, rngs=rngs)
+    self.bn = nnx.BatchNorm(8, momentum=0.8, param_dtype=jnp.float64,
+                            rngs=rngs)
+    # Flax keeps running statistics in float32; float64 for the 1e-10 check.
+    self.bn.mean = nnx.BatchStat(jnp.zeros(8, jnp.float64))
+    self.bn.var = nnx.BatchStat(jnp.ones(8, jnp.float64))
+
+  def __call__(self, x):
+    return x + jax.nn.relu(self.bn(self.fc(x)))
+
+
+class NormNet(nnx.Module):
+  """An MLP with BatchNorm in its blocks, as a user writes it."""
+
+  def __init__(self, rngs):
+    self.inp = nnx.Linear(4, 8, param_dtype=jnp.float64, rngs=rngs)
+    self.blocks = nnx.List([_NormBlock(rngs) for _ in range(4)])
+    self.out = nnx.Linear(8, 2, param_dtype=jnp.float64, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.inp(x)
+    for block in self.blocks:
+      x = block(x)
+    return self.out(x)
+
+
+def mse(y, t):
+  return jnp.mean((y - t) ** 2)
+
+
+def norm_batches():
+  rng = np.random.default_rng(1)
+  return [(rng.normal(size=(16, 4)), rng.normal(size=(16, 2)))
+          for _ in range(2)]
+
+
+@functools.cache
+def norm_reference(data, microbatches):
+  """The model as written on one device, run on each data shard's
+  microbatches in turn (statistics per microbatch, running statistics
+  updated once per microbatch, in order), gradients averaged; with data > 1
+  the running statistics averaged over the shards. Per step (loss, params,
+  statistics)."""
+  with jax.enable_x64(True):
+    graphdef, params, stats, rest = nnx.split(
+        NormNet(nnx.Rngs(0)), nnx.Param, nnx.BatchStat, ...)
+
+    @jax.jit
+    def microbatch(params, stats, x, t):
+      def loss(p):
+        m = nnx.merge(graphdef, p, stats, rest, copy=True)
+        return mse(m(x), t), nnx.state(m, nnx.BatchStat)
+      (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
+      return value, grads, stats
+
+    opt_state, out = OPTIMIZER.init(params), []
+    for x, t in norm_batches():
+      runs = []
+      for xs, ts in zip(np.split(x, data), np.split(t, data)):
+        shard = stats
+        for xm, tm in zip(np.split(xs, microbatches),
+                          np.split(ts, microbatches)):
+          value, grads, shard = microbatch(params, shard, xm, tm)
+          runs.append((value, grads))
+        runs[-1] += (shard,)
+      mean = lambda *a: sum(a) / len(a)
+      grads = jax.tree.map(mean, *[g for _, g, *_ in runs])
+      stats = jax.tree.map(mean, *[r[2] for r in runs if len(r) == 3])
+      updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      out.append((np.mean([v for v, *_ in runs]), nnx.to_pure_dict(params),
+                  nnx.to_pure_dict(stats)))
+    return out
+
+
+NORM = {   # mesh, schedule, from_nnx options
+    '2x2x2-1f1b-uneven-rules': (          # identity slots, 3D, data > 1
+        dict(data=2, stage=2, tensor=2),
+        lambda: jaxpar.pipeline.one_f_one_b(2, 2),
+        dict(counts=(3, 1), tensor_rules={'fc/kernel': (None, 'tensor')})),
+}
+
+
+@pytest.mark.parametrize('case', list(NORM))
+def test_batch_norm_statistics_float64(x64, case):
+  """nnx.BatchNorm in the blocks: each stage normalises every microbatch
+  by its own statistics and updates the running ones once per microbatch,
+  in order, as the model run on the microbatches in turn; with data > 1 the
+  running statistics are averaged over 'data'. They come back to the
+  model (pm.update with state.model_state)."""
+  mesh_sizes, make_schedule, split = NORM[case]
+  model, schedule = NormNet(nnx.Rngs(0)), make_schedule()
+  pm = jaxpar.parallel.from_nnx(
+      model, blocks='blocks', num_stages=schedule.num_stages,
+      embed=lambda m, x: m.inp(x),
+      head_loss=lambda m, y, t: mse(m.out(y), t), **split)
+  assert pm.model_state['bn']['mean'].shape == pm.stage_mask.shape + (8,)
+  trainer = jaxpar.parallel.trainer(pm, OPTIMIZER, schedule=schedule,
+                                    mesh=mesh(**mesh_sizes))
+  with pytest.raises(ValueError, match=r'pm.params, pm.model_state'):
+    trainer.init(pm.params)
+  state = trainer.init(pm.params, pm.model_state)
+  want = norm_reference(mesh_sizes['data'], schedule.num_microbatches)
+  for batch, (ref_loss, _, _) in zip(norm_batches(), want):
+    state, stats = trainer.step(state, batch)
+    np.testing.assert_allclose(stats.loss, ref_loss, rtol=1e-10)
+  pm.update(model, jax.device_get(trainer.params(state)),
+            jax.device_get(state.model_state))
+  chex.assert_trees_all_close(params_of(model), want[-1][1], rtol=1e-10,
+                              atol=1e-12)
+  chex.assert_trees_all_close(
+      nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)), want[-1][2],
+      rtol=1e-10, atol=1e-12)

@@ -80,7 +80,7 @@ from jaxpar.checkpoint import _integrity as integrity
 from jaxpar import data_parallel as padding
 from jaxpar._validate import check_int
 from jaxpar.checkpoint._integrity import CheckpointError, leaf_name
-from jaxpar.pipeline.schedules import Schedule
+from jaxpar.pipeline.schedules import Schedule, local_stages
 from jaxpar.parallel import PipelineParams
 from jaxpar.parallel import (model_sharding, stages_in_model_order,
                                  stages_like)
@@ -174,6 +174,14 @@ def _check_rank_placement(tree: PyTree, schedule: Schedule, name: str) -> None:
           f'{schedule.name!r} ({p} ranks, {schedule.num_stages} stages) '
           f'starts with {lead}; pass the schedule of the Trainer that made '
           f'{name}.')
+  for n in nodes:   # a trainer's state says its placement (parallel.placed)
+    placement = getattr(n, 'placement', local_stages(schedule))
+    if placement != local_stages(schedule):
+      raise ValueError(
+          f'{name} holds its stages in the rank placement {placement} of '
+          f'schedule {type(n).schedule.name!r}, not in that of schedule='
+          f'{schedule.name!r} ({local_stages(schedule)}); pass the schedule '
+          f'of the Trainer that made {name}.')
 
 
 def _to_model_order(state: PyTree, schedule: Schedule) -> PyTree:

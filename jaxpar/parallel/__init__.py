@@ -4,7 +4,8 @@ The whole 3D trainer: ``trainer`` (the step, its specs and placement), the
 params it trains (``PipelineParams``, the per-layer ``LayerParams`` view the
 optimizer sees, the ``LayerSplit`` of layers over stages), the moves of stage
 trees between the executor's rank placement and model order, and
-``from_nnx``, which cuts a Flax NNX model as written into a pipeline.
+``from_nnx``, which cuts a Flax NNX model as written into a pipeline (tied
+embeddings one param, the blocks' BatchNorm statistics carried by the step).
 """
 
 from jaxpar.parallel._from_nnx import PipelineModel as PipelineModel

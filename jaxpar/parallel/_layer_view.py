@@ -133,30 +133,50 @@ class LayerView(NamedTuple):
 
 def layerwise(optimizer: optax.GradientTransformation, view: LayerView, *,
               specs: Callable[[PyTree], LayerParams] | None = None
-              ) -> optax.GradientTransformation:
+              ) -> optax.GradientTransformationExtraArgs:
   """``optimizer`` on the ``LayerParams`` view of rank-placement params.
 
   ``init(params)`` is ``optimizer.init(view.of_params(params))``;
-  ``update(g, state, params)`` runs ``optimizer.update`` on the views and
-  stacks the updates back into the rank placement (zeros where no layer is).
-  ``specs(params) -> LayerParams`` of ``PartitionSpec``s places the views
-  under ``jit`` (inside a mesh context).
+  ``update(g, state, params, **extra_args)`` runs ``optimizer.update`` on the
+  views (extra args such as ``value=`` passed on, optax's
+  ``with_extra_args_support``) and stacks the updates back into the rank
+  placement (zeros where no layer is). ``specs(params) -> LayerParams`` of
+  ``PartitionSpec``s places the views under ``jit`` (inside a mesh context).
   """
+  optimizer = optax.with_extra_args_support(optimizer)
+
   def view_of(tree, like):
     return view.of_params(tree, None if specs is None else specs(like))
 
   def init(params):
     return optimizer.init(view_of(params, params))
 
-  def update(updates, state, params=None):
+  def update(updates, state, params=None, **extra_args):
     like = updates if params is None else params
     new, state = optimizer.update(
         view_of(updates, like), state,
-        None if params is None else view_of(params, like))
+        None if params is None else view_of(params, like), **extra_args)
     layer_specs = None if specs is None else specs(like).layers[0]
     return PipelineParams(new.embed, view.stack(new.layers, specs=layer_specs),
                           new.head), state
-  return optax.GradientTransformation(init, update)
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def in_model_order(opt_state: PyTree, view: LayerView,
+                   to_stages: Callable[[PyTree], PyTree]) -> PyTree:
+  """``opt_state`` with each ``LayerParams`` subtree (Adam's ``mu``,
+  schedule-free's ``z``) as ``PipelineParams``: its layers stacked by
+  ``view.stack`` (zeros where no layer is), then ``to_stages`` (rank
+  placement -> model order). What ``optimizer.init`` of model-order params
+  would give: optax helpers take it with them
+  (``schedule_free_eval_params``)."""
+  def one(node):
+    if not isinstance(node, LayerParams):
+      return node
+    return PipelineParams(node.embed, to_stages(view.stack(node.layers)),
+                          node.head)
+  return jax.tree.map(one, opt_state,
+                      is_leaf=lambda x: isinstance(x, LayerParams))
 
 
 def _masked(x: Any) -> bool:

@@ -9,7 +9,10 @@
   (the layer view): the same arrays with one tree per layer, in model order
   and with the model's shapes;
 * ``LayerSplit(num_layers, num_stages, stage_counts)``: which layers sit on
-  which stage, and the mask of the identity slots of uneven splits.
+  which stage, and the mask of the identity slots of uneven splits;
+* tied params (``with_tied``, ``untied``): ``embed`` params that the head
+  reads too (tied embeddings) are one param, stored in ``embed``: the head
+  gets their values, and the gradient of their two uses is one sum.
 """
 
 from __future__ import annotations
@@ -109,3 +112,62 @@ def _stacked(split: LayerSplit, layers: list) -> Any:
     stages.append(jax.tree.map(lambda *xs: jnp.stack(xs), *stage))
     i += count
   return jax.tree.map(lambda *xs: jnp.stack(xs), *stages)
+
+
+# ------------------------------------------------------------- tied params
+# Nested dicts by key path, as from_nnx builds embed and head.
+
+Path = tuple[Any, ...]
+
+
+def nest(flat: dict[Path, Any]) -> dict:
+  """``{('a', 'b'): x}`` -> ``{'a': {'b': x}}``."""
+  out: dict = {}
+  for path, value in flat.items():
+    node = out
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+    node[path[-1]] = value
+  return out
+
+
+def flat(tree: dict, prefix: Path = ()) -> dict[Path, Any]:
+  """Inverse of ``nest``."""
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(flat(v, prefix + (k,)))
+    else:
+      out[prefix + (k,)] = v
+  return out
+
+
+def with_tied(head: dict, embed: dict, tied: tuple[Path, ...]) -> dict:
+  """``head`` with the ``embed`` leaves at the ``tied`` key paths (the
+  tree the head function takes)."""
+  if not tied:
+    return head
+  embed = flat(embed)
+  return nest({**flat(head), **{p: embed[p] for p in tied}})
+
+
+def untied(grads: PipelineParams, tied: tuple[Path, ...]) -> PipelineParams:
+  """Gradients of ``PipelineParams(embed, stages, with_tied(head, ...))``
+  as those of the params: each tied leaf's head gradient added to its
+  embed gradient.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxpar.parallel._params import PipelineParams, untied
+    >>> g = PipelineParams({'wte': jnp.ones(2)}, {},
+    ...                    {'wte': jnp.full(2, 2.), 'ln': jnp.ones(1)})
+    >>> got = untied(g, (('wte',),))
+    >>> got.embed['wte'].tolist(), sorted(got.head)
+    ([3.0, 3.0], ['ln'])
+  """
+  if not tied:
+    return grads
+  embed, head = flat(grads.embed), flat(grads.head)
+  for p in tied:
+    embed[p] = jax.tree.map(jnp.add, embed[p], head.pop(p))
+  return grads._replace(embed=nest(embed), head=nest(head))

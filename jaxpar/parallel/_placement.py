@@ -7,6 +7,13 @@ order ``[num_stages, ...]``. The two functions here move whole trees of
 global arrays between the two in one jitted program per signature, keeping
 their shards (``P(a, None, *rest)`` <-> ``P(a, *rest)``), where moving leaf
 by leaf eagerly compiled a program per leaf.
+
+A 3D trainer's state says which placement its stages are in: its
+``params`` is a ``PipelineParams`` subclass per placement (``placed``; its
+``placement`` attribute is ``local_stages(schedule)``), so states of two
+schedules differ in their pytree type, and a trainer re-lays a state of
+another schedule's placement (``relaid``) instead of reading its stages in
+the wrong order.
 """
 
 from __future__ import annotations
@@ -19,9 +26,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.parallel._params import PipelineParams
 from jaxpar.pipeline import executor
 from jaxpar.pipeline.executor import (check_leading)
-from jaxpar.pipeline.schedules import Schedule
+from jaxpar.pipeline.schedules import Schedule, local_stages
 
 PyTree = Any
 
@@ -120,3 +128,62 @@ def _relaid_arrays(leaves: list, schedule: Schedule, moves: tuple,
   move = executor.stages_to_ranks if to_ranks else executor.ranks_to_stages
   return [jax.device_put(move(a, schedule, out_sharding=model), out)
           for a, (model, out) in zip(leaves, moves)]
+
+
+# --------------------------------------------------- a state's own placement
+
+# placement -> its PipelineParams subclass (and a schedule that has it).
+_PLACED: dict[tuple[tuple[int, ...], ...], type] = {}
+
+
+def placed(params: PipelineParams, schedule: Schedule) -> PipelineParams:
+  """``params`` (stages in ``schedule``'s rank placement) typed with that
+  placement: a ``PipelineParams`` subclass whose ``placement`` is
+  ``local_stages(schedule)`` (and ``schedule`` one schedule with it).
+
+  Example:
+    >>> import jax.numpy as jnp, jaxpar
+    >>> from jaxpar.parallel._placement import placed
+    >>> pp = jaxpar.parallel.PipelineParams({}, {'w': jnp.zeros((2, 2))}, {})
+    >>> zbv = placed(pp, jaxpar.pipeline.zero_bubble_v(2, 2))
+    >>> type(zbv).__name__, zbv.placement, isinstance(
+    ...     zbv, jaxpar.parallel.PipelineParams)
+    ('PipelineParams', ((0, 3), (1, 2)), True)
+  """
+  placement = local_stages(schedule)
+  if placement not in _PLACED:
+    _PLACED[placement] = type('PipelineParams', (PipelineParams,), {
+        '__slots__': (), '__module__': PipelineParams.__module__,
+        '__doc__': f'PipelineParams, stages in the rank placement '
+                   f'{placement} (rank r holds the stages placement[r]).',
+        'placement': placement, 'schedule': schedule,
+        '__reduce__': lambda self: (placed, (PipelineParams(*self),
+                                             type(self).schedule))})
+  return _PLACED[placement](*params)
+
+
+def relaid(params: PipelineParams, schedule: Schedule) -> PipelineParams:
+  """Rank-placement ``params`` in ``schedule``'s placement, as a plain
+  ``PipelineParams``: those ``placed`` for another placement are moved
+  (through model order, exact; e.g. a live state from an interleaved
+  trainer handed to a ZB-V one); untyped ones are taken as they are.
+
+  Raises:
+    ValueError: the stages are placed for another number of ranks or of
+      stages: restore a checkpoint saved with ``schedule=`` instead.
+  """
+  old = getattr(type(params), 'schedule', None)
+  plain = PipelineParams(*params)
+  if old is None or params.placement == local_stages(schedule):
+    return plain
+  if (old.num_ranks, old.num_stages) != (schedule.num_ranks,
+                                         schedule.num_stages):
+    raise ValueError(
+        f'the state holds its stages in the rank placement of schedule '
+        f'{old.name!r} ({old.num_ranks} ranks, {old.num_stages} stages); '
+        f'this trainer runs {schedule.name!r} ({schedule.num_ranks} ranks, '
+        f'{schedule.num_stages} stages). Save it with jaxpar.checkpoint.save('
+        f'..., schedule=old_schedule) and restore it with jaxpar.checkpoint.'
+        f'restore(..., trainer.init(params), schedule=new_schedule).')
+  return plain._replace(stages=stages_like(
+      stages_in_model_order(plain.stages, old), plain.stages, schedule))

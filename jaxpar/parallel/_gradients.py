@@ -1,0 +1,150 @@
+"""The 3D step's gradients: one ``shard_map`` over the mesh around the
+pipeline executor (``gradient_program``).
+
+Per device: the embedding, the stages and the head through
+``pipeline_value_and_grad_local`` (ZeRO-3: each function gathers its params
+just in time), tied params' gradients summed (``untied``), the loss and the
+gradients averaged or reduce-scattered over ``data``, and the stages' model
+state (BatchNorm statistics) back in model order, averaged over ``data``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import data_parallel as zero
+from jaxpar.mesh import axis_size
+from jaxpar.parallel._params import PipelineParams, untied, with_tied
+from jaxpar.parallel._plan import (Plan, Specs, gradient_specs, manual_specs,
+                                   stored_specs)
+from jaxpar.pipeline import executor
+from jaxpar.pipeline.schedules import local_stages
+from jaxpar.train_state import PyTree, TrainState
+
+
+def _masked(plan: Plan, stage_grads: PyTree) -> PyTree:
+  """Zero gradients for the slots ``stage_mask`` marks ``False``."""
+  if plan.stage_mask is None:
+    return stage_grads
+  mine = jnp.asarray(plan.mask_ranks)[jax.lax.axis_index(plan.axes.stage)]
+  return jax.tree.map(
+      lambda g: jnp.where(
+          mine.reshape(mine.shape + (1,) * (g.ndim - mine.ndim)), g,
+          jnp.zeros((), g.dtype)), stage_grads)
+
+
+def _functions(plan: Plan, split: PipelineParams, tied: tuple) -> tuple:
+  """embed/stage/loss functions of local params (ZeRO-3: of slices that
+  each call gathers over ``data`` just in time); the loss function's params
+  are ``with_tied(head, embed, tied)``."""
+  if plan.zero_stage != 3:
+    return plan.functions
+  embed_fn, stage_fn, loss_fn = plan.functions
+  gathered = functools.partial(zero.gathered, axis=plan.axes.data)
+  return (gathered(embed_fn, split.embed),
+          gathered(stage_fn, split.stages, skip=2),
+          gathered(loss_fn, with_tied(split.head, split.embed, tied)))
+
+
+def tied_paths(plan: Plan, params: PipelineParams, inputs: Any,
+               targets: Any) -> tuple:
+  """The embed params the head reads too (``PipelineModel.tied``), from
+  the shapes of the params and of one microbatch."""
+  if plan.tied is None:
+    return ()
+  n = axis_size(plan.mesh, plan.axes.data) * plan.schedule.num_microbatches
+  microbatch = lambda a: jax.ShapeDtypeStruct(
+      (np.shape(a)[0] // n,) + np.shape(a)[1:], a.dtype)
+  return plan.tied(zero.logical_shapes(params),
+                   jax.tree.map(microbatch, inputs),
+                   jax.tree.map(microbatch, targets))
+
+
+def _local_grads(plan: Plan, specs: Specs, tied: tuple,
+                 params: PipelineParams, inputs: Any, targets: Any,
+                 key: jax.Array | None, model_state: PyTree):
+  """Inside the ``shard_map``: ``(loss, aux, gradients, model_state)`` of one
+  device, averaged (or reduce-scattered) over ``data``. The head runs on
+  ``with_tied(head, embed, tied)``: a tied param's gradient is the sum of
+  its two uses (both replicated over ``stage``, summed after the
+  executor's ``psum``)."""
+  embed, stage, head_loss = _functions(plan, specs.zero, tied)
+  params = zero.vary(params, stored_specs(plan, specs), axis=plan.axes.data)
+  embed_key = None
+  if key is not None:
+    embed_key, key = jax.random.split(key)
+  one_rank = jax.tree.map(lambda a: a[0], params.stages)
+  # The embedding runs per microbatch inside stage 0 (with one stage
+  # rank, the microbatches run in turn): nothing batch-sized is held.
+  out, grads, *new_state = executor.pipeline_value_and_grad_local(
+      stage, head_loss, one_rank,
+      with_tied(params.head, params.embed, tied), inputs, targets,
+      table=plan.table, axis=plan.axes.stage, key=key,
+      # the global index of this data shard's first microbatch
+      microbatch_offset=(jax.lax.axis_index(plan.axes.data)
+                         * plan.schedule.num_microbatches),
+      has_aux=plan.has_aux, compute_dtype=plan.compute_dtype, embed_fn=embed,
+      embed_params=params.embed, embed_key=embed_key,
+      remat_policy=plan.remat_policy,
+      stage_state=_rank_state(plan, model_state), input_grads=False)
+  grads = untied(PipelineParams(
+      grads.embed,
+      jax.tree.map(lambda g: g[None], _masked(plan, grads.stages)),
+      grads.head), tied)
+  loss, aux = jax.lax.pmean(out if plan.has_aux else (out, None),
+                            plan.axes.data)
+  grads = zero.reduce_gradients(grads, gradient_specs(plan, specs),
+                                axis=plan.axes.data,
+                                summed=plan.zero_stage == 3)
+  return loss, aux, grads, _model_order_state(plan, *new_state)
+
+
+def _rank_state(plan: Plan, model_state: PyTree) -> PyTree:
+  """This rank's ``[v, ...]`` rows of the replicated model-order state."""
+  if model_state is None:
+    return None
+  rank = jax.lax.axis_index(plan.axes.stage)
+  return jax.tree.map(
+      lambda a: executor.stages_to_ranks(a, plan.schedule)[rank], model_state)
+
+
+def _model_order_state(plan: Plan, rank_state: PyTree = None) -> PyTree:
+  """The new state of every rank's stages, model order ``[num_stages,
+  ...]`` (each stage from the rank that holds it: a ``psum`` of disjoint
+  rows), averaged over ``data``: each data shard updates the statistics on
+  its own microbatches."""
+  if rank_state is None:
+    return None
+  rows = jnp.asarray(local_stages(plan.schedule))[
+      jax.lax.axis_index(plan.axes.stage)]
+  full = jax.tree.map(lambda a: jnp.zeros(
+      (plan.schedule.num_stages,) + a.shape[1:], a.dtype).at[rows].set(a),
+                      rank_state)
+  return jax.lax.pmean(jax.lax.psum(full, plan.axes.stage), plan.axes.data)
+
+
+def gradient_program(plan: Plan, specs: Specs, state_specs: TrainState,
+                     tied: tuple):
+  """``_local_grads`` in its ``shard_map``: ``(params, inputs, targets,
+  key, model_state) -> (loss, aux, gradients, model_state)`` of global
+  arrays."""
+  manual, axes = plan.manual, plan.axes
+  grad_specs = gradient_specs(plan, specs)
+  gradients = jax.shard_map(
+      functools.partial(_local_grads, plan, specs, tied),
+      mesh=None if manual else plan.mesh,   # None: auto_axes' mesh, below
+      in_specs=(manual_specs(state_specs.params, manual), P(axes.data),
+                P(axes.data), P(), P()),
+      out_specs=(P(), P(), manual_specs(grad_specs, manual), P()),
+      axis_names=manual)
+  if manual:   # 'tensor' Auto inside: XLA partitions the model as written
+    gradients = jax.sharding.auto_axes(
+        gradients, axes=axes.tensor,
+        out_sharding=(P(), P(), grad_specs, P()))
+  return gradients

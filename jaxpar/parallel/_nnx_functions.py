@@ -1,0 +1,193 @@
+"""The three pipeline functions of a cut NNX model: ``embed_fn``,
+``stage_fn``, ``head_loss_fn``, and ``tied`` (the ``embed`` params the head
+reads too).
+
+``embed`` and ``head_loss`` run on a copy of the whole model with their
+part's params (the others zero; ``_check_reads`` refuses a function that
+reads them, tied embed params aside); a stage runs its blocks, the user's
+own module, in one ``lax.scan``, threading their ``nnx.BatchStat`` s.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpar.parallel._nnx_cut import Cut, path_name
+from jaxpar.parallel._params import PipelineParams
+from jaxpar.parallel._params import flat as _flat
+from jaxpar.parallel._params import nest as _nest
+from jaxpar.pipeline import executor
+
+PyTree = Any
+Path = tuple[Any, ...]
+
+
+def _reseeded(module: nnx.Module, key: jax.Array | None) -> nnx.Module:
+  """``module`` with each of its RNG streams reseeded from ``key``."""
+  if key is not None:
+    tags = {s.tag for _, s in nnx.iter_graph(module)
+            if isinstance(s, nnx.RngStream)}
+    nnx.reseed(module, **{t: key for t in tags})
+  return module
+
+
+def _whole_model(cut: Cut, values: dict[Path, Any]) -> nnx.Module:
+  """The model with ``values`` for its params; zeros for the others."""
+  def one(p, v):
+    if p in values:
+      return v.replace(values[p])
+    if p in cut.params:
+      return v.replace(jnp.zeros(np.shape(v.get_value()),
+                                 v.get_value().dtype))
+    return v.replace(v.get_value())
+  return nnx.merge(cut.graphdef, nnx.from_flat_state(
+      [(p, one(p, v)) for p, v in cut.template.items()]))
+
+
+def _aval(a: Any) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(np.shape(a), a.dtype)
+
+
+def _reads(cut: Cut, fn: Callable[..., Any], values: dict[Path, Any],
+           args: tuple) -> list[Path]:
+  """The params outside ``values`` that ``fn``'s result depends on (traced
+  on shapes, once per signature)."""
+  own = sorted(values, key=path_name)
+  others = sorted(cut.params - set(own), key=path_name)
+  avals = ([_aval(values[p]) for p in own],
+           [_aval(cut.template[p].get_value()) for p in others],
+           jax.tree.map(_aval, args))
+  signature = (fn, str(avals))
+  if signature not in cut.reads:
+    jaxpr = jax.make_jaxpr(lambda o, t, a: fn(_whole_model(
+        cut, {**dict(zip(own, o)), **dict(zip(others, t))}), *a))(
+            *avals).jaxpr
+    used = {v for k in executor.jaxpr_needed(jaxpr, jaxpr.outvars)
+            for v in jaxpr.eqns[k].invars if executor.is_jaxpr_var(v)}
+    used |= {v for v in jaxpr.outvars if executor.is_jaxpr_var(v)}
+    cut.reads[signature] = [p for p, v in zip(
+        others, jaxpr.invars[len(own):len(own) + len(others)]) if v in used]
+  return cut.reads[signature]
+
+
+def _check_reads(cut: Cut, fn: Callable[..., Any], name: str,
+                 values: dict[Path, Any], args: tuple) -> None:
+  """Raises if ``fn``'s result depends on params outside ``values``."""
+  read = [path_name(p) for p in _reads(cut, fn, values, args)]
+  if not read:
+    return
+  if name == 'embed':
+    fix = (f'A param that both embed and head_loss read lives in embed: '
+           f'pass head=[...] to from_nnx without {read[:4]} (head_loss may '
+           'read embed params: tied weights are one param).')
+  else:
+    fix = ('head_loss may read the embed params (tied weights; the trainer '
+           'gives it those it reads), never block params: pass head=[...] '
+           'to from_nnx naming the non-block params head_loss uses.')
+  raise ValueError(
+      f'{name} reads {read[:4]}, but from_nnx gave {name} only '
+      f'{sorted(map(path_name, values))[:8]}: block params run in the '
+      f'pipeline stages (blocks={cut.blocks!r}) and the others are split '
+      f'between embed and head_loss (default: attributes defined after '
+      f'the blocks go to head_loss). {fix}')
+
+
+def tied(cut: Cut, embed: Callable[..., Any],
+         head_loss: Callable[..., Any], params: PipelineParams,
+         inputs: Any, targets: Any) -> tuple[Path, ...]:
+  """``PipelineModel.tied``: the embed params ``head_loss`` reads."""
+  x = jax.eval_shape(functools.partial(embed_fn, cut, embed),
+                     jax.tree.map(_aval, params.embed), _args(inputs))
+  values = _flat(params.head)
+  read = _reads(cut, head_loss, values, (x, _args(targets)))
+  tied = tuple(p for p in read if p in cut.embed_paths)
+  _check_reads(cut, head_loss, 'head_loss',
+               {**values, **{p: cut.template[p].get_value() for p in tied}},
+               (x, _args(targets)))
+  return tied
+
+
+def _args(tree: Any) -> Any:
+  """Arrays (or shapes) as shapes."""
+  return jax.tree.map(_aval, tree)
+
+
+def _part_fn(cut: Cut, fn: Callable[..., Any], name: str, own: PyTree,
+             args: tuple, key: jax.Array | None) -> Any:
+  """``fn`` of the whole model with ``own`` params (the others zero)."""
+  values = _flat(own)
+  _check_reads(cut, fn, name, values, args)
+  return fn(_reseeded(_whole_model(cut, values), key), *args)
+
+
+def embed_fn(cut: Cut, embed: Callable[..., jax.Array], embed_params: PyTree,
+             inputs: Any, key: jax.Array | None = None) -> jax.Array:
+  return _part_fn(cut, embed, 'embed', embed_params, (inputs,), key)
+
+
+def head_loss_fn(cut: Cut, head_loss: Callable[..., Any],
+                 head_params: PyTree, y: jax.Array, targets: Any,
+                 key: jax.Array | None = None) -> Any:
+  return _part_fn(cut, head_loss, 'head_loss', head_params, (y, targets), key)
+
+
+def _block(cut: Cut, slot_params: PyTree, x: jax.Array,
+           key: jax.Array | None, slot_state: PyTree) -> tuple[Any, PyTree]:
+  """One block, the user's module, on ``slot_params`` (and its
+  ``nnx.BatchStat`` s ``slot_state``): ``(y, new slot_state)``."""
+  values, stats = _flat(slot_params), _flat(slot_state)
+  module = nnx.merge(cut.layers.graphdef, nnx.from_flat_state(
+      [(p, cut.block_template[p].replace(values[p])) for p in values]
+      + [(p, cut.layers.stats[p].replace(stats[p])) for p in stats]
+      + [(p, v.replace(v.get_value())) for p, v in cut.layers.other]))
+  y = _reseeded(module, key)(x)
+  return y, _nest({p: v.get_value() for p, v in nnx.to_flat_state(
+      nnx.state(module, nnx.BatchStat))})
+
+
+def _slot(cut: Cut, key: jax.Array | None, x: jax.Array,
+          slot: tuple[PyTree, jax.Array, PyTree]) -> tuple[Any, PyTree]:
+  """The stage scan's body: slot ``j``'s block on ``x``."""
+  slot_params, j, slot_state = slot
+  y, new_state = _block(cut, slot_params, x,
+                        None if key is None else jax.random.fold_in(key, j),
+                        slot_state)
+  if not cut.split.mask.all():   # identity slots (all-zero params) pass x
+    real = functools.reduce(jnp.logical_or, [
+        jnp.any(a != 0) for a in jax.tree.leaves(slot_params)])
+    y = jnp.where(real, y, x)
+    new_state = jax.tree.map(lambda n, o: jnp.where(real, n, o), new_state,
+                             slot_state)
+  return y, new_state
+
+
+def stage_fn(cut: Cut, stage_params: PyTree, x: jax.Array,
+             *key_state: Any) -> Any:
+  """A stage: its ``slots`` blocks in one ``lax.scan``;
+  ``stage_fn(params, x, [key])`` or, with ``nnx.BatchStat`` s,
+  ``stage_fn(params, x, [key,] state) -> (y, new_state)`` (``state``
+  ``[slots, ...]``, the executor's ``stage_state`` convention)."""
+  if cut.stats and len(key_state) not in (1, 2):
+    raise ValueError(
+        f'the blocks have nnx.BatchStat s '
+        f'({sorted(map(path_name, cut.layers.stats))[:4]}): their stage '
+        'function takes the statistics last and returns (y, new '
+        'statistics); start the trainer with them: trainer.init('
+        'pm.params, pm.model_state).')
+  stateful = bool(cut.stats)
+  key = key_state[0] if len(key_state) > stateful else None
+  state = key_state[-1] if stateful else {}
+  # The carry keeps its check_vma type: make x vary as the blocks' output
+  # will (over the params', the state's and the key's axes).
+  x = executor.vary(x, executor.varying_axes((stage_params, key, state)))
+  y, new_state = jax.lax.scan(
+      functools.partial(_slot, cut, key), x,
+      (stage_params, jnp.arange(cut.split.slots), state))
+  return (y, new_state) if stateful else y
