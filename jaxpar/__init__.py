@@ -5,7 +5,8 @@ The root holds what every part shares -- the mesh (``make_mesh``,
 ``vma.lift`` and the HLO counters -- and one subpackage per capability:
 ``data_parallel`` (with ZeRO), ``tensor_parallel``, ``pipeline`` (schedules
 and executor), ``parallel`` (the 3D trainer and ``from_nnx``),
-``checkpoint``, ``models``, ``async_ps``, ``distributed`` and ``cli``.
+``checkpoint``, ``models``, ``planner`` (``plan``: the layout for a model
+on N devices), ``async_ps``, ``distributed`` and ``cli``.
 
 Example:
   >>> import jaxpar
@@ -21,11 +22,13 @@ from jaxpar import hlo as hlo
 from jaxpar import models as models
 from jaxpar import parallel as parallel
 from jaxpar import pipeline as pipeline
+from jaxpar import planner as planner
 from jaxpar import tensor_parallel as tensor_parallel
 from jaxpar import vma as vma
 from jaxpar.async_ps import AsyncParameterServer as AsyncParameterServer
 from jaxpar.mesh import make_mesh as make_mesh
 from jaxpar.mesh import simulate_cpu_devices as simulate_cpu_devices
+from jaxpar.planner import plan as plan
 from jaxpar.train_state import SkipCount as SkipCount
 from jaxpar.train_state import StepStats as StepStats
 from jaxpar.train_state import TooManySkippedError as TooManySkippedError
@@ -39,5 +42,6 @@ __all__ = [
     'AsyncParameterServer', 'SkipCount', 'StepStats', 'TooManySkippedError',
     'TrainState', 'Trainer', 'async_ps', 'checkpoint', 'count_skipped',
     'data_parallel', 'distributed', 'hlo', 'make_mesh', 'models', 'parallel',
-    'pipeline', 'simulate_cpu_devices', 'tensor_parallel', 'vma',
+    'pipeline', 'plan', 'planner', 'simulate_cpu_devices', 'tensor_parallel',
+    'vma',
 ]

@@ -1,6 +1,6 @@
-"""Command line: ``python -m jaxpar demo|bench|launch ...``.
+"""Command line: ``python -m jaxpar demo|bench|plan|launch ...``.
 
-``demo`` and ``bench`` own their options (``python -m jaxpar demo --help``);
+``demo``, ``bench`` and ``plan`` own their options (``python -m jaxpar demo --help``);
 this parser only picks the command and hands them the rest of the line.
 """
 
@@ -11,6 +11,7 @@ import sys
 
 from jaxpar import distributed
 from jaxpar.cli import bench, demo
+from jaxpar.cli import plan as plan_command
 
 
 def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -41,6 +42,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                       'simulated CPU devices (the main job)')
   commands.add_parser('bench', add_help=False, help='run the benchmarks: '
                       'python -m jaxpar bench [--quick] [--json PATH]')
+  commands.add_parser('plan', add_help=False, help='rank the layouts of a '
+                      'GPT on N devices: python -m jaxpar plan --devices 8 '
+                      '--memory 2GiB [--json PATH] [--measure N]')
   launch = commands.add_parser(
       'launch', prog='python -m jaxpar launch',
       help='start N local processes (gloo on CPU): python -m jaxpar launch '
@@ -71,5 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     return demo.main(rest)
   if command == 'bench':
     return bench.main(rest)
+  if command == 'plan':
+    return plan_command.main(rest)
   args = parser.parse_args(argv)   # launch, --help, or an error (exit 2)
   return _launch(args, launch)

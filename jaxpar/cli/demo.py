@@ -108,6 +108,9 @@ def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument('--memory-limit', type=float, metavar='X',
                  help='--schedule auto: the fastest schedule holding at most '
                  'X stages of activations per rank (1F1B needs stage=S)')
+  p.add_argument('--plan', action='store_true',
+                 help="train on jaxpar.plan's best layout for the devices "
+                 '(sets --mesh, --schedule, --microbatches, --zero)')
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -441,8 +444,31 @@ def _join_job(args) -> None:
                                 local_device_count=local_devices)
 
 
+def _config(args, text: data.TextData | None) -> gpt.GPTConfig:
+  return gpt.GPTConfig(
+      vocab_size=32 if text is None else data.VOCAB_SIZE, seq_len=args.seq_len,
+      d_model=args.d_model, num_heads=args.heads, num_layers=args.layers,
+      dropout=args.dropout)
+
+
+def _use_plan(args, config: gpt.GPTConfig) -> None:
+  """``--plan``: the mesh, schedule, microbatches and ZeRO stage of
+  ``jaxpar.plan``'s best layout (the demo's remat policy) on the devices."""
+  plan = jaxpar.plan(config, optax.adam(args.lr), batch=args.batch,
+                     devices=jax.devices(), remat_policies=('dots',))
+  best = plan.best.layout
+  if jaxpar.distributed.is_main_process():
+    print(plan.table(5))
+  args.mesh = {'data': best.data, 'stage': best.stage, 'tensor': best.tensor}
+  args.schedule, args.microbatches = best.schedule_name, best.num_microbatches
+  args.virtual_stages, args.zero = best.virtual_stages, best.zero_stage
+
+
 def _set_up(args, text: data.TextData | None, parser) -> _Setup:
   """The mesh, schedule, GPT and trainer the flags ask for."""
+  config = _config(args, text)
+  if args.plan:
+    _use_plan(args, config)
   n = math.prod(args.mesh.values())
   if n > jax.device_count():
     sizes = ','.join(f'{k}={v}' for k, v in args.mesh.items())
@@ -450,10 +476,6 @@ def _set_up(args, text: data.TextData | None, parser) -> _Setup:
                  f'{jax.device_count()} exist; use a smaller mesh or --devices')
   mesh = jaxpar.make_mesh(**args.mesh, devices=jax.devices()[:n])
   schedule = make_schedule(args)
-  config = gpt.GPTConfig(
-      vocab_size=32 if text is None else data.VOCAB_SIZE, seq_len=args.seq_len,
-      d_model=args.d_model, num_heads=args.heads, num_layers=args.layers,
-      dropout=args.dropout)
   params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(args.seed)))
   pipeline_params, split = gpt.split_for_pipeline(
       params, num_stages=schedule.num_stages)

@@ -1,0 +1,186 @@
+"""A ``Profile`` of the devices at hand, from a micro-benchmark of a few seconds.
+
+* **blocks**: one GPT block's ``F``, ``I`` and ``W`` as the pipeline
+  executor runs them (``pipeline.StageVJP``; ``spec``'s width, heads,
+  sequence) on one device at two microbatch sizes: FLOP/s from the
+  difference, the block overhead from the intercept;
+* **links**: ``psum``, ``all_gather``, ``psum_scatter`` and ``ppermute``
+  over all devices in a ``shard_map`` at two buffer sizes; alpha and beta
+  fitted by least squares to the ring formulas of ``Profile.collective``;
+* **memory bandwidth**: an elementwise pass over a large buffer.
+
+Example:
+  >>> import jax
+  >>> from jaxpar.models import gpt
+  >>> from jaxpar.planner import ModelSpec, measure_profile
+  >>> spec = ModelSpec.from_gpt(gpt.GPTConfig(d_model=16, num_heads=2,
+  ...                                         seq_len=8, num_layers=2))
+  >>> profile = measure_profile(spec, jax.devices()[:1], repeats=1)
+  >>> profile.flops > 0 and profile.block_overhead >= 0   # one device: no links
+  True
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import tensor_parallel
+from jaxpar.models import gpt
+from jaxpar.pipeline import StageVJP
+from jaxpar.planner._model import ModelSpec
+from jaxpar.planner._profile import Profile
+
+_SIZES = (2**12, 2**20)   # bytes of the collective buffers timed
+
+
+def _seconds(fn: Callable, *args, repeats: int) -> float:
+  """Fastest wall seconds of ``fn(*args)`` after one warm-up call (the
+  minimum: on a shared machine other work only ever adds time)."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+def _stage_blocks(spec: ModelSpec, device) -> tuple[Callable, Any]:
+  """``(run, params)``: ``run(params, x)`` runs one GPT block's ``F``, ``I``
+  and ``W`` as the pipeline executor does (``pipeline.StageVJP``) on
+  ``device``, ``spec``'s width, heads and sequence."""
+  config = gpt.GPTConfig(d_model=spec.d_model, num_heads=spec.num_heads,
+                         seq_len=spec.seq_len, num_layers=1, vocab_size=8)
+  shapes = gpt.gpt_params(nnx.eval_shape(
+      lambda: gpt.GPT(config, rngs=nnx.Rngs(0))))
+  params = jax.tree.map(lambda s: np.full(s.shape, 0.01, s.dtype), shapes)
+  stages = gpt.split_for_pipeline(params, num_stages=1)[0].stages
+  stage = jax.tree.map(lambda a: jax.device_put(a[0], device), stages)
+  mesh = jax.sharding.Mesh(np.asarray([device]), ('tensor',))
+
+  def blocks(w, x):
+    vjp = StageVJP(gpt.stage_fn)
+    vjp.trace(w, x)
+    y, stash = vjp.forward(w, x)
+    vjp.split(w, stash, y)
+    dx, kept = vjp.input_grad(w, stash, y)
+    return dx, vjp.weight_grad(w, stash, y, kept)
+
+  specs = tensor_parallel.param_specs(stage, rules=gpt.TENSOR_RULES)
+  run = jax.jit(jax.shard_map(blocks, mesh=mesh, in_specs=(specs, P()),
+                              out_specs=(P(), specs)))
+  return run, stage
+
+
+def _block_rate(spec: ModelSpec, device, repeats: int) -> tuple[float, float]:
+  """``(FLOP/s, seconds of overhead per block)`` of one block's F+I+W."""
+  run, stage = _stage_blocks(spec, device)
+  points = []
+  for rows in (1, 8):
+    x = jax.device_put(np.ones((rows, spec.seq_len, spec.d_model),
+                               np.float32), device)
+    flops = 3 * spec.flops.per_device(1) * rows * spec.seq_len
+    points.append((flops, _seconds(run, stage, x, repeats=repeats)))
+  (f1, s1), (f2, s2) = points
+  rate = (f2 - f1) / max(s2 - s1, 1e-9)
+  overhead = max(s1 - f1 / rate, 0.0) / 3   # per block: F, I, W
+  return rate, overhead
+
+
+def _collective_fns(mesh) -> dict[str, Callable]:
+  """The four kinds, as jitted functions of a ``[n, k]`` float32 buffer."""
+  n = mesh.devices.size
+  spec = P('x')
+  # Timing only: the gathered value is the same on every device.
+  wrap = lambda body, out=spec: jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=spec, out_specs=out, check_vma=False))
+  return {
+      'all-reduce': wrap(lambda x: jax.lax.psum(x, 'x')),
+      'all-gather': wrap(lambda x: jax.lax.all_gather(x, 'x', tiled=True),
+                         P()),
+      'reduce-scatter': wrap(lambda x: jax.lax.psum_scatter(
+          x, 'x', scatter_dimension=1, tiled=True)),
+      'ppermute': wrap(lambda x: jax.lax.ppermute(
+          x, 'x', [(i, (i + 1) % n) for i in range(n)])),
+  }
+
+
+def _links(devices: Sequence, repeats: int) -> tuple[float, float]:
+  """``(alpha seconds, beta bytes/s)`` fitted over the kinds and sizes."""
+  n = len(devices)
+  mesh = jax.sharding.Mesh(np.asarray(devices), ('x',))
+  rows, times = [], []
+  probe = Profile('probe', 1.0, 1.0, 1.0, link_bandwidth=1.0, link_latency=1.0)
+  for kind, fn in _collective_fns(mesh).items():
+    for nbytes in _SIZES:
+      host = np.zeros((n, nbytes // 4), np.float32)
+      x = jax.make_array_from_callback(
+          host.shape, NamedSharding(mesh, P('x')), lambda i, h=host: h[i])
+      # The kind's cost is a * alpha + b * nbytes / beta: read a and b off
+      # the formula with unit alpha and a huge/unit beta.
+      a = probe._replace(link_bandwidth=1e30).collective(kind, nbytes, n)
+      b = probe._replace(link_latency=0.0).collective(kind, nbytes, n)
+      rows.append((a, b))
+      times.append(_seconds(fn, x, repeats=repeats))
+  (alpha, per_byte), *_ = np.linalg.lstsq(np.asarray(rows),
+                                          np.asarray(times), rcond=None)
+  return max(float(alpha), 1e-7), 1.0 / max(float(per_byte), 1e-13)
+
+
+def _hbm_bandwidth(device, repeats: int) -> float:
+  x = jax.device_put(np.ones(2**22, np.float32), device)   # 16 MiB
+  seconds = _seconds(jax.jit(lambda a: a * 2.0 + 1.0), x, repeats=repeats)
+  return 2 * x.nbytes / seconds
+
+
+def _memory_bytes(device) -> float:
+  stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+  if stats and stats.get('bytes_limit'):
+    return float(stats['bytes_limit'])
+  import os
+  total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  return float(total) / max(jax.local_device_count(), 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
+  mine = [d for d in devices if d.process_index == jax.process_index()]
+  device = (mine or jax.local_devices())[0]   # this process's first
+  rate, overhead = _block_rate(spec, device, repeats)
+  alpha, beta = _links(devices, repeats) if len(devices) > 1 else (0.0, 1e30)
+  hbm = _hbm_bandwidth(device, repeats)
+  if jax.process_count() > 1:   # one profile, one ranking in every process
+    rate, overhead, alpha, beta, hbm = (float(x) for x in (
+        multihost_utils.broadcast_one_to_all(
+            np.asarray([rate, overhead, alpha, beta, hbm]))))
+  return Profile(
+      f'measured ({device.platform} x{len(devices)})', flops=rate,
+      memory_bytes=_memory_bytes(device),
+      hbm_bandwidth=hbm, link_bandwidth=beta,
+      link_latency=alpha, node_devices=len(devices), block_overhead=overhead,
+      source=f'micro-benchmark on {len(devices)} {device.platform} devices: '
+      "one GPT block's F, I, W at 1 and 8 sequences; psum, all_gather, "
+      'psum_scatter, ppermute at '
+      f'{_SIZES[0]} and {_SIZES[1]} bytes; an elementwise pass of 16 MiB')
+
+
+def measure_profile(spec: ModelSpec, devices: Sequence, *,
+                    repeats: int = 5) -> Profile:
+  """The ``Profile`` of ``devices`` for ``spec``'s blocks (module doc).
+
+  Memoised per ``(spec, devices, repeats)``; every process of a
+  multi-process job must call it (the collectives span them), and all get
+  process 0's numbers, so that they rank the layouts alike.
+  """
+  return _measured(spec, tuple(devices), repeats)

@@ -1,0 +1,153 @@
+"""A layout -- mesh sizes, schedule, microbatches, ZeRO, remat -- and the set of them.
+
+``Layout`` is one way to train a model on ``data x stage x tensor`` devices;
+``layouts`` lists every one a model and a batch allow: factorisations of
+the devices (``tensor`` dividing the heads, MLP width and vocabulary;
+logical stages no more than layers), every schedule constructor of
+``jaxpar.pipeline`` (GPipe, 1F1B, interleaved 1F1B with ``v`` chunks,
+ZB-H1, ZB-V, V-Half, V-Min, DualPipeV), microbatch counts dividing each
+replica's batch, ZeRO 0/1/3 and the remat policies.
+
+Example:
+  >>> from jaxpar.planner import Layout
+  >>> layout = Layout(2, 2, 2, 'zero_bubble_v', 4, zero_stage=1)
+  >>> layout.schedule().name, layout.num_stages, layout.devices
+  ('ZB-V', 4, 8)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+from jaxpar import pipeline
+from jaxpar.planner._model import ModelSpec
+
+# Constructor -> logical stages per rank (None: ``virtual_stages``).
+SCHEDULES = {'gpipe': 1, 'one_f_one_b': 1, 'zero_bubble_h1': 1,
+             'interleaved_one_f_one_b': None, 'zero_bubble_v': 2,
+             'dualpipe_v': 2, 'v_half': 2, 'v_min': 2}
+REMAT_POLICIES = ('dots', 'nothing', 'everything')
+ZERO_STAGES = (0, 1, 3)
+
+
+class Layout(NamedTuple):
+  """One layout of a training step.
+
+  Attributes:
+    data, stage, tensor: the mesh sizes (``jaxpar.make_mesh``).
+    schedule_name: a ``jaxpar.pipeline`` constructor name
+      (``'one_f_one_b'``, ``'zero_bubble_v'``, ...).
+    num_microbatches: microbatches per replica and step.
+    zero_stage: 0, 1 or 3 (``parallel.trainer``'s ``zero_stage``).
+    remat_policy: what stage forwards stash (``parallel.trainer``'s).
+    virtual_stages: chunks per rank of interleaved 1F1B (else 1).
+  """
+  data: int
+  stage: int
+  tensor: int
+  schedule_name: str
+  num_microbatches: int
+  zero_stage: int = 0
+  remat_policy: str = 'dots'
+  virtual_stages: int = 1
+
+  @property
+  def devices(self) -> int:
+    """``data * stage * tensor``."""
+    return self.data * self.stage * self.tensor
+
+  @property
+  def stages_per_rank(self) -> int:
+    """Logical stages each pipeline rank holds."""
+    return SCHEDULES[self.schedule_name] or self.virtual_stages
+
+  @property
+  def num_stages(self) -> int:
+    """Logical pipeline stages: ``stage * stages_per_rank``."""
+    return self.stage * self.stages_per_rank
+
+  def schedule(self) -> pipeline.Schedule:
+    """The ``jaxpar.pipeline`` schedule (memoised)."""
+    return _schedule(self.schedule_name, self.stage, self.num_microbatches,
+                     self.virtual_stages)
+
+  def describe(self) -> str:
+    """``'2x2x2 ZB-V m=4 ZeRO-1 dots'``: one line for tables."""
+    return (f'{self.data}x{self.stage}x{self.tensor} '
+            f'{self.schedule().name} m={self.num_microbatches} '
+            f'ZeRO-{self.zero_stage} {self.remat_policy}')
+
+
+@functools.lru_cache(maxsize=4096)
+def _schedule(name: str, p: int, m: int, v: int) -> pipeline.Schedule:
+  if name == 'interleaved_one_f_one_b':
+    return pipeline.interleaved_one_f_one_b(p, m, v)
+  return getattr(pipeline, name)(p, m)
+
+
+@functools.lru_cache(maxsize=4096)
+def tick_table(layout_schedule: tuple) -> pipeline.TickTable:
+  """The tick table of ``(name, p, m, v)`` (memoised: shared by layouts)."""
+  return pipeline.tick_table(_schedule(*layout_schedule))
+
+
+def schedule_key(layout: Layout) -> tuple:
+  """``(name, p, m, v)``: what fixes a layout's schedule."""
+  return (layout.schedule_name, layout.stage, layout.num_microbatches,
+          layout.virtual_stages)
+
+
+def factorisations(n: int) -> Iterator[tuple[int, int, int]]:
+  """Every ``(data, stage, tensor)`` with product ``n``."""
+  for t in range(1, n + 1):
+    if n % t == 0:
+      for s in range(1, n // t + 1):
+        if (n // t) % s == 0:
+          yield n // t // s, s, t
+
+
+def _schedules(p: int, m: int, num_layers: int,
+               virtual: Sequence[int]) -> Iterator[tuple[str, int]]:
+  """``(constructor, v)`` pairs that fit ``p`` ranks, ``m`` microbatches."""
+  if p == 1:
+    yield 'one_f_one_b', 1
+    return
+  for name, per_rank in SCHEDULES.items():
+    if per_rank is None:
+      for v in virtual:
+        if m % p == 0 and p * v <= num_layers:
+          yield name, v
+    elif p * per_rank <= num_layers:
+      yield name, 1
+
+
+def layouts(spec: ModelSpec, *, devices: int, batch: int,
+            zero_stages: Sequence[int] = ZERO_STAGES,
+            remat_policies: Sequence[str] = REMAT_POLICIES,
+            max_microbatches: int = 64,
+            virtual_stages: Sequence[int] = (2,)) -> list[Layout]:
+  """Every layout of ``spec`` on ``devices`` devices for a ``batch``.
+
+  Example:
+    >>> from jaxpar.models import gpt
+    >>> from jaxpar.planner import ModelSpec, layouts
+    >>> spec = ModelSpec.from_gpt(gpt.GPTConfig(num_layers=2))
+    >>> found = layouts(spec, devices=2, batch=4, zero_stages=(0,),
+    ...                 remat_policies=('dots',))
+    >>> sorted({(x.data, x.stage, x.tensor) for x in found})
+    [(1, 1, 2), (1, 2, 1), (2, 1, 1)]
+  """
+  found = []
+  for d, s, t in factorisations(devices):
+    if t not in spec.tensor_sizes(t) or s > spec.num_layers or batch % d:
+      continue
+    for m in range(1, min(batch // d, max_microbatches) + 1):
+      if (batch // d) % m:
+        continue
+      for name, v in _schedules(s, m, spec.num_layers, virtual_stages):
+        for zero in (zero_stages if d > 1 else (0,)):
+          found += [Layout(d, s, t, name, m, zero, r, v)
+                    for r in remat_policies]
+  return found

@@ -1,0 +1,107 @@
+"""What a machine does per second: ``Profile``, the built-in ones, and the
+alpha-beta cost of a collective.
+
+A ``Profile`` is a device and its links as numbers: FLOP/s its blocks
+reach, its memory, its memory bandwidth, and the latency (alpha) and
+bandwidth (beta) of its links -- within a node and, for axes that span
+nodes, between them. The built-in GPU profiles take their numbers from the
+vendors' datasheets (``source``); ``measure_profile`` (``_calibrate``)
+builds one for the devices at hand from a short micro-benchmark.
+
+A collective over ``n`` devices of a ``b``-byte buffer costs (ring
+algorithms; Thakur et al., 2005)::
+
+  all-reduce               2 (n-1) alpha + 2 (n-1)/n b / beta
+  all-gather, reduce-scatter (n-1) alpha +   (n-1)/n b / beta   (b: whole)
+  ppermute (one message)       alpha +           b / beta
+
+Example:
+  >>> from jaxpar.planner import PROFILES
+  >>> h100 = PROFILES['H100-SXM']
+  >>> h100.memory_bytes / 2**30
+  80.0
+  >>> round(1e6 * h100.collective('all-reduce', 2**30, 8))   # 1 GiB, 8 GPUs
+  4218
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'ppermute')
+
+
+class Profile(NamedTuple):
+  """A device and its links.
+
+  Attributes:
+    name: for tables.
+    flops: FLOP/s one device's training blocks reach (peak x efficiency).
+    memory_bytes: memory of one device.
+    hbm_bandwidth: bytes/s of device memory (the optimizer update's bound).
+    link_bandwidth: bytes/s one device sends within a node (beta).
+    link_latency: seconds per message hop within a node (alpha).
+    node_devices: devices per node; an axis group wider than this (the
+      mesh is ``('data', 'stage', 'tensor')``, tensor innermost) uses
+      ``inter_bandwidth`` / ``inter_latency``.
+    inter_bandwidth, inter_latency: the same between nodes.
+    block_overhead: seconds a pipeline block costs besides its FLOPs
+      (dispatch, kernel launches).
+    source: where the numbers come from.
+  """
+  name: str
+  flops: float
+  memory_bytes: float
+  hbm_bandwidth: float
+  link_bandwidth: float
+  link_latency: float
+  node_devices: int = 8
+  inter_bandwidth: float | None = None
+  inter_latency: float | None = None
+  block_overhead: float = 0.0
+  source: str = ''
+
+  def collective(self, kind: str, nbytes: float, n: int, *,
+                 span: int | None = None) -> float:
+    """Seconds of one ``kind`` collective of ``nbytes`` over ``n`` devices.
+
+    ``span``: how many consecutive devices the group covers (``n`` times
+    its stride in the mesh); beyond ``node_devices`` the inter-node link.
+    """
+    if n <= 1:
+      return 0.0
+    inter = (span or n) > self.node_devices and self.inter_bandwidth
+    beta = self.inter_bandwidth if inter else self.link_bandwidth
+    alpha = (self.inter_latency or self.link_latency) if inter else (
+        self.link_latency)
+    if kind == 'all-reduce':
+      return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
+    if kind in ('all-gather', 'reduce-scatter'):
+      return (n - 1) * alpha + (n - 1) / n * nbytes / beta
+    if kind == 'ppermute':
+      return alpha + nbytes / beta
+    raise ValueError(f'kind={kind!r} is not one of {KINDS}.')
+
+
+# Dense BF16 tensor-core peak x 0.4 (the model FLOPs utilisation that
+# Megatron-LM and torchtitan report for 8B-70B training on H100s is 38-45%).
+_MFU = 0.4
+PROFILES = {
+    'H100-SXM': Profile(
+        'H100-SXM', flops=989e12 * _MFU, memory_bytes=80 * 2**30,
+        hbm_bandwidth=3.35e12, link_bandwidth=450e9, link_latency=3e-6,
+        node_devices=8, inter_bandwidth=50e9, inter_latency=10e-6,
+        block_overhead=20e-6,
+        source='NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16, 80 GB '
+        'HBM3 at 3.35 TB/s, NVLink 4 900 GB/s (450 GB/s each way); one 400 '
+        'Gb/s NDR InfiniBand NIC per GPU between nodes (50 GB/s); blocks at '
+        '40% of peak'),
+    'A100-SXM-80GB': Profile(
+        'A100-SXM-80GB', flops=312e12 * _MFU, memory_bytes=80 * 2**30,
+        hbm_bandwidth=2.0e12, link_bandwidth=300e9, link_latency=3e-6,
+        node_devices=8, inter_bandwidth=25e9, inter_latency=10e-6,
+        block_overhead=20e-6,
+        source='NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s dense BF16, '
+        '2.0 TB/s HBM2e, NVLink 3 600 GB/s (300 each way); one 200 Gb/s HDR '
+        'InfiniBand NIC per GPU (25 GB/s); blocks at 40% of peak'),
+}

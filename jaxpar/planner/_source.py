@@ -1,0 +1,129 @@
+"""The model a plan trains: its ``ModelSpec``, params and functions per layout.
+
+``Source`` wraps what ``plan`` was given -- jaxpar's ``GPT`` (or its
+``GPTConfig``), a Flax NNX model to cut with ``parallel.from_nnx``, or a
+bare ``ModelSpec`` (a plan on paper: no trainer) -- and builds, for any
+number of logical stages, the params and the three functions
+``parallel.trainer`` takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxpar import parallel
+from jaxpar.mesh import make_mesh
+from jaxpar.models import gpt
+from jaxpar.planner._layout import Layout
+from jaxpar.planner._model import ModelSpec, Split
+
+
+class Source(NamedTuple):
+  """A model as ``plan`` keeps it.
+
+  Attributes:
+    spec: what the planner reads.
+    model: the user's model (``GPT``, NNX module) or ``None`` on paper.
+    pipeline: ``pipeline(num_stages) -> (PipelineParams, functions,
+      stage_mask, tensor_rules)`` or ``None`` on paper.
+  """
+  spec: ModelSpec
+  model: Any
+  pipeline: Callable[[int], tuple] | None
+
+
+def _gpt_pipeline(model: gpt.GPT | gpt.GPTConfig) -> Callable[[int], tuple]:
+  """From a ``GPTConfig`` the model (seed 0) is built on first use."""
+  built = [model]
+
+  def pipeline(num_stages: int) -> tuple:
+    if isinstance(built[0], gpt.GPTConfig):
+      built[0] = gpt.GPT(built[0], rngs=nnx.Rngs(0))
+    pp, split = gpt.split_for_pipeline(gpt.gpt_params(built[0]),
+                                       num_stages=num_stages)
+    return pp, gpt.functions(built[0].config), split.mask, gpt.TENSOR_RULES
+  return pipeline
+
+
+def _nnx_pipeline(model: nnx.Module, blocks: str, embed: Callable,
+                  head_loss: Callable) -> Callable[[int], tuple]:
+  def pipeline(num_stages: int) -> tuple:
+    pm = parallel.from_nnx(model, blocks=blocks, num_stages=num_stages,
+                           embed=embed, head_loss=head_loss)
+    return pm.params, pm, pm.stage_mask, None
+  return pipeline
+
+
+def _elements(tree: Any) -> int:
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+def _nnx_spec(model: nnx.Module, blocks: str, embed: Callable,
+              head_loss: Callable, inputs: Any) -> ModelSpec:
+  """A ``ModelSpec`` of an NNX model read from its params and one
+  microbatch: widths from the embedding's output, params per part (no
+  tensor split), a GPT-like stash per token of its width."""
+  pm = parallel.from_nnx(model, blocks=blocks, num_stages=1, embed=embed,
+                         head_loss=head_loss)
+  layers = int(pm.stage_mask.sum())
+  x = jax.eval_shape(lambda p, i: pm.functions[0](p, i), pm.params.embed,
+                     inputs[:1])
+  seq, d = int(np.prod(x.shape[1:-1])), int(x.shape[-1])
+  per_layer = _elements(pm.params.stages) / layers
+  as_gpt = ModelSpec.from_gpt(gpt.GPTConfig(d_model=d, num_heads=1,
+                                            seq_len=seq, num_layers=layers))
+  return as_gpt._replace(
+      name=type(model).__name__, layer=Split(0, per_layer),
+      embed=Split(0, _elements(pm.params.embed)),
+      head=Split(0, _elements(pm.params.head)),
+      flops=Split(0, 2 * per_layer + 4 * seq * d),
+      head_flops=Split(0, 2 * _elements(pm.params.head)),
+      divisors=(1,), vocab_size=1)
+
+
+def source(model: Any, *, blocks: str, embed: Callable | None,
+           head_loss: Callable | None, inputs: Any) -> Source:
+  """The ``Source`` of what ``plan`` was given (see the module doc).
+
+  Raises:
+    TypeError: a model of another kind, or an NNX model without ``embed``
+      and ``head_loss``.
+  """
+  if isinstance(model, ModelSpec):
+    return Source(model, None, None)
+  if isinstance(model, (gpt.GPT, gpt.GPTConfig)):
+    config = model if isinstance(model, gpt.GPTConfig) else model.config
+    return Source(ModelSpec.from_gpt(config), model, _gpt_pipeline(model))
+  if isinstance(model, nnx.Module):
+    if embed is None or head_loss is None:
+      raise TypeError(
+          f'plan: a {type(model).__name__} is cut with parallel.from_nnx: '
+          'pass blocks=, embed= and head_loss= as from_nnx takes them.')
+    return Source(_nnx_spec(model, blocks, embed, head_loss, inputs), model,
+                  _nnx_pipeline(model, blocks, embed, head_loss))
+  raise TypeError(
+      f'plan: model must be jaxpar.models.gpt.GPT (or its GPTConfig), a '
+      f'flax.nnx.Module (with blocks=, embed=, head_loss=) or a '
+      f'jaxpar.planner.ModelSpec; got {type(model).__name__}.')
+
+
+def build_trainer(src: Source, devices: Sequence, layout: Layout,
+                  optimizer: optax.GradientTransformation, **options: Any):
+  """``parallel.trainer`` of ``layout`` for ``src`` on ``devices``."""
+  _, functions, mask, rules = src.pipeline(layout.num_stages)
+  mesh = make_mesh(data=layout.data, stage=layout.stage,
+                   tensor=layout.tensor,
+                   devices=list(devices)[:layout.devices])
+  common = dict(schedule=layout.schedule(), mesh=mesh,
+                zero_stage=layout.zero_stage,
+                remat_policy=layout.remat_policy, **options)
+  if isinstance(functions, parallel.PipelineModel):
+    return parallel.trainer(functions, optimizer, **common)
+  return parallel.trainer(*functions, optimizer, stage_mask=mask,
+                          tensor_rules=rules, **common)

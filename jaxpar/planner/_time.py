@@ -1,0 +1,126 @@
+"""Predicted seconds of a layout's training step: ``StepTime``, ``step_time``.
+
+The step is its pipeline plus what runs around it, on a ``Profile``:
+
+* **blocks** -- one logical stage's ``F``, ``I`` and ``W`` for one
+  microbatch: FLOPs over the profile's FLOP/s plus its block overhead, the
+  tensor-parallel all-reduces inside (two per block forward, two in ``I``),
+  the forward again in ``I`` under ``remat_policy='nothing'``;
+* **pipeline** -- the executor's lock-step time of the schedule's tick
+  table with those costs (``TickTable.makespan``; equal to
+  ``Schedule.simulate``'s for ``F = I = W``) and one ``ppermute`` of an
+  activation per tick that sends, plus the head on the last rank;
+* **data** -- the gradients' all-reduce over ``data`` (ZeRO-1:
+  reduce-scatter + all-gather; ZeRO-3: per microbatch two all-gathers and a
+  reduce-scatter of the params), the move to the per-layer view over
+  ``stage``;
+* **update** -- the optimizer reading and writing params, gradients and
+  state once each at the memory bandwidth.
+
+Example:
+  >>> from jaxpar.models import gpt
+  >>> from jaxpar.planner import Layout, ModelSpec, PROFILES, step_time
+  >>> spec = ModelSpec.from_gpt(gpt.GPTConfig(d_model=1024, num_layers=8,
+  ...                                         seq_len=1024, num_heads=16))
+  >>> fast = step_time(spec, Layout(4, 2, 1, 'zero_bubble_h1', 8), batch=64,
+  ...                  profile=PROFILES['H100-SXM'])
+  >>> slow = step_time(spec, Layout(4, 2, 1, 'gpipe', 8), batch=64,
+  ...                  profile=PROFILES['H100-SXM'])
+  >>> fast.total < slow.total, round(fast.bubble, 2) < round(slow.bubble, 2)
+  (True, True)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from jaxpar.planner._layout import Layout, schedule_key, tick_table
+from jaxpar.planner._memory import shapes
+from jaxpar.planner._model import ModelSpec
+from jaxpar.planner._profile import Profile
+
+# Forward FLOPs recomputed in the backward, as a share of the forward.
+RECOMPUTE = {'dots': 0.0, 'dots_no_batch': 0.15, 'nothing': 1.0,
+             'everything': 0.0}
+# Bytes the update streams per param element of the view: params read and
+# written, gradient read, two Adam moments read and written.
+UPDATE_PASSES = 7
+
+
+class StepTime(NamedTuple):
+  """Seconds of one step, by part (see the module doc).
+
+  Attributes:
+    pipeline: the schedule's lock-step time, messages and head included.
+    data: data-parallel / ZeRO collectives and the view's move over stage.
+    update: the optimizer update.
+    bubble: idle share of the pipeline's rank-time (0 without a pipeline).
+    blocks: ``{'F': s, 'I': s, 'W': s}`` of one logical stage, one
+      microbatch.
+  """
+  pipeline: float
+  data: float
+  update: float
+  bubble: float
+  blocks: dict
+
+  @property
+  def total(self) -> float:
+    """The step: pipeline + data + update."""
+    return self.pipeline + self.data + self.update
+
+
+def block_costs(spec: ModelSpec, layout: Layout, profile: Profile,
+                tokens: int, n_slots: int) -> dict[str, float]:
+  """Seconds of one logical stage's ``F``, ``I``, ``W`` for one microbatch."""
+  t = layout.tensor
+  flops = n_slots * spec.flops.per_device(t) * tokens / profile.flops
+  act = tokens * spec.d_model * spec.act_bytes
+  tp = n_slots * 2 * profile.collective('all-reduce', act, t, span=t)
+  over = profile.block_overhead
+  recompute = RECOMPUTE[layout.remat_policy] * flops
+  return {'F': flops + tp + over,
+          'I': flops + recompute + tp + over + (tp if recompute else 0.0),
+          'W': flops + over}
+
+
+def _data_time(spec: ModelSpec, layout: Layout, profile: Profile,
+               held_bytes: float) -> float:
+  """Seconds of the gradient and ZeRO collectives and the view's move."""
+  d, s, t = layout.data, layout.stage, layout.tensor
+  span = d * s * t
+  coll = lambda kind, n, b: profile.collective(kind, b, n, span=span)
+  if layout.zero_stage == 0:
+    out = coll('all-reduce', d, held_bytes)
+  elif layout.zero_stage == 1:
+    out = coll('reduce-scatter', d, held_bytes) + coll('all-gather', d,
+                                                      held_bytes)
+  else:
+    out = layout.num_microbatches * (2 * coll('all-gather', d, held_bytes)
+                                     + coll('reduce-scatter', d, held_bytes))
+  if s > 1:   # gradients to the per-layer view and updates back
+    out += 2 * profile.collective('all-gather', held_bytes, s, span=s * t)
+  return out
+
+
+def step_time(spec: ModelSpec, layout: Layout, *, batch: int,
+              profile: Profile) -> StepTime:
+  """Predicted seconds of ``layout``'s step on ``profile`` (module doc)."""
+  shape = shapes(spec, layout, batch)
+  blocks = block_costs(spec, layout, profile, shape.tokens, shape.slots)
+  table = tick_table(schedule_key(layout))
+  act = shape.tokens * spec.d_model * spec.act_bytes
+  comm = profile.collective('ppermute', act, 2,
+                            span=layout.stage * layout.tensor)
+  makespan = table.makespan(blocks, comm if layout.stage > 1 else 0.0)
+  head = (3 * spec.head_flops.per_device(layout.tensor) * shape.tokens
+          / profile.flops + profile.block_overhead)
+  busy = (layout.stages_per_rank * layout.num_microbatches
+          * sum(blocks.values()))
+  bubble = 1.0 - busy / makespan if layout.stage > 1 else 0.0
+  pipeline = makespan + layout.num_microbatches * head
+  held = shape.held * spec.param_bytes
+  data = _data_time(spec, layout, profile, held)
+  view = shape.view / (layout.data if layout.zero_stage else 1)
+  update = UPDATE_PASSES * view * spec.param_bytes / profile.hbm_bandwidth
+  return StepTime(pipeline, data, update, max(bubble, 0.0), blocks)
