@@ -554,10 +554,10 @@ def test_live_state_handed_to_a_schedule_placing_stages_differently(
 
 class _NormBlock(nnx.Module):
 
-  def __init__(self, rngs):
+  def __init__(self, rngs, axis_name=None):
     self.fc = nnx.Linear(8, 8, param_dtype=jnp.float64, rngs=rngs)
     self.bn = nnx.BatchNorm(8, momentum=0.8, param_dtype=jnp.float64,
-                            rngs=rngs)
+                            axis_name=axis_name, rngs=rngs)
     # Flax keeps running statistics in float32; float64 for the 1e-10 check.
     self.bn.mean = nnx.BatchStat(jnp.zeros(8, jnp.float64))
     self.bn.var = nnx.BatchStat(jnp.ones(8, jnp.float64))
@@ -569,9 +569,9 @@ class _NormBlock(nnx.Module):
 class NormNet(nnx.Module):
   """An MLP with BatchNorm in its blocks, as a user writes it."""
 
-  def __init__(self, rngs):
+  def __init__(self, rngs, axis_name=None):
     self.inp = nnx.Linear(4, 8, param_dtype=jnp.float64, rngs=rngs)
-    self.blocks = nnx.List([_NormBlock(rngs) for _ in range(4)])
+    self.blocks = nnx.List([_NormBlock(rngs, axis_name) for _ in range(4)])
     self.out = nnx.Linear(8, 2, param_dtype=jnp.float64, rngs=rngs)
 
   def __call__(self, x):
@@ -668,3 +668,34 @@ def test_batch_norm_statistics_float64(x64, case):
   chex.assert_trees_all_close(
       nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)), want[-1][2],
       rtol=1e-10, atol=1e-12)
+
+
+def test_synced_batch_norm_normalises_the_global_microbatch(x64):
+  """``nnx.BatchNorm(axis_name='data')`` in the blocks (SyncBatchNorm): on
+  data=4 x stage=2 each stage normalises microbatch ``i`` of every data
+  shard together, so the step is the model as written on one device (no
+  sync) run on the global microbatches in turn: loss, params and running
+  statistics."""
+  model = NormNet(nnx.Rngs(0), axis_name='data')
+  schedule = jaxpar.pipeline.one_f_one_b(2, 2)
+  pm = jaxpar.parallel.from_nnx(
+      model, blocks='blocks', num_stages=2, embed=lambda m, x: m.inp(x),
+      head_loss=lambda m, y, t: mse(m.out(y), t))
+  trainer = jaxpar.parallel.trainer(pm, OPTIMIZER, schedule=schedule,
+                                    mesh=mesh(data=4, stage=2))
+  (x, t), _ = norm_batches()
+  state, stats = trainer.step(trainer.init(pm.params, pm.model_state), (x, t))
+  pm.update(model, jax.device_get(trainer.params(state)),
+            jax.device_get(state.model_state))
+
+  one = NormNet(nnx.Rngs(0))                     # one device: nothing to sync
+  optimizer = nnx.Optimizer(one, OPTIMIZER, wrt=nnx.Param)
+  rows = np.arange(16).reshape(4, 2, 2)          # [data, microbatch, row]
+  global_microbatches = [rows[:, i].ravel() for i in range(2)]
+  loss = lambda m: sum(mse(m(x[i]), t[i]) for i in global_microbatches) / 2
+  want, grads = nnx.value_and_grad(loss)(one)
+  optimizer.update(one, grads)
+  np.testing.assert_allclose(stats.loss, want, rtol=1e-10)
+  of = lambda m: nnx.to_pure_dict(nnx.state(m, nnx.Any(nnx.Param,
+                                                       nnx.BatchStat)))
+  chex.assert_trees_all_close(of(model), of(one), rtol=1e-10, atol=1e-12)
