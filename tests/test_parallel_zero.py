@@ -230,7 +230,8 @@ def test_zero3_memory_and_collectives():
   # (with the loss) and the backward, which re-gathers (the params-only
   # residuals are recomputed, not stashed). W re-gathers the few params it
   # needs to recompute the activations of its weight gradients (LayerNorm
-  # scale and bias here) rather than keep them from I: under 1% of a stage.
+  # scales and the biases inside elementwise chains here) rather than keep
+  # them from I: measured 3.4% of this tiny stage per copy of W.
   # The update runs on the per-layer view, split over stage too: embed and head
   # updates are gathered over stage (their 1/N data slices), and the stage
   # gradients and updates move between the rank placement and the view by
@@ -244,7 +245,7 @@ def test_zero3_memory_and_collectives():
   assert moved3['reduce-scatter'] == p1 + stages
   assert moved1['all-gather'] == p1 + (embed + head) // n
   gathered3 = moved3['all-gather'] - embed - head - (embed + head) // n
-  assert 3 * stages <= gathered3 <= 3.04 * stages
+  assert 3 * stages <= gathered3 <= 3.08 * stages
   assert 0 < moved1['all-to-all'] == moved3['all-to-all'] <= 2 * stages
 
 
