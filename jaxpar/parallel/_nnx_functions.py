@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.data_parallel import reseeded
 from jaxpar.parallel._nnx_cut import Cut, path_name
 from jaxpar.parallel._params import PipelineParams
 from jaxpar.parallel._params import flat as _flat
@@ -27,15 +28,6 @@ from jaxpar.pipeline import executor
 
 PyTree = Any
 Path = tuple[Any, ...]
-
-
-def _reseeded(module: nnx.Module, key: jax.Array | None) -> nnx.Module:
-  """``module`` with each of its RNG streams reseeded from ``key``."""
-  if key is not None:
-    tags = {s.tag for _, s in nnx.iter_graph(module)
-            if isinstance(s, nnx.RngStream)}
-    nnx.reseed(module, **{t: key for t in tags})
-  return module
 
 
 def _whole_model(cut: Cut, values: dict[Path, Any]) -> nnx.Module:
@@ -124,7 +116,7 @@ def _part_fn(cut: Cut, fn: Callable[..., Any], name: str, own: PyTree,
   """``fn`` of the whole model with ``own`` params (the others zero)."""
   values = _flat(own)
   _check_reads(cut, fn, name, values, args)
-  return fn(_reseeded(_whole_model(cut, values), key), *args)
+  return fn(reseeded(_whole_model(cut, values), key), *args)
 
 
 def embed_fn(cut: Cut, embed: Callable[..., jax.Array], embed_params: PyTree,
@@ -147,7 +139,7 @@ def _block(cut: Cut, slot_params: PyTree, x: jax.Array,
       [(p, cut.block_template[p].replace(values[p])) for p in values]
       + [(p, cut.layers.stats[p].replace(stats[p])) for p in stats]
       + [(p, v.replace(v.get_value())) for p, v in cut.layers.other]))
-  y = _reseeded(module, key)(x)
+  y = reseeded(module, key)(x)
   return y, _nest({p: v.get_value() for p, v in nnx.to_flat_state(
       nnx.state(module, nnx.BatchStat))})
 
