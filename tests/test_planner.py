@@ -90,6 +90,31 @@ def test_ranking_follows_the_time_model():
   assert mem.total == sum(mem) and plan.best.memory_bytes == mem.total
 
 
+def test_fixed_costs_per_layer_tick_and_microbatch():
+  """The profile's fixed costs enter as counted: ``block_overhead`` once per
+  layer of a block, ``tick_overhead`` once per tick of the table (stage >
+  1), ``microbatch_overhead`` once per microbatch of one stage rank."""
+  spec = planner.ModelSpec.from_gpt(CONFIG)
+  zero = planner.PROFILES['H100-SXM']._replace(
+      block_overhead=0.0, tick_overhead=0.0, microbatch_overhead=0.0)
+  delta = lambda layout, **cost: (
+      planner.step_time(spec, layout, batch=BATCH,
+                        profile=zero._replace(**cost)),
+      planner.step_time(spec, layout, batch=BATCH, profile=zero))
+  piped = planner.Layout(1, 2, 1, 'one_f_one_b', 4)
+  ticks = jaxpar.pipeline.tick_table(jaxpar.pipeline.one_f_one_b(2, 4))
+  more, base = delta(piped, tick_overhead=1e-3)
+  assert more.pipeline - base.pipeline == pytest.approx(
+      ticks.num_ticks * 1e-3)
+  more, base = delta(piped, microbatch_overhead=1e-3)
+  assert more.total == base.total            # a pipeline runs ticks
+  single = planner.Layout(2, 1, 1, 'one_f_one_b', 4)
+  more, base = delta(single, microbatch_overhead=1e-3)
+  assert more.pipeline - base.pipeline == pytest.approx(4e-3)
+  more, base = delta(single, block_overhead=1e-3)   # 2 layers per block
+  assert more.blocks['F'] - base.blocks['F'] == pytest.approx(2e-3)
+
+
 def test_nothing_fits_names_the_smallest_need_and_the_fixes():
   with pytest.raises(ValueError, match=r'(?s)smallest.*needs .*GiB.*more '
                      r'devices.*zero_stage 3.*remat_policy'):

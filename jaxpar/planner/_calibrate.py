@@ -2,11 +2,19 @@
 
 * **blocks**: one GPT block's ``F``, ``I`` and ``W`` as the pipeline
   executor runs them (``pipeline.StageVJP``; ``spec``'s width, heads,
-  sequence) on one device at two microbatch sizes: FLOP/s from the
-  difference, the block overhead from the intercept;
+  sequence) on one device at three microbatch sizes: FLOP/s from the
+  slope, the overhead of one layer's block from the intercept (on a
+  CPU, small matmuls run far below the FLOP/s of large ones);
+* **ticks**: the executor itself, on a stage whose blocks cost nothing (a
+  ``[8, 8]`` layer, one row per microbatch), at two microbatch counts: a
+  2-rank 1F1B step gives the cost of one tick (its while loops, message
+  switch, slot reads and writes; the fitted ``ppermute`` taken out), a
+  1-rank step the cost of one microbatch of the plain scan one stage rank
+  runs;
 * **links**: ``psum``, ``all_gather``, ``psum_scatter`` and ``ppermute``
-  over all devices in a ``shard_map`` at two buffer sizes; alpha and beta
-  fitted by least squares to the ring formulas of ``Profile.collective``;
+  over all devices in a ``shard_map`` at 4 KiB, 1 MiB and 8 MiB; alpha and
+  beta fitted to the ring formulas of ``Profile.collective`` (least
+  squares of the relative error);
 * **memory bandwidth**: an elementwise pass over a large buffer.
 
 Example:
@@ -18,6 +26,8 @@ Example:
   >>> profile = measure_profile(spec, jax.devices()[:1], repeats=1)
   >>> profile.flops > 0 and profile.block_overhead >= 0   # one device: no links
   True
+  >>> profile.tick_overhead, profile.microbatch_overhead >= 0   # no pipeline
+  (0.0, True)
 """
 
 from __future__ import annotations
@@ -35,13 +45,15 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import tensor_parallel
+from jaxpar import pipeline, tensor_parallel
+from jaxpar.mesh import make_mesh
 from jaxpar.models import gpt
 from jaxpar.pipeline import StageVJP
 from jaxpar.planner._model import ModelSpec
 from jaxpar.planner._profile import Profile
 
-_SIZES = (2**12, 2**20)   # bytes of the collective buffers timed
+_SIZES = (2**12, 2**20, 2**23)   # bytes of the collective buffers timed
+_ROWS = (1, 4, 16)        # sequences per block timed
 
 
 def _seconds(fn: Callable, *args, repeats: int) -> float:
@@ -84,18 +96,53 @@ def _stage_blocks(spec: ModelSpec, device) -> tuple[Callable, Any]:
 
 
 def _block_rate(spec: ModelSpec, device, repeats: int) -> tuple[float, float]:
-  """``(FLOP/s, seconds of overhead per block)`` of one block's F+I+W."""
+  """``(FLOP/s, seconds of overhead per block)`` of one block's F+I+W: a
+  least-squares line through 1, 4 and 16 sequences."""
   run, stage = _stage_blocks(spec, device)
-  points = []
-  for rows in (1, 8):
+  flops, seconds = [], []
+  for rows in _ROWS:
     x = jax.device_put(np.ones((rows, spec.seq_len, spec.d_model),
                                np.float32), device)
-    flops = 3 * spec.flops.per_device(1) * rows * spec.seq_len
-    points.append((flops, _seconds(run, stage, x, repeats=repeats)))
-  (f1, s1), (f2, s2) = points
-  rate = (f2 - f1) / max(s2 - s1, 1e-9)
-  overhead = max(s1 - f1 / rate, 0.0) / 3   # per block: F, I, W
-  return rate, overhead
+    flops.append(3 * spec.flops.per_device(1) * rows * spec.seq_len)
+    seconds.append(_seconds(run, stage, x, repeats=repeats))
+  slope, intercept = np.polyfit(flops, seconds, 1)
+  rate = 1.0 / max(float(slope), 1e-15)
+  return rate, max(float(intercept), 0.0) / 3   # per block: F, I, W
+
+
+def _tiny_step(mesh, m: int) -> tuple[Callable, tuple]:
+  """``(step, args)``: a 1F1B step of ``m`` one-row microbatches through
+  one ``[8, 8]`` tanh layer per rank of ``mesh`` (its blocks cost ~0)."""
+  p = mesh.devices.size
+  step = pipeline.pipeline_value_and_grad(
+      lambda w, x: jnp.tanh(x @ w), lambda s, y, t: jnp.mean((s * y - t)**2),
+      schedule=pipeline.one_f_one_b(p, m), mesh=mesh, input_grads=False)
+  put = lambda a: jax.make_array_from_callback(
+      a.shape, NamedSharding(mesh, P()), lambda i: a[i])
+  return step, (put(np.full((p, 8, 8), 0.1, np.float32)),
+                put(np.ones((), np.float32)), put(np.ones((m, 8), np.float32)),
+                put(np.zeros((m, 8), np.float32)))
+
+
+def _per_tick(devices: Sequence, message: float,
+              repeats: int) -> float:
+  """Seconds of one executor tick (``len(devices)`` ranks, 2 or more; the
+  tick's ``message`` seconds taken out) or, on one device, of one
+  microbatch of the plain scan: the slope over 4 and 16 microbatches."""
+  mesh = make_mesh(stage=len(devices), devices=devices)
+  points = []
+  for m in (4, 16):
+    step, args = _tiny_step(mesh, m)
+    table = pipeline.tick_table(pipeline.one_f_one_b(len(devices), m))
+    if len(devices) == 1:
+      ticks, sends = m, 0.0
+    else:
+      ticks = table.num_ticks
+      sends = table.makespan({'F': 0, 'I': 0, 'W': 0}, 1.0)
+    points.append((ticks, _seconds(step, *args, repeats=repeats)
+                   - sends * message))
+  (n1, s1), (n2, s2) = points
+  return max((s2 - s1) / (n2 - n1), 0.0)
 
 
 def _collective_fns(mesh) -> dict[str, Callable]:
@@ -133,8 +180,11 @@ def _links(devices: Sequence, repeats: int) -> tuple[float, float]:
       b = probe._replace(link_latency=0.0).collective(kind, nbytes, n)
       rows.append((a, b))
       times.append(_seconds(fn, x, repeats=repeats))
-  (alpha, per_byte), *_ = np.linalg.lstsq(np.asarray(rows),
-                                          np.asarray(times), rcond=None)
+  # Least squares of the relative error: the small sizes fix alpha as
+  # much as the large ones fix beta.
+  weight = 1.0 / np.asarray(times)[:, None]
+  (alpha, per_byte), *_ = np.linalg.lstsq(np.asarray(rows) * weight,
+                                          np.ones(len(times)), rcond=None)
   return max(float(alpha), 1e-7), 1.0 / max(float(per_byte), 1e-13)
 
 
@@ -160,19 +210,26 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   rate, overhead = _block_rate(spec, device, repeats)
   alpha, beta = _links(devices, repeats) if len(devices) > 1 else (0.0, 1e30)
   hbm = _hbm_bandwidth(device, repeats)
+  per_mb = _per_tick([device], 0.0, repeats)
+  tick = 0.0
+  if len(devices) > 1:   # a tick of 2 ranks; one 32-byte message costs:
+    tick = _per_tick(devices[:2], alpha + 32 / beta, repeats)
   if jax.process_count() > 1:   # one profile, one ranking in every process
-    rate, overhead, alpha, beta, hbm = (float(x) for x in (
+    rate, overhead, alpha, beta, hbm, per_mb, tick = (float(x) for x in (
         multihost_utils.broadcast_one_to_all(
-            np.asarray([rate, overhead, alpha, beta, hbm]))))
+            np.asarray([rate, overhead, alpha, beta, hbm, per_mb, tick]))))
   return Profile(
       f'measured ({device.platform} x{len(devices)})', flops=rate,
       memory_bytes=_memory_bytes(device),
       hbm_bandwidth=hbm, link_bandwidth=beta,
       link_latency=alpha, node_devices=len(devices), block_overhead=overhead,
+      tick_overhead=tick, microbatch_overhead=per_mb,
       source=f'micro-benchmark on {len(devices)} {device.platform} devices: '
-      "one GPT block's F, I, W at 1 and 8 sequences; psum, all_gather, "
+      "one GPT block's F, I, W at 1, 4 and 16 sequences; psum, all_gather, "
       'psum_scatter, ppermute at '
-      f'{_SIZES[0]} and {_SIZES[1]} bytes; an elementwise pass of 16 MiB')
+      f'{", ".join(map(str, _SIZES))} bytes; an elementwise pass of 16 MiB; '
+      'a 1F1B step of an [8, 8] layer at 4 and 16 microbatches on 1 and 2 '
+      'ranks')
 
 
 def measure_profile(spec: ModelSpec, devices: Sequence, *,

@@ -4,9 +4,9 @@
 plan's best candidates, the best of each mesh and schedule first (then of
 each microbatch count: candidates that differ only in ZeRO stage or remat
 policy differ by less than a loaded machine's noise), compiles each step
-(its ``memory_analysis()``: arguments + temp) and times it (the fastest of
-``repeats`` after a warm-up); ``spearman`` is the rank correlation of two
-orders.
+(its ``memory_analysis()``: arguments + temp) and times them in rounds
+(each one's fastest of ``repeats`` after a warm-up); ``spearman`` is the
+rank correlation of two orders.
 
 Example:
   >>> from jaxpar.planner import spearman
@@ -81,19 +81,25 @@ def measure(plan: Any, n: int, optimizer: optax.GradientTransformation,
             batch: Any, *, repeats: int = 5) -> list[Measured]:
   """Times ``n`` of the best candidates of ``plan`` (module doc): the
   fastest of ``repeats`` steps after one warm-up, and the compiled step's
-  arguments + temp."""
-  out = []
+  arguments + temp.
+
+  The candidates are stepped in rounds, one step of each per round, so
+  that load from other work that comes and goes falls on all of them
+  alike (timed one after another, the same step measured 2.1 s and 4.8 s
+  twenty minutes apart on a shared machine).
+  """
+  runs = []
   for candidate in _diverse(plan.candidates, n):
     trainer = plan.trainer(optimizer, candidate)
     state = trainer.init(plan.params(candidate))
+    # jit reuses this executable for the calls below: one compile each.
     mem = trainer.step.lower(state, batch).compile().memory_analysis()
     state, _ = jax.block_until_ready(trainer.step(state, batch))
-    times = []
-    for _ in range(repeats):
+    runs.append((candidate, trainer.step, [state], [],
+                 int(mem.argument_size_in_bytes + mem.temp_size_in_bytes)))
+  for _ in range(repeats):
+    for _, step, state, times, _ in runs:
       start = time.perf_counter()
-      state, _ = jax.block_until_ready(trainer.step(state, batch))
+      state[0], _ = jax.block_until_ready(step(state[0], batch))
       times.append(time.perf_counter() - start)
-    out.append(Measured(candidate, min(times),
-                        int(mem.argument_size_in_bytes
-                            + mem.temp_size_in_bytes)))
-  return out
+  return [Measured(c, min(times), nbytes) for c, _, _, times, nbytes in runs]

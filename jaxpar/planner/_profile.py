@@ -45,8 +45,14 @@ class Profile(NamedTuple):
       mesh is ``('data', 'stage', 'tensor')``, tensor innermost) uses
       ``inter_bandwidth`` / ``inter_latency``.
     inter_bandwidth, inter_latency: the same between nodes.
-    block_overhead: seconds a pipeline block costs besides its FLOPs
-      (dispatch, kernel launches).
+    block_overhead: seconds each layer of a pipeline block (``F``, ``I`` or
+      ``W``) costs besides its FLOPs (kernel launches; on a CPU the slower
+      rate of small matmuls).
+    tick_overhead: seconds of one tick of the pipeline executor's scan
+      besides its blocks and messages (its while loops and message switch,
+      the slot reads and writes).
+    microbatch_overhead: the same for one microbatch of the plain scan a
+      single stage rank runs (``stage = 1``).
     source: where the numbers come from.
   """
   name: str
@@ -59,6 +65,8 @@ class Profile(NamedTuple):
   inter_bandwidth: float | None = None
   inter_latency: float | None = None
   block_overhead: float = 0.0
+  tick_overhead: float = 0.0
+  microbatch_overhead: float = 0.0
   source: str = ''
 
   def collective(self, kind: str, nbytes: float, n: int, *,
@@ -86,22 +94,33 @@ class Profile(NamedTuple):
 # Dense BF16 tensor-core peak x 0.4 (the model FLOPs utilisation that
 # Megatron-LM and torchtitan report for 8B-70B training on H100s is 38-45%).
 _MFU = 0.4
+# Per-tick and per-layer costs on a GPU are ESTIMATES, not measured (no GPU
+# here): on XLA:GPU each of a tick's 5 branch ops (4 zero-or-one-trip while
+# loops and the message switch; ``pipeline.executor``'s ``_tick_scan``)
+# reads its predicate back to the host, ~10 us each (a device-to-host copy
+# and a stream sync); a plain scan's trip reads one; a layer's block is
+# ~10 fused kernels at ~2 us each to launch.
+_GPU_OVERHEADS = {'block_overhead': 20e-6, 'tick_overhead': 50e-6,
+                  'microbatch_overhead': 10e-6}
 PROFILES = {
     'H100-SXM': Profile(
         'H100-SXM', flops=989e12 * _MFU, memory_bytes=80 * 2**30,
         hbm_bandwidth=3.35e12, link_bandwidth=450e9, link_latency=3e-6,
         node_devices=8, inter_bandwidth=50e9, inter_latency=10e-6,
-        block_overhead=20e-6,
+        **_GPU_OVERHEADS,
         source='NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16, 80 GB '
         'HBM3 at 3.35 TB/s, NVLink 4 900 GB/s (450 GB/s each way); one 400 '
         'Gb/s NDR InfiniBand NIC per GPU between nodes (50 GB/s); blocks at '
-        '40% of peak'),
+        '40% of peak; overheads per layer-block, tick and microbatch: '
+        'estimates, not measured (docs/planning.md)'),
     'A100-SXM-80GB': Profile(
         'A100-SXM-80GB', flops=312e12 * _MFU, memory_bytes=80 * 2**30,
         hbm_bandwidth=2.0e12, link_bandwidth=300e9, link_latency=3e-6,
         node_devices=8, inter_bandwidth=25e9, inter_latency=10e-6,
-        block_overhead=20e-6,
+        **_GPU_OVERHEADS,
         source='NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s dense BF16, '
         '2.0 TB/s HBM2e, NVLink 3 600 GB/s (300 each way); one 200 Gb/s HDR '
-        'InfiniBand NIC per GPU (25 GB/s); blocks at 40% of peak'),
+        'InfiniBand NIC per GPU (25 GB/s); blocks at 40% of peak; overheads '
+        'per layer-block, tick and microbatch: estimates, not measured '
+        '(docs/planning.md)'),
 }

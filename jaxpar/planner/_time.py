@@ -3,13 +3,17 @@
 The step is its pipeline plus what runs around it, on a ``Profile``:
 
 * **blocks** -- one logical stage's ``F``, ``I`` and ``W`` for one
-  microbatch: FLOPs over the profile's FLOP/s plus its block overhead, the
-  tensor-parallel all-reduces inside (two per block forward, two in ``I``),
-  the forward again in ``I`` under ``remat_policy='nothing'``;
+  microbatch: FLOPs over the profile's FLOP/s plus the block overhead of
+  each of its layers, the tensor-parallel all-reduces inside (two per
+  block forward, two in ``I``), the forward again in ``I`` under
+  ``remat_policy='nothing'``, and in ``W`` the gradient's add into its
+  accumulator (a read of both and a write, at the memory bandwidth);
 * **pipeline** -- the executor's lock-step time of the schedule's tick
   table with those costs (``TickTable.makespan``; equal to
   ``Schedule.simulate``'s for ``F = I = W``) and one ``ppermute`` of an
-  activation per tick that sends, plus the head on the last rank;
+  activation per tick that sends, plus the head on the last rank, plus the
+  profile's fixed cost per tick (one stage rank: per microbatch of its
+  plain scan);
 * **data** -- the gradients' all-reduce over ``data`` (ZeRO-1:
   reduce-scatter + all-gather; ZeRO-3: per microbatch two all-gathers and a
   reduce-scatter of the params), the move to the per-layer view over
@@ -77,11 +81,12 @@ def block_costs(spec: ModelSpec, layout: Layout, profile: Profile,
   flops = n_slots * spec.flops.per_device(t) * tokens / profile.flops
   act = tokens * spec.d_model * spec.act_bytes
   tp = n_slots * 2 * profile.collective('all-reduce', act, t, span=t)
-  over = profile.block_overhead
+  over = n_slots * profile.block_overhead
   recompute = RECOMPUTE[layout.remat_policy] * flops
+  grads = n_slots * spec.layer.per_device(t) * spec.param_bytes
   return {'F': flops + tp + over,
           'I': flops + recompute + tp + over + (tp if recompute else 0.0),
-          'W': flops + over}
+          'W': flops + over + 3 * grads / profile.hbm_bandwidth}
 
 
 def _data_time(spec: ModelSpec, layout: Layout, profile: Profile,
@@ -118,7 +123,9 @@ def step_time(spec: ModelSpec, layout: Layout, *, batch: int,
   busy = (layout.stages_per_rank * layout.num_microbatches
           * sum(blocks.values()))
   bubble = 1.0 - busy / makespan if layout.stage > 1 else 0.0
-  pipeline = makespan + layout.num_microbatches * head
+  fixed = (table.num_ticks * profile.tick_overhead if layout.stage > 1
+           else layout.num_microbatches * profile.microbatch_overhead)
+  pipeline = makespan + layout.num_microbatches * head + fixed
   held = shape.held * spec.param_bytes
   data = _data_time(spec, layout, profile, held)
   view = shape.view / (layout.data if layout.zero_stage else 1)
