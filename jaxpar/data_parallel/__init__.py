@@ -126,8 +126,8 @@ from jaxpar.data_parallel._padding import place_like as place_like
 from jaxpar.data_parallel._padding import unpadded as unpadded
 from jaxpar.data_parallel._specs import ZERO_STAGES as ZERO_STAGES
 from jaxpar.data_parallel._specs import check_zero_stage as check_zero_stage
-from jaxpar.data_parallel._trainer import batch_size_of as batch_size_of
-from jaxpar.data_parallel._trainer import check_opt_state as check_opt_state
+from jaxpar.data_parallel._microbatches import batch_size_of as batch_size_of
+from jaxpar.data_parallel._checks import check_opt_state as check_opt_state
 
 __all__ = [
     'DataParallelModel', 'Padded', 'StateBytes', 'bytes_per_device',

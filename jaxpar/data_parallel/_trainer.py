@@ -45,8 +45,12 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import vma
 from jaxpar._validate import check_int
 from jaxpar.data_parallel._blocks import gathered, reduce_gradients, vary
+from jaxpar.data_parallel._checks import (check_float_params, check_loss_fn,
+                                          check_opt_state, dtype_of)
 from jaxpar.data_parallel._from_nnx import DataParallelModel
-from jaxpar.data_parallel._model_state import merged, stateful, varying
+from jaxpar.data_parallel._microbatches import (batch_size_of,
+                                                microbatched_value_and_grad)
+from jaxpar.data_parallel._model_state import merged, stateful
 from jaxpar.data_parallel._padding import (logical_shapes, pad,
                                            padded_optimizer, place, unpadded)
 from jaxpar.data_parallel._specs import (check_zero_stage, data_specs,
@@ -60,178 +64,6 @@ from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
                                 placed_init, sharded_update, signature)
 
 BACKENDS = ('shard_map', 'pmap')
-
-
-def _dtype(x) -> np.dtype:
-  return x.dtype if hasattr(x, 'dtype') else np.result_type(x)
-
-
-def batch_size_of(batch: PyTree, *, name: str = 'batch') -> int:
-  """The shared leading size of ``batch``'s leaves (``ValueError`` if none)."""
-  leaves = jax.tree_util.tree_leaves_with_path(batch)
-  if not leaves:
-    raise ValueError(f'{name} has no array leaves.')
-  sizes = {}
-  for path, leaf in leaves:
-    shape = np.shape(leaf)
-    if not shape:
-      raise ValueError(
-          f'{name} leaf {jax.tree_util.keystr(path)} is a scalar; every leaf '
-          'needs a leading batch axis.')
-    sizes[jax.tree_util.keystr(path)] = shape[0]
-  if len(set(sizes.values())) > 1:
-    listing = ', '.join(f'{k or "<root>"}: {v}' for k, v in sizes.items())
-    raise ValueError(
-        f'{name} leaves have different leading (batch) sizes ({listing}); '
-        'all leaves must share the batch axis.')
-  return next(iter(sizes.values()))
-
-
-def split_microbatches(batch: PyTree, num_microbatches: int) -> PyTree:
-  """``[B, ...] -> [k, B/k, ...]`` for every leaf (microbatch i = rows i*B/k...)."""
-  return jax.tree.map(
-      lambda x: x.reshape(num_microbatches, x.shape[0] // num_microbatches,
-                          *x.shape[1:]), batch)
-
-
-def microbatched_value_and_grad(loss_fn: Callable[..., Any], params: PyTree,
-                                model_state: PyTree, batch: PyTree, *,
-                                num_microbatches: int = 1,
-                                axis: str | None = None,
-                                key: jax.Array | None = None):
-  """Mean loss and gradient over ``num_microbatches`` slices of ``batch``.
-
-  ``loss_fn(params, model_state, batch_i[, key]) -> (loss, (aux,
-  model_state))`` (``_model_state.stateful``'s form). ``loss = 1/k sum_i
-  loss(params, batch_i)`` and its gradient; gradients accumulate in a
-  ``lax.scan`` so only one microbatch's activations are live at a time, and
-  the model state is threaded through the microbatches in order. Inside
-  ``shard_map`` (or ``pmap``), ``axis`` names the mesh axis the batch is
-  split over (the scan's carry must vary over it too).
-
-  With a ``key``, microbatch ``i`` runs ``loss_fn(params, model_state,
-  batch_i, fold_in(key, g))`` with ``g = axis_index(axis) * k + i`` (``g =
-  i`` without ``axis``): its index in the global batch.
-
-  Returns:
-    ``(loss, grads, aux, model_state)``; ``aux`` is the microbatch mean of
-    the auxiliary output, ``model_state`` the one after the last microbatch.
-  """
-  vg = jax.value_and_grad(loss_fn, has_aux=True)
-  first = (0 if axis is None or key is None
-           else jax.lax.axis_index(axis) * num_microbatches)
-
-  def one(state, mb, index):
-    keys = () if key is None else (jax.random.fold_in(key, first + index),)
-    (loss, (aux, state)), grads = vg(params, state, mb, *keys)
-    return (loss, grads, aux), state
-
-  if num_microbatches == 1:
-    out, model_state = one(model_state, batch, 0)
-    return (*out, model_state)
-
-  def body(carry, mb_and_index):
-    acc, state = carry
-    out, state = one(state, *mb_and_index)
-    if axis is not None:
-      state = varying(state, axis)
-    return (jax.tree.map(jnp.add, acc, out), state), None
-
-  mbs = split_microbatches(batch, num_microbatches)
-  zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
-      one, model_state, jax.tree.map(lambda x: x[0], mbs), 0)[0])
-  if axis is not None:
-    zero = jax.lax.pcast(zero, axis, to='varying')
-    model_state = varying(model_state, axis)
-  (total, model_state), _ = jax.lax.scan(
-      body, (zero, model_state), (mbs, jnp.arange(num_microbatches)))
-  return (*jax.tree.map(lambda t: t / num_microbatches, total), model_state)
-
-
-def check_float_params(params: PyTree) -> None:
-  """``TypeError`` naming the first leaf of ``params`` that is not floating
-  point: the step differentiates every leaf (``jax.grad`` fails on integers
-  with a message naming none), so say which one and what to do, eagerly."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    dtype = _dtype(leaf)
-    if not jnp.issubdtype(dtype, jnp.inexact):
-      name = jax.tree_util.keystr(path, simple=True, separator='/')
-      raise TypeError(
-          f'params leaf {name!r} has dtype {dtype}; the step differentiates '
-          'every leaf of params, so each must be floating point: cast it '
-          "(e.g. .astype('float32')) if it is a weight, or keep integer data "
-          'out of params (in the batch, or closed over in loss_fn).')
-
-
-def _check_aux(aux) -> None:
-  for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
-    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-      raise TypeError(
-          f'loss_fn aux leaf {jax.tree_util.keystr(path)} has dtype '
-          f'{leaf.dtype}; aux is averaged over microbatches and devices, so '
-          'return float metrics (e.g. accuracy as float32).')
-
-
-def _under_mesh(fn: Callable[..., Any], mesh: Mesh | None
-                ) -> Callable[..., Any]:
-  """``fn`` with the mesh's axes bound, for abstract evaluation: a loss may
-  use collectives over them (``nnx.BatchNorm(axis_name='data')``)."""
-  if mesh is None:
-    return fn
-  return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(),
-                       check_vma=False)
-
-
-def check_loss_fn(loss_fn, params, batch, *, has_aux: bool, key: Any = None,
-                  model_state: PyTree = None, carries_state: bool = False,
-                  mesh: Mesh | None = None) -> None:
-  """``TypeError`` unless ``loss_fn(params, batch[, key])`` gives a float
-  scalar (``carries_state``: ``loss_fn(params, model_state, batch[, key])
-  -> (out, model_state)``, the new model state shaped like the old).
-  Abstract evaluation only (``jax.eval_shape``), on ``mesh``'s axes when
-  given: nothing is compiled.
-  """
-  call = ('loss(m, batch)' if carries_state else
-          'loss_fn(params, batch' + (')' if key is None else ', key)'))
-  args = (params, model_state, batch) if carries_state else (params, batch)
-  try:
-    out = jax.eval_shape(_under_mesh(loss_fn, mesh), *args,
-                         *(() if key is None else (key,)))
-  except TypeError as e:
-    if key is None or carries_state or 'positional argument' not in str(e):
-      raise
-    raise TypeError(f'with key= the step calls {call}: loss_fn must take '
-                    f'the key as its last argument ({e}).') from e
-  if carries_state:
-    out, new = out
-    _check_new_model_state(model_state, new)
-  if has_aux:
-    if not (isinstance(out, tuple) and len(out) == 2):
-      raise TypeError(
-          f'has_aux=True needs {call} to return (loss, aux), got {out}.')
-    out, aux = out
-    _check_aux(aux)
-  if not hasattr(out, 'shape') or out.shape != ():
-    raise TypeError(
-        f'{call} must return a scalar (the mean loss over '
-        f'the examples it gets), got {out}. Reduce it, e.g. with .mean()'
-        + ('' if has_aux else ', or pass has_aux=True if it returns (loss, aux)')
-        + '.')
-  if not jnp.issubdtype(out.dtype, jnp.floating):
-    raise TypeError(f'{call} must return a float scalar, got {out.dtype}.')
-
-
-def _check_new_model_state(old: PyTree, new: PyTree) -> None:
-  """``ValueError`` unless the forward's model state is shaped like the old
-  one (the step carries it from one step to the next)."""
-  shapes = lambda tree: jax.tree.map(lambda x: (np.shape(x), _dtype(x)),
-                                     tree)
-  if shapes(old) != shapes(new):
-    raise ValueError(
-        f'the model state after the forward pass {shapes(new)} differs from '
-        f'the one before {shapes(old)}: the step carries it from one step '
-        'to the next, so the forward may update variables but not add, '
-        'remove or reshape them (create every variable in __init__).')
 
 
 # -- The options ------------------------------------------------------------
@@ -486,24 +318,6 @@ class _PmapStep:
 # -- The checks of a step's inputs --------------------------------------------
 
 
-def check_opt_state(state: TrainState,
-                    optimizer: optax.GradientTransformation) -> None:
-  """``ValueError`` unless ``state.opt_state`` is ``optimizer.init``-shaped.
-
-  Abstract evaluation only; the message says how to make a fitting state.
-  """
-  want = jax.eval_shape(optimizer.init, state.params)
-  shapes = lambda tree: (jax.tree.structure(tree),
-                         [np.shape(x) for x in jax.tree.leaves(tree)])
-  if shapes(want) != shapes(state.opt_state):
-    raise ValueError(
-        'state.opt_state does not have the structure and shapes of '
-        'optimizer.init(state.params) (got '
-        f'{jax.tree.structure(state.opt_state)}, want '
-        f'{jax.tree.structure(want)}); create the state with this optimizer: '
-        'trainer.init(params) or TrainState.create(params, optimizer).')
-
-
 def _check_batch_size(batch: PyTree, options: _Options) -> int:
   """The batch size, ``ValueError`` unless ``N x num_microbatches`` divides it."""
   size = batch_size_of(batch)
@@ -526,7 +340,7 @@ def _check_model(state: TrainState, batch: PyTree, microbatch: int,
   check_opt_state(logical, options.optimizer)
   check_update_args(options.optimizer, logical.params, logical.opt_state)
   micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      (microbatch, *np.shape(x)[1:]), _dtype(x)), batch)
+      (microbatch, *np.shape(x)[1:]), dtype_of(x)), batch)
   loss_fn = options.loss_fn
   if options.compute_dtype is not None:
     loss_fn = cast_params(loss_fn, options.compute_dtype)
