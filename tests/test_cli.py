@@ -23,7 +23,7 @@ import pytest
 
 import jaxpar
 from jaxpar import __main__ as cli
-from jaxpar.cli import demo, text_data
+from jaxpar.cli import demo, demo_args, text_data
 from jaxpar.models import gpt
 from helpers import random_gpt_params
 
@@ -211,7 +211,7 @@ def test_mesh_larger_than_the_devices_exits_2_in_one_line():
 def test_bad_flags_exit_2_in_one_line(capsys, args, message):
   """Flag errors stop before any JAX work: one line naming the rule."""
   with pytest.raises(SystemExit) as exit_:
-    demo.parse_args(args)
+    demo_args.parse_args(args)
   assert exit_.value.code == 2
   err = capsys.readouterr().err
   assert err.count('\n') == 1 and err.startswith(
@@ -219,24 +219,24 @@ def test_bad_flags_exit_2_in_one_line(capsys, args, message):
   assert message in err, err
 
 
-@pytest.mark.parametrize('name', [n for n in demo.SCHEDULES if n != 'auto'])
+@pytest.mark.parametrize('name', [n for n in demo_args.SCHEDULES if n != 'auto'])
 def test_schedule_flag_names_the_constructor(name):
   """``--schedule NAME`` builds ``jaxpar.pipeline.NAME``; the stage count the
   flags are checked against is the schedule's."""
-  args, _ = demo.parse_args(['--schedule', name, '--layers', '8'])
-  s = demo.make_schedule(args)
+  args, _ = demo_args.parse_args(['--schedule', name, '--layers', '8'])
+  s = demo_args.make_schedule(args)
   extra = (2,) if name == 'interleaved_one_f_one_b' else ()
   assert s == getattr(jaxpar.pipeline, name)(2, 4, *extra)
-  assert demo.num_stages(args) == s.num_stages
+  assert demo_args.num_stages(args) == s.num_stages
 
 
 def test_schedule_flag_auto_picks_the_searched_schedule():
-  args, _ = demo.parse_args(['--mesh', 'data=1,stage=4,tensor=1', '--schedule',
+  args, _ = demo_args.parse_args(['--mesh', 'data=1,stage=4,tensor=1', '--schedule',
                              'auto', '--memory-limit', '2', '--layers', '8',
                              '--microbatches', '8', '--batch', '8'])
-  s = demo.make_schedule(args)
+  s = demo_args.make_schedule(args)
   assert max(jaxpar.pipeline.peak_memory(s)) <= 2 and s.num_ranks == 4
-  assert demo.num_stages(args) == s.num_stages
+  assert demo_args.num_stages(args) == s.num_stages
 
 
 TEXT = str(__import__('pathlib').Path(__file__).parent.parent / 'README.md')
@@ -322,7 +322,7 @@ def test_bad_data_exits_2_in_one_line(capsys, tmp_path, case, message):
 ])
 def test_bad_text_flags_exit_2_in_one_line(capsys, args, message):
   with pytest.raises(SystemExit) as exit_:
-    demo.parse_args(args)
+    demo_args.parse_args(args)
   assert exit_.value.code == 2
   err = capsys.readouterr().err
   assert err.count('\n') == 1 and message in err, err

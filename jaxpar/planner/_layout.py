@@ -24,10 +24,7 @@ from typing import NamedTuple
 from jaxpar import pipeline
 from jaxpar.planner._model import ModelSpec
 
-# Constructor -> logical stages per rank (None: ``virtual_stages``).
-SCHEDULES = {'gpipe': 1, 'one_f_one_b': 1, 'zero_bubble_h1': 1,
-             'interleaved_one_f_one_b': None, 'zero_bubble_v': 2,
-             'dualpipe_v': 2, 'v_half': 2, 'v_min': 2}
+SCHEDULES = pipeline.STAGES_PER_RANK   # constructor -> stages per rank
 REMAT_POLICIES = ('dots', 'nothing', 'everything')
 ZERO_STAGES = (0, 1, 3)
 

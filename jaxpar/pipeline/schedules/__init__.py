@@ -11,6 +11,8 @@ schedule out in time as the executor's ``tick_table``.
 from jaxpar.pipeline.schedules._action import Action as Action
 from jaxpar.pipeline.schedules._balance import balance as balance
 from jaxpar.pipeline.schedules._balance import stage_costs as stage_costs
+from jaxpar.pipeline.schedules._constructors import (
+    STAGES_PER_RANK as STAGES_PER_RANK)
 from jaxpar.pipeline.schedules._constructors import gpipe as gpipe
 from jaxpar.pipeline.schedules._constructors import (
     interleaved_one_f_one_b as interleaved_one_f_one_b)
@@ -35,7 +37,8 @@ from jaxpar.pipeline.schedules._vshape import v_half as v_half
 from jaxpar.pipeline.schedules._vshape import v_min as v_min
 
 __all__ = [
-    'Action', 'DEFAULT_COSTS', 'KIND_CODES', 'Schedule', 'ScheduleError',
+    'Action', 'DEFAULT_COSTS', 'KIND_CODES', 'STAGES_PER_RANK', 'Schedule',
+    'ScheduleError',
     'SimResult', 'TickTable', 'balance', 'dualpipe_v', 'gpipe',
     'interleaved_one_f_one_b', 'local_stages', 'makespan', 'one_f_one_b',
     'peak_memory', 'search', 'stage_costs', 'tick_table', 'v_half', 'v_min',

@@ -13,6 +13,12 @@ import collections
 from jaxpar.pipeline.schedules._action import Action, check_sizes
 from jaxpar.pipeline.schedules._schedule import Schedule
 
+# Constructor name -> logical stages each rank holds (``None``: the
+# constructor's ``virtual_stages`` argument); the V shapes are in _vshape.
+STAGES_PER_RANK = {'gpipe': 1, 'one_f_one_b': 1, 'zero_bubble_h1': 1,
+                   'interleaved_one_f_one_b': None, 'zero_bubble_v': 2,
+                   'dualpipe_v': 2, 'v_half': 2, 'v_min': 2}
+
 
 def _single(rows: list[list[Action]], p: int, m: int, name: str) -> Schedule:
   return Schedule(p, p, m, tuple(range(p)), tuple(map(tuple, rows)),
