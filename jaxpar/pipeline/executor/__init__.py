@@ -12,7 +12,7 @@ blocks and messages as they ran, and where the time went.
 
 from jaxpar.pipeline.executor._pipeline import PipelineGrads as PipelineGrads
 from jaxpar.pipeline.executor._tick_state import LossFn as LossFn
-from jaxpar.pipeline.executor._tick_scan import StageFn as StageFn
+from jaxpar.pipeline.executor._tick_state import StageFn as StageFn
 from jaxpar.pipeline.executor._pipeline import pipeline_apply as pipeline_apply
 from jaxpar.pipeline.executor._pipeline import (
     pipeline_apply_local as pipeline_apply_local)

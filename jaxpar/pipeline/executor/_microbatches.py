@@ -47,3 +47,9 @@ def with_state(state: PyTree, pick: Any) -> tuple:
   """A stateful stage's last argument, ``(pick(state),)`` (its stage's
   part of ``state``), or ``()`` without a state."""
   return () if state is None else (pick(state),)
+
+
+def row(tree: PyTree, j: Any) -> PyTree:
+  """Row ``j`` of every leaf (``None`` stays ``None``): one microbatch, or
+  one local stage of stacked ``[v, ...]`` params."""
+  return jax.tree.map(lambda a: a[j], tree)

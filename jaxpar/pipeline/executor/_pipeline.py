@@ -43,7 +43,7 @@ from jaxpar.pipeline.executor._checks import (
 from jaxpar.pipeline.executor._microbatches import microbatched, with_key
 from jaxpar.pipeline.executor._placement import ranks_to_stages, stages_to_ranks
 from jaxpar.pipeline.executor._stage_vjp import stash_policy
-from jaxpar.pipeline.executor._tick_scan import LossFn, StageFn
+from jaxpar.pipeline.executor._tick_state import LossFn, StageFn
 from jaxpar.pipeline.executor._vma import full
 from jaxpar.pipeline.schedules import Schedule, TickTable, tick_table
 from jaxpar.train_state import cast_params, check_compute_dtype, check_key

@@ -96,18 +96,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpar.pipeline.executor._microbatches import with_key, with_state
+from jaxpar.pipeline.executor._microbatches import row, with_key
 from jaxpar.pipeline.executor._profile import stamp
-from jaxpar.pipeline.executor._stage_vjp import StageVJP, stash_policy
+from jaxpar.pipeline.executor._sequential import sequential
+from jaxpar.pipeline.executor._stage_vjp import StageVJP
 from jaxpar.pipeline.executor._tick_rows import F, I, blocks, edge_rows, messages
 from jaxpar.pipeline.executor._tick_state import (
     Accumulators, Action, Avals, BlockState, Carry, Edge, LossFn, Plan, Rank,
-    Result, TickRow)
+    Result, StageFn, TickRow)
 from jaxpar.pipeline.executor._vma import full, like, vary, vma
 from jaxpar.pipeline.schedules import TickTable
 
 PyTree = Any
-StageFn = Callable[..., jax.Array]
 
 
 # ------------------------------------------------------------ the scan
@@ -198,7 +198,7 @@ def _avals(rank: Rank, axis: str) -> Avals:
   """
   training = rank.loss_fn is not None
   one_params = _params_of(rank, 0)
-  one_state = _at(rank.state, 0)
+  one_state = row(rank.state, 0)
   k0 = _key(rank, rank.index * 0, rank.index * 0)
   x0 = (jax.eval_shape(lambda ep, mb: _embedded(rank, ep, mb),
                        rank.embed_params, rank.index * 0)
@@ -359,7 +359,7 @@ def _forward(rank: Rank, avals: Avals, first: bool, last: bool,
                                        avals.act))
   y, residuals, *new_state = rank.stage.forward(
       params, x, _key(rank, action.stage, action.microbatch),
-      state=_at(state.state, action.local_stage))
+      state=row(state.state, action.local_stage))
   state = state._replace(stash=_put(state.stash, action.stash_slot,
                                     residuals),
                          state=_put(state.state, action.local_stage,
@@ -485,12 +485,7 @@ def _write_rows(result: jax.Array, summed_rows: jax.Array,
 
 def _params_of(rank: Rank, j: Any) -> PyTree:
   """The rank's ``j``-th local stage's parameters."""
-  return _at(rank.local_params, j)
-
-
-def _at(tree: PyTree, j: Any) -> PyTree:
-  """Row ``j`` of every leaf (``None`` stays ``None``)."""
-  return jax.tree.map(lambda a: a[j], tree)
+  return row(rank.local_params, j)
 
 
 def _new_state(rank: Rank, params: PyTree, x: jax.Array, key: Any,
@@ -541,91 +536,6 @@ def _put(buf: PyTree, index: Any, value: PyTree) -> PyTree:
 
 def _add(acc: PyTree, d: PyTree) -> PyTree:
   return jax.tree.map(lambda a, d: a + like(d, a), acc, d)
-
-
-# ------------------------------------------------------------ one stage rank
-
-
-def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
-               local_params: PyTree, loss_params: PyTree, inputs: PyTree,
-               targets: PyTree, *, axis: str,
-               key: jax.Array | None, offset: Any, has_aux: bool,
-               embed_fn: Callable[..., jax.Array] | None, embed_params: PyTree,
-               embed_key: jax.Array | None, remat_policy: Any = None,
-               stage_state: PyTree = None, input_grads: bool = True):
-  """``run`` on one rank: the microbatches in turn, no ticks.
-
-  A ``lax.scan`` over the ``m`` microbatches of ``jax.value_and_grad`` of
-  the whole model (embedding, the ``num_stages`` stages in order, the loss),
-  accumulating as data parallelism's microbatches do and passing the
-  stages' state (if any) from each microbatch to the next; the same keys,
-  results and return values as ``run``. Plain autodiff (XLA fuses the
-  backward) unless a ``remat_policy`` other than ``'everything'`` is asked
-  for: each stage is then a ``jax.checkpoint`` with that policy.
-  """
-  m, num_stages = schedule.num_microbatches, schedule.num_stages
-  train = loss_fn is not None
-  base = vma(inputs) | {axis}
-  local_params, loss_params, embed_params, stage_state = vary(
-      (local_params, loss_params, embed_params, stage_state), base)
-  layer = stage_fn
-  policy = None if remat_policy is None else stash_policy(remat_policy)
-  if train and policy is not None:
-    layer = jax.checkpoint(stage_fn, policy=policy)
-
-  def model(params, lp, ep, x, target, mb, states):
-    """The microbatch's share of the mean loss and ``(aux, new states)``,
-    or (forward only) its output."""
-    g = offset + mb
-    if embed_fn is not None:
-      k = None if embed_key is None else jax.random.fold_in(embed_key, g)
-      x = embed_fn(ep, x, *with_key(k))
-    keys = None if key is None else jax.random.fold_in(key, g)
-    key_of = lambda k: () if key is None else (jax.random.fold_in(keys, k),)
-    new = []
-    for j in range(num_stages):
-      x = layer(_at(params, j), x, *key_of(j),
-                *with_state(states, lambda s, j=j: _at(s, j)))
-      if states is not None:
-        x, new_state = x
-        new.append(new_state)
-    if not train:
-      return x
-    out = loss_fn(lp, x, target, *key_of(num_stages))
-    loss, aux = jax.tree.map(lambda a: a.astype(jnp.promote_types(
-        a.dtype, jnp.float32)) / m, out if has_aux else (out, ()))
-    return loss, (aux, jax.tree.map(lambda *a: jnp.stack(a), *new)
-                  if new else None)
-
-  mbs = jnp.arange(m)
-  if not train:
-    return jax.lax.psum(jax.lax.map(
-        lambda a: model(local_params, None, embed_params, *a, None),
-        (inputs, targets, mbs)), axis)
-  with_dx = embed_fn is None and input_grads
-  grad = jax.value_and_grad(model, (0, 1, 2, 3) if with_dx else (0, 1, 2),
-                            has_aux=True)
-
-  def body(carry, a):
-    acc, states = carry
-    (loss, (aux, new)), grads = grad(local_params, loss_params, embed_params,
-                                     *a, states)
-    acc = jax.tree.map(lambda s, d: s + vary(d, vma(s)), acc,
-                       ((loss, aux), grads[:3]))
-    return (acc, like(new, states)), (grads[3] if with_dx else None)
-
-  first = jax.tree.map(lambda a: a[0], (inputs, targets))
-  (loss, (aux, new)), grads = jax.eval_shape(lambda: grad(
-      local_params, loss_params, embed_params, *first, mbs[0], stage_state))
-  zero = jax.tree.map(
-      lambda a: vary(jnp.zeros(a.shape, a.dtype), base | vma(a)),
-      ((loss, aux), grads[:3]))
-  # The states vary as the new ones do (e.g. over a data axis).
-  ((out, (grads, dlp, de)), states), dx = jax.lax.scan(
-      body, (zero, vary(stage_state, vma(new))), (inputs, targets, mbs))
-  out, dlp, de, dx = jax.lax.psum((out, dlp, de, dx), axis)
-  return Result(out, grads, dlp, dx,
-                (de if embed_fn is not None else None), states)
 
 
 def when(pred: jax.Array, fn: Callable[[PyTree], PyTree],

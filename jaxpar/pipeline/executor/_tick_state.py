@@ -19,6 +19,7 @@ from jaxpar.pipeline.schedules import TickTable
 
 PyTree = Any
 LossFn = Callable[..., Any]
+StageFn = Callable[..., Any]
 
 
 class Action(NamedTuple):

@@ -1,0 +1,103 @@
+"""The executor on one pipeline rank: the microbatches in turn, no ticks.
+
+With ``p = 1`` there is nothing to overlap, so ``_tick_scan.run`` hands the
+step to ``sequential``: one ``lax.scan`` over the microbatches of
+``jax.value_and_grad`` of the whole model, with the results of ``run``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.pipeline.executor._microbatches import row, with_key, with_state
+from jaxpar.pipeline.executor._stage_vjp import stash_policy
+from jaxpar.pipeline.executor._tick_state import LossFn, Result, StageFn
+from jaxpar.pipeline.executor._vma import like, vary, vma
+
+PyTree = Any
+
+
+def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
+               local_params: PyTree, loss_params: PyTree, inputs: PyTree,
+               targets: PyTree, *, axis: str,
+               key: jax.Array | None, offset: Any, has_aux: bool,
+               embed_fn: Callable[..., jax.Array] | None, embed_params: PyTree,
+               embed_key: jax.Array | None, remat_policy: Any = None,
+               stage_state: PyTree = None, input_grads: bool = True):
+  """``run`` on one rank: the microbatches in turn, no ticks.
+
+  A ``lax.scan`` over the ``m`` microbatches of ``jax.value_and_grad`` of
+  the whole model (embedding, the ``num_stages`` stages in order, the loss),
+  accumulating as data parallelism's microbatches do and passing the
+  stages' state (if any) from each microbatch to the next; the same keys,
+  results and return values as ``run``. Plain autodiff (XLA fuses the
+  backward) unless a ``remat_policy`` other than ``'everything'`` is asked
+  for: each stage is then a ``jax.checkpoint`` with that policy.
+  """
+  m, num_stages = schedule.num_microbatches, schedule.num_stages
+  train = loss_fn is not None
+  base = vma(inputs) | {axis}
+  local_params, loss_params, embed_params, stage_state = vary(
+      (local_params, loss_params, embed_params, stage_state), base)
+  layer = stage_fn
+  policy = None if remat_policy is None else stash_policy(remat_policy)
+  if train and policy is not None:
+    layer = jax.checkpoint(stage_fn, policy=policy)
+
+  def model(params, lp, ep, x, target, mb, states):
+    """The microbatch's share of the mean loss and ``(aux, new states)``,
+    or (forward only) its output."""
+    g = offset + mb
+    if embed_fn is not None:
+      k = None if embed_key is None else jax.random.fold_in(embed_key, g)
+      x = embed_fn(ep, x, *with_key(k))
+    keys = None if key is None else jax.random.fold_in(key, g)
+    key_of = lambda k: () if key is None else (jax.random.fold_in(keys, k),)
+    new = []
+    for j in range(num_stages):
+      x = layer(row(params, j), x, *key_of(j),
+                *with_state(states, lambda s, j=j: row(s, j)))
+      if states is not None:
+        x, new_state = x
+        new.append(new_state)
+    if not train:
+      return x
+    out = loss_fn(lp, x, target, *key_of(num_stages))
+    loss, aux = jax.tree.map(lambda a: a.astype(jnp.promote_types(
+        a.dtype, jnp.float32)) / m, out if has_aux else (out, ()))
+    return loss, (aux, jax.tree.map(lambda *a: jnp.stack(a), *new)
+                  if new else None)
+
+  mbs = jnp.arange(m)
+  if not train:
+    return jax.lax.psum(jax.lax.map(
+        lambda a: model(local_params, None, embed_params, *a, None),
+        (inputs, targets, mbs)), axis)
+  with_dx = embed_fn is None and input_grads
+  grad = jax.value_and_grad(model, (0, 1, 2, 3) if with_dx else (0, 1, 2),
+                            has_aux=True)
+
+  def body(carry, a):
+    acc, states = carry
+    (loss, (aux, new)), grads = grad(local_params, loss_params, embed_params,
+                                     *a, states)
+    acc = jax.tree.map(lambda s, d: s + vary(d, vma(s)), acc,
+                       ((loss, aux), grads[:3]))
+    return (acc, like(new, states)), (grads[3] if with_dx else None)
+
+  first = jax.tree.map(lambda a: a[0], (inputs, targets))
+  (loss, (aux, new)), grads = jax.eval_shape(lambda: grad(
+      local_params, loss_params, embed_params, *first, mbs[0], stage_state))
+  zero = jax.tree.map(
+      lambda a: vary(jnp.zeros(a.shape, a.dtype), base | vma(a)),
+      ((loss, aux), grads[:3]))
+  # The states vary as the new ones do (e.g. over a data axis).
+  ((out, (grads, dlp, de)), states), dx = jax.lax.scan(
+      body, (zero, vary(stage_state, vma(new))), (inputs, targets, mbs))
+  out, dlp, de, dx = jax.lax.psum((out, dlp, de, dx), axis)
+  return Result(out, grads, dlp, dx,
+                (de if embed_fn is not None else None), states)
