@@ -113,6 +113,33 @@ def test_fixed_costs_per_layer_tick_and_microbatch():
   assert more.pipeline - base.pipeline == pytest.approx(4e-3)
   more, base = delta(single, block_overhead=1e-3)   # 2 layers per block
   assert more.blocks['F'] - base.blocks['F'] == pytest.approx(2e-3)
+  more, base = delta(single, tensor_efficiency=0.5)  # nothing split
+  assert more.total == base.total
+  split = planner.Layout(1, 1, 2, 'one_f_one_b', 4)
+  slow, fast = delta(split, tensor_efficiency=0.5)
+  act = BATCH // 4 * CONFIG.seq_len * CONFIG.d_model * spec.act_bytes
+  tp = 2 * 2 * zero.collective('all-reduce', act, 2)   # 2 layers, 2 each
+  assert slow.blocks['F'] - fast.blocks['F'] == pytest.approx(
+      fast.blocks['F'] - tp)                     # the FLOPs' time doubles
+
+
+def test_tensor_efficiency_is_the_share_of_the_ideal_speed_up(monkeypatch):
+  """``measure_profile``'s tensor efficiency: a block split over 2 devices
+  that takes twice the ideal time (after its fixed costs and all-reduces)
+  reaches 0.5 of the speed-up; one device measures nothing."""
+  from jaxpar.planner import _calibrate
+  spec = planner.ModelSpec.from_gpt(CONFIG)
+  probe = planner.Profile('probe', 1e9, 1.0, 1e9, 1e9, 1e-5,
+                          block_overhead=1e-3)
+  tokens = _calibrate._ROWS[-1] * CONFIG.seq_len
+  ideal = 3 * spec.flops.per_device(2) * tokens / probe.flops
+  comm = 4 * probe.collective('all-reduce', tokens * CONFIG.d_model * 4, 2)
+  monkeypatch.setattr(_calibrate, '_block_seconds', lambda *a: (
+      2 * ideal + comm + 3 * probe.block_overhead))
+  two = jax.devices()[:2]
+  assert _calibrate._tensor_efficiency(spec, two, probe, 1) == (
+      pytest.approx(0.5))
+  assert _calibrate._tensor_efficiency(spec, two[:1], probe, 1) == 1.0
 
 
 def test_nothing_fits_names_the_smallest_need_and_the_fixes():

@@ -4,7 +4,9 @@
   executor runs them (``pipeline.StageVJP``; ``spec``'s width, heads,
   sequence) on one device at three microbatch sizes: FLOP/s from the
   slope, the overhead of one layer's block from the intercept (on a
-  CPU, small matmuls run far below the FLOP/s of large ones);
+  CPU, small matmuls run far below the FLOP/s of large ones); and at the
+  largest, split over two devices as ``tensor``: the share of the ideal
+  speed-up its FLOPs reach (``tensor_efficiency``);
 * **ticks**: the executor itself, on a stage whose blocks cost nothing (a
   ``[8, 8]`` layer, one row per microbatch), at two microbatch counts: a
   2-rank 1F1B step gives the cost of one tick (its while loops, message
@@ -26,6 +28,8 @@ Example:
   >>> profile = measure_profile(spec, jax.devices()[:1], repeats=1)
   >>> profile.flops > 0 and profile.block_overhead >= 0   # one device: no links
   True
+  >>> profile.tensor_efficiency     # one device: not measured
+  1.0
   >>> profile.tick_overhead, profile.microbatch_overhead >= 0   # no pipeline
   (0.0, True)
 """
@@ -53,7 +57,8 @@ from jaxpar.planner._model import ModelSpec
 from jaxpar.planner._profile import Profile
 
 _SIZES = (2**12, 2**20, 2**23)   # bytes of the collective buffers timed
-_ROWS = (1, 4, 16)        # sequences per block timed
+_ROWS = (1, 4, 16)              # sequences per block timed
+_HBM_BYTES = 2**28              # the elementwise pass: 256 MiB
 
 
 def _seconds(fn: Callable, *args, repeats: int) -> float:
@@ -68,18 +73,28 @@ def _seconds(fn: Callable, *args, repeats: int) -> float:
   return min(times)
 
 
-def _stage_blocks(spec: ModelSpec, device) -> tuple[Callable, Any]:
-  """``(run, params)``: ``run(params, x)`` runs one GPT block's ``F``, ``I``
-  and ``W`` as the pipeline executor does (``pipeline.StageVJP``) on
-  ``device``, ``spec``'s width, heads and sequence."""
+def _global(mesh, host: np.ndarray, spec: P = P()) -> jax.Array:
+  """``host`` laid out on ``mesh`` by ``spec`` (every process holds it)."""
+  return jax.make_array_from_callback(
+      host.shape, NamedSharding(mesh, spec), lambda i: host[i])
+
+
+def _stage_blocks(spec: ModelSpec, devices: Sequence) -> tuple[Callable, Any,
+                                                                Any]:
+  """``(run, params, mesh)``: ``run(params, x)`` runs one GPT block's ``F``,
+  ``I`` and ``W`` as the pipeline executor does (``pipeline.StageVJP``),
+  ``spec``'s width, heads and sequence, split over ``devices`` as
+  ``tensor`` (one device: not split)."""
   config = gpt.GPTConfig(d_model=spec.d_model, num_heads=spec.num_heads,
                          seq_len=spec.seq_len, num_layers=1, vocab_size=8)
   shapes = gpt.gpt_params(nnx.eval_shape(
       lambda: gpt.GPT(config, rngs=nnx.Rngs(0))))
-  params = jax.tree.map(lambda s: np.full(s.shape, 0.01, s.dtype), shapes)
-  stages = gpt.split_for_pipeline(params, num_stages=1)[0].stages
-  stage = jax.tree.map(lambda a: jax.device_put(a[0], device), stages)
-  mesh = jax.sharding.Mesh(np.asarray([device]), ('tensor',))
+  host = jax.tree.map(lambda s: np.full(s.shape, 0.01, s.dtype), shapes)
+  stage = jax.tree.map(lambda a: np.asarray(a[0]), gpt.split_for_pipeline(
+      host, num_stages=1)[0].stages)
+  mesh = jax.sharding.Mesh(np.asarray(devices), ('tensor',))
+  specs = tensor_parallel.param_specs(stage, rules=gpt.TENSOR_RULES)
+  params = jax.tree.map(lambda a, s: _global(mesh, a, s), stage, specs)
 
   def blocks(w, x):
     vjp = StageVJP(gpt.stage_fn)
@@ -89,25 +104,42 @@ def _stage_blocks(spec: ModelSpec, device) -> tuple[Callable, Any]:
     dx, kept = vjp.input_grad(w, stash, y)
     return dx, vjp.weight_grad(w, stash, y, kept)
 
-  specs = tensor_parallel.param_specs(stage, rules=gpt.TENSOR_RULES)
   run = jax.jit(jax.shard_map(blocks, mesh=mesh, in_specs=(specs, P()),
                               out_specs=(P(), specs)))
-  return run, stage
+  return run, params, mesh
+
+
+def _block_seconds(spec: ModelSpec, devices: Sequence, rows: int,
+                   repeats: int) -> float:
+  """Seconds of one block's ``F + I + W`` at ``rows`` sequences."""
+  run, params, mesh = _stage_blocks(spec, devices)
+  x = _global(mesh, np.ones((rows, spec.seq_len, spec.d_model), np.float32))
+  return _seconds(run, params, x, repeats=repeats)
 
 
 def _block_rate(spec: ModelSpec, device, repeats: int) -> tuple[float, float]:
   """``(FLOP/s, seconds of overhead per block)`` of one block's F+I+W: a
-  least-squares line through 1, 4 and 16 sequences."""
-  run, stage = _stage_blocks(spec, device)
-  flops, seconds = [], []
-  for rows in _ROWS:
-    x = jax.device_put(np.ones((rows, spec.seq_len, spec.d_model),
-                               np.float32), device)
-    flops.append(3 * spec.flops.per_device(1) * rows * spec.seq_len)
-    seconds.append(_seconds(run, stage, x, repeats=repeats))
+  least-squares line through ``_ROWS`` sequences."""
+  flops = [3 * spec.flops.per_device(1) * r * spec.seq_len for r in _ROWS]
+  seconds = [_block_seconds(spec, [device], r, repeats) for r in _ROWS]
   slope, intercept = np.polyfit(flops, seconds, 1)
-  rate = 1.0 / max(float(slope), 1e-15)
-  return rate, max(float(intercept), 0.0) / 3   # per block: F, I, W
+  return 1.0 / max(float(slope), 1e-15), max(float(intercept), 0.0) / 3
+
+
+def _tensor_efficiency(spec: ModelSpec, devices: Sequence, probe: Profile,
+                       repeats: int) -> float:
+  """The share of the ideal 2-fold speed-up of one block's FLOPs split over
+  2 devices as ``tensor`` (``_ROWS[-1]`` sequences; its fixed costs and 4
+  activation all-reduces, costed by ``probe``, taken out); 1 without 2
+  devices or a 2-way split of the model."""
+  if len(devices) < 2 or 2 not in spec.tensor_sizes(2):
+    return 1.0
+  tokens = _ROWS[-1] * spec.seq_len
+  ideal = 3 * spec.flops.per_device(2) * tokens / probe.flops
+  comm = 4 * probe.collective('all-reduce', tokens * spec.d_model * 4, 2)
+  seconds = (_block_seconds(spec, devices[:2], _ROWS[-1], repeats) - comm
+             - 3 * probe.block_overhead)
+  return float(np.clip(ideal / max(seconds, 1e-9), 0.05, 2.0))
 
 
 def _tiny_step(mesh, m: int) -> tuple[Callable, tuple]:
@@ -117,8 +149,7 @@ def _tiny_step(mesh, m: int) -> tuple[Callable, tuple]:
   step = pipeline.pipeline_value_and_grad(
       lambda w, x: jnp.tanh(x @ w), lambda s, y, t: jnp.mean((s * y - t)**2),
       schedule=pipeline.one_f_one_b(p, m), mesh=mesh, input_grads=False)
-  put = lambda a: jax.make_array_from_callback(
-      a.shape, NamedSharding(mesh, P()), lambda i: a[i])
+  put = functools.partial(_global, mesh)
   return step, (put(np.full((p, 8, 8), 0.1, np.float32)),
                 put(np.ones((), np.float32)), put(np.ones((m, 8), np.float32)),
                 put(np.zeros((m, 8), np.float32)))
@@ -189,7 +220,9 @@ def _links(devices: Sequence, repeats: int) -> tuple[float, float]:
 
 
 def _hbm_bandwidth(device, repeats: int) -> float:
-  x = jax.device_put(np.ones(2**22, np.float32), device)   # 16 MiB
+  """Bytes/s of ``a * 2 + 1`` (read + fresh write) over ``_HBM_BYTES``: large
+  enough that a GPU's launch does not dominate."""
+  x = jax.device_put(np.ones(_HBM_BYTES // 4, np.float32), device)
   seconds = _seconds(jax.jit(lambda a: a * 2.0 + 1.0), x, repeats=repeats)
   return 2 * x.nbytes / seconds
 
@@ -203,6 +236,14 @@ def _memory_bytes(device) -> float:
   return float(total) / max(jax.local_device_count(), 1)
 
 
+def _shared(values: Sequence[float]) -> list[float]:
+  """Process 0's ``values`` in every process (one profile, one ranking)."""
+  if jax.process_count() == 1:
+    return [float(x) for x in values]
+  return [float(x) for x in multihost_utils.broadcast_one_to_all(
+      np.asarray(values, np.float64))]
+
+
 @functools.lru_cache(maxsize=8)
 def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   mine = [d for d in devices if d.process_index == jax.process_index()]
@@ -214,22 +255,22 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   tick = 0.0
   if len(devices) > 1:   # a tick of 2 ranks; one 32-byte message costs:
     tick = _per_tick(devices[:2], alpha + 32 / beta, repeats)
-  if jax.process_count() > 1:   # one profile, one ranking in every process
-    rate, overhead, alpha, beta, hbm, per_mb, tick = (float(x) for x in (
-        multihost_utils.broadcast_one_to_all(
-            np.asarray([rate, overhead, alpha, beta, hbm, per_mb, tick]))))
-  return Profile(
-      f'measured ({device.platform} x{len(devices)})', flops=rate,
-      memory_bytes=_memory_bytes(device),
-      hbm_bandwidth=hbm, link_bandwidth=beta,
-      link_latency=alpha, node_devices=len(devices), block_overhead=overhead,
+  rate, overhead, alpha, beta, hbm, per_mb, tick = _shared(
+      [rate, overhead, alpha, beta, hbm, per_mb, tick])
+  probe = Profile('probe', rate, 0.0, hbm, beta, alpha,
+                  block_overhead=overhead)
+  share = _shared([_tensor_efficiency(spec, devices, probe, repeats)])[0]
+  return probe._replace(
+      name=f'measured ({device.platform} x{len(devices)})',
+      memory_bytes=_memory_bytes(device), node_devices=len(devices),
       tick_overhead=tick, microbatch_overhead=per_mb,
+      tensor_efficiency=share,
       source=f'micro-benchmark on {len(devices)} {device.platform} devices: '
-      "one GPT block's F, I, W at 1, 4 and 16 sequences; psum, all_gather, "
-      'psum_scatter, ppermute at '
-      f'{", ".join(map(str, _SIZES))} bytes; an elementwise pass of 16 MiB; '
-      'a 1F1B step of an [8, 8] layer at 4 and 16 microbatches on 1 and 2 '
-      'ranks')
+      f"one GPT block's F, I, W at {', '.join(map(str, _ROWS))} sequences, "
+      'and split over 2 devices as tensor; psum, all_gather, psum_scatter, '
+      f'ppermute at {", ".join(map(str, _SIZES))} bytes; an elementwise '
+      f'pass of {_HBM_BYTES >> 20} MiB; a 1F1B step of an [8, 8] layer at 4 '
+      'and 16 microbatches on 1 and 2 ranks')
 
 
 def measure_profile(spec: ModelSpec, devices: Sequence, *,

@@ -1,9 +1,9 @@
 """Predicted against measured: time the top candidates' steps for real.
 
 ``measure(plan, n, optimizer, batch)`` builds the trainers of ``n`` of the
-plan's best candidates, the best of each mesh and schedule first (then of
-each microbatch count: candidates that differ only in ZeRO stage or remat
-policy differ by less than a loaded machine's noise), compiles each step
+plan's best candidates, the best of each mesh and microbatch count first
+(then of each schedule too: candidates that differ only in ZeRO stage or
+remat policy differ by less than a loaded machine's noise), compiles each step
 (its ``memory_analysis()``: arguments + temp) and times them in rounds
 (each one's fastest of ``repeats`` after a warm-up); ``spearman`` is the
 rank correlation of two orders.
@@ -63,16 +63,24 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
   return float(np.corrcoef(ra, rb)[0, 1])
 
 
+# What makes two candidates worth timing apart, most telling first: the
+# mesh and microbatch count (the microbatch size moves a CPU's block rate by
+# 2x), then the schedule too (on a few ranks the schedules of one mesh and
+# microbatch count measure within a few percent: near ties).
+_DISTINCT = (lambda x: (x.data, x.stage, x.tensor, x.num_microbatches),
+             lambda x: x[:5])
+
+
 def _diverse(candidates: Sequence, n: int) -> list:
-  """``n`` fitting candidates: the best of each (mesh, schedule), then of
-  each (mesh, schedule, microbatches), in rank order."""
+  """``n`` fitting candidates: the best of each mesh and microbatch count,
+  then of each mesh, schedule and microbatch count, in rank order."""
   fits = [c for c in candidates if c.fits]
   out = []
-  for width in (4, 5):
-    seen = {c.layout[:width] for c in out}
+  for key in _DISTINCT:
+    seen = {key(c.layout) for c in out}
     for c in fits:
-      if len(out) < n and c.layout[:width] not in seen and c not in out:
-        seen.add(c.layout[:width])
+      if len(out) < n and key(c.layout) not in seen and c not in out:
+        seen.add(key(c.layout))
         out.append(c)
   return sorted(out, key=candidates.index)
 

@@ -260,10 +260,6 @@ def plan(model: Any, optimizer: optax.GradientTransformation | None = None,
   src = source(model, blocks=blocks, embed=embed, head_loss=head_loss,
                inputs=inputs)
   devs, n = _devices(devices)
-  prof = _profile(profile, src.spec, devs)
-  cap = float(prof.memory_bytes if memory_per_device is None
-              else memory_per_device)
-  factor = _opt_factor(optimizer)
   found = layouts(src.spec, devices=n, batch=n_batch,
                   zero_stages=zero_stages, remat_policies=remat_policies,
                   max_microbatches=max_microbatches)
@@ -273,6 +269,10 @@ def plan(model: Any, optimizer: optax.GradientTransformation | None = None,
         f'plan: no layout of {src.spec.name} on {n} devices with batch '
         f'{n_batch}: the batch must divide by the data size and the tensor '
         f'size divide {src.spec.divisors}; change the batch or devices.')
+  prof = _profile(profile, src.spec, devs)
+  cap = float(prof.memory_bytes if memory_per_device is None
+              else memory_per_device)
+  factor = _opt_factor(optimizer)
   ranked = []
   for layout in found:
     mem = memory(src.spec, layout, batch=n_batch, opt_factor=factor)

@@ -53,6 +53,10 @@ class Profile(NamedTuple):
       the slot reads and writes).
     microbatch_overhead: the same for one microbatch of the plain scan a
       single stage rank runs (``stage = 1``).
+    tensor_efficiency: the share of the ideal ``t``-fold speed-up a block's
+      compute reaches split over ``tensor`` (its collectives costed apart):
+      1 on paper; measured on two devices (on a CPU, elementwise work that
+      tensor parallelism repeats keeps it well below 1).
     source: where the numbers come from.
   """
   name: str
@@ -67,6 +71,7 @@ class Profile(NamedTuple):
   block_overhead: float = 0.0
   tick_overhead: float = 0.0
   microbatch_overhead: float = 0.0
+  tensor_efficiency: float = 1.0
   source: str = ''
 
   def collective(self, kind: str, nbytes: float, n: int, *,

@@ -3,8 +3,9 @@
 The step is its pipeline plus what runs around it, on a ``Profile``:
 
 * **blocks** -- one logical stage's ``F``, ``I`` and ``W`` for one
-  microbatch: FLOPs over the profile's FLOP/s plus the block overhead of
-  each of its layers, the tensor-parallel all-reduces inside (two per
+  microbatch: FLOPs over the profile's FLOP/s (over ``tensor_efficiency``
+  too when split over ``tensor``) plus the block overhead of each of its
+  layers, the tensor-parallel all-reduces inside (two per
   block forward, two in ``I``), the forward again in ``I`` under
   ``remat_policy='nothing'``, and in ``W`` the gradient's add into its
   accumulator (a read of both and a write, at the memory bandwidth);
@@ -78,7 +79,8 @@ def block_costs(spec: ModelSpec, layout: Layout, profile: Profile,
                 tokens: int, n_slots: int) -> dict[str, float]:
   """Seconds of one logical stage's ``F``, ``I``, ``W`` for one microbatch."""
   t = layout.tensor
-  flops = n_slots * spec.flops.per_device(t) * tokens / profile.flops
+  share = profile.tensor_efficiency if t > 1 else 1.0
+  flops = n_slots * spec.flops.per_device(t) * tokens / profile.flops / share
   act = tokens * spec.d_model * spec.act_bytes
   tp = n_slots * 2 * profile.collective('all-reduce', act, t, span=t)
   over = n_slots * profile.block_overhead

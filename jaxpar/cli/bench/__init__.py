@@ -46,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
 
   mesh.simulate_cpu_devices(args.devices)
+  if jax.device_count() < args.devices:   # a GPU/TPU host with fewer chips
+    parser.error(
+        f'the benchmarks run on {args.devices} devices but the '
+        f'{jax.default_backend()} backend has {jax.device_count()}; run them '
+        f'on simulated CPU devices (JAX_PLATFORMS=cpu python -m jaxpar '
+        'bench ...) or on a host with that many')
 
   topics = sorted(m.name for m in pkgutil.iter_modules(__path__)
                   if not m.name.startswith('_'))
