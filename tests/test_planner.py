@@ -218,3 +218,24 @@ def test_an_nnx_model_is_planned_through_from_nnx():
   params = plan.params()
   assert params.stages['mlp']['kernel'].shape[0] == layout.num_stages
   plan.trainer(optax.sgd(0.1))    # builds; the GPT's trainer runs above
+
+
+def test_a_pipeline_model_is_planned_for_its_own_cut():
+  """A ``PipelineModel`` is cut already: only layouts with its logical
+  stage count, and its trainer trains it; another cut is refused."""
+  net = _Net(nnx.Rngs(0))
+  ids = np.zeros((8, 4), np.int32)
+  head_loss = lambda m, y, t: optax.losses.\
+      softmax_cross_entropy_with_integer_labels(m.out(y), t).mean()
+  pm = jaxpar.parallel.from_nnx(net, blocks='layers', num_stages=2,
+                                embed=lambda m, x: m.embed(x),
+                                head_loss=head_loss)
+  plan = jaxpar.plan(pm, optax.sgd(0.1), batch=(ids, ids),
+                     devices=jax.devices(), profile='H100-SXM')
+  assert {c.layout.num_stages for c in plan.candidates} == {2}
+  assert plan.params() is pm.params
+  with pytest.raises(ValueError, match='cut for 2 logical stages, not 4'):
+    plan.source.pipeline(4)
+  with pytest.raises(ValueError, match="PipelineModel's cut"):
+    jaxpar.plan(pm, batch=(ids, ids), devices=jax.devices(),
+                profile='H100-SXM', where=lambda x: x.num_stages == 4)

@@ -232,8 +232,9 @@ def plan(model: Any, optimizer: optax.GradientTransformation | None = None,
 
   Args:
     model: jaxpar's ``gpt.GPT`` (or ``GPTConfig``), a Flax NNX model (cut
-      by ``parallel.from_nnx`` with ``blocks``, ``embed``, ``head_loss``) or
-      a ``ModelSpec`` (a plan on paper).
+      by ``parallel.from_nnx`` with ``blocks``, ``embed``, ``head_loss``), a
+      ``parallel.PipelineModel`` (cut already: only layouts of its logical
+      stage count) or a ``ModelSpec`` (a plan on paper).
     optimizer: the optax optimizer (its state's size; default Adam's 2x).
     batch: ``(inputs, targets)`` of one global step, or its size.
     devices: the devices (default ``jax.devices()``), or a count with a
@@ -263,12 +264,16 @@ def plan(model: Any, optimizer: optax.GradientTransformation | None = None,
   found = layouts(src.spec, devices=n, batch=n_batch,
                   zero_stages=zero_stages, remat_policies=remat_policies,
                   max_microbatches=max_microbatches)
-  found = [x for x in found if where is None or where(x)]
+  found = [x for x in found if (where is None or where(x)) and (
+      src.num_stages in (None, x.num_stages))]
   if not found:
+    cut = ('' if src.num_stages is None else
+           f' and {src.num_stages} logical stages (the PipelineModel\'s cut)')
     raise ValueError(
         f'plan: no layout of {src.spec.name} on {n} devices with batch '
-        f'{n_batch}: the batch must divide by the data size and the tensor '
-        f'size divide {src.spec.divisors}; change the batch or devices.')
+        f'{n_batch}{cut}: the batch must divide by the data size and the '
+        f'tensor size divide {src.spec.divisors}; change the batch or '
+        'devices.')
   prof = _profile(profile, src.spec, devs)
   cap = float(prof.memory_bytes if memory_per_device is None
               else memory_per_device)
