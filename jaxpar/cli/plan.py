@@ -105,7 +105,7 @@ def _measured(plan, args, config) -> dict:
 
 
 def _print_measured(found: dict) -> None:
-  print('\npredicted vs measured (fastest of 5 steps; compiled arguments + temp):')
+  print('\npredicted vs measured (fastest of 5 rounds, each the second of two steps; compiled arguments + temp):')
   for r in found['rows']:
     print(f"  {r['layout']:<42} {1e3 * r['predicted_s']:9.3f} ms "
           f"{1e3 * r['measured_s']:9.3f} ms ({r['time_error']:+.0%})  "

@@ -5,7 +5,8 @@ plan's best candidates, the best of each mesh and microbatch count first
 (then of each schedule too: candidates that differ only in ZeRO stage or
 remat policy differ by less than a loaded machine's noise), compiles each step
 (its ``memory_analysis()``: arguments + temp) and times them in rounds
-(each one's fastest of ``repeats`` after a warm-up); ``spearman`` is the
+(each one's fastest of ``repeats``, each the second of two steps in a
+row); ``spearman`` is the
 rank correlation of two orders.
 
 Example:
@@ -91,10 +92,13 @@ def measure(plan: Any, n: int, optimizer: optax.GradientTransformation,
   fastest of ``repeats`` steps after one warm-up, and the compiled step's
   arguments + temp.
 
-  The candidates are stepped in rounds, one step of each per round, so
-  that load from other work that comes and goes falls on all of them
-  alike (timed one after another, the same step measured 2.1 s and 4.8 s
-  twenty minutes apart on a shared machine).
+  The candidates are stepped in rounds, so that load from other work that
+  comes and goes falls on all of them alike (timed one after another, the
+  same step measured 2.1 s and 4.8 s twenty minutes apart on a shared
+  machine). Each round runs a candidate's step twice and times the second,
+  as training runs one step after another: on a CPU the first step after
+  another program's pays to fault its memory back in (the largest
+  temporaries, a 32-sequence microbatch, took 1.38 s against 1.01 s).
   """
   runs = []
   for candidate in _diverse(plan.candidates, n):
@@ -107,6 +111,7 @@ def measure(plan: Any, n: int, optimizer: optax.GradientTransformation,
                  int(mem.argument_size_in_bytes + mem.temp_size_in_bytes)))
   for _ in range(repeats):
     for _, step, state, times, _ in runs:
+      state[0], _ = jax.block_until_ready(step(state[0], batch))
       start = time.perf_counter()
       state[0], _ = jax.block_until_ready(step(state[0], batch))
       times.append(time.perf_counter() - start)
