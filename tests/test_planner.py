@@ -115,6 +115,11 @@ def test_fixed_costs_per_layer_tick_and_microbatch():
   assert more.blocks['F'] - base.blocks['F'] == pytest.approx(2e-3)
   more, base = delta(single, tensor_efficiency=0.5)  # nothing split
   assert more.total == base.total
+  tokens = BATCH // (2 * 4) * CONFIG.seq_len        # per microbatch
+  curve = zero._replace(block_rates=((tokens / 4, 1e9), (tokens * 4, 3e9)))
+  measured = planner.step_time(spec, single, batch=BATCH, profile=curve)
+  assert measured.blocks['F'] == pytest.approx(   # measured rate at tokens
+      2 * spec.flops.per_device(1) * tokens / 2e9)
   split = planner.Layout(1, 1, 2, 'one_f_one_b', 4)
   slow, fast = delta(split, tensor_efficiency=0.5)
   act = BATCH // 4 * CONFIG.seq_len * CONFIG.d_model * spec.act_bytes
@@ -125,17 +130,19 @@ def test_fixed_costs_per_layer_tick_and_microbatch():
 
 def test_tensor_efficiency_is_the_share_of_the_ideal_speed_up(monkeypatch):
   """``measure_profile``'s tensor efficiency: a block split over 2 devices
-  that takes twice the ideal time (after its fixed costs and all-reduces)
-  reaches 0.5 of the speed-up; one device measures nothing."""
+  that takes twice the ideal time at the rate measured for its size (its
+  all-reduces taken out) reaches 0.5 of the speed-up; one device measures
+  nothing."""
   from jaxpar.planner import _calibrate
   spec = planner.ModelSpec.from_gpt(CONFIG)
+  rows = _calibrate._ROWS[len(_calibrate._ROWS) // 2]
+  tokens = rows * CONFIG.seq_len
   probe = planner.Profile('probe', 1e9, 1.0, 1e9, 1e9, 1e-5,
-                          block_overhead=1e-3)
-  tokens = _calibrate._ROWS[-1] * CONFIG.seq_len
-  ideal = 3 * spec.flops.per_device(2) * tokens / probe.flops
+                          block_rates=((tokens / 2, 1e9), (tokens * 2, 4e9)))
+  ideal = 3 * spec.flops.per_device(2) * tokens / 2.5e9
   comm = 4 * probe.collective('all-reduce', tokens * CONFIG.d_model * 4, 2)
   monkeypatch.setattr(_calibrate, '_block_seconds', lambda *a: (
-      2 * ideal + comm + 3 * probe.block_overhead))
+      2 * ideal + comm))
   two = jax.devices()[:2]
   assert _calibrate._tensor_efficiency(spec, two, probe, 1) == (
       pytest.approx(0.5))

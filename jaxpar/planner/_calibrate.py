@@ -2,11 +2,11 @@
 
 * **blocks**: one GPT block's ``F``, ``I`` and ``W`` as the pipeline
   executor runs them (``pipeline.StageVJP``; ``spec``'s width, heads,
-  sequence) on one device at three microbatch sizes: FLOP/s from the
-  slope, the overhead of one layer's block from the intercept (on a
-  CPU, small matmuls run far below the FLOP/s of large ones); and at the
-  largest, split over two devices as ``tensor``: the share of the ideal
-  speed-up its FLOPs reach (``tensor_efficiency``);
+  sequence) on one device at 1 to 32 sequences per microbatch: the
+  FLOP/s reached at each (``Profile.block_rates``; on a CPU small
+  microbatches run far below the rate of large ones, and large ones fall
+  out of cache); and at 4, split over two devices as ``tensor``: the
+  share of the ideal speed-up its FLOPs reach (``tensor_efficiency``);
 * **ticks**: the executor itself, on a stage whose blocks cost nothing (a
   ``[8, 8]`` layer, one row per microbatch), at two microbatch counts: a
   2-rank 1F1B step gives the cost of one tick (its while loops, message
@@ -26,8 +26,8 @@ Example:
   >>> spec = ModelSpec.from_gpt(gpt.GPTConfig(d_model=16, num_heads=2,
   ...                                         seq_len=8, num_layers=2))
   >>> profile = measure_profile(spec, jax.devices()[:1], repeats=1)
-  >>> profile.flops > 0 and profile.block_overhead >= 0   # one device: no links
-  True
+  >>> [tokens for tokens, _ in profile.block_rates]   # 1 to 32 sequences
+  [8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
   >>> profile.tensor_efficiency     # one device: not measured
   1.0
   >>> profile.tick_overhead, profile.microbatch_overhead >= 0   # no pipeline
@@ -57,16 +57,17 @@ from jaxpar.planner._model import ModelSpec
 from jaxpar.planner._profile import Profile
 
 _SIZES = (2**12, 2**20, 2**23)   # bytes of the collective buffers timed
-_ROWS = (1, 4, 16)              # sequences per block timed
+_ROWS = (1, 2, 4, 8, 16, 32)    # sequences per microbatch of the blocks timed
 _HBM_BYTES = 2**28              # the in-place add: 256 MiB
 
 
 def _seconds(fn: Callable, *args, repeats: int) -> float:
-  """Fastest wall seconds of ``fn(*args)`` after one warm-up call (the
-  minimum: on a shared machine other work only ever adds time). With
+  """Wall seconds of ``fn(*args)`` after one warm-up call: the fastest of
+  ``repeats`` (on a shared machine other work only ever adds time). With
   several processes each call starts together in all of them, as their
-  steps do: on a shared host one process timed while another compiles
-  reaches twice the FLOP/s it has in a step."""
+  steps do (on a shared host a process timed while another compiles
+  reaches twice the FLOP/s it has in a step), and the median counts: the
+  calls start together but need not stay so, and in a step they do."""
   jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):
@@ -75,7 +76,7 @@ def _seconds(fn: Callable, *args, repeats: int) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
-  return min(times)
+  return float(np.median(times) if jax.process_count() > 1 else min(times))
 
 
 def _global(mesh, host: np.ndarray, spec: P = P()) -> jax.Array:
@@ -122,28 +123,33 @@ def _block_seconds(spec: ModelSpec, devices: Sequence, rows: int,
   return _seconds(run, params, x, repeats=repeats)
 
 
-def _block_rate(spec: ModelSpec, device, repeats: int) -> tuple[float, float]:
-  """``(FLOP/s, seconds of overhead per block)`` of one block's F+I+W: a
-  least-squares line through ``_ROWS`` sequences."""
-  flops = [3 * spec.flops.per_device(1) * r * spec.seq_len for r in _ROWS]
-  seconds = [_block_seconds(spec, [device], r, repeats) for r in _ROWS]
-  slope, intercept = np.polyfit(flops, seconds, 1)
-  return 1.0 / max(float(slope), 1e-15), max(float(intercept), 0.0) / 3
+def _block_rates(spec: ModelSpec, device,
+                 repeats: int) -> tuple[tuple[float, float], ...]:
+  """``((tokens, FLOP/s), ...)`` of one block's F+I+W on ``device`` at each
+  of ``_ROWS`` sequences per microbatch."""
+  out = []
+  for r in _ROWS:
+    flops = 3 * spec.flops.per_device(1) * r * spec.seq_len
+    out.append((float(r * spec.seq_len),
+                flops / _block_seconds(spec, [device], r, repeats)))
+  return tuple(out)
 
 
 def _tensor_efficiency(spec: ModelSpec, devices: Sequence, probe: Profile,
                        repeats: int) -> float:
   """The share of the ideal 2-fold speed-up of one block's FLOPs split over
-  2 devices as ``tensor`` (``_ROWS[-1]`` sequences; its fixed costs and 4
+  2 devices as ``tensor`` (the middle of ``_ROWS``; its fixed costs and 4
   activation all-reduces, costed by ``probe``, taken out); 1 without 2
   devices or a 2-way split of the model."""
   if len(devices) < 2 or 2 not in spec.tensor_sizes(2):
     return 1.0
-  tokens = _ROWS[-1] * spec.seq_len
-  ideal = 3 * spec.flops.per_device(2) * tokens / probe.flops
+  rows = _ROWS[len(_ROWS) // 2]
+  tokens = rows * spec.seq_len
+  rate, per_block = probe.rate(tokens)
+  ideal = 3 * spec.flops.per_device(2) * tokens / rate
   comm = 4 * probe.collective('all-reduce', tokens * spec.d_model * 4, 2)
-  seconds = (_block_seconds(spec, devices[:2], _ROWS[-1], repeats) - comm
-             - 3 * probe.block_overhead)
+  seconds = (_block_seconds(spec, devices[:2], rows, repeats) - comm
+             - 3 * per_block)
   return float(np.clip(ideal / max(seconds, 1e-9), 0.05, 1.0))
 
 
@@ -261,17 +267,18 @@ def _shared(values: Sequence[float]) -> list[float]:
 def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   mine = [d for d in devices if d.process_index == jax.process_index()]
   device = (mine or jax.local_devices())[0]   # this process's first
-  rate, overhead = _block_rate(spec, device, repeats)
+  rates = _block_rates(spec, device, repeats)
   alpha, beta = _links(devices, repeats) if len(devices) > 1 else (0.0, 1e30)
   hbm = _hbm_bandwidth(device, repeats)
   per_mb = _per_tick([device], 0.0, repeats)
   tick = 0.0
   if len(devices) > 1:   # a tick of 2 ranks; one 32-byte message costs:
     tick = _per_tick(devices[:2], alpha + 32 / beta, repeats)
-  rate, overhead, alpha, beta, hbm, per_mb, tick = _shared(
-      [rate, overhead, alpha, beta, hbm, per_mb, tick])
-  probe = Profile('probe', rate, 0.0, hbm, beta, alpha,
-                  block_overhead=overhead)
+  alpha, beta, hbm, per_mb, tick, *flat = _shared(
+      [alpha, beta, hbm, per_mb, tick, *(r for _, r in rates)])
+  rates = tuple(zip((t for t, _ in rates), flat))
+  probe = Profile('probe', max(flat), 0.0, hbm, beta, alpha,
+                  block_rates=rates)
   share = _shared([_tensor_efficiency(spec, devices, probe, repeats)])[0]
   return probe._replace(
       name=f'measured ({device.platform} x{len(devices)})',

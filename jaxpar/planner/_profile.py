@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'ppermute')
 
 
@@ -53,6 +55,13 @@ class Profile(NamedTuple):
       the slot reads and writes).
     microbatch_overhead: the same for one microbatch of the plain scan a
       single stage rank runs (``stage = 1``).
+    block_rates: ``((tokens, FLOP/s), ...)`` measured: the rate one layer's
+      ``F + I + W`` reached at that many tokens per microbatch, its fixed
+      costs included (``measure_profile``). Where given it replaces
+      ``flops`` and ``block_overhead`` for blocks (``rate``): on a CPU one
+      64-token sequence runs at half the rate of four, and large
+      microbatches fall out of cache, which no line through a few points
+      follows.
     tensor_efficiency: the share of the ideal ``t``-fold speed-up a block's
       compute reaches split over ``tensor`` (its collectives costed apart):
       1 on paper; measured on two devices (on a CPU, elementwise work that
@@ -71,8 +80,25 @@ class Profile(NamedTuple):
   block_overhead: float = 0.0
   tick_overhead: float = 0.0
   microbatch_overhead: float = 0.0
+  block_rates: tuple[tuple[float, float], ...] = ()
   tensor_efficiency: float = 1.0
   source: str = ''
+
+  def rate(self, tokens: float) -> tuple[float, float]:
+    """``(FLOP/s, seconds of fixed cost per layer-block)`` of a block at
+    ``tokens`` per microbatch: ``block_rates`` interpolated in log tokens
+    (held at its ends), fixed costs included; else ``flops``,
+    ``block_overhead``.
+
+    Example:
+      >>> p = Profile('p', 1e9, 1, 1, 1, 1, block_rates=((64, 1e9), (256, 4e9)))
+      >>> p.rate(128)[0] / 1e9, p.rate(4096)
+      (2.5, (4000000000.0, 0.0))
+    """
+    if not self.block_rates:
+      return self.flops, self.block_overhead
+    tokens_at, rates = zip(*self.block_rates)
+    return float(np.interp(np.log(tokens), np.log(tokens_at), rates)), 0.0
 
   def collective(self, kind: str, nbytes: float, n: int, *,
                  span: int | None = None) -> float:

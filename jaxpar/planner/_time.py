@@ -3,9 +3,10 @@
 The step is its pipeline plus what runs around it, on a ``Profile``:
 
 * **blocks** -- one logical stage's ``F``, ``I`` and ``W`` for one
-  microbatch: FLOPs over the profile's FLOP/s (over ``tensor_efficiency``
-  too when split over ``tensor``) plus the block overhead of each of its
-  layers, the tensor-parallel all-reduces inside (two per
+  microbatch: FLOPs over the FLOP/s the profile reaches at that many tokens
+  (``Profile.rate``: measured, or the peak share plus the block overhead of
+  each of its layers), over ``tensor_efficiency`` too when split over
+  ``tensor``, the tensor-parallel all-reduces inside (two per
   block forward, two in ``I``), the forward again in ``I`` under
   ``remat_policy='nothing'``, and in ``W`` the gradient's add into its
   accumulator (a read of both and a write, at the memory bandwidth);
@@ -79,11 +80,12 @@ def block_costs(spec: ModelSpec, layout: Layout, profile: Profile,
                 tokens: int, n_slots: int) -> dict[str, float]:
   """Seconds of one logical stage's ``F``, ``I``, ``W`` for one microbatch."""
   t = layout.tensor
+  rate, per_block = profile.rate(tokens)
   share = profile.tensor_efficiency if t > 1 else 1.0
-  flops = n_slots * spec.flops.per_device(t) * tokens / profile.flops / share
+  flops = n_slots * spec.flops.per_device(t) * tokens / rate / share
   act = tokens * spec.d_model * spec.act_bytes
   tp = n_slots * 2 * profile.collective('all-reduce', act, t, span=t)
-  over = n_slots * profile.block_overhead
+  over = n_slots * per_block
   recompute = RECOMPUTE[layout.remat_policy] * flops
   grads = n_slots * spec.layer.per_device(t) * spec.param_bytes
   return {'F': flops + tp + over,
@@ -120,8 +122,9 @@ def step_time(spec: ModelSpec, layout: Layout, *, batch: int,
   comm = profile.collective('ppermute', act, 2,
                             span=layout.stage * layout.tensor)
   makespan = table.makespan(blocks, comm if layout.stage > 1 else 0.0)
+  rate, per_block = profile.rate(shape.tokens)
   head = (3 * spec.head_flops.per_device(layout.tensor) * shape.tokens
-          / profile.flops + profile.block_overhead)
+          / rate + per_block)
   busy = (layout.stages_per_rank * layout.num_microbatches
           * sum(blocks.values()))
   bubble = 1.0 - busy / makespan if layout.stage > 1 else 0.0
