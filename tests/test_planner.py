@@ -246,3 +246,30 @@ def test_a_pipeline_model_is_planned_for_its_own_cut():
   with pytest.raises(ValueError, match="PipelineModel's cut"):
     jaxpar.plan(pm, batch=(ids, ids), devices=jax.devices(),
                 profile='H100-SXM', where=lambda x: x.num_stages == 4)
+
+
+class _NormedBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.norm = nnx.BatchNorm(8, use_running_average=False, rngs=rngs)
+    self.mlp = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.mlp(self.norm(x))
+
+
+def test_plan_gives_the_model_state_of_its_cut():
+  """An NNX model's BatchNorm statistics come split like the params (for
+  ``trainer.init(plan.params(), plan.model_state())``); the GPT has none."""
+  net = _Net(nnx.Rngs(0))
+  net.layers = nnx.List([_NormedBlock(nnx.Rngs(i)) for i in range(4)])
+  ids = np.zeros((8, 4), np.int32)
+  plan = jaxpar.plan(
+      net, optax.sgd(0.1), batch=(ids, ids), devices=jax.devices(),
+      profile='H100-SXM', blocks='layers', embed=lambda m, x: m.embed(x),
+      head_loss=lambda m, y, t: optax.losses.
+      softmax_cross_entropy_with_integer_labels(m.out(y), t).mean())
+  stages = plan.best.layout.num_stages
+  stats = plan.model_state()
+  assert stats['norm']['mean'].shape == (stages, 4 // stages, 8)
+  assert jaxpar.plan(CONFIG, batch=BATCH, devices=jax.devices(),
+                     profile='H100-SXM').model_state() is None

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpar import parallel
 from jaxpar.planner import _layout
 from jaxpar.planner._calibrate import measure_profile
 from jaxpar.planner._layout import Layout, layouts
@@ -144,6 +145,16 @@ class Plan(NamedTuple):
     """The model's ``PipelineParams`` split for ``candidate`` (default best)."""
     layout = self._check(candidate).layout
     return self.source.pipeline(layout.num_stages)[0]
+
+  def model_state(self, candidate: Candidate | None = None):
+    """The model's state that is not params (an NNX model's ``BatchStat`` s),
+    split like ``params(candidate)``, or ``None`` (jaxpar's GPT, a model
+    without any): ``trainer.init(plan.params(), plan.model_state())``."""
+    layout = self._check(candidate).layout
+    functions = self.source.pipeline(layout.num_stages)[1]
+    if isinstance(functions, parallel.PipelineModel):
+      return functions.model_state
+    return None
 
   def trainer(self, optimizer: optax.GradientTransformation,
               candidate: Candidate | None = None, **options: Any):
