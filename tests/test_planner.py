@@ -209,14 +209,30 @@ class _Net(nnx.Module):
     self.out = nnx.Linear(8, 16, rngs=rngs)
 
 
+def _head_loss(m, y, t):
+  return optax.losses.softmax_cross_entropy_with_integer_labels(
+      m.out(y), t).mean()
+
+
+def _as_written(net, ids, targets):
+  """The loss of ``_Net`` as its author runs it, on one device."""
+  x = net.embed(ids)
+  for block in net.layers:
+    x = block(x)
+  return _head_loss(net, x, targets)
+
+
+def _plan_net(net, ids, **options):
+  return jaxpar.plan(
+      net, optax.sgd(0.1), batch=(ids, ids), profile='H100-SXM',
+      blocks='layers', embed=lambda m, x: m.embed(x), head_loss=_head_loss,
+      **{'devices': jax.devices(), **options})
+
+
 def test_an_nnx_model_is_planned_through_from_nnx():
   net = _Net(nnx.Rngs(0))
   ids = np.zeros((8, 4), np.int32)
-  plan = jaxpar.plan(
-      net, optax.sgd(0.1), batch=(ids, ids), devices=jax.devices(),
-      profile='H100-SXM', blocks='layers', embed=lambda m, x: m.embed(x),
-      head_loss=lambda m, y, t: optax.losses.
-      softmax_cross_entropy_with_integer_labels(m.out(y), t).mean())
+  plan = _plan_net(net, ids)
   assert plan.spec.num_layers == 4 and plan.spec.tensor_sizes(8) == (1,)
   assert plan.spec.num_params == sum(
       x.size for x in jax.tree.leaves(nnx.state(net, nnx.Param)))
@@ -229,14 +245,12 @@ def test_an_nnx_model_is_planned_through_from_nnx():
 
 def test_a_pipeline_model_is_planned_for_its_own_cut():
   """A ``PipelineModel`` is cut already: only layouts with its logical
-  stage count, and its trainer trains it; another cut is refused."""
+  stage count (its params as they are); another cut is refused."""
   net = _Net(nnx.Rngs(0))
   ids = np.zeros((8, 4), np.int32)
-  head_loss = lambda m, y, t: optax.losses.\
-      softmax_cross_entropy_with_integer_labels(m.out(y), t).mean()
   pm = jaxpar.parallel.from_nnx(net, blocks='layers', num_stages=2,
                                 embed=lambda m, x: m.embed(x),
-                                head_loss=head_loss)
+                                head_loss=_head_loss)
   plan = jaxpar.plan(pm, optax.sgd(0.1), batch=(ids, ids),
                      devices=jax.devices(), profile='H100-SXM')
   assert {c.layout.num_stages for c in plan.candidates} == {2}
@@ -258,18 +272,29 @@ class _NormedBlock(nnx.Module):
 
 
 def test_plan_gives_the_model_state_of_its_cut():
-  """An NNX model's BatchNorm statistics come split like the params (for
-  ``trainer.init(plan.params(), plan.model_state())``); the GPT has none."""
+  """An NNX model's BatchNorm statistics come split like the params:
+  ``trainer.init(plan.params(), plan.model_state())`` trains the model as
+  written (one microbatch, no data split: the whole batch's statistics),
+  its loss and running statistics those of the model on one device. The
+  GPT has none."""
   net = _Net(nnx.Rngs(0))
   net.layers = nnx.List([_NormedBlock(nnx.Rngs(i)) for i in range(4)])
-  ids = np.zeros((8, 4), np.int32)
-  plan = jaxpar.plan(
-      net, optax.sgd(0.1), batch=(ids, ids), devices=jax.devices(),
-      profile='H100-SXM', blocks='layers', embed=lambda m, x: m.embed(x),
-      head_loss=lambda m, y, t: optax.losses.
-      softmax_cross_entropy_with_integer_labels(m.out(y), t).mean())
-  stages = plan.best.layout.num_stages
+  rng = np.random.default_rng(0)
+  ids, targets = (rng.integers(0, 16, (8, 4)).astype(np.int32)
+                  for _ in range(2))
+  plan = _plan_net(net, ids, devices=jax.devices()[:2], where=lambda x: (
+      x.data, x.num_microbatches) == (1, 1))
+  assert plan.best.layout.num_stages == 2
   stats = plan.model_state()
-  assert stats['norm']['mean'].shape == (stages, 4 // stages, 8)
+  assert stats['norm']['mean'].shape == (2, 2, 8)
+  trainer = plan.trainer(optax.sgd(0.1))
+  state, got = trainer.step(trainer.init(plan.params(), stats),
+                            (ids, targets))
+  want = _as_written(net, ids, targets)     # updates net's running stats
+  np.testing.assert_allclose(got.loss, want, rtol=1e-5)
+  mean = np.asarray(state.model_state['norm']['mean'])
+  for i, block in enumerate(net.layers):
+    np.testing.assert_allclose(mean[i // 2, i % 2], block.norm.mean.get_value(),
+                               rtol=1e-5, atol=1e-7)
   assert jaxpar.plan(CONFIG, batch=BATCH, devices=jax.devices(),
                      profile='H100-SXM').model_state() is None

@@ -5,7 +5,7 @@
   sequence) on one device at 1 to 32 sequences per microbatch: the
   FLOP/s reached at each (``Profile.block_rates``; on a CPU small
   microbatches run far below the rate of large ones, and large ones fall
-  out of cache); and at 4, split over two devices as ``tensor``: the
+  out of cache); and at 8, split over two devices as ``tensor``: the
   share of the ideal speed-up its FLOPs reach (``tensor_efficiency``);
 * **ticks**: the executor itself, on a stage whose blocks cost nothing (a
   ``[8, 8]`` layer, one row per microbatch), at two microbatch counts: a
@@ -85,12 +85,14 @@ def _global(mesh, host: np.ndarray, spec: P = P()) -> jax.Array:
       host.shape, NamedSharding(mesh, spec), lambda i: host[i])
 
 
-def _stage_blocks(spec: ModelSpec, devices: Sequence) -> tuple[Callable, Any,
-                                                                Any]:
+@functools.lru_cache(maxsize=8)
+def _stage_blocks(spec: ModelSpec, devices: tuple) -> tuple[Callable, Any,
+                                                             Any]:
   """``(run, params, mesh)``: ``run(params, x)`` runs one GPT block's ``F``,
   ``I`` and ``W`` as the pipeline executor does (``pipeline.StageVJP``),
   ``spec``'s width, heads and sequence, split over ``devices`` as
-  ``tensor`` (one device: not split)."""
+  ``tensor`` (one device: not split); built once per ``devices``, compiled
+  once per microbatch size."""
   config = gpt.GPTConfig(d_model=spec.d_model, num_heads=spec.num_heads,
                          seq_len=spec.seq_len, num_layers=1, vocab_size=8)
   shapes = gpt.gpt_params(nnx.eval_shape(
@@ -118,7 +120,7 @@ def _stage_blocks(spec: ModelSpec, devices: Sequence) -> tuple[Callable, Any,
 def _block_seconds(spec: ModelSpec, devices: Sequence, rows: int,
                    repeats: int) -> float:
   """Seconds of one block's ``F + I + W`` at ``rows`` sequences."""
-  run, params, mesh = _stage_blocks(spec, devices)
+  run, params, mesh = _stage_blocks(spec, tuple(devices))
   x = _global(mesh, np.ones((rows, spec.seq_len, spec.d_model), np.float32))
   return _seconds(run, params, x, repeats=repeats)
 
