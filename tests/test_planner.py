@@ -93,7 +93,10 @@ def test_ranking_follows_the_time_model():
 def test_fixed_costs_per_layer_tick_and_microbatch():
   """The profile's fixed costs enter as counted: ``block_overhead`` once per
   layer of a block, ``tick_overhead`` once per tick of the table (stage >
-  1), ``microbatch_overhead`` once per microbatch of one stage rank."""
+  1), ``microbatch_overhead`` once per microbatch of one stage rank; the
+  measured rate at the microbatch's tokens, ``tensor_efficiency`` on the
+  split FLOPs, ``block_shares`` splitting ``F + I + W`` (a tick lasts its
+  slowest rank's block)."""
   spec = planner.ModelSpec.from_gpt(CONFIG)
   zero = planner.PROFILES['H100-SXM']._replace(
       block_overhead=0.0, tick_overhead=0.0, microbatch_overhead=0.0)
@@ -126,6 +129,14 @@ def test_fixed_costs_per_layer_tick_and_microbatch():
   tp = 2 * 2 * zero.collective('all-reduce', act, 2)   # 2 layers, 2 each
   assert slow.blocks['F'] - fast.blocks['F'] == pytest.approx(
       fast.blocks['F'] - tp)                     # the FLOPs' time doubles
+  shared = planner.step_time(spec, single, batch=BATCH, profile=curve._replace(
+      block_shares=(0.2, 0.5, 0.3)))            # I the longest, as on a CPU
+  assert [shared.blocks[k] for k in 'FI'] == pytest.approx(
+      [0.6 * measured.blocks['F'], 1.5 * measured.blocks['F']])
+  lock = lambda shares: planner.step_time(spec, piped, batch=BATCH,
+                                          profile=zero._replace(
+                                              block_shares=shares)).pipeline
+  assert lock((0.2, 0.5, 0.3)) > lock((1 / 3, 1 / 3, 1 / 3))  # ticks wait
 
 
 def test_tensor_efficiency_is_the_share_of_the_ideal_speed_up(monkeypatch):

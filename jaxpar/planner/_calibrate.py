@@ -5,8 +5,11 @@
   sequence) on one device at 1 to 32 sequences per microbatch: the
   FLOP/s reached at each (``Profile.block_rates``; on a CPU small
   microbatches run far below the rate of large ones, and large ones fall
-  out of cache); and at 8, split over two devices as ``tensor``: the
-  share of the ideal speed-up its FLOPs reach (``tensor_efficiency``);
+  out of cache); at 8, ``F``, ``I`` and ``W`` each as its own program, as
+  the tick scan runs them: their shares of the three
+  (``Profile.block_shares``); and at 8, split over two devices as
+  ``tensor``: the share of the ideal speed-up its FLOPs reach
+  (``tensor_efficiency``);
 * **ticks**: the executor itself, on a stage whose blocks cost nothing (a
   ``[8, 8]`` layer, one row per microbatch), at two microbatch counts: a
   2-rank 1F1B step gives the cost of one tick (its while loops, message
@@ -28,6 +31,8 @@ Example:
   >>> profile = measure_profile(spec, jax.devices()[:1], repeats=1)
   >>> [tokens for tokens, _ in profile.block_rates]   # 1 to 32 sequences
   [8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
+  >>> round(sum(profile.block_shares), 6)            # F, I, W
+  1.0
   >>> profile.tensor_efficiency     # one device: not measured
   1.0
   >>> profile.tick_overhead, profile.microbatch_overhead >= 0   # no pipeline
@@ -39,7 +44,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,22 +66,37 @@ _ROWS = (1, 2, 4, 8, 16, 32)    # sequences per microbatch of the blocks timed
 _HBM_BYTES = 2**28              # the in-place add: 256 MiB
 
 
+def _rounds(calls: Sequence[tuple[Callable, int]], rounds: int
+            ) -> list[float]:
+  """Seconds per call of each ``(fn, k)``: ``fn()`` dispatched ``k`` times
+  in a row and timed together (a short call varies by +-20% with another
+  process on the cores), in ``rounds`` rounds over ``calls`` (load that
+  comes and goes falls on all of them alike), after one warm-up call each.
+
+  In one process the fastest round counts (on a shared machine other work
+  only ever adds time). With several, each sample starts together in all
+  of them, as their steps do (on a shared host a process timed while
+  another compiles reaches twice the FLOP/s it has in a step), and the
+  median counts: the calls start together but need not stay so, and in a
+  step they do.
+  """
+  for fn, _ in calls:
+    jax.block_until_ready(fn())
+  times = [[] for _ in calls]
+  for _ in range(rounds):
+    for (fn, k), out in zip(calls, times):
+      if jax.process_count() > 1:
+        multihost_utils.sync_global_devices('jaxpar.planner.calibrate')
+      start = time.perf_counter()
+      jax.block_until_ready([fn() for _ in range(k)])
+      out.append((time.perf_counter() - start) / k)
+  typical = np.median if jax.process_count() > 1 else min
+  return [float(typical(t)) for t in times]
+
+
 def _seconds(fn: Callable, *args, repeats: int) -> float:
-  """Wall seconds of ``fn(*args)`` after one warm-up call: the fastest of
-  ``repeats`` (on a shared machine other work only ever adds time). With
-  several processes each call starts together in all of them, as their
-  steps do (on a shared host a process timed while another compiles
-  reaches twice the FLOP/s it has in a step), and the median counts: the
-  calls start together but need not stay so, and in a step they do."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices('jaxpar.planner.calibrate')
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times) if jax.process_count() > 1 else min(times))
+  """Wall seconds of ``fn(*args)`` over ``repeats`` calls (``_rounds``)."""
+  return _rounds([(functools.partial(fn, *args), 1)], repeats)[0]
 
 
 def _global(mesh, host: np.ndarray, spec: P = P()) -> jax.Array:
@@ -85,14 +105,61 @@ def _global(mesh, host: np.ndarray, spec: P = P()) -> jax.Array:
       host.shape, NamedSharding(mesh, spec), lambda i: host[i])
 
 
+class _Blocks(NamedTuple):
+  """One GPT block as the executor runs it (``pipeline.StageVJP``), jitted
+  over ``mesh`` (axis ``tensor``): ``run(params, x)`` its ``F``, ``I`` and
+  ``W`` in one program; ``kinds`` the three as separate programs, as the
+  tick scan runs them: ``F(params, x) -> (y, stash)``, ``I(params, x,
+  stash, dy) -> (dx, kept)``, ``W(params, x, stash, dy, kept) -> grads``."""
+  run: Callable
+  kinds: tuple[Callable, Callable, Callable]
+  params: Any
+  mesh: Any
+
+
+def _varying(x: jax.Array) -> jax.Array:
+  """``x`` (replicated) as varying over ``tensor``, as the executor's
+  activations are: the blocks' inputs and outputs then all vary alike."""
+  return jax.lax.pcast(x, ('tensor',), to='varying')
+
+
+def _fresh(w, x) -> StageVJP:
+  """A ``StageVJP`` of one GPT block traced at ``x``."""
+  vjp = StageVJP(gpt.stage_fn)
+  vjp.trace(w, _varying(x))
+  return vjp
+
+
+def _forward(w, x):
+  return _fresh(w, x).forward(w, _varying(x))
+
+
+def _input_grad(w, x, stash, dy):
+  vjp = _fresh(w, x)
+  vjp.split(w, stash, dy)
+  return vjp.input_grad(w, stash, dy)
+
+
+def _weight_grad(w, x, stash, dy, kept):
+  vjp = _fresh(w, x)
+  vjp.split(w, stash, dy)
+  return vjp.weight_grad(w, stash, dy, kept)
+
+
+def _all_blocks(w, x):
+  vjp = StageVJP(gpt.stage_fn)
+  vjp.trace(w, x)
+  y, stash = vjp.forward(w, x)
+  vjp.split(w, stash, y)
+  dx, kept = vjp.input_grad(w, stash, y)
+  return dx, vjp.weight_grad(w, stash, y, kept)
+
+
 @functools.lru_cache(maxsize=8)
-def _stage_blocks(spec: ModelSpec, devices: tuple) -> tuple[Callable, Any,
-                                                             Any]:
-  """``(run, params, mesh)``: ``run(params, x)`` runs one GPT block's ``F``,
-  ``I`` and ``W`` as the pipeline executor does (``pipeline.StageVJP``),
-  ``spec``'s width, heads and sequence, split over ``devices`` as
-  ``tensor`` (one device: not split); built once per ``devices``, compiled
-  once per microbatch size."""
+def _stage_blocks(spec: ModelSpec, devices: tuple) -> _Blocks:
+  """One GPT block of ``spec``'s width, heads and sequence, split over
+  ``devices`` as ``tensor`` (one device: not split); built once per
+  ``devices``, compiled once per microbatch size."""
   config = gpt.GPTConfig(d_model=spec.d_model, num_heads=spec.num_heads,
                          seq_len=spec.seq_len, num_layers=1, vocab_size=8)
   shapes = gpt.gpt_params(nnx.eval_shape(
@@ -103,39 +170,63 @@ def _stage_blocks(spec: ModelSpec, devices: tuple) -> tuple[Callable, Any,
   mesh = jax.sharding.Mesh(np.asarray(devices), ('tensor',))
   specs = tensor_parallel.param_specs(stage, rules=gpt.TENSOR_RULES)
   params = jax.tree.map(lambda a, s: _global(mesh, a, s), stage, specs)
-
-  def blocks(w, x):
-    vjp = StageVJP(gpt.stage_fn)
-    vjp.trace(w, x)
-    y, stash = vjp.forward(w, x)
-    vjp.split(w, stash, y)
-    dx, kept = vjp.input_grad(w, stash, y)
-    return dx, vjp.weight_grad(w, stash, y, kept)
-
-  run = jax.jit(jax.shard_map(blocks, mesh=mesh, in_specs=(specs, P()),
-                              out_specs=(P(), specs)))
-  return run, params, mesh
+  # What a block hands on varies over tensor: P('tensor') on one device.
+  on = lambda fn, ins, outs: jax.jit(jax.shard_map(
+      fn, mesh=mesh, in_specs=ins, out_specs=outs))
+  t = P('tensor')
+  kinds = (on(_forward, (specs, P()), (t, t)),
+           on(_input_grad, (specs, P(), t, t), (t, t)),
+           on(_weight_grad, (specs, P(), t, t, t), t))
+  return _Blocks(on(_all_blocks, (specs, P()), (P(), specs)), kinds, params,
+                 mesh)
 
 
 def _block_seconds(spec: ModelSpec, devices: Sequence, rows: int,
                    repeats: int) -> float:
   """Seconds of one block's ``F + I + W`` at ``rows`` sequences."""
-  run, params, mesh = _stage_blocks(spec, tuple(devices))
-  x = _global(mesh, np.ones((rows, spec.seq_len, spec.d_model), np.float32))
-  return _seconds(run, params, x, repeats=repeats)
+  blocks = _stage_blocks(spec, tuple(devices))
+  x = _global(blocks.mesh, np.ones((rows, spec.seq_len, spec.d_model),
+                                   np.float32))
+  return _seconds(blocks.run, blocks.params, x, repeats=repeats)
 
 
 def _block_rates(spec: ModelSpec, device,
                  repeats: int) -> tuple[tuple[float, float], ...]:
   """``((tokens, FLOP/s), ...)`` of one block's F+I+W on ``device`` at each
-  of ``_ROWS`` sequences per microbatch, over twice ``repeats`` calls each
-  (the ranking of microbatch counts rests on these few percent)."""
-  out = []
+  of ``_ROWS`` sequences per microbatch: the median of ``2 * repeats``
+  rounds over the sizes (load that comes and goes falls on all of them
+  alike), each sample at least ``_ROWS[3]`` sequences of work (a small
+  microbatch's call is repeated: one call of 10 ms varies by +-20% with
+  another process on the cores)."""
+  blocks = _stage_blocks(spec, (device,))
+  calls = []
   for r in _ROWS:
-    flops = 3 * spec.flops.per_device(1) * r * spec.seq_len
-    out.append((float(r * spec.seq_len),
-                flops / _block_seconds(spec, [device], r, 2 * repeats)))
-  return tuple(out)
+    x = _global(blocks.mesh, np.ones((r, spec.seq_len, spec.d_model),
+                                     np.float32))
+    calls.append((functools.partial(blocks.run, blocks.params, x),
+                  max(1, _ROWS[3] // r)))
+  seconds = _rounds(calls, 2 * repeats)
+  return tuple((float(r * spec.seq_len),
+                3 * spec.flops.per_device(1) * r * spec.seq_len / s)
+               for r, s in zip(_ROWS, seconds))
+
+
+def _block_shares(spec: ModelSpec, device,
+                  repeats: int) -> tuple[float, float, float]:
+  """The shares of ``F``, ``I`` and ``W`` in one block's ``F + I + W`` at
+  ``_ROWS[3]`` sequences, each run as its own program as the tick scan
+  runs it (``I`` holds the backward's non-matmul work: on a CPU ~40%)."""
+  blocks = _stage_blocks(spec, (device,))
+  f, i, w = blocks.kinds
+  x = _global(blocks.mesh, np.ones((_ROWS[3], spec.seq_len, spec.d_model),
+                                   np.float32))
+  y, stash = f(blocks.params, x)
+  _, kept = i(blocks.params, x, stash, y)
+  seconds = _rounds([(functools.partial(f, blocks.params, x), 1),
+                     (functools.partial(i, blocks.params, x, stash, y), 1),
+                     (functools.partial(w, blocks.params, x, stash, y, kept),
+                      1)], 2 * repeats)
+  return tuple(float(s / sum(seconds)) for s in seconds)
 
 
 def _tensor_efficiency(spec: ModelSpec, devices: Sequence, probe: Profile,
@@ -271,6 +362,7 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   mine = [d for d in devices if d.process_index == jax.process_index()]
   device = (mine or jax.local_devices())[0]   # this process's first
   rates = _block_rates(spec, device, repeats)
+  shares = _block_shares(spec, device, repeats)
   alpha, beta = _links(devices, repeats) if len(devices) > 1 else (0.0, 1e30)
   hbm = _hbm_bandwidth(device, repeats)
   per_mb = _per_tick([device], 0.0, repeats)
@@ -278,10 +370,11 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   if len(devices) > 1:   # a tick of 2 ranks; one 32-byte message costs:
     tick = _per_tick(devices[:2], alpha + 32 / beta, repeats)
   alpha, beta, hbm, per_mb, tick, *flat = _shared(
-      [alpha, beta, hbm, per_mb, tick, *(r for _, r in rates)])
+      [alpha, beta, hbm, per_mb, tick, *shares, *(r for _, r in rates)])
+  shares, flat = tuple(flat[:3]), flat[3:]
   rates = tuple(zip((t for t, _ in rates), flat))
   probe = Profile('probe', max(flat), 0.0, hbm, beta, alpha,
-                  block_rates=rates)
+                  block_rates=rates, block_shares=shares)
   share = _shared([_tensor_efficiency(spec, devices, probe, repeats)])[0]
   return probe._replace(
       name=f'measured ({device.platform} x{len(devices)})',
@@ -290,7 +383,7 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
       tensor_efficiency=share,
       source=f'micro-benchmark on {len(devices)} {device.platform} devices: '
       f"one GPT block's F, I, W at {', '.join(map(str, _ROWS))} sequences, "
-      'and split over 2 devices as tensor; psum, all_gather, psum_scatter, '
+      f'each apart at {_ROWS[3]}, and split over 2 devices as tensor; psum, all_gather, psum_scatter, '
       f'ppermute at {", ".join(map(str, _SIZES))} bytes; an in-place add '
       f'of {_HBM_BYTES >> 20} MiB; a 1F1B step of an [8, 8] layer at 4 '
       'and 16 microbatches on 1 and 2 ranks')

@@ -62,6 +62,13 @@ class Profile(NamedTuple):
       64-token sequence runs at half the rate of four, and large
       microbatches fall out of cache, which no line through a few points
       follows.
+    block_shares: ``(F, I, W)``: each block's share of a layer's ``F + I +
+      W`` time, each run as its own program as the pipeline's tick scan runs
+      them (measured; equal on paper). On a CPU ``I``, which holds the
+      backward's non-matmul work, takes ~40%: a tick where one rank runs an
+      ``I`` and another an ``F`` lasts the ``I`` (``TickTable.makespan``),
+      which equal shares under-predict by ~10% for 1F1B and V-Half on 2
+      ranks.
     tensor_efficiency: the share of the ideal ``t``-fold speed-up a block's
       compute reaches split over ``tensor`` (its collectives costed apart):
       1 on paper; measured on two devices (on a CPU, elementwise work that
@@ -81,6 +88,7 @@ class Profile(NamedTuple):
   tick_overhead: float = 0.0
   microbatch_overhead: float = 0.0
   block_rates: tuple[tuple[float, float], ...] = ()
+  block_shares: tuple[float, float, float] = (1 / 3, 1 / 3, 1 / 3)
   tensor_efficiency: float = 1.0
   source: str = ''
 

@@ -3,10 +3,11 @@
 The step is its pipeline plus what runs around it, on a ``Profile``:
 
 * **blocks** -- one logical stage's ``F``, ``I`` and ``W`` for one
-  microbatch: FLOPs over the FLOP/s the profile reaches at that many tokens
-  (``Profile.rate``: measured, or the peak share plus the block overhead of
-  each of its layers), over ``tensor_efficiency`` too when split over
-  ``tensor``, the tensor-parallel all-reduces inside (two per
+  microbatch: three times its forward FLOPs over the FLOP/s the profile
+  reaches at that many tokens (``Profile.rate``: measured, or the peak
+  share plus the block overhead of each of its layers), over
+  ``tensor_efficiency`` too when split over ``tensor``, split by
+  ``block_shares``, the tensor-parallel all-reduces inside (two per
   block forward, two in ``I``), the forward again in ``I`` under
   ``remat_policy='nothing'``, and in ``W`` the gradient's add into its
   accumulator (a read of both and a write, at the memory bandwidth);
@@ -82,15 +83,16 @@ def block_costs(spec: ModelSpec, layout: Layout, profile: Profile,
   t = layout.tensor
   rate, per_block = profile.rate(tokens)
   share = profile.tensor_efficiency if t > 1 else 1.0
-  flops = n_slots * spec.flops.per_device(t) * tokens / rate / share
+  three = 3 * n_slots * spec.flops.per_device(t) * tokens / rate / share
+  f, i, w = (three * s for s in profile.block_shares)
   act = tokens * spec.d_model * spec.act_bytes
   tp = n_slots * 2 * profile.collective('all-reduce', act, t, span=t)
   over = n_slots * per_block
-  recompute = RECOMPUTE[layout.remat_policy] * flops
+  recompute = RECOMPUTE[layout.remat_policy] * f
   grads = n_slots * spec.layer.per_device(t) * spec.param_bytes
-  return {'F': flops + tp + over,
-          'I': flops + recompute + tp + over + (tp if recompute else 0.0),
-          'W': flops + over + 3 * grads / profile.hbm_bandwidth}
+  return {'F': f + tp + over,
+          'I': i + recompute + tp + over + (tp if recompute else 0.0),
+          'W': w + over + 3 * grads / profile.hbm_bandwidth}
 
 
 def _data_time(spec: ModelSpec, layout: Layout, profile: Profile,
