@@ -15,6 +15,7 @@ import jaxpar.cli
 from jaxpar import planner
 from jaxpar.cli import plan as plan_command
 from jaxpar.models import gpt
+from helpers import dense_of
 
 # Wide enough that the stashes are on the step's memory peak (with
 # narrower ones the update's temporaries are, and no schedule changes it).
@@ -54,7 +55,7 @@ def test_memory_within_15_percent_of_compiled(model, batch):
       model, optax.adam(1e-3), batch=batch, devices=jax.devices(),
       profile='H100-SXM', zero_stages=(0, 1), remat_policies=('dots',),
       where=lambda x: (x.data, x.stage, x.tensor, x.num_microbatches) == (
-          2, 2, 2, 4), compile=2)
+          2, 2, 2, 4), compile=2, search=0)
   chosen = [c for c in plan.candidates if c.compiled]
   assert chosen[0] == plan.best and len(chosen) == 6
   assert {c.layout.zero_stage for c in chosen} == {0, 1}
@@ -174,6 +175,8 @@ def test_bad_input():
     jaxpar.plan(CONFIG, batch=BATCH, devices=8, profile='TPU-v9')
   with pytest.raises(TypeError, match='model must be'):
     jaxpar.plan('gpt', batch=BATCH, devices=8, profile='H100-SXM')
+  with pytest.raises(ValueError, match=r'search=-1 must be an int >= 0'):
+    jaxpar.plan(CONFIG, batch=BATCH, devices=8, profile='H100-SXM', search=-1)
 
 
 def test_spearman():
@@ -309,3 +312,34 @@ def test_plan_gives_the_model_state_of_its_cut():
                                rtol=1e-5, atol=1e-7)
   assert jaxpar.plan(CONFIG, batch=BATCH, devices=jax.devices(),
                      profile='H100-SXM').model_state() is None
+
+
+def test_a_searched_schedule_is_a_candidate(model, batch):
+  """With ``F``, ``I`` and ``W`` of unequal cost (a CPU's shares),
+  ``pipeline.search`` beats every built-in schedule of the 4x2x1 mesh with
+  4 microbatches: the plan ranks it first (its stash slots counted as the
+  built-ins' are), and its trainer gives the loss and gradients of the
+  model as written (``test_search`` holds searched schedules exact in the
+  executor)."""
+  profile = planner.PROFILES['H100-SXM']._replace(
+      block_shares=(0.28, 0.4, 0.32))
+  plan = jaxpar.plan(
+      model, optax.sgd(1.0), batch=batch, devices=jax.devices(),
+      profile=profile, remat_policies=('dots',), zero_stages=(0,),
+      where=lambda x: (x.data, x.stage, x.tensor, x.num_microbatches) == (
+          4, 2, 1, 4))
+  best = plan.best
+  assert best.layout.schedule().name.startswith('Search(memory=')
+  assert best.predicted_s < min(c.predicted_s for c in plan.candidates
+                                if c.layout.schedule_name != 'search')
+  assert best.fits
+  trainer = plan.trainer(optax.sgd(1.0))
+  new, stats = trainer.step(trainer.init(plan.params()), batch)
+  params = gpt.gpt_params(model)
+  want, grads = jax.value_and_grad(gpt.gpt_loss)(params, batch,
+                                                 config=CONFIG)
+  np.testing.assert_allclose(stats.loss, want, rtol=1e-5)
+  _, split = gpt.split_for_pipeline(params, num_stages=best.layout.num_stages)
+  stepped = dense_of(trainer, new, split)   # sgd(1): params - grads
+  jax.tree.map(lambda p, g, s: np.testing.assert_allclose(
+      p - g, s, rtol=1e-5, atol=1e-6), params, grads, stepped)

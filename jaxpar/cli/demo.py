@@ -210,9 +210,10 @@ def _config(args, text: data.TextData | None) -> gpt.GPTConfig:
       dropout=args.dropout)
 
 
-def _use_plan(args, config: gpt.GPTConfig) -> None:
-  """``--plan``: the mesh, schedule, microbatches and ZeRO stage of
-  ``jaxpar.plan``'s best layout (the demo's remat policy) on the devices."""
+def _use_plan(args, config: gpt.GPTConfig) -> pipeline.Schedule:
+  """``--plan``: the mesh, microbatches and ZeRO stage of ``jaxpar.plan``'s
+  best layout (the demo's remat policy) on the devices; returns its
+  schedule (a searched one included)."""
   plan = jaxpar.plan(config, optax.adam(args.lr), batch=args.batch,
                      devices=jax.devices(), remat_policies=('dots',))
   best = plan.best.layout
@@ -221,20 +222,20 @@ def _use_plan(args, config: gpt.GPTConfig) -> None:
   args.mesh = {'data': best.data, 'stage': best.stage, 'tensor': best.tensor}
   args.schedule, args.microbatches = best.schedule_name, best.num_microbatches
   args.virtual_stages, args.zero = best.virtual_stages, best.zero_stage
+  return best.schedule()
 
 
 def _set_up(args, text: data.TextData | None, parser) -> _Setup:
   """The mesh, schedule, GPT and trainer the flags ask for."""
   config = _config(args, text)
-  if args.plan:
-    _use_plan(args, config)
+  planned = _use_plan(args, config) if args.plan else None
   n = math.prod(args.mesh.values())
   if n > jax.device_count():
     sizes = ','.join(f'{k}={v}' for k, v in args.mesh.items())
     parser.error(f'--mesh {sizes} needs {n} devices but only '
                  f'{jax.device_count()} exist; use a smaller mesh or --devices')
   mesh = jaxpar.make_mesh(**args.mesh, devices=jax.devices()[:n])
-  schedule = make_schedule(args)
+  schedule = planned or make_schedule(args)
   params = gpt.gpt_params(gpt.GPT(config, rngs=nnx.Rngs(args.seed)))
   pipeline_params, split = gpt.split_for_pipeline(
       params, num_stages=schedule.num_stages)

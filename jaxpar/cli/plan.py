@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  help='compile K stage shapes for their memory')
   p.add_argument('--measure', type=int, default=0, metavar='N',
                  help='also time the N best for real')
+  p.add_argument('--search', type=int, default=2, metavar='K',
+                 help='add pipeline.search schedules for the K best '
+                 'pipelined meshes and microbatch counts (0: none)')
   p.add_argument('--rows', type=int, default=15, help='table rows')
   p.add_argument('--json', metavar='PATH', help='write the plan as JSON')
   args = p.parse_args(argv)
@@ -80,6 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.error(f'--d-model {args.d_model} must divide by --heads {args.heads}')
   if args.devices is not None and args.devices < 1:
     p.error('--devices must be >= 1')
+  for name in ('compile', 'measure', 'search'):
+    if getattr(args, name) < 0:
+      p.error(f'--{name} must be >= 0')
   return args
 
 
@@ -126,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
   try:
     plan = jaxpar.plan(config, optax.adam(1e-3), batch=args.batch,
                        devices=devices, memory_per_device=args.memory,
-                       profile=args.profile, compile=args.compile)
+                       profile=args.profile, compile=args.compile,
+                       search=args.search)
   except ValueError as e:
     print(f'python -m jaxpar plan: error: {e}', file=sys.stderr)
     return 2

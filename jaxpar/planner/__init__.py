@@ -1,7 +1,8 @@
 """The layout planner: how to train a model on N devices, chosen by prediction.
 
 ``plan(model, optimizer, batch=..., devices=...)`` lists every layout --
-``data x stage x tensor`` (``Layout``), schedule, microbatches, ZeRO stage,
+``data x stage x tensor`` (``Layout``), schedule (every constructor, and
+``pipeline.search``'s for the best meshes), microbatches, ZeRO stage,
 remat policy -- predicts each one's memory per device (``memory``: exact
 arguments, the schedule's stash slots, the step's temporaries; from
 compiled steps where the devices are here, one compile per stage shape) and
@@ -23,6 +24,7 @@ Example:
 
 from jaxpar.planner._calibrate import measure_profile as measure_profile
 from jaxpar.planner._layout import Layout as Layout
+from jaxpar.planner._layout import SearchArgs as SearchArgs
 from jaxpar.planner._layout import layouts as layouts
 from jaxpar.planner._measure import Measured as Measured
 from jaxpar.planner._measure import measure as measure
@@ -40,6 +42,7 @@ from jaxpar.planner._time import step_time as step_time
 
 __all__ = [
     'Candidate', 'Layout', 'Measured', 'Memory', 'ModelSpec', 'PROFILES',
-    'Plan', 'Profile', 'StepTime', 'layouts', 'measure', 'measure_profile',
+    'Plan', 'Profile', 'SearchArgs', 'StepTime', 'layouts', 'measure',
+    'measure_profile',
     'memory', 'plan', 'spearman', 'step_time',
 ]

@@ -6,7 +6,9 @@ the devices (``tensor`` dividing the heads, MLP width and vocabulary;
 logical stages no more than layers), every schedule constructor of
 ``jaxpar.pipeline`` (GPipe, 1F1B, interleaved 1F1B with ``v`` chunks,
 ZB-H1, ZB-V, V-Half, V-Min, DualPipeV), microbatch counts dividing each
-replica's batch, ZeRO 0/1/3 and the remat policies.
+replica's batch, ZeRO 0/1/3 and the remat policies. A layout may also hold
+a schedule of ``pipeline.search`` (``schedule_name='search'``, its
+arguments in ``searched``): ``plan`` adds those for its best meshes.
 
 Example:
   >>> from jaxpar.planner import Layout
@@ -29,6 +31,22 @@ REMAT_POLICIES = ('dots', 'nothing', 'everything')
 ZERO_STAGES = (0, 1, 3)
 
 
+class SearchArgs(NamedTuple):
+  """What ``pipeline.search`` is called with for a searched layout.
+
+  Attributes:
+    memory_limit: stashes per rank, in one 1F1B stage's.
+    costs: ``(F, I, W)`` per 1F1B stage (relative).
+    comm: a message's cost, in the same unit.
+    v_shape: ``search``'s placements (``None``: all, ``False``: one stage
+      per rank).
+  """
+  memory_limit: float
+  costs: tuple[float, float, float]
+  comm: float
+  v_shape: bool | None
+
+
 class Layout(NamedTuple):
   """One layout of a training step.
 
@@ -40,6 +58,8 @@ class Layout(NamedTuple):
     zero_stage: 0, 1 or 3 (``parallel.trainer``'s ``zero_stage``).
     remat_policy: what stage forwards stash (``parallel.trainer``'s).
     virtual_stages: chunks per rank of interleaved 1F1B (else 1).
+    searched: with ``schedule_name='search'``, ``pipeline.search``'s
+      arguments (``SearchArgs``); else ``None``.
   """
   data: int
   stage: int
@@ -49,6 +69,7 @@ class Layout(NamedTuple):
   zero_stage: int = 0
   remat_policy: str = 'dots'
   virtual_stages: int = 1
+  searched: SearchArgs | None = None
 
   @property
   def devices(self) -> int:
@@ -58,6 +79,8 @@ class Layout(NamedTuple):
   @property
   def stages_per_rank(self) -> int:
     """Logical stages each pipeline rank holds."""
+    if self.schedule_name == 'search':
+      return self.schedule().num_stages // self.stage
     return SCHEDULES[self.schedule_name] or self.virtual_stages
 
   @property
@@ -67,8 +90,7 @@ class Layout(NamedTuple):
 
   def schedule(self) -> pipeline.Schedule:
     """The ``jaxpar.pipeline`` schedule (memoised)."""
-    return _schedule(self.schedule_name, self.stage, self.num_microbatches,
-                     self.virtual_stages)
+    return _schedule(*schedule_key(self))
 
   def describe(self) -> str:
     """``'2x2x2 ZB-V m=4 ZeRO-1 dots'``: one line for tables."""
@@ -78,22 +100,28 @@ class Layout(NamedTuple):
 
 
 @functools.lru_cache(maxsize=4096)
-def _schedule(name: str, p: int, m: int, v: int) -> pipeline.Schedule:
+def _schedule(name: str, p: int, m: int, v: int,
+              searched: SearchArgs | None = None) -> pipeline.Schedule:
   if name == 'interleaved_one_f_one_b':
     return pipeline.interleaved_one_f_one_b(p, m, v)
+  if name == 'search':
+    f, i, w = searched.costs
+    return pipeline.search(p, m, memory_limit=searched.memory_limit,
+                           costs={'F': f, 'I': i, 'W': w, 'B': i + w},
+                           comm=searched.comm, v_shape=searched.v_shape)
   return getattr(pipeline, name)(p, m)
 
 
 @functools.lru_cache(maxsize=4096)
 def tick_table(layout_schedule: tuple) -> pipeline.TickTable:
-  """The tick table of ``(name, p, m, v)`` (memoised: shared by layouts)."""
+  """The tick table of ``schedule_key`` (memoised: shared by layouts)."""
   return pipeline.tick_table(_schedule(*layout_schedule))
 
 
 def schedule_key(layout: Layout) -> tuple:
-  """``(name, p, m, v)``: what fixes a layout's schedule."""
+  """``(name, p, m, v, searched)``: what fixes a layout's schedule."""
   return (layout.schedule_name, layout.stage, layout.num_microbatches,
-          layout.virtual_stages)
+          layout.virtual_stages, layout.searched)
 
 
 def factorisations(n: int) -> Iterator[tuple[int, int, int]]:

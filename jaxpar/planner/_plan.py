@@ -32,6 +32,7 @@ from jaxpar.planner._memory import Memory, memory
 from jaxpar.planner._model import ModelSpec
 from jaxpar.planner._profile import PROFILES, Profile
 from jaxpar.planner._compile import compiled_memory
+from jaxpar.planner._searched import searched
 from jaxpar.planner._source import Source, build_trainer, source
 from jaxpar.planner._time import StepTime, step_time
 
@@ -238,7 +239,7 @@ def plan(model: Any, optimizer: optax.GradientTransformation | None = None,
          zero_stages: Sequence[int] = _layout.ZERO_STAGES,
          remat_policies: Sequence[str] = _layout.REMAT_POLICIES,
          max_microbatches: int = 64, where: Any = None,
-         compile: int = 0) -> Plan:
+         compile: int = 0, search: int = 2) -> Plan:
   """Ranks every layout of ``model`` on ``devices`` by predicted step time.
 
   Args:
@@ -260,14 +261,21 @@ def plan(model: Any, optimizer: optax.GradientTransformation | None = None,
     compile: compile the steps of this many distinct stage shapes (those of
       the best candidates; devices present) and use their memory for every
       candidate of the same shape.
+    search: add ``pipeline.search``'s schedule for this many of the best
+      pipelined meshes and microbatch counts (their block costs, their
+      memory left under the cap; ``_searched``), where it beats the
+      built-in constructors; 0: none.
 
   Returns:
     ``Plan``: ``plan.best`` the fastest layout that fits.
 
   Raises:
     ValueError: no layout fits (naming the smallest need and what to
-      change), bad devices or profile.
+      change), bad devices, profile, ``compile`` or ``search``.
   """
+  for name, value in (('compile', compile), ('search', search)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      raise ValueError(f'plan: {name}={value!r} must be an int >= 0.')
   n_batch, inputs = _batch_size(batch)
   src = source(model, blocks=blocks, embed=embed, head_loss=head_loss,
                inputs=inputs)
@@ -289,12 +297,14 @@ def plan(model: Any, optimizer: optax.GradientTransformation | None = None,
   cap = float(prof.memory_bytes if memory_per_device is None
               else memory_per_device)
   factor = _opt_factor(optimizer)
-  ranked = []
-  for layout in found:
-    mem = memory(src.spec, layout, batch=n_batch, opt_factor=factor)
-    ranked.append(Candidate(layout, mem, step_time(
-        src.spec, layout, batch=n_batch, profile=prof), mem.total <= cap))
-  ranked = _ranked(ranked)
+  judge = lambda layout: _candidate(src.spec, layout, n_batch, prof, factor,
+                                   cap)
+  ranked = _ranked([judge(x) for x in found])
+  if search:
+    ranked = _ranked(ranked + [judge(x) for x in searched(
+        ranked, search, src.spec, batch=n_batch, opt_factor=factor, cap=cap,
+        profile=prof, num_stages=src.num_stages)
+        if where is None or where(x)])
   if compile and devs is not None and src.pipeline is not None:
     ranked = _ranked(compiled_memory(ranked, compile, src, devs,
                                      optimizer or optax.adam(1e-3), batch,
@@ -302,6 +312,13 @@ def plan(model: Any, optimizer: optax.GradientTransformation | None = None,
   if not ranked[0].fits:
     raise _nothing_fits(ranked, cap, n)
   return Plan(tuple(ranked), cap, prof, src, devs)
+
+
+def _candidate(spec: ModelSpec, layout: Layout, batch: int, profile: Profile,
+               opt_factor: float, cap: float) -> Candidate:
+  mem = memory(spec, layout, batch=batch, opt_factor=opt_factor)
+  return Candidate(layout, mem, step_time(spec, layout, batch=batch,
+                                          profile=profile), mem.total <= cap)
 
 
 def _ranked(candidates: list[Candidate]) -> list[Candidate]:
