@@ -55,7 +55,7 @@ def test_memory_within_15_percent_of_compiled(model, batch):
       model, optax.adam(1e-3), batch=batch, devices=jax.devices(),
       profile='H100-SXM', zero_stages=(0, 1), remat_policies=('dots',),
       where=lambda x: (x.data, x.stage, x.tensor, x.num_microbatches) == (
-          2, 2, 2, 4), compile=2, search=0)
+          2, 2, 2, 4), compile=2)
   chosen = [c for c in plan.candidates if c.compiled]
   assert chosen[0] == plan.best and len(chosen) == 6
   assert {c.layout.zero_stage for c in chosen} == {0, 1}
@@ -327,7 +327,7 @@ def test_a_searched_schedule_is_a_candidate(model, batch):
       model, optax.sgd(1.0), batch=batch, devices=jax.devices(),
       profile=profile, remat_policies=('dots',), zero_stages=(0,),
       where=lambda x: (x.data, x.stage, x.tensor, x.num_microbatches) == (
-          4, 2, 1, 4))
+          4, 2, 1, 4), search=1)
   best = plan.best
   assert best.layout.schedule().name.startswith('Search(memory=')
   assert best.predicted_s < min(c.predicted_s for c in plan.candidates

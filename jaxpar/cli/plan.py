@@ -70,9 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  help='compile K stage shapes for their memory')
   p.add_argument('--measure', type=int, default=0, metavar='N',
                  help='also time the N best for real')
-  p.add_argument('--search', type=int, default=2, metavar='K',
+  p.add_argument('--search', type=int, default=0, metavar='K',
                  help='add pipeline.search schedules for the K best '
-                 'pipelined meshes and microbatch counts (0: none)')
+                 'pipelined meshes and microbatch counts (default 0: none)')
   p.add_argument('--rows', type=int, default=15, help='table rows')
   p.add_argument('--json', metavar='PATH', help='write the plan as JSON')
   args = p.parse_args(argv)
