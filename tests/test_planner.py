@@ -199,6 +199,18 @@ def test_cli_plan_writes_the_table_and_json(capfd, tmp_path):
   assert saved['memory_per_device'] == 2 * 2**30
   code = plan_command.main([*small, '--memory', '1KiB'])
   assert code == 2 and 'smallest' in capfd.readouterr().err
+  wide = ['--devices', '4', '--layers', '8', '--d-model', '1024', '--heads',
+          '16', '--seq-len', '1024', '--batch', '64', '--profile', 'H100-SXM']
+  searched = []
+  for k in (0, 1):
+    assert plan_command.main([*wide, '--search', str(k), '--json',
+                              str(out)]) == 0
+    searched.append([r['schedule'] for r in json.loads(out.read_text())[
+        'rows'] if r['schedule'].startswith('Search(memory=')])
+  assert searched[0] == [] and len(searched[1]) == 1
+  with pytest.raises(SystemExit):
+    plan_command.main([*small, '--search', '-1'])
+  assert '--search must be >= 0' in capfd.readouterr().err
   with pytest.raises(SystemExit) as exit_:
     jaxpar.cli.main(['plan', '--help'])
   assert exit_.value.code == 0

@@ -40,6 +40,13 @@ class SearchArgs(NamedTuple):
     comm: a message's cost, in the same unit.
     v_shape: ``search``'s placements (``None``: all, ``False``: one stage
       per rank).
+
+  Example (``I`` 1.4 times ``F``, up to 4 stashes a rank, 2 ranks):
+    >>> from jaxpar.planner import Layout, SearchArgs
+    >>> layout = Layout(1, 2, 1, 'search', 4,
+    ...                 searched=SearchArgs(4.0, (1.0, 1.4, 1.2), 0.0, False))
+    >>> layout.schedule().name, layout.stages_per_rank
+    ('Search(memory=4)', 1)
   """
   memory_limit: float
   costs: tuple[float, float, float]

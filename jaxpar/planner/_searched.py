@@ -41,6 +41,7 @@ from jaxpar.planner._layout import Layout, SearchArgs, schedule_key, tick_table
 from jaxpar.planner._memory import memory, shapes
 from jaxpar.planner._model import ModelSpec
 from jaxpar.planner._profile import Profile
+from jaxpar.planner._time import message_seconds
 
 
 def _costs(spec: ModelSpec, candidate: Any, batch: int,
@@ -50,9 +51,7 @@ def _costs(spec: ModelSpec, candidate: Any, batch: int,
   two decimals so that near-equal layouts share one search."""
   x, blocks = candidate.layout, candidate.time.blocks
   f = blocks['F'] * x.stages_per_rank
-  comm = profile.collective('ppermute', shapes(spec, x, batch).tokens
-                            * spec.d_model * spec.act_bytes, 2,
-                            span=x.stage * x.tensor)
+  comm = message_seconds(spec, x, profile, shapes(spec, x, batch).tokens)
   costs = (1.0, round(blocks['I'] / blocks['F'], 2),
            round(blocks['W'] / blocks['F'], 2))
   return costs, round(comm / f, 2)

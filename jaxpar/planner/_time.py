@@ -114,15 +114,21 @@ def _data_time(spec: ModelSpec, layout: Layout, profile: Profile,
   return out
 
 
+def message_seconds(spec: ModelSpec, layout: Layout, profile: Profile,
+                    tokens: int) -> float:
+  """Seconds of one ``ppermute`` of a microbatch's activation (``tokens x
+  d_model``) between two pipeline ranks."""
+  return profile.collective('ppermute', tokens * spec.d_model * spec.act_bytes,
+                            2, span=layout.stage * layout.tensor)
+
+
 def step_time(spec: ModelSpec, layout: Layout, *, batch: int,
               profile: Profile) -> StepTime:
   """Predicted seconds of ``layout``'s step on ``profile`` (module doc)."""
   shape = shapes(spec, layout, batch)
   blocks = block_costs(spec, layout, profile, shape.tokens, shape.slots)
   table = tick_table(schedule_key(layout))
-  act = shape.tokens * spec.d_model * spec.act_bytes
-  comm = profile.collective('ppermute', act, 2,
-                            span=layout.stage * layout.tensor)
+  comm = message_seconds(spec, layout, profile, shape.tokens)
   makespan = table.makespan(blocks, comm if layout.stage > 1 else 0.0)
   rate, per_block = profile.rate(shape.tokens)
   head = (3 * spec.head_flops.per_device(layout.tensor) * shape.tokens
