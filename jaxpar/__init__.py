@@ -1,8 +1,10 @@
 """jaxpar: data, tensor and pipeline parallelism for JAX as pure functions.
 
 The root holds what every part shares -- the mesh (``make_mesh``,
-``simulate_cpu_devices``), the training state and the ``Trainer`` shape,
-``vma.lift`` and the HLO counters -- and one subpackage per capability:
+``simulate_cpu_devices``), the training state and the ``Trainer`` shape
+(``train_state``), ``vma`` (``lift`` and the varying-axes pair
+``varying_axes`` / ``vary``) and the HLO counters -- and one subpackage per
+capability:
 ``data_parallel`` (with ZeRO), ``tensor_parallel``, ``pipeline`` (schedules
 and executor), ``parallel`` (the 3D trainer and ``from_nnx``),
 ``checkpoint``, ``models``, ``planner`` (``plan``: the layout for a model
@@ -24,6 +26,7 @@ from jaxpar import parallel as parallel
 from jaxpar import pipeline as pipeline
 from jaxpar import planner as planner
 from jaxpar import tensor_parallel as tensor_parallel
+from jaxpar import train_state as train_state
 from jaxpar import vma as vma
 from jaxpar.async_ps import AsyncParameterServer as AsyncParameterServer
 from jaxpar.mesh import make_mesh as make_mesh
@@ -43,5 +46,5 @@ __all__ = [
     'TrainState', 'Trainer', 'async_ps', 'checkpoint', 'count_skipped',
     'data_parallel', 'distributed', 'hlo', 'make_mesh', 'models', 'parallel',
     'pipeline', 'plan', 'planner', 'simulate_cpu_devices', 'tensor_parallel',
-    'vma',
+    'train_state', 'vma',
 ]

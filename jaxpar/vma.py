@@ -34,6 +34,12 @@ Every jaxpar step applies ``lift`` to the user's functions (the DP loss,
 the pipeline's ``stage_fn`` / ``loss_fn``, the 3D trainer's three
 functions), so users never write ``pcast``. Call it yourself only for a
 ``shard_map`` of your own.
+
+Two helpers read and raise these types, for values that jaxpar's own loops
+carry and for a ``shard_map`` of your own: ``varying_axes(tree)`` (the mesh
+axes over which any leaf varies) and ``vary(tree, axes)`` (every leaf cast
+up to vary over ``axes``). They are the one place jaxpar reads the type
+(``_compat.varying_axes`` holds the JAX internals it needs).
 """
 
 from __future__ import annotations
@@ -49,7 +55,97 @@ import numpy as np
 
 from jaxpar import _compat
 
-__all__ = ['lift']
+__all__ = ['lift', 'vary', 'varying_axes']
+
+PyTree = Any
+
+
+def varying_axes(tree: PyTree) -> frozenset[str]:
+  """The mesh axes over which any leaf of ``tree`` varies.
+
+  Inside ``jax.shard_map`` (``check_vma=True``) each value is typed with the
+  manual mesh axes over which it may differ between devices; this is the
+  union of those types over the leaves. Leaves may be arrays or abstract
+  values (``jax.eval_shape``'s ``ShapeDtypeStruct``s); other leaves (Python
+  numbers, strings) and every value outside ``shard_map`` vary over nothing.
+
+  Args:
+    tree: any pytree.
+
+  Returns:
+    A ``frozenset`` of mesh axis names, empty outside ``shard_map``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
+    >>> def f(x):
+    ...   c = jnp.zeros(2)                  # the same on every device
+    ...   print(sorted(jaxpar.vma.varying_axes(x)),
+    ...         sorted(jaxpar.vma.varying_axes(c)),
+    ...         sorted(jaxpar.vma.varying_axes({'x': x, 'c': c})))
+    ...   return x + c
+    >>> mesh = jaxpar.make_mesh(data=8)
+    >>> x = jax.device_put(jnp.ones(16), jax.NamedSharding(mesh, P('data')))
+    >>> y = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P('data'),
+    ...                           out_specs=P('data')))(x)
+    ['data'] [] ['data']
+  """
+  return frozenset().union(*(_compat.varying_axes(x)
+                             for x in jax.tree.leaves(tree) if _is_typed(x)))
+
+
+def vary(tree: PyTree, axes: str | Iterable[str]) -> PyTree:
+  """``tree`` with every leaf typed as varying over ``axes`` too.
+
+  Each array leaf is cast with ``jax.lax.pcast(x, missing, to='varying')``
+  over the axes of ``axes`` it does not yet vary over (a leaf that already
+  does is returned as it is). The cast is the identity on every device; its
+  transpose is a ``psum`` over the added axes. Use it where types must agree:
+  a ``lax.scan`` carry that starts as a constant and comes back varying, a
+  buffer written with values that vary. Non-array leaves pass unchanged.
+
+  Args:
+    tree: any pytree, inside ``jax.shard_map``.
+    axes: a mesh axis name or several (e.g. ``varying_axes(other)``).
+
+  Returns:
+    ``tree`` with the same values, each array leaf varying over ``axes``
+    (and over whatever it varied over before).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
+    >>> def f(x):
+    ...   def body(total, row):             # carry: constant in, varying out
+    ...     return total + row, None
+    ...   start = jaxpar.vma.vary(jnp.zeros(2), jaxpar.vma.varying_axes(x))
+    ...   total, _ = jax.lax.scan(body, start, x)
+    ...   return total[None]                # this device's sum of 2 rows
+    >>> mesh = jaxpar.make_mesh(data=8)
+    >>> xs = jax.device_put(jnp.ones((16, 2)),
+    ...                     jax.NamedSharding(mesh, P('data')))
+    >>> out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P('data'),
+    ...                             out_specs=P('data')))(xs)
+    >>> out.shape, out.tolist()[0]
+    ((8, 2), [2.0, 2.0])
+  """
+  axes = frozenset((axes,) if isinstance(axes, str) else axes)
+
+  def one(x):
+    if not isinstance(x, _VALUES):
+      return x
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to='varying') if missing else x
+  return jax.tree.map(one, tree)
+
+
+# What ``vary`` casts, and what carries a type ``varying_axes`` reads.
+_VALUES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def _is_typed(x: Any) -> bool:
+  return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or (
+      _compat.is_abstract_array(x))
 
 
 def lift(fn: Callable[..., Any], *, axes: Iterable[str]) -> Callable[..., Any]:
@@ -103,17 +199,18 @@ class _Lifted:
     self.fn, self.axes = fn, axes
     functools.update_wrapper(self, fn, updated=())
 
-  def __call__(self, *args):
-    leaves, tree = jax.tree.flatten(args)
+  def __call__(self, *args, **kwargs):
+    leaves, tree = jax.tree.flatten((args, kwargs))
     if not _union(leaves, self.axes):   # outside shard_map, or nothing varies
-      return self.fn(*args)
+      return self.fn(*args, **kwargs)
     arrays = [k for k, x in enumerate(leaves) if _is_array(x)]
 
     def flat_fn(*xs):
       full = list(leaves)
       for k, x in zip(arrays, xs):
         full[k] = x
-      return self.fn(*jax.tree.unflatten(tree, full))
+      args, kwargs = jax.tree.unflatten(tree, full)
+      return self.fn(*args, **kwargs)
 
     avals = [_compat.without_varying(leaves[k], self.axes) for k in arrays]
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
@@ -126,24 +223,13 @@ def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _hidden(x: Any, axes: frozenset[str]) -> frozenset[str]:
-  return _compat.varying_axes(x) & axes if _is_array(x) else frozenset()
-
-
 def _union(xs: Sequence[Any], axes: frozenset[str]) -> frozenset[str]:
-  return frozenset().union(*(_hidden(x, axes) for x in xs))
-
-
-def _cast(x: Any, target: frozenset[str]) -> Any:
-  """``x`` varying over ``target`` too (``pcast``; a no-op if it is)."""
-  if not _is_array(x):
-    return x
-  missing = tuple(sorted(target - _compat.varying_axes(x)))
-  return jax.lax.pcast(x, missing, to='varying') if missing else x
+  """The axes of ``axes`` over which any of ``xs`` varies."""
+  return varying_axes(list(xs)) & axes
 
 
 def _cast_all(xs: Sequence[Any], target: frozenset[str]) -> list:
-  return [_cast(x, target) for x in xs]
+  return list(vary(list(xs), target))
 
 
 def _read(env: dict, v: Any) -> Any:

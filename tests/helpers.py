@@ -7,14 +7,14 @@ Test files import it by name (``from helpers import ...``; pytest puts
 set up by the root ``conftest.py``. Not collected: under ``tests/`` only
 ``test_*.py`` files are test modules.
 
+- the one closeness assertion, over pytrees (``tree_allclose``);
 - the schedule constructors by short name (``SCHEDULES``);
 - the executor's toy pipeline: residual tanh stages, a squared-error head,
   the sequential model as reference (``stage_fn``, ``loss_fn``, ``model``,
-  ``reference``, ``assert_exact``), and its dropout form (``dropout_stage``,
+  ``reference``), and its dropout form (``dropout_stage``,
   ``dropout_loss``, ``dropout_reference``);
 - the data-parallel MLP and plain optax training on one device
-  (``mlp_params``, ``mlp_loss``, ``make_batches``, ``reference_run``,
-  ``assert_same_history``);
+  (``mlp_params``, ``mlp_loss``, ``make_batches``, ``reference_run``);
 - the 3D trainer's GPT and its one-device run (``GPT_CONFIG``,
   ``dense_params``, ``gpt_batches``, ``dense_of``, ``gpt_reference``,
   ``FLOAT64_OPTIMIZER``, ``float64_reference``, ``random_gpt_params``);
@@ -35,6 +35,118 @@ import jaxpar
 from jaxpar import checkpoint
 from jaxpar import pipeline as sch
 from jaxpar.models import gpt
+
+# -- closeness -----------------------------------------------------------------
+
+
+def _default_tol(dtypes) -> float:
+  """The tolerance of the least precise floating dtype among ``dtypes``."""
+  eps = max((float(jnp.finfo(d).eps) for d in dtypes
+             if jnp.issubdtype(d, jnp.inexact)), default=None)
+  if eps is None:
+    return 0.0   # bools and integers: exact
+  return 1e-10 if eps < 1e-12 else 1e-5 if eps < 1e-6 else 1e-2
+
+
+def _kind(x, a: np.ndarray) -> str | None:
+  """``'bool'``, ``'int'`` or ``'float'``; None for a Python number (weakly
+  typed: it matches any numeric kind)."""
+  if isinstance(x, (int, float, complex)) and not isinstance(x, bool):
+    return None
+  if a.dtype == bool:
+    return 'bool'
+  return 'float' if jnp.issubdtype(a.dtype, jnp.inexact) else 'int'
+
+
+def _leaf_error(name, x, y, scale, rtol, atol) -> str | None:
+  """Why leaf ``x`` is not ``y`` to ``atol * scale + rtol * |y|``; None when
+  it is."""
+  a, e = np.asarray(x), np.asarray(y)
+  if a.shape != e.shape:
+    return f'{name}: shape {a.shape}, expected {e.shape}'
+  kinds = _kind(x, a), _kind(y, e)
+  if None not in kinds and kinds[0] != kinds[1]:
+    return f'{name}: dtype {a.dtype}, expected {e.dtype} (another kind)'
+  weak = [d for k, d in zip(kinds, (a.dtype, e.dtype)) if k is not None]
+  tol = _default_tol(weak or [a.dtype, e.dtype])
+  rtol = tol if rtol is None else rtol
+  atol = (rtol if atol is None else atol) * scale
+  dtypes = f'{a.dtype} vs {e.dtype}'
+  wide = lambda z: z.astype(np.complex128 if np.iscomplexobj(z) else np.float64)
+  a, e = wide(a), wide(e)
+  ok = np.isclose(a, e, rtol=rtol, atol=atol, equal_nan=True)
+  if ok.all():
+    return None
+  err = np.where(ok, 0.0, np.abs(a - e))   # NaN where one side only is NaN
+  rel = np.divide(err, np.abs(e), out=np.where(err > 0, np.inf, 0.0),
+                  where=e != 0)
+  at = tuple(int(i) for i in np.unravel_index(np.argmax(err), err.shape))
+  return (f'{name}: {ok.size - np.count_nonzero(ok)} of {ok.size} entries '
+          f'off; max abs error {err.max():.3g} (at {at}: {a[at]} vs {e[at]}),'
+          f' max rel error {rel.max():.3g}; rtol={rtol:.3g}, atol={atol:.3g},'
+          f' {dtypes}')
+
+
+def tree_allclose(actual, expected, *, rtol: float | None = None,
+                  atol: float | None = None, atol_scale: str | None = None):
+  """Asserts that two pytrees agree leaf by leaf, to a tolerance.
+
+  The trees must have the same structure, and each pair of leaves the same
+  shape and the same kind of dtype (bool, integer or floating; a Python
+  number matches any). An entry passes when ``|actual - expected| <= atol +
+  rtol * |expected|``; NaNs in the same places are equal. One
+  ``AssertionError`` names every failing leaf by its key path, with its count
+  of failing entries and its largest absolute and relative errors.
+
+  Leaves are anything ``np.asarray`` takes: jax and numpy arrays, Python
+  numbers, and ``data_parallel.Padded`` (compared as its logical array).
+
+  Args:
+    actual: the tree under test.
+    expected: the reference tree.
+    rtol: the relative tolerance. By default the one of the least precise
+      floating dtype of each pair of leaves: 1e-10 for float64, 1e-5 for
+      float32, 1e-2 for 16-bit floats; 0 (exact) for bools and integers.
+    atol: the absolute tolerance; by default equal to ``rtol``.
+    atol_scale: None: ``atol`` is absolute. ``'leaf'``: ``atol`` times each
+      expected leaf's largest magnitude. ``'tree'``: ``atol`` times the
+      largest magnitude in the whole expected tree (for leaves that are zero
+      in exact arithmetic and so hold only the others' rounding noise).
+
+  Example:
+    >>> import numpy as np
+    >>> from helpers import tree_allclose
+    >>> tree_allclose({'w': np.ones(3)}, {'w': np.ones(3) + 1e-12})
+  """
+  if atol_scale not in (None, 'leaf', 'tree'):
+    raise ValueError(f"atol_scale={atol_scale!r}: use None, 'leaf' or 'tree'")
+  is_leaf = lambda x: isinstance(x, jaxpar.data_parallel.Padded)
+  got, got_def = jax.tree_util.tree_flatten_with_path(actual, is_leaf=is_leaf)
+  want, want_def = jax.tree_util.tree_flatten_with_path(expected,
+                                                        is_leaf=is_leaf)
+  names = [jax.tree_util.keystr(p) or '(root)' for p, _ in want]
+  if got_def != want_def:
+    got_names = [jax.tree_util.keystr(p) or '(root)' for p, _ in got]
+    extra = sorted(set(got_names) - set(names))
+    missing = sorted(set(names) - set(got_names))
+    where = (f'only in actual: {extra}, only in expected: {missing}'
+             if extra or missing else 'same key paths, other node types')
+    raise AssertionError(
+        f'tree_allclose: the trees differ in structure ({where})\n'
+        f'  actual:   {got_def}\n  expected: {want_def}')
+  # One transfer for all device leaves, not one per leaf.
+  got, want = jax.device_get(([x for _, x in got], [y for _, y in want]))
+  magnitude = lambda y: float(np.max(np.abs(np.asarray(y)), initial=0))
+  scales = {None: lambda: [1.0] * len(want),
+            'leaf': lambda: [magnitude(y) for y in want],
+            'tree': lambda: [max(map(magnitude, want), default=0.0)] * len(want)}
+  errors = [_leaf_error(*args, rtol, atol) for args in
+            zip(names, got, want, scales[atol_scale]())]
+  errors = [e for e in errors if e is not None]
+  if errors:
+    raise AssertionError(f'tree_allclose: {len(errors)} of {len(names)} '
+                         'leaves differ:\n  ' + '\n  '.join(errors))
+
 
 # -- schedules -----------------------------------------------------------------
 
@@ -89,20 +201,6 @@ def sequential_loss(stages, loss_params, inputs, targets, m):
 # ``reference(stages, loss_params, inputs, targets, m)``: loss and gradients.
 reference = jax.jit(jax.value_and_grad(sequential_loss, argnums=(0, 1, 2)),
                     static_argnums=4)
-
-
-def assert_exact(got, want, rtol):
-  """Loss and every gradient leaf agree to ``rtol`` of the leaf's magnitude."""
-  loss, grads = got
-  want_loss, want_grads = want
-  np.testing.assert_allclose(loss, want_loss, rtol=rtol)
-  got_leaves = jax.tree.leaves((grads.stages, grads.head, grads.inputs))
-  want_leaves = jax.tree.leaves(want_grads)
-  assert len(got_leaves) == len(want_leaves) == 6
-  for g, w in zip(got_leaves, want_leaves):
-    assert g.shape == w.shape and g.dtype == w.dtype
-    np.testing.assert_allclose(g, w, rtol=rtol,
-                               atol=rtol * float(np.max(np.abs(w))))
 
 
 def mesh_for(p):
@@ -204,13 +302,6 @@ def reference_run(params, batches, optimizer, max_grad_norm=None, *,
     history.append((loss, norm, params))
   return history
 
-
-def assert_same_history(got, want, rtol):
-  """Two ``[(loss, grad norm, params)]`` histories agree to ``rtol``."""
-  for (loss, norm, params), (ref_loss, ref_norm, ref_params) in zip(got, want):
-    np.testing.assert_allclose(loss, ref_loss, rtol=rtol)
-    np.testing.assert_allclose(norm, ref_norm, rtol=rtol)
-    chex.assert_trees_all_close(params, ref_params, rtol=rtol, atol=rtol)
 
 # -- the 3D trainer's GPT ------------------------------------------------------
 

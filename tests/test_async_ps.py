@@ -12,6 +12,7 @@ import pytest
 
 import jaxpar
 from jaxpar import async_ps
+from helpers import tree_allclose
 
 FEATURES = 4
 W_TRUE = np.linspace(-1.0, 2.0, FEATURES)
@@ -59,12 +60,6 @@ def sequential(optimizer, params, batches):
   return params
 
 
-def assert_trees_close(actual, expected, rtol):
-  jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=rtol,
-                                                       atol=rtol),
-               actual, expected)
-
-
 def run_guarded(fn, timeout=60.0):
   """Calls fn() in a thread; fails (instead of hanging) if it deadlocks."""
   out = {}
@@ -107,7 +102,7 @@ def test_simulate_matches_stale_reference(x64):
                             staleness=staleness)
     ref_params, ref_losses = stale_reference(opt, init_params(), batches,
                                              staleness)
-    assert_trees_close(res.params, ref_params, 1e-10)
+    tree_allclose(res.params, ref_params, rtol=1e-10)
     np.testing.assert_allclose(res.losses, ref_losses, rtol=1e-10)
     np.testing.assert_array_equal(res.staleness, staleness)
     assert res.params['w'].dtype == jnp.float64, name
@@ -121,7 +116,8 @@ def test_zero_staleness_is_sequential_training(x64):
   opt = optax.adam(0.05)
   sim = async_ps.simulate(loss_fn, opt, init_params(), batches,
                           staleness=np.zeros(24, int))
-  assert_trees_close(sim.params, sequential(opt, init_params(), batches), 1e-10)
+  tree_allclose(sim.params, sequential(opt, init_params(), batches),
+                rtol=1e-10)
 
   ps = jaxpar.AsyncParameterServer(loss_fn, opt, init_params(),
                                    num_workers=8, max_staleness=0)
@@ -129,7 +125,8 @@ def test_zero_staleness_is_sequential_training(x64):
   np.testing.assert_array_equal(res.staleness, 0)
   np.testing.assert_array_equal(np.sort(res.batch_ids), np.arange(24))
   ordered = [batches[j] for j in res.batch_ids]
-  assert_trees_close(res.params, sequential(opt, init_params(), ordered), 1e-10)
+  tree_allclose(res.params, sequential(opt, init_params(), ordered),
+                rtol=1e-10)
 
 
 class Straggler:
@@ -186,7 +183,7 @@ def test_threaded_run_bounded_staleness_and_replay(x64):
   replay = async_ps.simulate(straggler.loss, opt, init_params(),
                              [straggler.batches[j] for j in res.batch_ids],
                              staleness=res.staleness)
-  assert_trees_close(res.params, replay.params, 1e-10)
+  tree_allclose(res.params, replay.params, rtol=1e-10)
   np.testing.assert_allclose(res.losses, replay.losses, rtol=1e-10)
 
   # A second run continues from the server's state.
@@ -270,7 +267,7 @@ def test_nan_batch_never_reaches_the_params(x64):
   replay = async_ps.simulate(loss_fn, opt, init_params(),
                              [batches[j] for j in res.batch_ids],
                              staleness=res.staleness)
-  assert_trees_close(res.params, replay.params, 1e-10)
+  tree_allclose(res.params, replay.params, rtol=1e-10)
   assert replay.skipped.size == 0
   # A list with no batch to spare runs out rather than apply the NaN.
   ps = jaxpar.AsyncParameterServer(loss_fn, opt, init_params(), num_workers=2,
@@ -314,8 +311,8 @@ def test_simulate_skips_nan_updates(x64):
                           staleness=np.zeros(10, int))
   np.testing.assert_array_equal(res.skipped, [4])
   assert np.isnan(res.losses[4]) and np.isfinite(np.delete(res.losses, 4)).all()
-  assert_trees_close(res.params, sequential(opt, init_params(),
-                                            batches[:4] + batches[5:]), 1e-10)
+  tree_allclose(res.params, sequential(opt, init_params(),
+                                       batches[:4] + batches[5:]), rtol=1e-10)
   # An inf loss (finite gradient) is skipped too.
   inf_loss = lambda p, b: loss_fn(p, b) + jnp.where(b['x'][0, 0] > 1e300,
                                                     jnp.inf, 0.0)

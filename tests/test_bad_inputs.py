@@ -22,7 +22,7 @@ import jaxpar
 from jaxpar.checkpoint import _checkpoint as checkpoint
 from jaxpar.cli import demo
 from jaxpar import distributed
-from jaxpar import train_state as guard, pipeline
+from jaxpar import pipeline, train_state
 
 CASES = collections.Counter()
 EXAMPLES = 25
@@ -139,11 +139,13 @@ TARGETS = {
         'directory', lambda v: checkpoint.latest_step(
             f'/nonexistent/{v}' if isinstance(v, str) else v),
         lambda v: isinstance(v, str)),
-    'guard.count_skipped(skipped)': ('skipped', lambda v: guard.count_skipped(
-        guard.SkipCount(), v), lambda v: isinstance(v, (bool, np.bool_))),
-    'guard.count_skipped(max_skipped)': (
-        'max_skipped', lambda v: guard.count_skipped(guard.SkipCount(), False,
-                                                     max_skipped=v),
+    'train_state.count_skipped(skipped)': (
+        'skipped', lambda v: train_state.count_skipped(
+            train_state.SkipCount(), v),
+        lambda v: isinstance(v, (bool, np.bool_))),
+    'train_state.count_skipped(max_skipped)': (
+        'max_skipped', lambda v: train_state.count_skipped(
+            train_state.SkipCount(), False, max_skipped=v),
         _int_at_least(1)),
     'distributed.launch(num_processes)': (
         ('num_processes', 'port'),

@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from helpers import (D_HID, D_IN, assert_same_history, make_batches, mlp_loss,
-                     mlp_params, reference_run)
+from helpers import (D_HID, D_IN, make_batches, mlp_loss, mlp_params,
+                     reference_run, tree_allclose)
 
 
 def loss_with_aux(params, batch):
@@ -54,7 +54,7 @@ def test_matches_single_device_float64(x64, backend, num_microbatches,
       mlp_loss, optimizer, mesh=jaxpar.make_mesh(data=8), backend=backend,
       num_microbatches=num_microbatches, max_grad_norm=max_grad_norm).step
   state, got = parallel_run(step, params, batches, optimizer)
-  assert_same_history(got, adam_reference(max_grad_norm), rtol=1e-10)
+  tree_allclose(got, adam_reference(max_grad_norm), rtol=1e-10)
   assert int(state.step) == len(batches)
   if max_grad_norm is not None:  # the clipping really was exercised
     assert max(float(n) for _, n, _ in got) > max_grad_norm
@@ -71,8 +71,8 @@ def test_any_mesh_shape_float64(x64, sizes):
   step = jaxpar.data_parallel.trainer(mlp_loss, optimizer, mesh=mesh,
                                    num_microbatches=2, max_grad_norm=0.5).step
   _, got = parallel_run(step, params, batches, optimizer)
-  assert_same_history(got, reference_run(params, batches, optimizer, 0.5),
-                      rtol=1e-10)
+  tree_allclose(got, reference_run(params, batches, optimizer, 0.5),
+                rtol=1e-10)
 
 
 def test_matches_single_device_float32():
@@ -83,8 +83,7 @@ def test_matches_single_device_float32():
                                    mesh=jaxpar.make_mesh(data=8),
                                    num_microbatches=4, max_grad_norm=1.0).step
   _, got = parallel_run(step, params, batches, optimizer)
-  assert_same_history(got, reference_run(params, batches, optimizer, 1.0),
-                      rtol=1e-5)
+  tree_allclose(got, reference_run(params, batches, optimizer, 1.0), rtol=1e-5)
 
 
 @pytest.mark.parametrize('backend', ['shard_map', 'pmap'])
@@ -98,7 +97,7 @@ def test_gradient_is_the_mean_not_n_times_it(x64, backend):
   state, _ = step(jaxpar.TrainState.create(params, optax.sgd(1.0)), batch)
   grads = jax.grad(mlp_loss)(params, batch)
   applied = jax.tree.map(jnp.subtract, params, state.params)
-  chex.assert_trees_all_close(applied, grads, rtol=1e-12)
+  tree_allclose(applied, grads, rtol=1e-12)
 
 
 def test_aux_is_averaged(x64):
@@ -171,7 +170,7 @@ def test_non_finite_step_is_skipped():
   new, stats = step(new, good)
   assert not bool(stats.skipped) and int(new.step) == 1
   want = reference_run(mlp_params(), [good], optimizer)[0][2]
-  chex.assert_trees_all_close(new.params, want, rtol=1e-5, atol=1e-6)
+  tree_allclose(new.params, want, rtol=1e-5, atol=1e-6)
 
 
 def test_infinite_gradient_is_skipped():
@@ -256,7 +255,7 @@ def test_key_matches_single_device_float64(x64, backend, data,
   for batch in make_batches(3, 32, dtype=np.float64):
     state, stats = trainer.step(state, batch)
     got.append((stats.loss, stats.grad_norm, trainer.params(state)))
-  assert_same_history(got, keyed_reference(), rtol=1e-10)
+  tree_allclose(got, keyed_reference(), rtol=1e-10)
 
 
 def test_key_is_folded_with_the_step_and_the_microbatch(x64):
@@ -302,7 +301,7 @@ def test_compute_dtype_casts_params_inside_the_loss(backend, zero_stage):
   want_loss, want_grads = bf16_reference(params, batch, 16)
   applied = jax.tree.map(jnp.subtract, params, trainer.params(new))
   np.testing.assert_allclose(stats.loss, want_loss, rtol=1e-5)
-  chex.assert_trees_all_close(applied, want_grads, rtol=1e-5, atol=1e-6)
+  tree_allclose(applied, want_grads, rtol=1e-5, atol=1e-6)
   plain = jax.grad(mlp_loss)(params, batch)
   assert max(jax.tree.leaves(jax.tree.map(
       lambda a, b: float(jnp.max(jnp.abs(a - b))), applied, plain))) > 1e-4
@@ -325,7 +324,7 @@ def test_compute_dtype_bfloat16_batch_loosely():
   assert stats.loss.dtype == jnp.float32
   np.testing.assert_allclose(stats.loss, want_loss, rtol=2e-2)
   applied = jax.tree.map(jnp.subtract, params, trainer.params(new))
-  chex.assert_trees_all_close(applied, want_grads, rtol=5e-2, atol=2e-2)
+  tree_allclose(applied, want_grads, rtol=5e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize('remat_policy,zero_stage', [
@@ -342,7 +341,7 @@ def test_remat_policy_matches_single_device_float64(x64, remat_policy,
   for batch in make_batches(4, 32, dtype=np.float64):
     state, stats = trainer.step(state, batch)
     got.append((stats.loss, stats.grad_norm, trainer.params(state)))
-  assert_same_history(got, adam_reference(0.5), rtol=1e-10)
+  tree_allclose(got, adam_reference(0.5), rtol=1e-10)
 
 
 def test_remat_policy_decides_what_the_backward_keeps(capsys):
@@ -354,12 +353,13 @@ def test_remat_policy_decides_what_the_backward_keeps(capsys):
 
   def saved(remat_policy):
     options = _trainer._check_options(
-        mlp_loss, optax.sgd(0.1), mesh=jaxpar.make_mesh(data=8), axis='data',
-        max_grad_norm=None, num_microbatches=1, zero_stage=0, has_aux=False,
-        backend='shard_map', key=None, compute_dtype=None,
-        remat_policy=remat_policy)
-    print_saved_residuals(_trainer._differentiated(mlp_loss, options),
-                          mlp_params(), None, make_batches(1, 16)[0])
+        mlp_loss, optax.sgd(0.1), carries_state=False,
+        mesh=jaxpar.make_mesh(data=8), data_axis='data', max_grad_norm=None,
+        num_microbatches=1, zero_stage=0, has_aux=False, backend='shard_map',
+        key=None, compute_dtype=None, remat_policy=remat_policy)
+    print_saved_residuals(
+        _trainer._differentiated(mlp_loss, options, lifted=()),
+        mlp_params(), None, make_batches(1, 16)[0], None)
     return capsys.readouterr().out
 
   assert 'f32[16,7]' in saved(None)
@@ -385,7 +385,7 @@ class TestErrors:
   def test_mesh_without_axis(self):
     with pytest.raises(ValueError, match="no axis 'batch'.*'data', 'stage', "
                        "'tensor'"):
-      self.step(axis='batch')
+      self.step(data_axis='batch')
 
   def test_non_scalar_loss(self):
     step = self.step(fn=lambda p, b: (b['x'] @ p['hidden']['w']).sum(-1))
@@ -420,11 +420,10 @@ class TestErrors:
     with pytest.raises(ValueError, match="remat_policy='some'"):
       self.step(remat_policy='some')
 
-  def test_key_needs_a_key_argument(self):
-    step = self.step(key=jax.random.key(0))
-    with pytest.raises(TypeError, match=r'loss_fn\(params, batch, key\): '
-                       'loss_fn must take the key as its last argument'):
-      step(self.state(), make_batches(1, 16)[0])
+  def test_key_needs_a_key_keyword(self):
+    with pytest.raises(TypeError, match=r'loss_fn\(params, batch\) does not '
+                       r'take key=.*calls loss_fn\(params, batch, key=k\)'):
+      self.step(key=jax.random.key(0))
 
 
 # -- An NNX model with BatchNorm: params and running statistics ---------------
@@ -496,7 +495,7 @@ def test_nnx_batchnorm_synced_matches_one_device(x64, zero_stage,
   loss with the ``data`` axis bound."""
   model = BatchNormMLP('data', rngs=nnx.Rngs(0))
   m = jaxpar.data_parallel.from_nnx(model, loss=bn_loss)
-  trainer = jaxpar.data_parallel.trainer(
+  trainer = jaxpar.data_parallel.model_trainer(
       m, optax.adam(1e-2), mesh=jaxpar.make_mesh(data=8),
       zero_stage=zero_stage, num_microbatches=num_microbatches)
   state = trainer.init(m.params, m.model_state)
@@ -504,8 +503,8 @@ def test_nnx_batchnorm_synced_matches_one_device(x64, zero_stage,
     state, stats = trainer.step(state, batch)
   m.update(model, trainer.params(state), state.model_state)
   want = bn_reference(num_microbatches)
-  chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(model)), want,
-                              rtol=1e-9, atol=1e-12)
+  tree_allclose(nnx.to_pure_dict(nnx.state(model)), want, rtol=1e-9,
+                atol=1e-12)
   assert float(jnp.abs(model.bn.mean[...]).max()) > 1e-3   # they moved
   np.testing.assert_array_equal(model.bn.var[...], want['bn']['var'])
 
@@ -518,8 +517,8 @@ def test_nnx_batchnorm_unsynced_statistics_are_averaged(x64):
   of the shards' (biased) variances."""
   model = BatchNormMLP(rngs=nnx.Rngs(0))
   m = jaxpar.data_parallel.from_nnx(model, loss=bn_loss)
-  trainer = jaxpar.data_parallel.trainer(m, optax.sgd(0.1),
-                                         mesh=jaxpar.make_mesh(data=8))
+  trainer = jaxpar.data_parallel.model_trainer(m, optax.sgd(0.1),
+                                               mesh=jaxpar.make_mesh(data=8))
   x, y = bn_batches(1)[0]
   state, _ = trainer.step(trainer.init(m.params, m.model_state), (x, y))
   h = model.l1(x).reshape(8, 4, 8)                  # [device, row, feature]
@@ -542,14 +541,20 @@ def test_from_nnx_bad_inputs(x64):
   with pytest.raises(TypeError, match=r'loss must be a function loss\(m, '):
     jaxpar.data_parallel.from_nnx(model, loss=None)
   m = jaxpar.data_parallel.from_nnx(model, loss=bn_loss)
-  with pytest.raises(ValueError, match="DataParallelModel needs backend="):
-    jaxpar.data_parallel.trainer(m, optax.sgd(0.1), backend='pmap',
+  # A model and a loss function train through different entries.
+  with pytest.raises(TypeError, match=r'trains with data_parallel\.'
+                     r'model_trainer\(model, optimizer, mesh=\.\.\.\)'):
+    jaxpar.data_parallel.trainer(m, optax.sgd(0.1),
                                  mesh=jaxpar.make_mesh(data=8))
+  with pytest.raises(TypeError, match=r'got function; a loss function '
+                     r'trains with data_parallel\.trainer\(loss_fn'):
+    jaxpar.data_parallel.model_trainer(mlp_loss, optax.sgd(0.1),
+                                       mesh=jaxpar.make_mesh(data=8))
 
   def grows(m, batch):       # a forward that adds a variable
     m.extra = nnx.BatchStat(jnp.zeros(3))
     return bn_loss(m, batch)
-  trainer = jaxpar.data_parallel.trainer(
+  trainer = jaxpar.data_parallel.model_trainer(
       jaxpar.data_parallel.from_nnx(model, loss=grows), optax.sgd(0.1),
       mesh=jaxpar.make_mesh(data=8))
   state = jaxpar.TrainState.create(m.params, optax.sgd(0.1), m.model_state)

@@ -17,6 +17,7 @@ from flax import nnx
 
 import jaxpar
 import llama
+from helpers import tree_allclose
 
 CONFIG = llama.Config(layers=5, dtype=jnp.float64)   # 5 layers: uneven splits
 OPTIMIZER = optax.sgd(0.3, momentum=0.9)
@@ -110,7 +111,7 @@ def trained(case):
     pm = jaxpar.parallel.from_nnx(model, blocks='blocks',
                                   num_stages=schedule.num_stages,
                                   embed=embed, head_loss=head_loss, **split)
-    trainer = jaxpar.parallel.trainer(
+    trainer = jaxpar.parallel.model_trainer(
         pm, OPTIMIZER, schedule=schedule, mesh=mesh(**mesh_sizes),
         max_grad_norm=MAX_GRAD_NORM, **options)
     state = trainer.init(pm.params)
@@ -138,7 +139,7 @@ def test_pipeline_matches_single_device_float64(x64, case):
   for (loss, norm, p), (ref_loss, ref_norm, ref_p) in zip(got, want):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-10)
     np.testing.assert_allclose(norm, ref_norm, rtol=1e-10)
-    chex.assert_trees_all_close(p, ref_p, rtol=1e-9, atol=1e-11)
+    tree_allclose(p, ref_p, rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize('case', ['2x2x2-1f1b-rules', '1x2x4-zero_bubble_v-annotated'])
@@ -165,8 +166,8 @@ def test_data_parallel_zero3_matches_single_device_float64(x64):
     state, stats = step(state, batch)
     np.testing.assert_allclose(stats.loss, ref_loss, rtol=1e-10)
     np.testing.assert_allclose(stats.grad_norm, ref_norm, rtol=1e-10)
-    chex.assert_trees_all_close(nnx.to_pure_dict(jax.device_get(state.params)),
-                                ref_p, rtol=1e-9, atol=1e-11)
+    tree_allclose(nnx.to_pure_dict(jax.device_get(state.params)), ref_p,
+                  rtol=1e-9, atol=1e-11)
 
 
 def test_cut_and_its_state_round_trip():
@@ -314,25 +315,34 @@ class TestErrors:
     model = llama.Llama(CONFIG._replace(dtype=jnp.float32, vocab=33),
                         nnx.Rngs(0))
     pm = self.from_nnx(model, tensor_rules=RULES)
-    trainer = jaxpar.parallel.trainer(
+    trainer = jaxpar.parallel.model_trainer(
         pm, optax.sgd(0.1), schedule=jaxpar.pipeline.one_f_one_b(2, 2),
         mesh=mesh(data=1, stage=2, tensor=2))
     with pytest.raises(ValueError, match=r"param 'head/kernel' \(16, 33\): "
                        r"dim 1 of size 33 is split over 'tensor'.*size 2"):
       trainer.init(pm.params)
 
-  def test_trainer_takes_the_model_and_optimizer_only(self):
+  def test_a_model_and_three_functions_have_their_own_entries(self):
     pm = self.from_nnx()
-    with pytest.raises(TypeError, match='PipelineModel and the optimizer'):
-      jaxpar.parallel.trainer(pm, pm.functions[1], optax.sgd(0.1),
-                              schedule=jaxpar.pipeline.one_f_one_b(2, 2),
-                              mesh=jaxpar.make_mesh(data=4, stage=2))
-    # A PipelineModel's tensor split is from_nnx's: the error names where.
-    with pytest.raises(TypeError, match=r'pass the rules there: '
-                       r'from_nnx\(model, \.\.\., tensor_rules=rules\)'):
-      jaxpar.parallel.trainer(pm, optax.sgd(0.1), tensor_rules=RULES,
-                              schedule=jaxpar.pipeline.one_f_one_b(2, 2),
-                              mesh=jaxpar.make_mesh(data=4, stage=2))
+    schedule = jaxpar.pipeline.one_f_one_b(2, 2)
+    mesh_ = jaxpar.make_mesh(data=4, stage=2)
+    # A model given to trainer (in any slot count) names model_trainer.
+    with pytest.raises(TypeError, match=r'trains with parallel\.'
+                       r'model_trainer\(model, optimizer, schedule=\.\.\., '
+                       r'mesh=\.\.\.\)'):
+      jaxpar.parallel.trainer(pm, optax.sgd(0.1), schedule=schedule,
+                              mesh=mesh_)
+    # Three functions given to model_trainer name trainer.
+    with pytest.raises(TypeError, match=r'got partial; three functions '
+                       r'train with parallel\.trainer\(embed_fn, stage_fn, '
+                       r'loss_fn, optimizer'):
+      jaxpar.parallel.model_trainer(*pm.functions, optax.sgd(0.1),
+                                    schedule=schedule, mesh=mesh_)
+    # A PipelineModel's tensor split is from_nnx's: model_trainer has no
+    # tensor_rules.
+    with pytest.raises(TypeError, match='tensor_rules'):
+      jaxpar.parallel.model_trainer(pm, optax.sgd(0.1), tensor_rules=RULES,
+                                    schedule=schedule, mesh=mesh_)
 
 
 class _DropBlock(nnx.Module):
@@ -366,15 +376,15 @@ def test_dropout_keys_reseed_the_models_own_streams():
   embed_fn, stage_fn, _ = pm.functions
   key, ids = jax.random.key(7), jnp.arange(12).reshape(3, 4) % 4
   stage = jax.tree.map(lambda a: a[0], pm.params.stages)
-  x = embed_fn(pm.params.embed, ids, key)
+  x = embed_fn(pm.params.embed, ids, key=key)
   nnx.reseed(net, dropout=key)
   np.testing.assert_array_equal(x, net.drop(net.embed(ids)))
   want = x
   for j, block in enumerate(net.blocks):
     nnx.reseed(block, dropout=jax.random.fold_in(key, j))
     want = block(want)
-  np.testing.assert_allclose(stage_fn(stage, x, key), want, rtol=1e-6)
-  assert not np.allclose(stage_fn(stage, x, jax.random.key(8)), want)
+  np.testing.assert_allclose(stage_fn(stage, x, key=key), want, rtol=1e-6)
+  assert not np.allclose(stage_fn(stage, x, key=jax.random.key(8)), want)
   net.eval()     # deterministic: no key needed, the blocks as written
   np.testing.assert_allclose(
       split(net).functions[1](stage, x),
@@ -479,7 +489,7 @@ def tied_run(case):
     pm = jaxpar.parallel.from_nnx(
         model, blocks='blocks', num_stages=schedule.num_stages,
         embed=lambda m, ids: m.wte(ids), head_loss=tied_head_loss, **split)
-    trainer = jaxpar.parallel.trainer(
+    trainer = jaxpar.parallel.model_trainer(
         pm, SCHEDULE_FREE if options.get('schedule_free') else OPTIMIZER,
         schedule=schedule, mesh=mesh(**mesh_sizes),
         **{k: v for k, v in options.items() if k != 'schedule_free'})
@@ -501,9 +511,8 @@ def test_tied_embeddings_match_the_tied_model_float64(x64, case):
   for (_, stats), (ref_loss, _, _) in zip(out, want):
     np.testing.assert_allclose(stats.loss, ref_loss, rtol=1e-10)
   pm.update(model, jax.device_get(trainer.params(out[-1][0])))
-  chex.assert_trees_all_close(params_of(model),
-                              nnx.to_pure_dict(want[-1][1]), rtol=1e-10,
-                              atol=1e-12)
+  tree_allclose(params_of(model), nnx.to_pure_dict(want[-1][1]), rtol=1e-10,
+                atol=1e-12)
 
 
 def test_optax_extra_args_and_schedule_free_eval_params_in_3d(x64):
@@ -516,7 +525,7 @@ def test_optax_extra_args_and_schedule_free_eval_params_in_3d(x64):
   assert float(state.opt_state[1].scale) == float(opt_state[1].scale) < 1
   got = optax.contrib.schedule_free_eval_params(
       trainer.opt_state(state)[0], trainer.params(state))
-  chex.assert_trees_all_close(
+  tree_allclose(
       nnx.to_pure_dict(pm.to_state(jax.device_get(got))),
       nnx.to_pure_dict(optax.contrib.schedule_free_eval_params(
           opt_state[0], params)), rtol=1e-10, atol=1e-12)
@@ -534,7 +543,7 @@ def test_live_state_handed_to_a_schedule_placing_stages_differently(
   assert state.params.placement == ((0, 3), (1, 2))
   want = tied_reference(tied_optimizer(TIED['zero_bubble_v-clip-zero3'][2]))
   np.testing.assert_allclose(stats.loss, want[1][0], rtol=1e-10)
-  chex.assert_trees_all_close(
+  tree_allclose(
       nnx.to_pure_dict(pm.to_state(jax.device_get(zbv.params(state)))),
       nnx.to_pure_dict(want[1][1]), rtol=1e-10, atol=1e-12)
   with pytest.raises(ValueError, match=r"rank placement \(\(0, 2\), \(1, 3\)\) "
@@ -652,8 +661,8 @@ def test_batch_norm_statistics_float64(x64, case):
       embed=lambda m, x: m.inp(x),
       head_loss=lambda m, y, t: mse(m.out(y), t), **split)
   assert pm.model_state['bn']['mean'].shape == pm.stage_mask.shape + (8,)
-  trainer = jaxpar.parallel.trainer(pm, OPTIMIZER, schedule=schedule,
-                                    mesh=mesh(**mesh_sizes))
+  trainer = jaxpar.parallel.model_trainer(pm, OPTIMIZER, schedule=schedule,
+                                          mesh=mesh(**mesh_sizes))
   with pytest.raises(ValueError, match=r'pm.params, pm.model_state'):
     trainer.init(pm.params)
   state = trainer.init(pm.params, pm.model_state)
@@ -663,9 +672,8 @@ def test_batch_norm_statistics_float64(x64, case):
     np.testing.assert_allclose(stats.loss, ref_loss, rtol=1e-10)
   pm.update(model, jax.device_get(trainer.params(state)),
             jax.device_get(state.model_state))
-  chex.assert_trees_all_close(params_of(model), want[-1][1], rtol=1e-10,
-                              atol=1e-12)
-  chex.assert_trees_all_close(
+  tree_allclose(params_of(model), want[-1][1], rtol=1e-10, atol=1e-12)
+  tree_allclose(
       nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)), want[-1][2],
       rtol=1e-10, atol=1e-12)
 
@@ -681,8 +689,8 @@ def test_synced_batch_norm_normalises_the_global_microbatch(x64):
   pm = jaxpar.parallel.from_nnx(
       model, blocks='blocks', num_stages=2, embed=lambda m, x: m.inp(x),
       head_loss=lambda m, y, t: mse(m.out(y), t))
-  trainer = jaxpar.parallel.trainer(pm, OPTIMIZER, schedule=schedule,
-                                    mesh=mesh(data=4, stage=2))
+  trainer = jaxpar.parallel.model_trainer(pm, OPTIMIZER, schedule=schedule,
+                                          mesh=mesh(data=4, stage=2))
   (x, t), _ = norm_batches()
   state, stats = trainer.step(trainer.init(pm.params, pm.model_state), (x, t))
   pm.update(model, jax.device_get(trainer.params(state)),
@@ -698,4 +706,4 @@ def test_synced_batch_norm_normalises_the_global_microbatch(x64):
   np.testing.assert_allclose(stats.loss, want, rtol=1e-10)
   of = lambda m: nnx.to_pure_dict(nnx.state(m, nnx.Any(nnx.Param,
                                                        nnx.BatchStat)))
-  chex.assert_trees_all_close(of(model), of(one), rtol=1e-10, atol=1e-12)
+  tree_allclose(of(model), of(one), rtol=1e-10, atol=1e-12)

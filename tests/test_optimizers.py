@@ -28,7 +28,6 @@ per-shard norm would change (1e-3).
 
 import functools
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,7 +35,7 @@ import optax
 import pytest
 from flax import nnx
 import helpers
-from helpers import assert_round_trip, make_batches
+from helpers import assert_round_trip, make_batches, tree_allclose
 
 import jaxpar
 from jaxpar.models import gpt
@@ -68,13 +67,6 @@ def each_optimizer(groups):
       {name: make() for name, make in OPTIMIZERS.items()},
       lambda params: jax.tree_util.tree_map_with_path(
           lambda path, _: label(path), params))
-
-
-def assert_close_history(got, want):
-  for (loss, norm, params), (ref_loss, ref_norm, ref_params) in zip(got, want):
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-10)
-    np.testing.assert_allclose(norm, ref_norm, rtol=1e-10)
-    chex.assert_trees_all_close(params, ref_params, rtol=1e-9, atol=1e-10)
 
 
 def reference(loss, params, batches, optimizer, max_grad_norm=None, *,
@@ -164,7 +156,8 @@ def test_data_parallel(x64, zero_stage, max_grad_norm):
   want = mlp_reference(max_grad_norm)
   if max_grad_norm is not None:
     assert float(want[0][1]) > max_grad_norm     # clipping is exercised
-  assert_close_history(trained(trainer, mlp_params(), mlp_batches())[0], want)
+  tree_allclose(trained(trainer, mlp_params(), mlp_batches())[0], want,
+                rtol=1e-9, atol=1e-10)
 
 
 # Transforms whose update takes the loss (value=), and schedule-free, whose
@@ -194,13 +187,13 @@ def test_data_parallel_transforms_that_take_the_loss(x64, name):
   want, opt_state = reference(helpers.mlp_loss, params, mlp_batches(),
                               LOSS_TAKING[name](), with_opt_state=True)
   got, state = trained(trainer, params, mlp_batches())
-  assert_close_history(got, want)
+  tree_allclose(got, want, rtol=1e-9, atol=1e-10)
   got_opt = trainer.opt_state(state)
-  chex.assert_trees_all_close(got_opt, opt_state, rtol=1e-9, atol=1e-12)
+  tree_allclose(got_opt, opt_state, rtol=1e-9, atol=1e-12)
   if name == 'reduce_on_plateau':
     assert float(opt_state[1].scale) < 1      # the plateau rule acted
   else:
-    chex.assert_trees_all_close(
+    tree_allclose(
         optax.contrib.schedule_free_eval_params(got_opt, trainer.params(state)),
         optax.contrib.schedule_free_eval_params(opt_state, want[-1][2]),
         rtol=1e-9, atol=1e-12)
@@ -274,8 +267,8 @@ def test_3d_2x2x2(x64, zero_stage, max_grad_norm, num_layers, tmp_path):
   want = gpt_reference(num_layers, max_grad_norm)
   if max_grad_norm is not None:
     assert float(want[0][1]) > max_grad_norm     # clipping is exercised
-  assert_close_history([(loss, norm, gpt.merge_from_pipeline(p, split))
-                        for loss, norm, p in got], want)
+  tree_allclose([(loss, norm, gpt.merge_from_pipeline(p, split))
+                 for loss, norm, p in got], want, rtol=1e-9, atol=1e-10)
   # The compiled step (cached): no collective runs beside the tick loop.
   assert jaxpar.hlo.unordered_collectives(
       trainer.step.lower(state, data[0]).compile()) == []
@@ -329,6 +322,6 @@ def test_3d_lamb_adafactor_collectives_ordered(x64, zero_stage):
   compiled = trainer.step.lower(state, data[0]).compile()
   assert jaxpar.hlo.unordered_collectives(compiled) == []
   got, _ = trained(trainer, pp, data[:2])
-  assert_close_history([(loss, norm, gpt.merge_from_pipeline(p, split))
-                        for loss, norm, p in got],
-                       lamb_and_adafactor_reference())
+  tree_allclose([(loss, norm, gpt.merge_from_pipeline(p, split))
+                 for loss, norm, p in got], lamb_and_adafactor_reference(),
+                rtol=1e-9, atol=1e-10)

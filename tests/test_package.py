@@ -5,17 +5,22 @@ but the packages whose ``__all__`` is checked).
 - ``jaxpar.pipeline.schedules`` imports no JAX: its modules and every jaxpar
   module they import use the standard library, numpy and (to draw)
   matplotlib only;
-- the root holds at most 8 modules;
+- the root holds at most 7 modules;
 - no module imports another package's private module or name
   (``from jaxpar.X._y import`` or ``from jaxpar.X import _y`` outside
   ``jaxpar.X``); a package's own rooms and its ancestors' (the root's
   ``_compat``, ``_validate``) are its to use;
-- every package's ``__init__`` lists its API in ``__all__``;
+- every package's ``__init__`` lists its API in ``__all__`` and binds no
+  other name (what packages share beyond their API is in their
+  ``internal`` module);
+- no public class name is defined in two modules;
 - no function body (its code lines, without the docstring, blank lines and
-  comments) is over 100 lines.
+  comments) is over 100 lines, no module over 600 lines, and the README
+  has at most 250 lines.
 """
 
 import ast
+import collections
 import importlib
 import pathlib
 import sys
@@ -23,8 +28,13 @@ import sys
 import jaxpar
 
 PACKAGE = pathlib.Path(jaxpar.__file__).parent
-ROOT_MODULES = 8
+README = PACKAGE.parent / 'README.md'
+ROOT_MODULES = 7
 MAX_BODY_LINES = 100
+MAX_MODULE_LINES = 600
+MAX_README_LINES = 250
+# What an ``__init__`` may bind besides its ``__all__``.
+INIT_EXTRAS = {'__all__', '__version__', 'annotations'}
 # What the schedules may import besides the standard library (matplotlib:
 # only ``Schedule.plot``, imported inside it).
 SCHEDULE_IMPORTS = {'numpy', 'matplotlib'}
@@ -147,6 +157,83 @@ def body_lines(node, lines):
              if line.strip() and not line.strip().startswith('#'))
 
 
+def top_level(source):
+  """The statements of a module's top level, with those in its ``if`` /
+  ``try`` / ``with`` / loop blocks (not those in functions or classes)."""
+  todo = list(ast.parse(source).body)
+  while todo:
+    node = todo.pop(0)
+    yield node
+    for field in ('body', 'orelse', 'finalbody', 'handlers'):
+      if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                               ast.ClassDef)):
+        todo += getattr(node, field, [])
+
+
+def bound_names(package, source, star=lambda module: ()):
+  """Every ``(name, line)`` the top level of ``package``'s ``__init__``
+  binds: imported names (``as`` names; a plain ``import a.b`` binds ``a``),
+  assigned names, functions and classes; ``from m import *`` binds
+  ``star(m)`` (the names of ``m.__all__``)."""
+  found = []
+  for node in top_level(source):
+    if isinstance(node, ast.Import):
+      found += [(a.asname or a.name.split('.')[0], node.lineno)
+                for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ''
+      if node.level:
+        parts = package.split('.')[:len(package.split('.')) - node.level + 1]
+        base = '.'.join(parts + ([base] if base else []))
+      for a in node.names:
+        names = star(base) if a.name == '*' else [a.asname or a.name]
+        found += [(n, node.lineno) for n in names]
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                           ast.ClassDef)):
+      found.append((node.name, node.lineno))
+    elif isinstance(node, ast.ExceptHandler) and node.name:
+      found.append((node.name, node.lineno))
+    else:
+      targets = {ast.Assign: lambda n: n.targets,
+                 ast.AnnAssign: lambda n: [n.target],
+                 ast.AugAssign: lambda n: [n.target],
+                 ast.For: lambda n: [n.target],
+                 ast.With: lambda n: [i.optional_vars for i in n.items
+                                      if i.optional_vars]}.get(type(node))
+      for target in targets(node) if targets else ():
+        found += [(n.id, node.lineno) for n in ast.walk(target)
+                  if isinstance(n, ast.Name)]
+  return sorted(found, key=lambda found: found[1])
+
+
+def unlisted_bindings(package, source, listed, star=lambda module: ()):
+  """``'line: name'`` for each name the ``__init__`` of ``package`` binds
+  that is neither in ``listed`` (its ``__all__``) nor in ``INIT_EXTRAS``."""
+  allowed = set(listed) | INIT_EXTRAS
+  return [f'{line}: {name}' for name, line in
+          bound_names(package, source, star) if name not in allowed]
+
+
+def duplicate_classes(sources):
+  """``{class name: [modules]}`` for each public class (its name not
+  starting with ``_``) defined at the top level of more than one of
+  ``sources`` (``{module: source}``)."""
+  where = collections.defaultdict(list)
+  for name, source in sorted(sources.items()):
+    for node in top_level(source):
+      if isinstance(node, ast.ClassDef) and not node.name.startswith('_'):
+        where[node.name].append(name)
+  return {cls: names for cls, names in where.items() if len(names) > 1}
+
+
+def too_long(texts, limit):
+  """``'name: n lines'`` for each of ``texts`` (``{name: text}``) that has
+  more than ``limit`` lines."""
+  counts = {name: len(text.splitlines()) for name, text in texts.items()}
+  return [f'{name}: {n} lines' for name, n in sorted(counts.items())
+          if n > limit]
+
+
 # -- the checkers can fail ---------------------------------------------------
 
 
@@ -178,6 +265,50 @@ def test_the_jax_finder_sees_jax():
   assert 'jax' in third_party('jaxpar.pipeline.executor._tick_scan')
 
 
+def test_binding_finder_finds_names_outside_all():
+  source = ('"""Doc."""\n'
+            'from __future__ import annotations\n'
+            'from jaxpar.x._a import f as f\n'
+            'from jaxpar.x._b import g as g   # shared with another package\n'
+            'import os.path\n'
+            'from . import _c as c\n'
+            'HELPER, (OTHER, _X) = 1, (2, 3)\n'
+            'def main(): pass\n'
+            'class Error(Exception): pass\n'
+            'try:\n  import numpy as np\nexcept ImportError as e:\n  np = None\n'
+            'from jaxpar.y import *\n'
+            "__all__ = ['f', 'main']\n"
+            "__version__ = '1'\n")
+  star = lambda module: ['h', 'f'] if module == 'jaxpar.y' else []
+  assert unlisted_bindings('jaxpar.x', source, ['f', 'main'], star) == [
+      '4: g', '5: os', '6: c', '7: HELPER', '7: OTHER', '7: _X',
+      '9: Error', '11: np', '12: e', '13: np', '14: h']
+  # Re-exporting exactly __all__, through a star import too: nothing.
+  assert not unlisted_bindings('jaxpar.x', 'from jaxpar.x._a import f as f\n'
+                               'from ._b import *\n__all__ = ["f", "h"]\n',
+                               ['f', 'h'], lambda module: ['h'])
+
+
+def test_duplicate_class_finder_finds_them():
+  sources = {'jaxpar.a': 'class Plan:\n  class Inner: pass\nclass _Run: pass',
+             'jaxpar.b': 'from typing import NamedTuple\n'
+                         'class Plan(NamedTuple):\n  x: int\n'
+                         'class _Run: pass\nclass Inner: pass',
+             'jaxpar.c': 'def f():\n  class Plan: pass\n'}
+  # Private and nested classes (Inner inside a.Plan, c's local) do not count.
+  assert duplicate_classes(sources) == {'Plan': ['jaxpar.a', 'jaxpar.b']}
+  assert not duplicate_classes({'jaxpar.a': 'class A: pass',
+                                'jaxpar.b': 'class B: pass'})
+
+
+def test_line_counter_finds_long_texts():
+  texts = {'long.py': 'x = 1\n' * 601, 'short.py': 'x = 1\n' * 600,
+           'README.md': '# jaxpar\n' * 251}
+  assert too_long(texts, 600) == ['long.py: 601 lines']
+  assert too_long({'README.md': texts['README.md']}, 250) == [
+      'README.md: 251 lines']
+
+
 # -- the properties ------------------------------------------------------------
 
 
@@ -197,7 +328,7 @@ def test_schedules_import_no_jax():
   assert not any(used.values()), {n: u for n, u in used.items() if u}
 
 
-def test_root_holds_at_most_8_modules():
+def test_root_holds_at_most_7_modules():
   root = sorted(p.name for p in PACKAGE.glob('*.py'))
   assert len(root) <= ROOT_MODULES, root
 
@@ -218,6 +349,48 @@ def test_every_package_lists_its_api_in_all():
         f'{name} defines no __all__')
     missing = [n for n in module.__all__ if not hasattr(module, n)]
     assert not missing, f'{name}.__all__ names what it lacks: {missing}'
+
+
+def test_every_init_binds_only_its_all():
+  """What other packages need beyond the API is in an ``internal`` module,
+  not bound in the ``__init__`` below its ``__all__``."""
+  packages = sorted(n for n in MODULES if is_package(n))
+  star = lambda module: importlib.import_module(module).__all__
+  bad = []
+  for name in packages:
+    listed = importlib.import_module(name).__all__
+    bad += [f'{MODULES[name].relative_to(PACKAGE.parent)}:{line}' for line in
+            unlisted_bindings(name, MODULES[name].read_text(), listed, star)]
+  assert not bad, '\n'.join(bad)
+
+
+def test_every_internal_module_lists_its_names():
+  internals = [n for n in MODULES if n.endswith('.internal')]
+  assert {'jaxpar.data_parallel.internal', 'jaxpar.train_state.internal',
+          'jaxpar.pipeline.executor.internal'} <= set(internals)
+  for name in internals:
+    module = importlib.import_module(name)
+    doc = ' '.join(module.__doc__.lower().split())
+    assert "for jaxpar's other packages" in doc and 'not api' in doc, name
+    bound = {n for n, _ in bound_names(name, MODULES[name].read_text())}
+    assert sorted(bound - INIT_EXTRAS) == sorted(module.__all__), name
+
+
+def test_no_public_class_name_defined_twice():
+  twice = duplicate_classes({name: path.read_text()
+                             for name, path in MODULES.items()})
+  assert not twice, twice
+
+
+def test_no_module_over_600_lines():
+  long = too_long({str(path.relative_to(PACKAGE.parent)): path.read_text()
+                   for path in MODULES.values()}, MAX_MODULE_LINES)
+  assert not long, '\n'.join(long)
+
+
+def test_readme_at_most_250_lines():
+  long = too_long({'README.md': README.read_text()}, MAX_README_LINES)
+  assert not long, long
 
 
 def test_no_function_body_over_100_lines():

@@ -13,7 +13,7 @@ from flax import nnx
 import jaxpar
 from jaxpar.models import gpt
 from helpers import (FLOAT64_OPTIMIZER, GPT_CONFIG, dense_of, dense_params,
-                     float64_reference, gpt_batches)
+                     float64_reference, gpt_batches, tree_allclose)
 
 
 def run(mesh_sizes, schedule, params, data, optimizer, max_grad_norm):
@@ -64,7 +64,7 @@ def test_matches_single_device_float64(x64, case):
   for (loss, norm, p), (ref_loss, ref_norm, ref_p) in zip(got, want):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-10)
     np.testing.assert_allclose(norm, ref_norm, rtol=1e-10)
-    chex.assert_trees_all_close(p, ref_p, rtol=1e-9, atol=1e-11)
+    tree_allclose(p, ref_p, rtol=1e-9, atol=1e-11)
 
 
 def test_uneven_layers_keep_identity_slots():
@@ -91,9 +91,9 @@ def test_uneven_layers_keep_identity_slots():
   np.testing.assert_allclose(stats.loss, ref, rtol=1e-5)
   np.testing.assert_allclose(stats.grad_norm, optax.tree.norm(grads),
                              rtol=1e-5)
-  chex.assert_trees_all_close(
-      dense_of(trainer, state, split),
-      jax.tree.map(lambda p, g: p - g, params, grads), rtol=1e-5, atol=1e-6)
+  tree_allclose(dense_of(trainer, state, split),
+                jax.tree.map(lambda p, g: p - g, params, grads), rtol=1e-5,
+                atol=1e-6)
 
 
 class TestErrors:
@@ -209,7 +209,7 @@ def test_dropout_is_the_same_on_every_mesh_and_schedule():
   for (stats, p), (ref, ref_p) in zip(got, want):
     np.testing.assert_allclose(stats.loss, ref.loss, rtol=1e-5)
     np.testing.assert_allclose(stats.grad_norm, ref.grad_norm, rtol=1e-5)
-    chex.assert_trees_all_close(p, ref_p, rtol=1e-5, atol=1e-6)
+    tree_allclose(p, ref_p, rtol=1e-5, atol=1e-6)
   # Dropout is on: the loss is not the deterministic model's.
   plain = jax.jit(functools.partial(gpt.gpt_loss, config=SMALL))(params,
                                                                  data[0])

@@ -10,10 +10,11 @@ from flax import nnx
 
 import jaxpar
 import jaxpar.hlo
+from jaxpar.data_parallel import internal as dp_internal
 from jaxpar.models import gpt
 from helpers import (FLOAT64_OPTIMIZER, assert_round_trip, dense_of,
                      dense_params, float64_reference, gpt_batches,
-                     gpt_reference)
+                     gpt_reference, tree_allclose)
 
 
 def make_trainer(mesh_sizes, schedule, optimizer, *, zero_stage,
@@ -76,8 +77,8 @@ def test_matches_single_device_float64(x64, case, tmp_path):
     assert not bool(stats.skipped)
     np.testing.assert_allclose(stats.loss, ref_loss, rtol=1e-10)
     np.testing.assert_allclose(stats.grad_norm, ref_norm, rtol=1e-10)
-    chex.assert_trees_all_close(dense_of(trainer, state, split), ref_p,
-                                rtol=1e-9, atol=1e-11)
+    tree_allclose(dense_of(trainer, state, split), ref_p, rtol=1e-9,
+                  atol=1e-11)
   kernel = state.params.stages['mlp']['fc_in']['kernel']
   assert 'data' in str(kernel.sharding.spec)
   # Momentum traces are non-zero now; a restored state is bit-identical and
@@ -295,7 +296,7 @@ def test_padded_leaves_on_data_3_match_the_dense_model(x64, tmp_path):
       for z in (0, 1, 3)}
   init = trainers[0].init(pp)
   plain = jaxpar.data_parallel.bytes_per_device(init)
-  logical = jaxpar.data_parallel.logical_shapes(init)
+  logical = dp_internal.logical_shapes(init)
   # One padding row per leaf: a leaf's bytes over its largest dim.
   rows = lambda tree: sum(x.dtype.itemsize * x.size // max(x.shape, default=1)
                           for x in jax.tree.leaves(tree))
@@ -308,21 +309,20 @@ def test_padded_leaves_on_data_3_match_the_dense_model(x64, tmp_path):
       np.testing.assert_allclose(stats.loss, loss, rtol=1e-10)
       np.testing.assert_allclose(stats.grad_norm, norm, rtol=1e-10)
     got = trainer.params(state)
-    chex.assert_trees_all_close(dense_of(trainer, state, split), want[-1][2],
-                                rtol=1e-10, atol=1e-12)
+    tree_allclose(dense_of(trainer, state, split), want[-1][2], rtol=1e-10,
+                  atol=1e-12)
     chex.assert_trees_all_equal_shapes(got, shapes)
     held = jaxpar.data_parallel.bytes_per_device(state)
     assert held.opt_state <= ((1 / 3 + 0.1) * plain.opt_state
                               + rows(logical.opt_state)), (held, plain)
     stored = state.opt_state if zero_stage == 1 else state
-    assert any(map(jaxpar.data_parallel.is_padded, jax.tree.leaves(
-        stored, is_leaf=jaxpar.data_parallel.is_padded)))
+    assert any(map(dp_internal.is_padded, jax.tree.leaves(
+        stored, is_leaf=dp_internal.is_padded)))
   assert held.params <= (1 / 3 + 0.1) * plain.params + rows(logical.params)
   # The ZeRO-3 state's checkpoint holds logical shapes: it restores onto
   # zero_stage=0, and back onto ZeRO-3 bit for bit.
   jaxpar.checkpoint.save(tmp_path, state, schedule=schedule)
   restored = jaxpar.checkpoint.restore(tmp_path, init, schedule=schedule)
-  chex.assert_trees_all_close(trainers[0].params(restored), got, rtol=0,
-                              atol=0)
+  tree_allclose(trainers[0].params(restored), got, rtol=0, atol=0)
   again = jaxpar.checkpoint.restore(tmp_path, state, schedule=schedule)
   chex.assert_trees_all_equal(again, state)

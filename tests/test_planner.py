@@ -15,7 +15,7 @@ import jaxpar.cli
 from jaxpar import planner
 from jaxpar.cli import plan as plan_command
 from jaxpar.models import gpt
-from helpers import dense_of
+from helpers import dense_of, tree_allclose
 
 # Wide enough that the stashes are on the step's memory peak (with
 # narrower ones the update's temporaries are, and no schedule changes it).
@@ -355,5 +355,5 @@ def test_a_searched_schedule_is_a_candidate(model, batch):
   np.testing.assert_allclose(stats.loss, want, rtol=1e-5)
   _, split = gpt.split_for_pipeline(params, num_stages=best.layout.num_stages)
   stepped = dense_of(trainer, new, split)   # sgd(1): params - grads
-  jax.tree.map(lambda p, g, s: np.testing.assert_allclose(
-      p - g, s, rtol=1e-5, atol=1e-6), params, grads, stepped)
+  tree_allclose(stepped, jax.tree.map(lambda p, g: p - g, params, grads),
+                rtol=1e-5, atol=1e-6)

@@ -1,4 +1,5 @@
-"""Every ``python`` example of the README runs as written, in a fresh namespace.
+"""Every ``python`` example of the README and of docs/guide.md runs as
+written, in a fresh namespace.
 
 Each block imports what it uses (nothing comes from this file or conftest),
 runs in a fresh directory (examples write ``1f1b.csv`` and ``ckpt/``) and
@@ -10,13 +11,16 @@ import re
 
 import pytest
 
-README = pathlib.Path(__file__).parent.parent / 'README.md'
+ROOT = pathlib.Path(__file__).parent.parent
+README = ROOT / 'README.md'
+PAGES = (README, ROOT / 'docs' / 'guide.md')
 
 
-def _blocks() -> list[tuple[str, str]]:
-  """(section heading, code) of every python block, in order; the code is
-  padded with blank lines so that tracebacks give README's line numbers."""
-  text, out = README.read_text(), []
+def _blocks(page: pathlib.Path) -> list[tuple[str, str]]:
+  """(section heading, code) of every python block of ``page``, in order;
+  the code is padded with blank lines so that tracebacks give the page's
+  line numbers."""
+  text, out = page.read_text(), []
   for block in re.finditer(r'```python\n(.*?)```', text, re.S):
     before = text[:block.start(1)]
     headings = re.findall(r'^## (.*)$', before, re.M)
@@ -25,16 +29,18 @@ def _blocks() -> list[tuple[str, str]]:
   return out
 
 
-BLOCKS = _blocks()
+BLOCKS = [(page, heading, code) for page in PAGES
+          for heading, code in _blocks(page)]
 
 
 def test_readme_has_examples():
-  assert len(BLOCKS) >= 7, [h for h, _ in BLOCKS]
+  assert len(_blocks(README)) >= 7, [h for h, _ in _blocks(README)]
 
 
-@pytest.mark.parametrize('code', [c for _, c in BLOCKS],
-                         ids=[re.sub(r'\W+', '_', h).strip('_').lower()
-                              for h, _ in BLOCKS])
-def test_example_runs_as_written(code, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    'page,code', [(page, code) for page, _, code in BLOCKS],
+    ids=[re.sub(r'\W+', '_', f'{page.stem} {heading}').strip('_').lower()
+         for page, heading, _ in BLOCKS])
+def test_example_runs_as_written(page, code, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  exec(compile(code, str(README), 'exec'), {'__name__': '__readme__'})  # pylint: disable=exec-used
+  exec(compile(code, str(page), 'exec'), {'__name__': '__readme__'})  # pylint: disable=exec-used

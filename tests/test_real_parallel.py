@@ -31,7 +31,7 @@ def _expected_schedules(p, m):
 def test_end_to_end_two_pinned_processes():
   cores = sorted(os.sched_getaffinity(0))
   rows = real_parallel.measure(num_processes=2, **TINY,
-                               profile=['one_f_one_b'])
+                               timeline=['one_f_one_b'])
   if len(cores) < 2:
     assert [r['step'] for r in rows] == ['skipped']
     pytest.skip(f'{len(cores)} usable core(s): {rows[0]["note"]}')
@@ -51,10 +51,10 @@ def test_end_to_end_two_pinned_processes():
     assert row['cores'] == ','.join(map(str, cores[:row['ranks']]))
     assert row['pinned'] is True
     split = {part: row.get(f'{part}_ms') for part in worker.SPLIT}
-    if row['step'] == '1F1B':   # the one profiled: its time split adds up
+    if row['step'] == '1F1B':   # the one timed: its time split adds up
       assert min(split.values()) >= 0 and split['bubble'] <= split['waiting']
       assert sum(split.values()) - split['bubble'] == pytest.approx(
-          row['profiled_ms'])
+          row['timeline_ms'])
     else:
       assert set(split.values()) == {None}
   ideal = {r['step']: r['ideal'] for r in rows}

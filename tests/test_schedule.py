@@ -1,6 +1,5 @@
 """Pipeline schedules: constructors, validation, timing, pictures, CSV."""
 
-import math
 import os
 
 import matplotlib
@@ -10,6 +9,7 @@ import pytest
 from jaxpar import pipeline as pp
 from jaxpar.pipeline import Action, Schedule, ScheduleError
 from jaxpar.pipeline.schedules import _simulate as simulate_module
+from helpers import tree_allclose
 
 matplotlib.use('Agg')
 DATA = os.path.join(os.path.dirname(__file__), 'data')
@@ -26,10 +26,6 @@ def rows(*texts):
 def compact(schedule):
   return tuple(tuple(a for a in row if a is not None)
                for row in schedule.actions)
-
-
-def close(a, b):
-  return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)
 
 
 # --- Action ------------------------------------------------------------------
@@ -116,7 +112,7 @@ def test_other_pytorch_schedules_load_and_run(file, stages, bubble):
   s = Schedule.from_csv(os.path.join(DATA, file))
   assert (s.num_ranks, s.num_stages, s.num_microbatches) == (2, stages, 4)
   assert s.placement == (0, 1, 0, 1)
-  assert close(s.simulate().bubble_fraction, bubble)
+  tree_allclose(s.simulate().bubble_fraction, bubble, rtol=1e-12, atol=1e-15)
 
 
 def test_pytorch_1f1b_pipeline_order_bug_is_caught():
@@ -182,7 +178,7 @@ def test_gpipe_and_1f1b_closed_forms(p, m):
     for costs, step in ((UNIT, 2), (None, 3)):
       r = s.simulate(costs)
       assert r.makespan == step * (m + p - 1)
-      assert close(r.bubble_fraction, expected)
+      tree_allclose(r.bubble_fraction, expected, rtol=1e-12, atol=1e-15)
       assert r.bubble == tuple([step * (p - 1)] * p)
       assert r.peak_weight_grad_stash == (0,) * p
   assert pp.gpipe(p, m).simulate().peak_activations == (m,) * p
@@ -196,19 +192,21 @@ def test_interleaved_closed_form(p, m, v):
   s = pp.interleaved_one_f_one_b(p, m, v)
   for costs in (UNIT, None):  # every chunk F = B, or B = 2F
     r = s.simulate(costs)
-    assert close(r.bubble_fraction, (p - 1) / (v * m + p - 1))
+    tree_allclose(r.bubble_fraction, (p - 1) / (v * m + p - 1), rtol=1e-12,
+                  atol=1e-15)
   assert r.peak_activations == tuple(
       min((v - 1) * p + 2 * (p - r) - 1, v * m) for r in range(p))
   # v times less bubble time than 1F1B on the same model (chunks cost 1/v).
   one = pp.one_f_one_b(p, m).simulate({'F': v, 'B': 2 * v})
-  assert close(r.bubble[0] * v, one.bubble[0])
+  tree_allclose(r.bubble[0] * v, one.bubble[0], rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize('p, m', [(2, 2), (4, 4), (4, 9), (6, 7)])
 def test_zero_bubble_h1_closed_form(p, m):
   r = pp.zero_bubble_h1(p, m).simulate(UNIT)
   ref = pp.one_f_one_b(p, m).simulate()  # B = I + W = 2
-  assert close(r.bubble_fraction, (p - 1) / (3 * m + p - 1))
+  tree_allclose(r.bubble_fraction, (p - 1) / (3 * m + p - 1), rtol=1e-12,
+                atol=1e-15)
   assert r.bubble_fraction <= ref.bubble_fraction / 2
   assert r.peak_activations == ref.peak_activations
   assert r.peak_weight_grad_stash == tuple(min(i + 1, m) for i in range(p))
@@ -222,7 +220,8 @@ def test_zero_bubble_h1_below_p_microbatches_still_beats_1f1b():
 @pytest.mark.parametrize('p, m', [(1, 2), (2, 3), (3, 5), (4, 8)])
 def test_zero_bubble_v_closed_form(p, m):
   r = pp.zero_bubble_v(p, m).simulate(UNIT)
-  assert close(r.bubble_fraction, (p - 1) / (6 * m + p - 1))
+  tree_allclose(r.bubble_fraction, (p - 1) / (6 * m + p - 1), rtol=1e-12,
+                atol=1e-15)
   assert r.peak_activations == (2 * p,) * p
 
 
@@ -243,8 +242,8 @@ def check_timing(s, r, costs, comm):
       assert r.end[a] == r.start[a] + costs[a.kind]
       prev_end = r.end[a]
   assert r.makespan == max(r.end.values())
-  assert all(close(r.busy[i] + r.bubble[i], r.makespan)
-             for i in range(s.num_ranks))
+  tree_allclose([r.busy[i] + r.bubble[i] for i in range(s.num_ranks)],
+                [r.makespan] * s.num_ranks, rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize('build, costs, comm', [

@@ -12,11 +12,12 @@ import pytest
 import jaxpar
 from jaxpar import pipeline as pp
 from jaxpar.pipeline import StageVJP, stash_policy
-from jaxpar.train_state import POLICIES
-from helpers import dropout_loss, dropout_reference, dropout_stage, model
+from jaxpar.train_state import REMAT_POLICIES
+from helpers import (dropout_loss, dropout_reference, dropout_stage, model,
+                     tree_allclose)
 
 # Every named policy and one given as a jax.checkpoint policy.
-ALL_POLICIES = [*POLICIES, jax.checkpoint_policies.checkpoint_dots]
+ALL_POLICIES = [*REMAT_POLICIES, jax.checkpoint_policies.checkpoint_dots]
 
 L, D, MB = 3, 16, 4
 
@@ -58,7 +59,7 @@ def params(seed=0, dtype=np.float64):
           'b': rng.normal(size=(L, D, 2 * D)).astype(dtype) / 4}
 
 
-def split_blocks(fn, w, x, dy, policy=None):
+def split_blocks(fn, w, x, dy, policy='dots'):
   """A traced StageVJP (its blocks jitted, as inside the executor)."""
   stage = StageVJP(fn, remat_policy=policy)
   traced = lambda method: lambda *args: [method(*args)][:0]  # avals: no output
@@ -77,9 +78,7 @@ def test_input_and_weight_halves_are_the_vjp(x64, fn, policy):
   dx, kept = jax.jit(stage.input_grad)(w, stash, dy)
   dw = jax.jit(stage.weight_grad)(w, stash, dy, kept)
   want_dw, want_dx = jax.vjp(fn, w, x)[1](dy)
-  np.testing.assert_allclose(dx, want_dx, rtol=1e-12, atol=1e-12)
-  for got, want in zip(jax.tree.leaves(dw), jax.tree.leaves(want_dw)):
-    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+  tree_allclose((dx, dw), (want_dx, want_dw), rtol=1e-12, atol=1e-12)
 
 
 def test_stash_holds_activations_not_weights():
@@ -167,7 +166,7 @@ def test_policies_stash_what_they_say():
   assert _stash_arrays('everything') == 3 * L
   assert _stash_arrays('dots') == 1 + 2 * L - 1
   assert _stash_arrays('nothing') == 1
-  assert _stash_arrays(None) == _stash_arrays('dots')   # the default
+  assert _stash_arrays(None) == _stash_arrays('everything')
 
 
 @pytest.mark.parametrize('policy', ALL_POLICIES)
@@ -182,12 +181,10 @@ def test_every_policy_is_exact_with_zero_bubble_and_dropout(x64, policy):
       dropout_stage, dropout_loss, schedule=schedule, has_aux=True,
       mesh=jaxpar.make_mesh(stage=p, devices=jax.devices()[:p]),
       remat_policy=policy, bubble_fill=float('nan'))
-  (loss, _), grads = step(*args, key=key)
+  loss, _, grads, _ = step(*args, key=key)
   (want, _), want_grads = dropout_reference(*args, key, m)
   np.testing.assert_allclose(loss, want, rtol=1e-10)
-  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
-    np.testing.assert_allclose(g, w, rtol=1e-10,
-                               atol=1e-10 * float(np.max(np.abs(w))))
+  tree_allclose(grads[:3], want_grads, rtol=1e-10, atol_scale='leaf')
 
 
 @pytest.mark.parametrize('kwargs, error, match', [
@@ -203,14 +200,15 @@ def test_bad_policy_raises_when_the_step_is_built(kwargs, error, match):
 
 def test_stash_policy_names_the_trainers_policies():
   """The pipeline's stash takes ``remat_policy`` as every trainer does;
-  ``None`` is its default, 'dots'."""
-  for name, policy in POLICIES.items():
+  ``None`` means 'everything' there too."""
+  for name, policy in REMAT_POLICIES.items():
     assert stash_policy(name) is policy
-  assert stash_policy(None) is POLICIES['dots']
+  assert stash_policy(None) is REMAT_POLICIES['everything'] is None
 
 
 def test_policy_reaches_the_executor():
-  """GPipe holds m stashes: its scratch shrinks with the stash."""
+  """GPipe holds m stashes: its scratch shrinks with the stash;
+  ``remat_policy=None`` compiles as ``'everything'``."""
   p, m, mb = 2, 4, 64
   w = jax.tree.map(lambda a: np.stack([a, a]), params(dtype=np.float32))
   args = (w, np.ones((D, 2), np.float32), np.ones((m * mb, D), np.float32),
@@ -220,9 +218,10 @@ def test_policy_reaches_the_executor():
       schedule=pp.gpipe(p, m), remat_policy=policy,
       mesh=jaxpar.make_mesh(stage=p, devices=jax.devices()[:p])).lower(
           *args).compile().memory_analysis().temp_size_in_bytes
-          for policy in ('everything', 'dots', 'nothing')}
+          for policy in (None, 'everything', 'dots', 'nothing')}
   stash = lambda arrays: m * arrays * mb * D * 4
   # 9, 6 and 1 stashed arrays per microbatch (3 layers), each >= [mb, D].
+  assert temp[None] == temp['everything'], temp
   assert temp['everything'] - temp['dots'] >= 0.9 * stash(9 - 6), temp
   assert temp['dots'] - temp['nothing'] >= 0.9 * stash(6 - 1), temp
 
@@ -241,7 +240,7 @@ def batch_norm_stage(w, x, key, state):
 
 @pytest.mark.parametrize('policy', ['dots', 'nothing'])
 def test_state_is_carried_and_stashed_not_differentiated(x64, policy):
-  """``stage_fn(params, x, key, state) -> (y, new_state)``: the forward
+  """``stage_fn(params, x, key=k, state=s) -> (y, new_state)``: the forward
   returns the new state; the backward of a microbatch uses the state of
   its forward (a later state passed to the blocks is not read), as
   ``jax.vjp`` of the plain function at that state."""
@@ -261,13 +260,13 @@ def test_state_is_carried_and_stashed_not_differentiated(x64, policy):
   (want_y, want_new), vjp = jax.vjp(
       lambda w, x: batch_norm_stage(w, x, key, state), w, x)
   want_dw, want_dx = vjp((dy, jax.tree.map(jnp.zeros_like, want_new)))
-  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
-  jax.tree.map(close, (y, new, dx, dx_b), (want_y, want_new, want_dx, want_dx))
-  jax.tree.map(close, (dw, dw_b), (want_dw, want_dw))
+  tree_allclose((y, new, dx, dx_b, dw, dw_b),
+                (want_y, want_new, want_dx, want_dx, want_dw, want_dw),
+                rtol=1e-12, atol=1e-12)
 
 
 def test_state_of_another_structure_is_refused():
-  stage = StageVJP(lambda w, x, s: (x * w, {'other': s['mean']}))
+  stage = StageVJP(lambda w, x, state: (x * w, {'other': state['mean']}))
   with pytest.raises(ValueError, match='same tree structure'):
     stage.trace(np.ones(3), np.ones(3), state={'mean': np.ones(3)})
 
@@ -312,8 +311,7 @@ def test_scanned_layers_are_cut_once_not_per_layer(x64, fn):
   dx, kept = jax.jit(stage.input_grad)(w, stash, dy)
   dw = jax.jit(stage.weight_grad)(w, stash, dy, kept)
   want_dw, want_dx = jax.vjp(fn, w, x)[1](dy)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(
-      a, b, rtol=1e-12, atol=1e-12), (dx, dw), (want_dx, want_dw))
+  tree_allclose((dx, dw), (want_dx, want_dw), rtol=1e-12, atol=1e-12)
   # per layer, stacked ([groups,] layers, ...): activations, no weights
   assert all(a.shape[-2] == MB and np.prod(a.shape[:-2]) == layers
              for a in kept), kept

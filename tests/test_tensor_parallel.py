@@ -20,6 +20,8 @@ import jaxpar
 from jaxpar import hlo
 from jaxpar import tensor_parallel as tp
 from jaxpar.models import gpt
+from jaxpar.tensor_parallel import internal as tp_internal
+from helpers import tree_allclose
 
 B, S, D, F, H, V = 2, 8, 16, 32, 8, 32   # H, S, V divisible by 1, 2, 4, 8
 REP, SEQ = P(), P(None, 'tensor', None)   # replicated / sequence-sharded
@@ -185,23 +187,6 @@ def tp_value_and_grads(fn, params, x, w, *, n, x_spec, out_spec):
            put(mesh, x, x_spec), put(mesh, w, out_spec))
 
 
-def assert_trees_close(actual, expected, tol):
-  """Every leaf to ``tol`` relative, or absolute w.r.t. the largest entry.
-
-  The absolute floor is needed for gradients that are exactly zero in exact
-  arithmetic (e.g. the key bias: softmax ignores a per-query shift).
-  """
-  flat, _ = jax.tree_util.tree_flatten_with_path(expected)
-  got = jax.tree.leaves(actual)
-  assert len(got) == len(flat)
-  scale = max(np.abs(np.asarray(want)).max(initial=0) for _, want in flat)
-  for (path, want), have in zip(flat, got):
-    want, have = np.asarray(want), np.asarray(have)
-    assert have.shape == want.shape, jax.tree_util.keystr(path)
-    np.testing.assert_allclose(have, want, rtol=tol, atol=tol * scale,
-                               err_msg=jax.tree_util.keystr(path))
-
-
 def check_exact(tp_fn, dense_fn, params, x, *, n, dtype, tol, x_spec=REP,
                 out_spec=REP, seed=7):
   cast = lambda a: a.astype(dtype) if np.issubdtype(a.dtype, np.floating) else a
@@ -212,7 +197,9 @@ def check_exact(tp_fn, dense_fn, params, x, *, n, dtype, tol, x_spec=REP,
   got = tp_value_and_grads(tp_fn, params, x, w, n=n, x_spec=x_spec,
                            out_spec=out_spec)
   assert np.asarray(got[0]).dtype == dtype
-  assert_trees_close(got, want, tol)
+  # atol relative to the whole tree: some gradients are exactly zero in exact
+  # arithmetic (the key bias: softmax ignores a per-query shift).
+  tree_allclose(got, want, rtol=tol, atol_scale='tree')
 
 
 @pytest.fixture(params=CASES)
@@ -372,8 +359,8 @@ def test_grad_outside_shard_map_is_not_scaled(x64):
   with jax.set_mesh(mesh):
     got = jax.jit(jax.grad(loss(mlp), (0, 1)))(
         tp.shard_params(params, mesh=mesh, rules=RULES), put(mesh, x, REP))
-  assert_trees_close(got, jax.jit(jax.grad(loss(dense_mlp), (0, 1)))(params, x),
-                     1e-10)
+  tree_allclose(got, jax.jit(jax.grad(loss(dense_mlp), (0, 1)))(params, x),
+                rtol=1e-10, atol_scale='tree')
 
 
 def test_cross_entropy_is_stable_for_huge_logits():
@@ -528,7 +515,7 @@ def test_param_specs_rules_and_stacked_layers():
   # all-None spec keeps a param whole.
   custom = tp.param_specs(
       {'wte': {'embedding': np.zeros((V, D))}, 'w': np.zeros((D, F)),
-       'w2': np.zeros((D, F))}, axis='model',
+       'w2': np.zeros((D, F))}, tensor_axis='model',
       rules={'wte/embedding': ('model', None), 'w2': (None, None),
              'w.*': (('data', 'model'),)})
   assert custom == {'wte': {'embedding': P('model', None)}, 'w2': P(),
@@ -726,8 +713,8 @@ def test_nnx_modules_split_merge(x64, sequence_parallel):
                                          out_spec=spec)
   y_ref, (g_ref, gx_ref) = dense_value_and_grads(
       dense_fn, nnx.to_pure_dict(state), x, w)
-  assert_trees_close((y, nnx.to_pure_dict(g_state), g_x),
-                     (y_ref, g_ref, gx_ref), 1e-10)
+  tree_allclose((y, nnx.to_pure_dict(g_state), g_x), (y_ref, g_ref, gx_ref),
+                rtol=1e-10, atol_scale='tree')
 
 
 def test_pure_functions_take_an_nnx_state(x64):
@@ -739,7 +726,8 @@ def test_pure_functions_take_an_nnx_state(x64):
                               in_specs=(tp.param_specs(state), REP),
                               out_specs=REP))
   got = mlp(tp.shard_params(state, mesh=mesh), put(mesh, x, REP))
-  assert_trees_close(got, dense_mlp(nnx.to_pure_dict(state), x), 1e-10)
+  tree_allclose(got, dense_mlp(nnx.to_pure_dict(state), x), rtol=1e-10,
+                atol_scale='tree')
 
 
 def test_nnx_linear_modules(x64):
@@ -762,8 +750,8 @@ def test_nnx_linear_modules(x64):
   x, w = rand(rng, B, D), rand(rng, B, D)
   got = tp_value_and_grads(tp_fn, state, x, w, n=4, x_spec=REP, out_spec=REP)
   want = dense_value_and_grads(dense_fn, nnx.to_pure_dict(state), x, w)
-  assert_trees_close((got[0], (nnx.to_pure_dict(got[1][0]), got[1][1])), want,
-                     1e-10)
+  tree_allclose((got[0], (nnx.to_pure_dict(got[1][0]), got[1][1])), want,
+                rtol=1e-10, atol_scale='tree')
 
 
 # ---------------------------------------------------------------------------
@@ -796,19 +784,19 @@ def test_shard_params_rejects_indivisible_sizes():
     assert part in msg, (part, msg)
   with pytest.raises(ValueError, match="dim 1 is split over 'model' by rule "
                      "'w', an axis the mesh does not have"):
-    tp.check_divisible({'w': np.zeros((4, 4))}, mesh=mesh_of(2),
-                       rules={'w': ('model',)})
+    tp_internal.check_divisible({'w': np.zeros((4, 4))}, mesh=mesh_of(2),
+                                rules={'w': ('model',)})
   # The split of Flax metadata is named too.
   bad = {'w': nnx.Param(np.zeros((4, 6)), out_sharding=(None, 'tensor'),
                         eager_sharding=False)}
   with pytest.raises(ValueError, match="param 'w' \\(4, 6\\): dim 1 of size "
                      "6 is split over 'tensor' by its Flax metadata"):
-    tp.check_divisible(bad, mesh=mesh_of(4))
+    tp_internal.check_divisible(bad, mesh=mesh_of(4))
 
 
 def test_shard_params_rejects_missing_axis():
   with pytest.raises(ValueError, match="no axis 'model'"):
-    tp.shard_params({}, mesh=mesh_of(2), axis='model')
+    tp.shard_params({}, mesh=mesh_of(2), tensor_axis='model')
 
 
 def test_param_specs_rejects_bad_rules():

@@ -17,10 +17,10 @@ from jax.sharding import PartitionSpec as P
 import jaxpar
 import jaxpar.hlo
 from jaxpar import data_parallel as dp
-from jaxpar import train_state
 from jaxpar.cli.bench import zero as zero_bench
-from helpers import (assert_same_history, make_batches, mlp_loss,
-                     reference_run)
+from jaxpar.data_parallel import internal as dp_internal
+from jaxpar.train_state import internal as ts_internal
+from helpers import make_batches, mlp_loss, reference_run, tree_allclose
 
 MESHES = {'data8': dict(data=8), 'data4': dict(data=4),
           'data2_stage2_tensor2': dict(data=2, stage=2, tensor=2)}
@@ -87,7 +87,7 @@ def test_matches_single_device_float64(x64, stage, mesh_name):
   state = dp.shard_state(jaxpar.TrainState.create(params, optimizer),
                          mesh=mesh, zero_stage=stage)
   state, got = zero_run(trainer, state, batches)
-  assert_same_history(got, adamw_reference(), rtol=1e-10)
+  tree_allclose(got, adamw_reference(), rtol=1e-10)
   assert max(float(norm) for _, norm, _ in got) > 0.5  # clipping was active
   assert int(state.step) == len(batches)
   mu = state.opt_state[0].mu
@@ -138,7 +138,7 @@ def test_float32_with_aux_compiles_once():
     got.append((stats.loss, stats.grad_norm, trainer.params(state)))
     if len(got) == 1:
       after_first = len(traces)
-  assert_same_history(got, want, rtol=1e-5)
+  tree_allclose(got, want, rtol=1e-5)
   assert len(traces) == after_first   # no retrace on later steps
 
 
@@ -152,8 +152,7 @@ def test_gradient_is_the_mean_not_n_times_it(x64, stage):
                        zero_stage=stage)
   state, _ = trainer.step(trainer.init(params), batch)
   applied = jax.tree.map(jnp.subtract, params, trainer.params(state))
-  chex.assert_trees_all_close(applied, jax.grad(wide_loss)(params, batch),
-                              rtol=1e-12)
+  tree_allclose(applied, jax.grad(wide_loss)(params, batch), rtol=1e-12)
 
 
 @pytest.fixture(scope='module')
@@ -240,7 +239,7 @@ def test_stage3_backward_regathers_instead_of_saving_params(capsys):
   mesh = jaxpar.make_mesh(data=8)
   params = wide_params()
   specs = dp.data_specs(params, mesh=mesh)
-  sliced = jax.device_put(params, train_state.shardings(mesh, specs))
+  sliced = jax.device_put(params, ts_internal.shardings(mesh, specs))
   batch = jax.device_put(make_batches(1, 16)[0], NamedSharding(mesh, P('data')))
 
   def residual_shapes(fn):
@@ -256,8 +255,8 @@ def test_stage3_backward_regathers_instead_of_saving_params(capsys):
 
   full = {(5, 16), (16,), (16, 3)}   # gathered shapes
   plain = residual_shapes(
-      lambda p, b: wide_loss(dp.gather(p, specs, axis='data'), b))
-  remat = residual_shapes(dp.gathered(wide_loss, specs, axis='data'))
+      lambda p, b: wide_loss(dp.gather(p, specs, data_axis='data'), b))
+  remat = residual_shapes(dp.gathered(wide_loss, specs, data_axis='data'))
   assert full & plain           # without remat a gathered param is kept
   assert not full & remat       # with it, only the slices are
   assert {(5, 2), (2,), (2, 3)} <= remat
@@ -313,8 +312,7 @@ def test_checkpoint_restores_onto_another_mesh_and_stage(tmp_path, x64):
   state, stats = trainer4.step(restored, batches[1])
   want = reference_run(params, batches, optimizer, loss_of=wide_loss)
   np.testing.assert_allclose(stats.loss, want[1][0], rtol=1e-10)
-  chex.assert_trees_all_close(trainer4.params(state), want[1][2],
-                              rtol=1e-10, atol=1e-10)
+  tree_allclose(trainer4.params(state), want[1][2], rtol=1e-10)
 
 
 # -- Leaves that no data size divides: padded, exact, 1/N per device --------
@@ -385,7 +383,7 @@ def test_padded_leaves_exact_float64(x64, stage, num_microbatches):
   for batch in batches:
     state, stats = trainer.step(state, batch)
     got.append((stats.loss, stats.grad_norm, trainer.params(state)))
-  assert_same_history(got, odd_reference(), rtol=1e-10)
+  tree_allclose(got, odd_reference(), rtol=1e-10)
   assert jax.tree.map(np.shape, got[-1][2]) == jax.tree.map(np.shape, params)
   stored = padding_entries(state)
   # mu, nu of b1 (adam), w2 and b2 (lamb); ZeRO-3: w1, b1, w2, b2 too.
@@ -444,8 +442,8 @@ def test_masked_states_split_like_plain_ones(x64):
   for batch in batches:
     state, stats = trainer.step(state, batch)
     got.append((stats.loss, stats.grad_norm, trainer.params(state)))
-  assert_same_history(got, reference_run(params, batches, optimizer,
-                                          loss_of=wide_loss), rtol=1e-10)
+  tree_allclose(got, reference_run(params, batches, optimizer,
+                                   loss_of=wide_loss), rtol=1e-10)
   # Every params-shaped optimizer leaf is split over data.
   trace = state.opt_state[0].inner_state.trace
   adam = state.opt_state[1].inner_states['train'].inner_state[0]
@@ -489,10 +487,10 @@ class TestErrors:
                        r'>= 0, got a bool'):
       dp.shard_state(state, mesh=mesh, zero_stage=True)
     with pytest.raises(ValueError, match="no axis 'batch'"):
-      dp.shard_state(state, mesh=mesh, axis='batch')
+      dp.shard_state(state, mesh=mesh, data_axis='batch')
     with pytest.raises(TypeError, match='needs a jaxpar.TrainState'):
       dp.shard_state(wide_params(), mesh=mesh)
-    assert dp.check_zero_stage(np.int64(3)) == 3
+    assert dp_internal.check_zero_stage(np.int64(3)) == 3
 
   def test_state_of_another_optimizer(self):
     step = dp.trainer(wide_loss, optax.adam(0.1),

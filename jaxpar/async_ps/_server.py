@@ -62,8 +62,8 @@ import numpy as np
 import optax
 
 from jaxpar._validate import check_int
-from jaxpar.train_state import TooManySkippedError
-from jaxpar.train_state import TrainState, check_optimizer
+from jaxpar.train_state import TooManySkippedError, TrainState
+from jaxpar.train_state.internal import check_optimizer
 
 PyTree = Any
 

@@ -17,11 +17,11 @@ one that saved -- other data / tensor sizes, other devices -- as long as
 every leaf has the saved shape and dtype.
 
 **Pipeline stages.** A ``jaxpar.parallel.Trainer`` state keeps stage leaves
-in the executor's rank placement ``[p, v, ...]``, which depends on the schedule
+in the executor's rank order ``[p, v, ...]``, which depends on the schedule
 (``p`` ranks, ``v`` stages each, placement of the schedule). With
 ``schedule=`` the stages of every ``PipelineParams`` in the state (the
 params) are saved in model order ``[num_stages, ...]``, and restored into
-the rank placement of the schedule passed to ``restore``. The optimizer state
+the rank order of the schedule passed to ``restore``. The optimizer state
 is per layer (``LayerParams``, what the optimizer sees), the same for every
 schedule: it is saved as it is. Such a checkpoint restores
 onto any schedule with the same ``num_stages`` (1F1B on 4 ranks and
@@ -77,14 +77,15 @@ import orbax.checkpoint as ocp
 
 from jaxpar.checkpoint import _integrity as integrity
 
-from jaxpar import data_parallel as padding
 from jaxpar._validate import check_int
 from jaxpar.checkpoint._integrity import CheckpointError, leaf_name
+from jaxpar.data_parallel import internal as dp_internal
+from jaxpar.parallel import (PipelineParams, stages_in_model_order,
+                             stages_like)
+from jaxpar.parallel.internal import model_sharding
 from jaxpar.pipeline.schedules import Schedule, local_stages
-from jaxpar.parallel import PipelineParams
-from jaxpar.parallel import (model_sharding, stages_in_model_order,
-                                 stages_like)
-from jaxpar.train_state import PyTree, TrainState
+from jaxpar.train_state import TrainState
+from jaxpar.train_state.internal import PyTree
 
 _SHOWN = 8  # leaf paths listed in one error message
 
@@ -153,7 +154,7 @@ def _map_stages(fn, tree: PyTree, *rest: PyTree) -> PyTree:
       if _is_pipeline(n) else n, tree, *rest, is_leaf=_is_pipeline)
 
 
-def _check_rank_placement(tree: PyTree, schedule: Schedule, name: str) -> None:
+def _check_rank_order(tree: PyTree, schedule: Schedule, name: str) -> None:
   """``ValueError`` unless ``tree``'s stages are in ``schedule``'s rank
   placement."""
   nodes = [n for n in jax.tree.leaves(tree, is_leaf=_is_pipeline)
@@ -170,7 +171,7 @@ def _check_rank_placement(tree: PyTree, schedule: Schedule, name: str) -> None:
       stage_leaf = 'stages/' + leaf_name(path[1:])
       raise ValueError(
           f'{name} stage leaf {stage_leaf!r} has shape '
-          f'{tuple(np.shape(leaf))}, but the rank placement of schedule '
+          f'{tuple(np.shape(leaf))}, but the rank order of schedule '
           f'{schedule.name!r} ({p} ranks, {schedule.num_stages} stages) '
           f'starts with {lead}; pass the schedule of the Trainer that made '
           f'{name}.')
@@ -178,7 +179,7 @@ def _check_rank_placement(tree: PyTree, schedule: Schedule, name: str) -> None:
     placement = getattr(n, 'placement', local_stages(schedule))
     if placement != local_stages(schedule):
       raise ValueError(
-          f'{name} holds its stages in the rank placement {placement} of '
+          f'{name} holds its stages in the rank order {placement} of '
           f'schedule {type(n).schedule.name!r}, not in that of schedule='
           f'{schedule.name!r} ({local_stages(schedule)}); pass the schedule '
           f'of the Trainer that made {name}.')
@@ -259,9 +260,9 @@ def save(directory: str | os.PathLike, state: PyTree, *,
   step = _check_step(step)
   _check_leaves(state, 'state', (jax.Array, np.ndarray, np.generic, int, float),
                 'checkpoints hold arrays and numbers only.')
-  state = padding.unpadded(state)
+  state = dp_internal.unpadded(state)
   if schedule is not None:
-    _check_rank_placement(state, schedule, 'state')
+    _check_rank_order(state, schedule, 'state')
     state = _to_model_order(state, schedule)
   checksums, finite = integrity.array_checksums(state)
   _check_finite(finite, params_only=isinstance(state, TrainState), step=step)
@@ -363,18 +364,18 @@ def _pick_step(path: str, step: int | None,
 def _target(leaf: Any) -> Any:
   """What orbax restores ``leaf`` as: sharded ``ShapeDtypeStruct`` or numpy
   (a ``Padded`` one at its logical shape)."""
-  if padding.is_padded(leaf):
-    if padding.logical_sharding(leaf) is None:
+  if dp_internal.is_padded(leaf):
+    if dp_internal.logical_sharding(leaf) is None:
       return np.zeros(leaf.shape, leaf.dtype)
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                                sharding=padding.logical_sharding(leaf))
+                                sharding=dp_internal.logical_sharding(leaf))
   if isinstance(leaf, jax.Array):
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
   return leaf
 
 
 def _model_target(leaf: Any, schedule: Schedule) -> Any:
-  """Target of a rank-placement ``[p, v, ...]`` stage leaf, in model order."""
+  """Target of a rank-order ``[p, v, ...]`` stage leaf, in model order."""
   shape = (schedule.num_stages,) + tuple(leaf.shape[2:])
   if isinstance(leaf, np.ndarray):
     return np.zeros(shape, leaf.dtype)
@@ -428,7 +429,7 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
       (``latest_step``, which warns about each newer step it skips).
     schedule: the schedule of the trainer that ``like`` comes from, when the
       checkpoint was saved with ``schedule=`` (model-order stages): they are
-      put into this schedule's rank placement.
+      put into this schedule's rank order.
     verify: check the step before reading it (the crc32 of every file) and
       the values after (one checksum per array). ``False`` reads an
       unverified step (e.g. one written without the integrity records).
@@ -474,12 +475,12 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
           'sharding=NamedSharding(mesh, spec) (where to put the restored '
           'array).')
   if schedule is not None:
-    _check_rank_placement(like, schedule, 'like')
+    _check_rank_order(like, schedule, 'like')
   if not os.path.isdir(path):
     raise FileNotFoundError(f'no checkpoint directory {path}.')
   step, record = _pick_step(path, step, verify)
   step_dir = os.path.join(path, str(step))
-  refs = jax.tree.map(_target, like, is_leaf=padding.is_padded)
+  refs = jax.tree.map(_target, like, is_leaf=dp_internal.is_padded)
   target = refs
   if schedule is not None:
     target = _map_stages(lambda st: jax.tree.map(
@@ -498,7 +499,7 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
         'Restore onto a state of the same model and optimizer. Pipeline '
         'stages: a checkpoint saved with schedule= holds them in model order '
         '[num_stages, ...] (restore with schedule=, same num_stages); without '
-        'it, in the rank placement [p, v, ...] of the schedule used (restore '
+        'it, in the rank order [p, v, ...] of the schedule used (restore '
         'without schedule= onto the same schedule).'))
     try:
       restored = manager.restore(step, args=ocp.args.StandardRestore(target))
@@ -511,4 +512,4 @@ def restore(directory: str | os.PathLike, like: PyTree, *,
   if schedule is not None:
     restored = _map_stages(lambda st, ref: stages_like(st, ref, schedule),
                            restored, refs)
-  return padding.place_like(restored, like)
+  return dp_internal.place_like(restored, like)

@@ -11,7 +11,7 @@ from jaxpar import pipeline
 
 
 # Model defaults: (synthetic task, --data text). The text model learns
-# below the unigram entropy in a few minutes on 2 CPU cores (README).
+# below the unigram entropy in a few minutes on 2 CPU cores (docs/text.md).
 DEFAULTS = {'seq_len': (16, 64), 'heads': (8, 4),
             'eval_every': (None, 50)}
 # --schedule NAME is jaxpar.pipeline.NAME(p, m) (interleaved_one_f_one_b with

@@ -12,6 +12,8 @@ in ``TrainState.model_state``. Behind this API: ``_trainer`` (the step),
 ``jit``), ``_blocks`` (collectives inside ``shard_map``), ``_padding``
 (storage of leaves that no dim divides), ``_from_nnx`` (the NNX model) and
 ``_model_state`` (the model state threaded and merged over ``data``).
+What jaxpar's other packages use beyond this API (padded-storage plumbing,
+ZeRO's checks) is in ``internal``.
 
 **ZeRO.** Plain data parallelism keeps the params and the optimizer state on
 every device: for Adam in float32 that is 16 bytes per parameter on each of
@@ -109,28 +111,12 @@ from jaxpar.data_parallel._specs import state_specs as state_specs
 from jaxpar.data_parallel._state import StateBytes as StateBytes
 from jaxpar.data_parallel._state import bytes_per_device as bytes_per_device
 from jaxpar.data_parallel._state import shard_state as shard_state
+from jaxpar.data_parallel._trainer import model_trainer as model_trainer
 from jaxpar.data_parallel._trainer import trainer as trainer
-
-# jaxpar-internal (for jaxpar.parallel, jaxpar.checkpoint, the bench; not in
-# __all__): batch and state checks, padded-storage plumbing, vary.
-from jaxpar.data_parallel._blocks import vary as vary
-from jaxpar.data_parallel._from_nnx import reseeded as reseeded
-from jaxpar.data_parallel._padding import is_padded as is_padded
-from jaxpar.data_parallel._padding import logical_shapes as logical_shapes
-from jaxpar.data_parallel._padding import logical_sharding as logical_sharding
-from jaxpar.data_parallel._padding import pad as pad
-from jaxpar.data_parallel._padding import padded_optimizer as padded_optimizer
-from jaxpar.data_parallel._padding import padded_shape as padded_shape
-from jaxpar.data_parallel._padding import place as place
-from jaxpar.data_parallel._padding import place_like as place_like
-from jaxpar.data_parallel._padding import unpadded as unpadded
-from jaxpar.data_parallel._specs import ZERO_STAGES as ZERO_STAGES
-from jaxpar.data_parallel._specs import check_zero_stage as check_zero_stage
-from jaxpar.data_parallel._microbatches import batch_size_of as batch_size_of
-from jaxpar.data_parallel._checks import check_opt_state as check_opt_state
 
 __all__ = [
     'DataParallelModel', 'Padded', 'StateBytes', 'bytes_per_device',
     'data_dim', 'data_spec', 'data_specs', 'from_nnx', 'gather', 'gathered',
-    'reduce_gradients', 'shard_state', 'state_specs', 'trainer',
+    'model_trainer', 'reduce_gradients', 'shard_state', 'state_specs',
+    'trainer',
 ]

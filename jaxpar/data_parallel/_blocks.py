@@ -1,7 +1,7 @@
 """ZeRO's building blocks inside ``jax.shard_map``: the collectives of a step.
 
 Each runs on one device's shards, with ``specs`` the leaves' global
-``PartitionSpec``s (``data_specs``): ``vary`` types replicated params as
+``PartitionSpec``s (``data_specs``): ``vary_unsplit`` types replicated params as
 per-device, ``gather`` / ``gathered`` all-gather ZeRO-3 slices just in
 time, ``reduce_gradients`` averages gradients over the data axis into the
 ZeRO layout. ``jaxpar.data_parallel.trainer`` and ``jaxpar.parallel.trainer``
@@ -20,27 +20,27 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.data_parallel._padding import Padded, entry_axes, is_padded
 from jaxpar.data_parallel._specs import data_dim
-from jaxpar.train_state import PyTree
+from jaxpar.train_state.internal import PyTree
 
 
 def _is_spec(x: Any) -> bool:
   return isinstance(x, P)
 
 
-def vary(params: PyTree, specs: PyTree, *, axis: str) -> PyTree:
-  """Leaves not split over ``axis`` made varying over it (``lax.pcast``).
+def vary_unsplit(params: PyTree, specs: PyTree, *, data_axis: str) -> PyTree:
+  """Leaves not split over ``data_axis`` made varying over it (``lax.pcast``).
 
   Inside ``shard_map``: then ``jax.grad`` gives each device its own gradient
-  instead of summing over ``axis`` (see ``reduce_gradients``). ``Padded``
-  leaves are always split.
+  instead of summing over ``data_axis`` (see ``reduce_gradients``).
+  ``Padded`` leaves are always split.
   """
   return jax.tree.map(
-      lambda s, x: x if data_dim(s, axis) is not None
-      else jax.lax.pcast(x, axis, to='varying'), specs, params,
+      lambda s, x: x if data_dim(s, data_axis) is not None
+      else jax.lax.pcast(x, data_axis, to='varying'), specs, params,
       is_leaf=_is_spec)
 
 
-def gather(params: PyTree, specs: PyTree, *, axis: str,
+def gather(params: PyTree, specs: PyTree, *, data_axis: str,
            skip: int = 0) -> PyTree:
   """Full leaves from every device's slice: ``all_gather`` along the data dim.
 
@@ -49,14 +49,14 @@ def gather(params: PyTree, specs: PyTree, *, axis: str,
   ``[p, v, ...]`` stage leaves: ``skip=2``). A ``Padded`` leaf is cut to its
   logical size after the gather (the cut's transpose pads the gradient with
   zeros). The result is typed varying, so its transpose is a reduce-scatter
-  (a sum over ``axis``).
+  (a sum over ``data_axis``).
   """
   def one(spec, x):
-    dim = data_dim(spec, axis)
+    dim = data_dim(spec, data_axis)
     if dim is None:
       return x
     value = x.value if is_padded(x) else x
-    full = jax.lax.all_gather(value, axis, axis=dim - skip, tiled=True,
+    full = jax.lax.all_gather(value, data_axis, axis=dim - skip, tiled=True,
                               to='varying')
     if is_padded(x):
       full = jax.lax.slice_in_dim(full, 0, x.shape[dim], axis=dim - skip)
@@ -64,39 +64,43 @@ def gather(params: PyTree, specs: PyTree, *, axis: str,
   return jax.tree.map(one, specs, params, is_leaf=_is_spec)
 
 
-def gathered(fn: Callable[..., Any], specs: PyTree, *, axis: str,
+def gathered(fn: Callable[..., Any], specs: PyTree, *, data_axis: str,
              skip: int = 0) -> Callable[..., Any]:
-  """``fn(params, *args)`` on ZeRO-3 slices, gathering the params just in time.
+  """``fn(params, *args, **kwargs)`` on ZeRO-3 slices, gathering the params
+  just in time.
 
-  ``g(slices, *args) = fn(gather(slices), *args)`` under
+  ``g(slices, *args, **kwargs) = fn(gather(slices), *args, **kwargs)`` under
   ``jax.checkpoint(policy=dots_saveable)``: the backward pass re-gathers
   instead of keeping the gathered params. The gradient w.r.t. ``slices`` is
-  this device's slice of the gradient *summed* over ``axis`` (``Padded``
-  where the slices are, with zero padding).
+  this device's slice of the gradient *summed* over ``data_axis``
+  (``Padded`` where the slices are, with zero padding).
   """
-  def fn_of_slices(params, *args):
-    return fn(gather(params, specs, axis=axis, skip=skip), *args)
+  def fn_of_slices(params, *args, **kwargs):
+    return fn(gather(params, specs, data_axis=data_axis, skip=skip), *args,
+              **kwargs)
   return jax.checkpoint(fn_of_slices,
                         policy=jax.checkpoint_policies.dots_saveable)
 
 
-def reduce_gradients(grads: PyTree, specs: PyTree, *, axis: str,
+def reduce_gradients(grads: PyTree, specs: PyTree, *, data_axis: str,
                      summed: bool = False) -> PyTree:
-  """Mean over ``axis`` of per-device gradients, in the layout of ``specs``.
+  """Mean over ``data_axis`` of per-device gradients, in the layout of
+  ``specs``.
 
-  Inside ``shard_map`` over ``axis`` (size ``N``). A leaf whose spec splits
-  a dim over ``axis`` is reduce-scattered along it (``psum_scatter / N``),
+  Inside ``shard_map`` over ``data_axis`` (size ``N``). A leaf whose spec
+  splits a dim over ``data_axis`` is reduce-scattered along it
+  (``psum_scatter / N``),
   zero-padded first to a multiple of ``N`` when it does not divide (giving a
   ``Padded`` slice); with ``summed=True`` (ZeRO-3 gradients of ``gathered``:
   already summed and scattered) it is only divided by ``N``. All other
   leaves are averaged with one ``pmean``.
   """
-  n = jax.lax.axis_size(axis)
+  n = jax.lax.axis_size(data_axis)
   spec_leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
   leaves = treedef.flatten_up_to(grads)
-  dims = [data_dim(s, axis) for s in spec_leaves]
+  dims = [data_dim(s, data_axis) for s in spec_leaves]
   means = iter(jax.lax.pmean([g for g, d in zip(leaves, dims) if d is None],
-                             axis))
+                             data_axis))
   out = []
   for g, spec, dim in zip(leaves, spec_leaves, dims):
     if dim is None:
@@ -104,11 +108,12 @@ def reduce_gradients(grads: PyTree, specs: PyTree, *, axis: str,
     elif summed:
       out.append(jax.tree.map(lambda v: v / n, g))
     else:
-      out.append(_scatter(g, spec, dim, axis=axis, n=n))
+      out.append(_scatter(g, spec, dim, data_axis=data_axis, n=n))
   return treedef.unflatten(out)
 
 
-def _scatter(g: jax.Array, spec: P, dim: int, *, axis: str, n: int) -> Any:
+def _scatter(g: jax.Array, spec: P, dim: int, *, data_axis: str,
+             n: int) -> Any:
   """``psum_scatter(g) / N`` along ``dim``, padded first if ``N`` does not
   divide it (``Padded`` with ``g``'s global shape: local dims times the
   other axes that split them)."""
@@ -119,11 +124,12 @@ def _scatter(g: jax.Array, spec: P, dim: int, *, axis: str, n: int) -> Any:
     value = jnp.pad(g, padding)
   else:
     value = g
-  value = jax.lax.psum_scatter(value, axis, scatter_dimension=dim,
+  value = jax.lax.psum_scatter(value, data_axis, scatter_dimension=dim,
                                tiled=True) / n
   if not short:
     return value
   entries = list(spec) + [None] * (g.ndim - len(spec))
   shape = tuple(s * math.prod(jax.lax.axis_size(a) for a in entry_axes(e)
-                              if a != axis) for s, e in zip(g.shape, entries))
+                              if a != data_axis)
+                for s, e in zip(g.shape, entries))
   return Padded(value, shape)

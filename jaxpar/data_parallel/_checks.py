@@ -13,7 +13,8 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.train_state import PyTree, TrainState
+from jaxpar.train_state import TrainState, cast_params
+from jaxpar.train_state.internal import PyTree
 
 
 def dtype_of(x) -> np.dtype:
@@ -57,24 +58,26 @@ def _under_mesh(fn: Callable[..., Any], mesh: Mesh | None
 
 def check_loss_fn(loss_fn, params, batch, *, has_aux: bool, key: Any = None,
                   model_state: PyTree = None, carries_state: bool = False,
-                  mesh: Mesh | None = None) -> None:
-  """``TypeError`` unless ``loss_fn(params, batch[, key])`` gives a float
-  scalar (``carries_state``: ``loss_fn(params, model_state, batch[, key])
-  -> (out, model_state)``, the new model state shaped like the old).
-  Abstract evaluation only (``jax.eval_shape``), on ``mesh``'s axes when
-  given: nothing is compiled.
+                  mesh: Mesh | None = None, compute_dtype: Any = None) -> None:
+  """``TypeError`` unless ``loss_fn(params, batch[, key=k])`` gives a float
+  scalar (``carries_state``: ``loss_fn(params, batch, state=model_state[,
+  key=k]) -> (out, model_state)``, the new model state shaped like the
+  old), on params cast to ``compute_dtype`` when given. Abstract evaluation
+  only (``jax.eval_shape``), on ``mesh``'s axes when given: nothing is
+  compiled.
   """
   call = ('loss(m, batch)' if carries_state else
-          'loss_fn(params, batch' + (')' if key is None else ', key)'))
-  args = (params, model_state, batch) if carries_state else (params, batch)
-  try:
-    out = jax.eval_shape(_under_mesh(loss_fn, mesh), *args,
-                         *(() if key is None else (key,)))
-  except TypeError as e:
-    if key is None or carries_state or 'positional argument' not in str(e):
-      raise
-    raise TypeError(f'with key= the step calls {call}: loss_fn must take '
-                    f'the key as its last argument ({e}).') from e
+          'loss_fn(params, batch' + (')' if key is None else ', key=k)'))
+
+  def run(params, batch, model_state, key):
+    extras = {} if key is None else {'key': key}
+    if carries_state:
+      extras['state'] = model_state
+    return loss_fn(params, batch, **extras)
+  if compute_dtype is not None:
+    run = cast_params(run, compute_dtype)
+  out = jax.eval_shape(_under_mesh(run, mesh), params, batch, model_state,
+                       key)
   if carries_state:
     out, new = out
     _check_new_model_state(model_state, new)

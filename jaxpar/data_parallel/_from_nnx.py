@@ -6,12 +6,12 @@ its trained params (``nnx.Param``) and its model state (every other
 statistics, counters), both nested dicts by attribute path, and gives the
 loss as a pure function of them::
 
-  loss_fn(params, model_state, batch[, key]) -> (loss, new_model_state)
+  loss_fn(params, batch, *, state, key=None) -> (loss, new_model_state)
 
 which merges the values into a copy of the model inside the step, calls
 ``loss(m, batch)`` and reads the model state back: the user writes no
-``nnx.split``/``nnx.merge`` plumbing. ``jaxpar.data_parallel.trainer``
-takes the ``DataParallelModel`` in place of a loss function and carries the
+``nnx.split``/``nnx.merge`` plumbing. ``jaxpar.data_parallel.model_trainer``
+trains the ``DataParallelModel`` and carries the
 model state in ``TrainState.model_state``; ``update`` writes both back into
 the model. It is ``jaxpar.parallel.from_nnx``'s counterpart for data
 parallelism (same ``params``, ``to_state``, ``from_state``, ``update``).
@@ -39,7 +39,7 @@ MODEL_STATE = nnx.All(nnx.Not(nnx.Param), nnx.Not(nnx.RngState))
 
 
 class DataParallelModel(NamedTuple):
-  """A Flax NNX model as ``jaxpar.data_parallel.trainer`` takes it.
+  """A Flax NNX model as ``jaxpar.data_parallel.model_trainer`` takes it.
 
   Attributes:
     params: the model's ``nnx.Param`` values, nested dicts by attribute path
@@ -47,10 +47,11 @@ class DataParallelModel(NamedTuple):
       'bias': [d_out]}}``.
     model_state: its other variables but RNG streams (``nnx.BatchStat``'s
       ``mean`` and ``var``, counters), nested the same way; ``{}`` if none.
-    loss_fn: ``loss_fn(params, model_state, batch[, key]) -> (out,
+    loss_fn: ``loss_fn(params, batch, *, state, key=None) -> (out,
       new_model_state)``, ``out`` what ``loss(m, batch)`` returns (a scalar,
       or ``(scalar, aux)``): the user's loss on the model holding these
-      values (``key``: its RNG streams reseeded from it).
+      values, ``state`` the model state (``key``: its RNG streams reseeded
+      from it).
     to_state: ``to_state(params, model_state=None) -> nnx.State`` of the
       model (its params and model state; RNG streams as in the model), for
       ``nnx.update`` and checkpoints of the model itself.
@@ -80,7 +81,7 @@ class _Split(NamedTuple):
 
 def from_nnx(model: nnx.Module, *,
              loss: Callable[[nnx.Module, Any], Any]) -> DataParallelModel:
-  """``model`` and ``loss`` as the data-parallel trainer takes them.
+  """``model`` and ``loss`` as ``data_parallel.model_trainer`` takes them.
 
   The model state after a step: each device threads it through its
   microbatches in order (running statistics updated once per microbatch),
@@ -97,16 +98,16 @@ def from_nnx(model: nnx.Module, *,
     model: a Flax NNX module, e.g. one with ``nnx.BatchNorm`` layers (in
       training mode: ``use_running_average=False``); see above for
       ``axis_name='data'``.
-    loss: ``loss(m, batch) -> scalar`` (``(scalar, aux)`` with the trainer's
-      ``has_aux=True``), the mean loss of ``batch`` written against the
-      model in training mode; what it updates of the model's state (running
-      statistics) is carried by the step.
+    loss: ``loss(m, batch) -> scalar`` (``(scalar, aux)`` with
+      ``model_trainer``'s ``has_aux=True``), the mean loss of ``batch``
+      written against the model in training mode; what it updates of the
+      model's state (running statistics) is carried by the step.
 
   Returns:
-    a ``DataParallelModel``: ``trainer(m, optimizer, mesh=...)`` trains it,
-    ``trainer.init(m.params, m.model_state)`` gives the first state and
-    ``m.update(model, trainer.params(state), state.model_state)`` writes the
-    trained values back.
+    a ``DataParallelModel``: ``model_trainer(m, optimizer, mesh=...)``
+    trains it, ``trainer.init(m.params, m.model_state)`` gives the first
+    state and ``m.update(model, trainer.params(state), state.model_state)``
+    writes the trained values back.
 
   Example:
     >>> import jax.numpy as jnp, numpy as np, optax, jaxpar
@@ -122,7 +123,7 @@ def from_nnx(model: nnx.Module, *,
     ...     net, loss=lambda m, b: jnp.mean((m(b['x']) - b['y']) ** 2))
     >>> sorted(m.params), sorted(m.model_state['bn'])
     (['bn', 'linear'], ['mean', 'var'])
-    >>> trainer = jaxpar.data_parallel.trainer(
+    >>> trainer = jaxpar.data_parallel.model_trainer(
     ...     m, optax.sgd(0.1), mesh=jaxpar.make_mesh(data=8), zero_stage=3)
     >>> state = trainer.init(m.params, m.model_state)
     >>> batch = {'x': np.ones((16, 4), np.float32),
@@ -135,7 +136,7 @@ def from_nnx(model: nnx.Module, *,
   if not isinstance(model, nnx.Module):
     raise TypeError(f'model must be a Flax NNX module (nnx.Module), got '
                     f'{type(model).__name__}; for a loss of a params pytree '
-                    'pass the loss function to trainer() itself.')
+                    'pass the loss function to data_parallel.trainer.')
   if not callable(loss):
     raise TypeError(f'loss must be a function loss(m, batch) -> scalar of '
                     f'the model, got {loss!r}.')
@@ -195,12 +196,12 @@ def reseeded(module: nnx.Module, key: jax.Array | None) -> nnx.Module:
 
 
 def _loss_fn(split: _Split, loss: Callable[..., Any], params: PyTree,
-             model_state: PyTree, batch: Any,
+             batch: Any, *, state: PyTree,
              key: jax.Array | None = None) -> tuple[Any, PyTree]:
   """``DataParallelModel.loss_fn``: ``loss`` on a model built from the
   values (fresh variables, inside the caller's trace), then its model
   state read back."""
-  values = _values(split, params, model_state)
+  values = _values(split, params, state)
   model = nnx.merge(split.graphdef, nnx.from_flat_state(
       [(p, v.replace(values[p] if p in values else v.get_value()))
        for p, v in split.template.items()]))

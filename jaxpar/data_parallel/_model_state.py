@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpar import _compat
+from jaxpar.vma import varying_axes
 
 PyTree = Any
 
@@ -36,42 +36,32 @@ def stateful(loss_fn: Callable[..., Any], *, has_aux: bool,
              carries_state: bool) -> Callable[..., Any]:
   """The loss in the one form the step differentiates::
 
-    f(params, model_state, batch[, key]) -> (loss, (aux, model_state))
+    f(params, model_state, batch, key=None) -> (loss, (aux, model_state))
 
-  ``loss_fn`` is ``loss_fn(params, model_state, batch[, key]) -> (out,
-  model_state)`` if it ``carries_state`` (``DataParallelModel.loss_fn``),
-  else ``loss_fn(params, batch[, key]) -> out`` (the model state passes
-  unchanged); ``out`` is ``loss`` or, ``has_aux``, ``(loss, aux)``. The new
-  model state keeps the dtypes of the old (a scan carries it).
+  ``loss_fn`` is ``loss_fn(params, batch, state=model_state[, key=k]) ->
+  (out, model_state)`` if it ``carries_state`` (``DataParallelModel.
+  loss_fn``), else ``loss_fn(params, batch[, key=k]) -> out`` (the model
+  state passes unchanged); the key is passed only when there is one.
+  ``out`` is ``loss`` or, ``has_aux``, ``(loss, aux)``. The new model state
+  keeps the dtypes of the old (a scan carries it).
   """
-  def f(params, model_state, batch, *key):
+  def f(params, model_state, batch, key=None):
+    extras = {} if key is None else {'key': key}
     if carries_state:
-      out, new = loss_fn(params, model_state, batch, *key)
+      out, new = loss_fn(params, batch, state=model_state, **extras)
       new = jax.tree.map(lambda n, o: n.astype(o.dtype), new, model_state)
     else:
-      out, new = loss_fn(params, batch, *key), model_state
+      out, new = loss_fn(params, batch, **extras), model_state
     loss, aux = out if has_aux else (out, None)
     return loss, (aux, new)
   return f
-
-
-def _varies(x: jax.Array, axis: str) -> bool:
-  return axis in _compat.varying_axes(x)
-
-
-def varying(tree: PyTree, axis: str) -> PyTree:
-  """``tree``'s leaves typed varying over ``axis`` (inside ``shard_map``):
-  the carry of a scan whose body may make them vary."""
-  return jax.tree.map(
-      lambda x: x if _varies(x, axis)
-      else jax.lax.pcast(x, axis, to='varying'), tree)
 
 
 def merged(tree: PyTree, axis: str) -> PyTree:
   """One value per leaf of the devices' model states (inside ``shard_map``,
   invariant over ``axis``): the module docstring's rule."""
   def one(x):
-    if not _varies(x, axis):
+    if axis not in varying_axes(x):
       return x
     high = jax.lax.pmax(x, axis)
     if not jnp.issubdtype(x.dtype, jnp.inexact):

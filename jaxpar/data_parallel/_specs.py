@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpar._validate import check_int
 from jaxpar.data_parallel._padding import entry_axes, split_size
 from jaxpar.mesh import axis_size
-from jaxpar.train_state import PyTree, TrainState, replicated_specs
+from jaxpar.train_state import TrainState
+from jaxpar.train_state.internal import PyTree, replicated_specs
 
 ZERO_STAGES = (0, 1, 3)
 
@@ -60,22 +61,23 @@ def _normalized(entries: list) -> P:
 
 
 def data_spec(shape: tuple[int, ...], spec: P = P(), *, mesh: Mesh,
-              axis: str = 'data', skip: int = 0, pad: bool = False) -> P:
-  """``spec`` with ``axis`` added to the dim ZeRO splits a leaf along.
+              data_axis: str = 'data', skip: int = 0, pad: bool = False) -> P:
+  """``spec`` with ``data_axis`` added to the dim ZeRO splits a leaf along.
 
   The dim is the largest one (from ``skip`` on) that no mesh axis splits yet
-  and whose size divides by ``N = mesh.shape[axis]``; failing that, the
+  and whose size divides by ``N = mesh.shape[data_axis]``; failing that, the
   largest split dim whose size divides by (its split) ``x N``, where
-  ``axis`` goes after the axes already there; failing that, with ``pad``,
-  the largest dim no mesh axis splits (stored padded to a multiple of ``N``:
-  ``Padded``); else none: the leaf stays replicated over ``axis``.
+  ``data_axis`` goes after the axes already there; failing that, with
+  ``pad``, the largest dim no mesh axis splits (stored padded to a multiple
+  of ``N``: ``Padded``); else none: the leaf stays replicated over
+  ``data_axis``.
   Ties go to the first dim. A zero-size leaf is never split.
 
   Args:
     shape: the leaf's global shape.
     spec: its ``PartitionSpec`` without ZeRO.
-    mesh: the mesh; ``axis`` must be one of its axes.
-    axis: the data axis.
+    mesh: the mesh; ``data_axis`` must be one of its axes.
+    data_axis: the mesh axis ZeRO splits over.
     skip: leading dims never split (a pipeline stage leaf's ``[p, v]``).
     pad: split a leaf that no dim divides, padded.
 
@@ -93,10 +95,10 @@ def data_spec(shape: tuple[int, ...], spec: P = P(), *, mesh: Mesh,
     ...  jaxpar.data_parallel.data_spec((3, 5), mesh=mesh, pad=True))
     (P(), P(None, 'data'))
   """
-  n = axis_size(mesh, axis)
+  n = axis_size(mesh, data_axis)
   entries = list(spec) + [None] * (len(shape) - len(spec))
   if (n == 1 or math.prod(shape) == 0
-      or any(axis in entry_axes(e) for e in entries)):
+      or any(data_axis in entry_axes(e) for e in entries)):
     return _normalized(entries)
   best = None
   for dim in range(skip, len(shape)):
@@ -112,12 +114,12 @@ def data_spec(shape: tuple[int, ...], spec: P = P(), *, mesh: Mesh,
   if best is not None:
     dim = best[1]
     old = entry_axes(entries[dim])
-    entries[dim] = (*old, axis) if old else axis
+    entries[dim] = (*old, data_axis) if old else data_axis
   return _normalized(entries)
 
 
-def data_dim(spec: P, axis: str = 'data') -> int | None:
-  """The dim of ``spec`` that ``axis`` splits, or ``None``.
+def data_dim(spec: P, data_axis: str = 'data') -> int | None:
+  """The dim of ``spec`` that ``data_axis`` splits, or ``None``.
 
   Example:
     >>> import jaxpar
@@ -126,13 +128,14 @@ def data_dim(spec: P, axis: str = 'data') -> int | None:
     1
   """
   for dim, entry in enumerate(spec):
-    if axis in entry_axes(entry):
+    if data_axis in entry_axes(entry):
       return dim
   return None
 
 
 def data_specs(params: PyTree, specs: PyTree | None = None, *, mesh: Mesh,
-               axis: str = 'data', skip: int = 0, pad: bool = False) -> PyTree:
+               data_axis: str = 'data', skip: int = 0,
+               pad: bool = False) -> PyTree:
   """``data_spec`` of every leaf of ``params`` (``specs``: default all ``P()``).
 
   Example:
@@ -145,8 +148,8 @@ def data_specs(params: PyTree, specs: PyTree | None = None, *, mesh: Mesh,
   if specs is None:
     specs = jax.tree.map(lambda _: P(), params)
   return jax.tree.map(
-      lambda x, s: data_spec(np.shape(x), s, mesh=mesh, axis=axis, skip=skip,
-                             pad=pad), params, specs)
+      lambda x, s: data_spec(np.shape(x), s, mesh=mesh, data_axis=data_axis,
+                             skip=skip, pad=pad), params, specs)
 
 
 def _mirrors(params: PyTree) -> Callable[[Any], bool]:

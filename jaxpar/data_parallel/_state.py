@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.data_parallel._padding import logical_shapes, place
 from jaxpar.data_parallel._specs import check_zero_stage, data_specs, state_specs
-from jaxpar.train_state import PyTree, TrainState
+from jaxpar.train_state import TrainState
+from jaxpar.train_state.internal import PyTree
 
 
 def _check_train_state(state: Any, fn: str) -> None:
@@ -24,7 +25,7 @@ def _check_train_state(state: Any, fn: str) -> None:
                     f'got {type(state).__name__}.')
 
 
-def shard_state(state: TrainState, *, mesh: Mesh, axis: str = 'data',
+def shard_state(state: TrainState, *, mesh: Mesh, data_axis: str = 'data',
                 zero_stage: int = 1) -> TrainState:
   """``state`` placed on ``mesh`` in the ZeRO layout of ``zero_stage``.
 
@@ -37,7 +38,7 @@ def shard_state(state: TrainState, *, mesh: Mesh, axis: str = 'data',
   Args:
     state: a ``TrainState`` (e.g. from ``TrainState.create``).
     mesh: the mesh the step runs on.
-    axis: the mesh axis to split over, size ``N``.
+    data_axis: the mesh axis to split over, size ``N``.
     zero_stage: 0, 1 or 3.
 
   Returns:
@@ -62,7 +63,7 @@ def shard_state(state: TrainState, *, mesh: Mesh, axis: str = 'data',
   base = jax.tree.map(lambda _: P(), logical.params)
   specs = state_specs(logical, zero_stage=zero_stage, param_specs=base,
                       zero_specs=data_specs(logical.params, mesh=mesh,
-                                            axis=axis, pad=True))
+                                            data_axis=data_axis, pad=True))
   return place(state, specs, mesh=mesh)
 
 

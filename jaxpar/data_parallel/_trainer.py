@@ -1,6 +1,6 @@
 """Data parallelism: the replica step, placed on a mesh with ``jax.shard_map``.
 
-Every device of the ``axis`` mesh axis holds the params (or, with ZeRO,
+Every device of the ``data_axis`` mesh axis holds the params (or, with ZeRO,
 ``1/N`` of them) and ``1/N`` of the batch; gradients are averaged with one
 all-reduce (``pmean``; ZeRO: a reduce-scatter), so one step is exactly
 single-device optax training on the global batch::
@@ -19,7 +19,9 @@ any optax transform gives single-device numbers in any ZeRO stage.
 ``key`` (dropout: masks a function of the seed, the step and the global
 microbatch index, so the same on every mesh), ``compute_dtype`` (bf16
 compute on float32 params and optimizer state), ``remat_policy`` (what the
-forward keeps for the backward), ``max_grad_norm`` and ``zero_stage``.
+backward keeps of the forward; ``None`` is ``'everything'``),
+``max_grad_norm``, ``zero_stage`` and ``has_aux``. ``num_microbatches`` is
+the 3D trainer's ``schedule.num_microbatches``: microbatches per data shard.
 
 One step, as the trainer's pieces below build it::
 
@@ -43,8 +45,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import vma
-from jaxpar._validate import check_int
-from jaxpar.data_parallel._blocks import gathered, reduce_gradients, vary
+from jaxpar._validate import check_int, check_keywords
+from jaxpar.data_parallel._blocks import (gathered, reduce_gradients,
+                                          vary_unsplit)
 from jaxpar.data_parallel._checks import (check_float_params, check_loss_fn,
                                           check_opt_state, dtype_of)
 from jaxpar.data_parallel._from_nnx import DataParallelModel
@@ -56,12 +59,14 @@ from jaxpar.data_parallel._padding import (logical_shapes, pad,
 from jaxpar.data_parallel._specs import (check_zero_stage, data_specs,
                                          state_specs)
 from jaxpar.mesh import axis_size
-from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
-                                cast_params, check_compute_dtype, check_key,
-                                check_remat_policy,
-                                apply_gradients, auto_view, check_max_grad_norm,
-                                check_optimizer, check_update_args,
-                                placed_init, sharded_update, signature)
+from jaxpar.train_state import (StepStats, Trainer, TrainState,
+                                apply_gradients, cast_params,
+                                check_remat_policy, check_update_args,
+                                sharded_update)
+from jaxpar.train_state.internal import (PyTree, auto_view,
+                                         check_compute_dtype, check_key,
+                                         check_max_grad_norm, check_optimizer,
+                                         placed_init, signature)
 
 BACKENDS = ('shard_map', 'pmap')
 
@@ -74,7 +79,7 @@ class _Options(NamedTuple):
   loss_fn: Callable[..., Any]
   optimizer: optax.GradientTransformation
   mesh: Mesh
-  axis: str
+  data_axis: str
   max_grad_norm: float | None
   num_microbatches: int
   zero_stage: int
@@ -86,27 +91,15 @@ class _Options(NamedTuple):
                         # gives the model state
 
 
-def _remat(remat_policy: Any) -> Callable[..., Any] | None:
-  """The ``jax.checkpoint`` policy of the loss, ``None`` for no remat
-  (``remat_policy`` ``None`` or ``'everything'``)."""
-  if remat_policy is None:
-    return None
-  return check_remat_policy(remat_policy)
-
-
-def _check_options(loss_fn, optimizer, *, mesh, axis, max_grad_norm,
-                   num_microbatches, zero_stage, has_aux, backend, key,
-                   compute_dtype, remat_policy) -> _Options:
-  carries_state = isinstance(loss_fn, DataParallelModel)
-  if carries_state:
-    if backend != 'shard_map':
-      raise ValueError(f"a DataParallelModel needs backend='shard_map' (got "
-                       f'{backend!r}; pmap is the legacy path without a '
-                       'model state).')
-    loss_fn = loss_fn.loss_fn
-  elif not callable(loss_fn):
-    raise TypeError(f'loss_fn must be callable (or a DataParallelModel from '
-                    f'jaxpar.data_parallel.from_nnx), got {loss_fn!r}.')
+def _check_options(loss_fn, optimizer, *, carries_state, mesh, data_axis,
+                   max_grad_norm, num_microbatches, zero_stage, has_aux,
+                   backend, key, compute_dtype, remat_policy) -> _Options:
+  if not callable(loss_fn):
+    raise TypeError(f'loss_fn must be a function loss_fn(params, batch) -> '
+                    f'scalar, got {loss_fn!r}.')
+  check_key(key)
+  if key is not None:
+    check_keywords(loss_fn, 'loss_fn', 'params, batch', ('key',))
   optimizer = check_optimizer(optimizer)
   check_max_grad_norm(max_grad_norm)
   if backend not in BACKENDS:
@@ -118,20 +111,19 @@ def _check_options(loss_fn, optimizer, *, mesh, axis, max_grad_norm,
   num_microbatches = check_int(
       'num_microbatches', num_microbatches,
       fix='It is the number of microbatches each device accumulates over.')
-  axis_size(mesh, axis)   # the axis is one of the mesh's
-  check_key(key)
-  return _Options(loss_fn, optimizer, mesh, axis, max_grad_norm,
+  axis_size(mesh, data_axis)   # the axis is one of the mesh's
+  return _Options(loss_fn, optimizer, mesh, data_axis, max_grad_norm,
                   num_microbatches, zero_stage, bool(has_aux), key,
-                  check_compute_dtype(compute_dtype), _remat(remat_policy),
-                  carries_state)
+                  check_compute_dtype(compute_dtype),
+                  check_remat_policy(remat_policy), carries_state)
 
 
 # -- The loss as the step differentiates it ---------------------------------
 
 
 def _at_least_float32(fn: Callable[..., Any]) -> Callable[..., Any]:
-  """``fn`` (``stateful``'s form) with its loss and aux promoted to float32
-  or wider (the model state keeps its dtypes)."""
+  """``fn`` (``stateful``'s form, positional arguments) with its loss and
+  aux promoted to float32 or wider (the model state keeps its dtypes)."""
   def promoted(*args):
     loss, (aux, model_state) = fn(*args)
     loss, aux = jax.tree.map(
@@ -141,19 +133,20 @@ def _at_least_float32(fn: Callable[..., Any]) -> Callable[..., Any]:
   return promoted
 
 
-def _differentiated(loss_fn: Callable[..., Any],
-                    options: _Options) -> Callable[..., Any]:
+def _differentiated(loss_fn: Callable[..., Any], options: _Options, *,
+                    lifted: tuple[str, ...]) -> Callable[..., Any]:
   """``loss_fn`` as the step differentiates it, in ``stateful``'s form
-  ``f(params, model_state, microbatch[, key]) -> (loss, (aux,
-  model_state))``.
+  ``f(params, model_state, microbatch, key) -> (loss, (aux, model_state))``
+  (``key`` ``None`` without one), run as on one device over the ``lifted``
+  mesh axes (``jaxpar.vma``).
 
   With ``compute_dtype`` it runs on the params cast to it, inside the
   function (``cast_params``: the cast's transpose gives float32 gradients),
   and its loss and aux come back at least float32; with a remat policy the
   whole of it runs under ``jax.checkpoint(policy=...)``.
   """
-  fn = stateful(loss_fn, has_aux=options.has_aux,
-                carries_state=options.carries_state)
+  fn = vma.lift(stateful(loss_fn, has_aux=options.has_aux,
+                         carries_state=options.carries_state), axes=lifted)
   if options.compute_dtype is not None:
     fn = _at_least_float32(cast_params(fn, options.compute_dtype))
   if options.remat is not None:
@@ -189,30 +182,32 @@ class _Layouts:
   def _build(self, logical: TrainState) -> _Layout:
     o = self.options
     base = jax.tree.map(lambda _: P(), logical.params)
-    split = data_specs(logical.params, mesh=o.mesh, axis=o.axis, pad=True)
+    split = data_specs(logical.params, mesh=o.mesh, data_axis=o.data_axis,
+                       pad=True)
     specs = state_specs(logical, zero_stage=o.zero_stage, param_specs=base,
                         zero_specs=split)
     return _Layout(specs, split,
                    padded_optimizer(o.optimizer, specs.opt_state, mesh=o.mesh))
 
 
-def _local_grads(loss_fn, params, model_state, batch, *keys,
+def _local_grads(loss_fn, params, model_state, batch, key=None, *,
                  options: _Options, layout: _Layout):
   """One device's part, inside ``shard_map``: the mean loss, the gradients
   in the ZeRO layout (reduced over the data axis), the mean aux and the
   model state (``_model_state.merged``)."""
-  axis, zero_stage = options.axis, options.zero_stage
-  fn = gathered(loss_fn, layout.split, axis=axis) if zero_stage == 3 else loss_fn
-  params = vary(params, layout.specs.params, axis=axis)
+  data_axis, zero_stage = options.data_axis, options.zero_stage
+  fn = (gathered(loss_fn, layout.split, data_axis=data_axis)
+        if zero_stage == 3 else loss_fn)
+  params = vary_unsplit(params, layout.specs.params, data_axis=data_axis)
   loss, grads, aux, model_state = microbatched_value_and_grad(
       fn, params, model_state, batch,
-      num_microbatches=options.num_microbatches, axis=axis,
-      key=keys[0] if keys else None)
-  loss, aux = jax.lax.pmean((loss, aux), axis)
+      num_microbatches=options.num_microbatches, data_axis=data_axis,
+      key=key)
+  loss, aux = jax.lax.pmean((loss, aux), data_axis)
   grads = reduce_gradients(grads, layout.split if zero_stage
-                           else layout.specs.params, axis=axis,
+                           else layout.specs.params, data_axis=data_axis,
                            summed=zero_stage == 3)
-  return loss, grads, aux, merged(model_state, axis)
+  return loss, grads, aux, merged(model_state, data_axis)
 
 
 class _ShardMapStep:
@@ -222,11 +217,9 @@ class _ShardMapStep:
   def __init__(self, options: _Options):
     self.options = options
     self.layouts = _Layouts(options)
-    # The user's loss as on one device: its constants may meet batch values
-    # in loops and branches (jaxpar.vma).
-    self.loss_fn = _differentiated(
-        vma.lift(options.loss_fn, axes=(options.axis,)), options)
-    self.batch_sharding = NamedSharding(options.mesh, P(options.axis))
+    self.loss_fn = _differentiated(options.loss_fn, options,
+                                   lifted=(options.data_axis,))
+    self.batch_sharding = NamedSharding(options.mesh, P(options.data_axis))
     self.keys = () if options.key is None else (jax.device_put(
         options.key, NamedSharding(options.mesh, P())),)
     self.compiled = jax.jit(self._program)
@@ -240,7 +233,8 @@ class _ShardMapStep:
     loss, grads, aux, model_state = jax.shard_map(
         functools.partial(_local_grads, self.loss_fn, options=o,
                           layout=layout), mesh=o.mesh,
-        in_specs=(layout.specs.params, P(), P(o.axis), *(P() for _ in keys)),
+        in_specs=(layout.specs.params, P(), P(o.data_axis),
+                  *(P() for _ in keys)),
         out_specs=(P(), grads_specs, P(), P()))(
             state.params, state.model_state, batch, *keys)
     state, stats = sharded_update(
@@ -278,23 +272,23 @@ class _PmapStep:
 
   def __init__(self, options: _Options):
     self.options = options
-    mesh, axis = options.mesh, options.axis
-    self.n = axis_size(mesh, axis)
-    self.loss_fn = _differentiated(options.loss_fn, options)
-    devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0)
+    mesh, data_axis = options.mesh, options.data_axis
+    self.n = axis_size(mesh, data_axis)
+    self.loss_fn = _differentiated(options.loss_fn, options, lifted=())
+    devices = np.moveaxis(mesh.devices, mesh.axis_names.index(data_axis), 0)
     self.compiled = jax.jit(jax.pmap(
-        self._replica_step, axis_name=axis, in_axes=(None, 0, None),
+        self._replica_step, axis_name=data_axis, in_axes=(None, 0, None),
         out_axes=None, devices=list(devices.reshape(self.n, -1)[:, 0])))
 
   def _replica_step(self, state: TrainState, batch: PyTree, key):
     o = self.options
     if key is not None:
       key = jax.random.fold_in(key, state.step)
-    params = jax.lax.pcast(state.params, o.axis, to='varying')
+    params = jax.lax.pcast(state.params, o.data_axis, to='varying')
     loss, grads, aux, _ = microbatched_value_and_grad(
         self.loss_fn, params, state.model_state, batch,
-        num_microbatches=o.num_microbatches, axis=o.axis, key=key)
-    loss, grads, aux = jax.lax.pmean((loss, grads, aux), o.axis)
+        num_microbatches=o.num_microbatches, data_axis=o.data_axis, key=key)
+    loss, grads, aux = jax.lax.pmean((loss, grads, aux), o.data_axis)
     state, stats = apply_gradients(state, grads, loss=loss,
                                    optimizer=o.optimizer,
                                    max_grad_norm=o.max_grad_norm)
@@ -321,10 +315,11 @@ class _PmapStep:
 def _check_batch_size(batch: PyTree, options: _Options) -> int:
   """The batch size, ``ValueError`` unless ``N x num_microbatches`` divides it."""
   size = batch_size_of(batch)
-  per_step = axis_size(options.mesh, options.axis) * options.num_microbatches
+  per_step = (axis_size(options.mesh, options.data_axis)
+              * options.num_microbatches)
   if size % per_step:
     raise ValueError(
-        f'batch size {size} is not divisible by {options.axis} size '
+        f'batch size {size} is not divisible by {options.data_axis} size '
         f'{per_step // options.num_microbatches} x num_microbatches '
         f'{options.num_microbatches} = {per_step}; use a batch size that is '
         f'a multiple of {per_step} (e.g. {max(1, size // per_step) * per_step}).')
@@ -341,12 +336,11 @@ def _check_model(state: TrainState, batch: PyTree, microbatch: int,
   check_update_args(options.optimizer, logical.params, logical.opt_state)
   micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       (microbatch, *np.shape(x)[1:]), dtype_of(x)), batch)
-  loss_fn = options.loss_fn
-  if options.compute_dtype is not None:
-    loss_fn = cast_params(loss_fn, options.compute_dtype)
-  check_loss_fn(loss_fn, logical.params, micro, has_aux=options.has_aux,
-                key=options.key, model_state=logical.model_state,
-                carries_state=options.carries_state, mesh=options.mesh)
+  check_loss_fn(options.loss_fn, logical.params, micro,
+                has_aux=options.has_aux, key=options.key,
+                model_state=logical.model_state,
+                carries_state=options.carries_state, mesh=options.mesh,
+                compute_dtype=options.compute_dtype)
 
 
 class _CheckedStep:
@@ -396,12 +390,24 @@ def _logical_opt_state(state: TrainState) -> PyTree:
   return auto_view(unpadded(state.opt_state))
 
 
+def _build(loss_fn: Callable[..., Any], optimizer: Any, *,
+           carries_state: bool, backend: str = 'shard_map',
+           **options: Any) -> Trainer:
+  """The ``Trainer`` of both entries: ``options`` checked, then the step."""
+  checked = _check_options(loss_fn, optimizer, carries_state=carries_state,
+                           backend=backend, **options)
+  step = (_PmapStep if backend == 'pmap' else _ShardMapStep)(checked)
+  return Trainer(functools.partial(_checked_init, step.init),
+                 _CheckedStep(step, checked), _logical_params,
+                 _logical_opt_state)
+
+
 def trainer(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
     *,
     mesh: Mesh,
-    axis: str = 'data',
+    data_axis: str = 'data',
     max_grad_norm: float | None = None,
     num_microbatches: int = 1,
     zero_stage: int = 0,
@@ -409,94 +415,78 @@ def trainer(
     backend: str = 'shard_map',
     key: jax.Array | None = None,
     compute_dtype: Any = None,
-    remat_policy: Any = None,
+    remat_policy: Any = 'everything',
 ) -> Trainer:
-  """Data-parallel training, exactly single-device optax on the global batch.
+  """Data-parallel training of a loss function: single-device optax on the
+  global batch.
+
+  Each step splits the batch over the ``data_axis`` devices, averages their
+  gradients and applies ``optimizer``, so the numbers are those of one
+  device on the whole batch. ZeRO (``zero_stage``) splits the optimizer
+  state, and at stage 3 the params too, over the same devices. For a Flax
+  NNX model from ``data_parallel.from_nnx`` use ``model_trainer``.
 
   Args:
-    loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over the
-      examples of ``batch`` (``(scalar, aux)`` with ``has_aux``; aux leaves are
-      float and are averaged like the loss); ``loss_fn(params, batch, key)``
-      with a ``key``. Or a Flax NNX model's ``DataParallelModel``
-      (``from_nnx(model, loss=...)``): its model state (BatchNorm
-      statistics) is carried in ``TrainState.model_state``, threaded through
-      each device's microbatches in order and merged over ``axis`` as
-      ``jaxpar.data_parallel.from_nnx`` says.
-    optimizer: any optax ``GradientTransformation`` (chains, ``lamb``,
-      ``adafactor``, ``MultiSteps``, ...): it runs on global arrays.
-    mesh: a mesh from ``jaxpar.make_mesh``; the batch is split over ``axis``,
-      params are replicated over every axis (ZeRO-3: split over ``axis``).
-    axis: the data-parallel mesh axis, size ``N``.
-    max_grad_norm: clip the gradient to this global L2 norm, exactly as
-      ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)``;
-      ``None``: no clipping.
-    num_microbatches: ``k``; each device accumulates gradients over ``k``
-      microbatches with ``lax.scan``. The global batch size must be divisible
-      by ``N * k``.
-    zero_stage: 0 (replicated optimizer state); 1 splits the optimizer state
-      over ``axis``, 3 the params too (FSDP); see ``jaxpar.data_parallel``.
-      Needs ``backend='shard_map'``.
+    loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss of the
+      examples in ``batch``; ``(scalar, aux)`` with ``has_aux`` (aux: float
+      metrics, averaged like the loss). With a ``key`` it is called as
+      ``loss_fn(params, batch, key=k)``.
+    optimizer: any optax ``GradientTransformation``; it sees the global
+      params and gradients.
+    mesh: from ``jaxpar.make_mesh``; the batch is split over ``data_axis``.
+    data_axis: the mesh axis of data parallelism, of size ``N``.
+    max_grad_norm: clip the gradients to this global L2 norm first, as
+      ``optax.clip_by_global_norm`` would; ``None``: no clipping.
+    num_microbatches: ``k``: each device runs its shard as ``k``
+      microbatches in turn, accumulating their gradients (the memory of one
+      microbatch). The batch size must divide by ``N * k``.
+    zero_stage: 0 (replicated), 1 (optimizer state split over
+      ``data_axis``) or 3 (params too, FSDP).
     has_aux: ``loss_fn`` returns ``(loss, aux)``.
-    backend: ``'shard_map'`` or ``'pmap'`` (legacy; same results; every
-      option but ``zero_stage``).
-    key: a PRNG key (``jax.random.key(seed)``) for dropout, or ``None``.
-      Step ``s`` (``s = state.step``) uses ``k_s = fold_in(key, s)``, so a
-      resumed run draws the same masks. The global batch of ``B`` rows is
-      ``M = N * k`` microbatches of ``B/M`` consecutive rows; microbatch
-      ``g`` (rows ``g*B/M`` to ``(g+1)*B/M``; device ``d``'s ``i``-th is
-      ``g = d*k + i``) runs ``loss_fn(params, batch_g, fold_in(k_s, g))``.
-      So the masks depend on the rows and on ``M``, not on the mesh: the
-      same for any ``N`` and ``k`` with the same ``N * k``, and those of
-      ``mean_g loss_fn(params, batch_g, fold_in(k_s, g))`` on one device.
-    compute_dtype: e.g. ``jnp.bfloat16``: ``loss_fn`` runs on params cast
-      to it (inside the function, so activations and the backward are in
-      it); params, optimizer state, loss, aux and gradient accumulation stay
-      float32 (at least). ``None``: the params' dtype.
-    remat_policy: ``None`` (default): no remat, the backward keeps what JAX
-      keeps. Else ``loss_fn`` runs under ``jax.checkpoint`` with this
-      policy, named as ``jaxpar.train_state.POLICIES``
-      (``stash_policy``): ``'nothing'`` (recompute the forward in the
-      backward), ``'dots'``, ``'dots_no_batch'``, ``'everything'`` (no
-      remat), or a ``jax.checkpoint_policies`` policy. ZeRO-3 still
-      re-gathers the params in the backward whatever the policy.
+    backend: ``'shard_map'``, or ``'pmap'`` (legacy; no ZeRO).
+    key: a PRNG key for dropout, or ``None``. Step ``s`` of the global batch
+      cut into ``N * k`` microbatches of consecutive rows gives microbatch
+      ``g`` the key ``fold_in(fold_in(key, s), g)``: the masks follow the
+      rows, not the mesh.
+    compute_dtype: e.g. ``jnp.bfloat16``: ``loss_fn`` runs on params cast to
+      it; params, optimizer state, loss and gradients stay float32.
+      ``None``: the params' dtype.
+    remat_policy: what the backward pass keeps of the forward, the rest
+      being recomputed: ``'everything'`` (the default: no recompute),
+      ``'dots'``, ``'dots_no_batch'``, ``'nothing'`` or a
+      ``jax.checkpoint_policies`` policy (``train_state.REMAT_POLICIES``).
+      ``None`` is ``'everything'``. A microbatch's backward runs right
+      after its forward here, so a policy adds recompute but saves little
+      memory (in ``parallel.trainer`` the stash keeps forwards while other
+      microbatches run); ``jax.checkpoint`` layers inside ``loss_fn`` for
+      that.
 
   Returns:
-    ``Trainer(init, step, params, opt_state)``: ``init(params,
-    model_state=None)`` gives a placed ``TrainState`` in the ``zero_stage``
-    layout (the model state replicated); ``step(state, batch) ->
-    (state, StepStats)`` takes a batch pytree of numpy or jax arrays with
-    leading size ``B`` (placed on the mesh by the step; any state is placed
-    into the step's layout); ``stats.loss`` is the global mean before the
-    update, ``stats.grad_norm`` the global norm before clipping;
-    non-finite loss or gradients skip the update (``stats.skipped``).
-    ``params(state)`` returns ``state.params`` at their logical shapes as
-    they are sharded (``train_state.auto_view``: nothing is replicated but
-    the leaves ZeRO pads): the one way to read a state's params;
-    ``opt_state(state)`` the optimizer state likewise. The optimizer's
-    update gets the loss as ``value=`` (``train_state.apply_gradients``).
+    ``Trainer(init, step, params, opt_state)``: ``init(params)`` places a
+    ``TrainState`` on the mesh; ``step(state, batch) -> (state,
+    StepStats)`` runs one update (a non-finite loss or gradient skips it:
+    ``stats.skipped``); ``params(state)`` and ``opt_state(state)`` read
+    them back at their logical shapes.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxpar
-    >>> loss_fn = lambda p, b: jnp.mean((b['x'] @ p['w'] - b['y']) ** 2)
+    >>> def loss_fn(params, batch):
+    ...   return jnp.mean((batch['x'] @ params['w'] - batch['y']) ** 2)
     >>> trainer = jaxpar.data_parallel.trainer(
-    ...     loss_fn, optax.lamb(1e-2), mesh=jaxpar.make_mesh(data=8),
-    ...     zero_stage=3, max_grad_norm=1.0)
+    ...     loss_fn, optax.adam(1e-2), mesh=jaxpar.make_mesh(data=8),
+    ...     zero_stage=3)
     >>> state = trainer.init({'w': jnp.ones((8, 2))})
-    >>> state.params['w'].sharding.shard_shape((8, 2))   # 1/8 per device
-    (1, 2)
     >>> batch = {'x': np.ones((16, 8), np.float32),
     ...          'y': np.zeros((16, 2), np.float32)}
     >>> state, stats = trainer.step(state, batch)
-    >>> round(float(stats.loss), 4), bool(stats.skipped)
-    (64.0, False)
-    >>> trainer.params(state)['w'].shape
-    (8, 2)
+    >>> round(float(stats.loss), 4), trainer.params(state)['w'].shape
+    (64.0, (8, 2))
 
-    Dropout, computed in bfloat16:
+    With dropout, the key comes by keyword:
 
-    >>> def dropout_loss(p, b, key):
-    ...   h = b['x'] * jax.random.bernoulli(key, 0.9, b['x'].shape) / 0.9
-    ...   return jnp.mean((h @ p['w'] - b['y']) ** 2)
+    >>> def dropout_loss(params, batch, *, key):
+    ...   x = batch['x'] * jax.random.bernoulli(key, 0.9, batch['x'].shape)
+    ...   return jnp.mean((x / 0.9 @ params['w'] - batch['y']) ** 2)
     >>> trainer = jaxpar.data_parallel.trainer(
     ...     dropout_loss, optax.sgd(0.1), mesh=jaxpar.make_mesh(data=8),
     ...     key=jax.random.key(0), compute_dtype=jnp.bfloat16)
@@ -505,12 +495,77 @@ def trainer(
     >>> stats.loss.dtype, state.params['w'].dtype
     (dtype('float32'), dtype('float32'))
   """
-  options = _check_options(
-      loss_fn, optimizer, mesh=mesh, axis=axis, max_grad_norm=max_grad_norm,
-      num_microbatches=num_microbatches, zero_stage=zero_stage,
-      has_aux=has_aux, backend=backend, key=key, compute_dtype=compute_dtype,
-      remat_policy=remat_policy)
-  step = (_PmapStep if backend == 'pmap' else _ShardMapStep)(options)
-  return Trainer(functools.partial(_checked_init, step.init),
-                 _CheckedStep(step, options), _logical_params,
-                 _logical_opt_state)
+  if isinstance(loss_fn, DataParallelModel):
+    raise TypeError(
+        'data_parallel.trainer takes a loss function; a DataParallelModel '
+        '(data_parallel.from_nnx) trains with data_parallel.model_trainer('
+        'model, optimizer, mesh=...).')
+  return _build(loss_fn, optimizer, carries_state=False, backend=backend,
+                mesh=mesh, data_axis=data_axis, max_grad_norm=max_grad_norm,
+                num_microbatches=num_microbatches, zero_stage=zero_stage,
+                has_aux=has_aux, key=key, compute_dtype=compute_dtype,
+                remat_policy=remat_policy)
+
+
+def model_trainer(
+    model: DataParallelModel,
+    optimizer: optax.GradientTransformation,
+    *,
+    mesh: Mesh,
+    data_axis: str = 'data',
+    max_grad_norm: float | None = None,
+    num_microbatches: int = 1,
+    zero_stage: int = 0,
+    has_aux: bool = False,
+    key: jax.Array | None = None,
+    compute_dtype: Any = None,
+    remat_policy: Any = 'everything',
+) -> Trainer:
+  """Data-parallel training of a Flax NNX model from ``from_nnx``.
+
+  The same step as ``trainer``, with the model's loss. The model state
+  (e.g. BatchNorm statistics) rides in ``TrainState.model_state``: each
+  device carries it through its microbatches in order, and the step merges
+  the devices' values as ``data_parallel.from_nnx`` describes.
+
+  Args:
+    model: a ``DataParallelModel`` (``data_parallel.from_nnx(module,
+      loss=...)``).
+    optimizer, mesh, data_axis, max_grad_norm, num_microbatches,
+      zero_stage, has_aux, compute_dtype, remat_policy: as for ``trainer``.
+    key: a PRNG key, or ``None``: each microbatch reseeds the model's RNG
+      streams with its key, drawn as ``trainer`` draws them.
+
+  Returns:
+    A ``Trainer``; ``init(model.params, model.model_state)`` gives the first
+    state, and ``model.update(module, trainer.params(state),
+    state.model_state)`` writes the trained values back.
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np, optax, jaxpar
+    >>> from flax import nnx
+    >>> net = nnx.Sequential(nnx.Linear(4, 2, rngs=nnx.Rngs(0)),
+    ...                      nnx.BatchNorm(2, rngs=nnx.Rngs(0)))
+    >>> model = jaxpar.data_parallel.from_nnx(
+    ...     net, loss=lambda m, b: jnp.mean((m(b['x']) - b['y']) ** 2))
+    >>> trainer = jaxpar.data_parallel.model_trainer(
+    ...     model, optax.sgd(0.1), mesh=jaxpar.make_mesh(data=8))
+    >>> state = trainer.init(model.params, model.model_state)
+    >>> batch = {'x': np.ones((16, 4), np.float32),
+    ...          'y': np.zeros((16, 2), np.float32)}
+    >>> state, stats = trainer.step(state, batch)
+    >>> model.update(net, trainer.params(state), state.model_state)
+    >>> int(state.step), net.layers[1].mean.shape
+    (1, (2,))
+  """
+  if not isinstance(model, DataParallelModel):
+    raise TypeError(
+        f'data_parallel.model_trainer takes a DataParallelModel (from '
+        f'data_parallel.from_nnx), got {type(model).__name__}; a loss '
+        'function trains with data_parallel.trainer(loss_fn, optimizer, '
+        'mesh=...).')
+  return _build(model.loss_fn, optimizer, carries_state=True, mesh=mesh,
+                data_axis=data_axis, max_grad_norm=max_grad_norm,
+                num_microbatches=num_microbatches, zero_stage=zero_stage,
+                has_aux=has_aux, key=key, compute_dtype=compute_dtype,
+                remat_policy=remat_policy)

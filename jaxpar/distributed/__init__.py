@@ -8,7 +8,8 @@ answering); ``launch`` starts N local processes with gloo CPU
 collectives (``python -m jaxpar launch``), on a ``free_port``, and owns
 them: one failing stops all, SIGTERM/SIGINT are forwarded, SIGABRT (a
 stack dump) then SIGKILL follow after ``GRACE_S`` seconds, every exit is
-named (``_launch.py``).
+named, and on Linux the workers die with the launcher, even when it is
+SIGKILLed (``_launch.py``).
 """
 
 from jaxpar.distributed._launch import GRACE_S as GRACE_S

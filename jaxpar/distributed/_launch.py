@@ -5,8 +5,15 @@
 processes form one ``jax.distributed`` job with gloo collectives on CPU
 (``python -m jaxpar launch -n N -- demo ...``).
 
-The launcher owns its workers: none outlives it unless it is SIGKILLed.
+The launcher owns its workers: none outlives it.
 
+* **Dying with the launcher.** On Linux each worker first asks the kernel
+  for SIGKILL when the launcher dies (``PR_SET_PDEATHSIG``), then execs its
+  command, so a launcher killed by SIGKILL or the OOM killer takes its
+  workers with it at once, and no worker keeps holding devices. A worker
+  whose launcher died before that request exits at once. Elsewhere (macOS)
+  a SIGKILLed launcher leaves its workers running; every other way it ends
+  stops them.
 * **Stopping.** The workers get SIGTERM; those alive ``grace`` seconds later
   get SIGABRT, on which Python's fault handler (on in every worker) prints
   every thread's stack -- where a stuck worker hangs -- and those alive
@@ -58,6 +65,21 @@ _POLL_S = 0.05
 _TAIL_LINES = 30   # lines of each worker's output in the report ...
 _TAIL_CHARS = 4000   # ... at most this many characters
 _FORWARDED = (signal.SIGTERM, signal.SIGINT)
+# What a worker's interpreter runs first (``_dies_with``; argv: the parent's
+# pid, then the command). prctl option 1 is PR_SET_PDEATHSIG; without ctypes
+# or prctl the worker runs all the same.
+_DIE_WITH_PARENT = """\
+import os, signal, sys
+try:
+  import ctypes
+  ctypes.CDLL(None).prctl(1, ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
+                          ctypes.c_ulong(0), ctypes.c_ulong(0))
+except (ImportError, OSError, AttributeError):
+  pass
+if os.getppid() != int(sys.argv[1]):
+  os.kill(os.getpid(), signal.SIGKILL)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
 
 def free_port() -> int:
@@ -103,7 +125,8 @@ def launch(num_processes: int, argv: Sequence[str], *,
   with an error, the others get SIGTERM at once, SIGABRT after ``grace`` (a
   stack dump in their output) and SIGKILL (a JAX process would otherwise
   wait for the dead one in its next collective); SIGTERM or SIGINT to this
-  process are forwarded the same way.
+  process are forwarded the same way. On Linux the kernel SIGKILLs the
+  processes if this one dies, even by SIGKILL (``PR_SET_PDEATHSIG``).
 
   Args:
     num_processes: ``N >= 1``.
@@ -137,12 +160,13 @@ def launch(num_processes: int, argv: Sequence[str], *,
                 grace)
   port = free_port() if port is None else port
   what = f'{num_processes} processes of python -m {module} {" ".join(argv)}'
+  command = _dies_with(os.getpid(), [sys.executable, '-m', module, *argv])
   workers: list[_Worker] = []
   end = _Exit(None, 0)
   with _caught_signals() as caught:
     try:
       for i in range(num_processes):
-        workers.append(_start(i, [sys.executable, '-m', module, *argv],
+        workers.append(_start(i, command,
                               _process_env(i, num_processes, port,
                                            devices_per_process)))
       end = _wait(workers, timeout, caught)
@@ -172,6 +196,24 @@ def _check_launch(num_processes, argv, devices_per_process, port,
       0 <= grace < float('inf')):
     raise ValueError(f'grace={grace!r} must be >= 0 seconds (between SIGTERM '
                      f'and SIGKILL), e.g. {GRACE_S}.')
+
+
+def _dies_with(parent: int, command: list[str]) -> list[str]:
+  """``command``, run so that it dies with process ``parent`` (Linux).
+
+  The worker's interpreter first asks the kernel for SIGKILL when its parent
+  dies (``PR_SET_PDEATHSIG``, which exec keeps), kills itself if its parent
+  is no longer ``parent`` (it died before the request), then execs
+  ``command``: same pid, same command line. Elsewhere ``command`` as it is.
+
+  The kernel sends the signal when the *thread* that started the worker
+  ends: ``launch`` starts them from the thread that called it and stops
+  every worker before it returns. No Python runs between fork and exec (no
+  ``preexec_fn``), so a process running JAX's threads may launch.
+  """
+  if not sys.platform.startswith('linux'):
+    return command
+  return [sys.executable, '-S', '-c', _DIE_WITH_PARENT, str(parent), *command]
 
 
 def _process_env(i: int, num_processes: int, port: int,

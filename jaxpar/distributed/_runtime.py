@@ -38,7 +38,7 @@ from jax.experimental import multihost_utils
 
 from jaxpar import _compat
 from jaxpar._validate import check_int
-from jaxpar.train_state import PyTree
+from jaxpar.train_state.internal import PyTree
 
 ENV_COORDINATOR = 'JAXPAR_COORDINATOR'
 ENV_NUM_PROCESSES = 'JAXPAR_NUM_PROCESSES'

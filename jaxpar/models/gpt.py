@@ -305,7 +305,7 @@ def _blocks(stages: Any, real: tuple[tuple[int, int], ...]) -> list:
 _blocks_of = jax.jit(_blocks, static_argnums=1)
 
 
-def functions(config: GPTConfig, *, axis: str = 'tensor'):
+def functions(config: GPTConfig, *, tensor_axis: str = 'tensor'):
   """``(embed_fn, stage_fn, head_loss_fn)`` with ``config.dropout`` bound.
 
   The three functions ``jaxpar.parallel.trainer`` takes, their params split
@@ -332,32 +332,35 @@ def functions(config: GPTConfig, *, axis: str = 'tensor'):
     >>> stats.loss.dtype
     dtype('float32')
   """
-  bind = lambda fn: functools.partial(fn, axis=axis, dropout=config.dropout)
+  bind = lambda fn: functools.partial(fn, tensor_axis=tensor_axis,
+                                      dropout=config.dropout)
   return (bind(embed_fn), bind(stage_fn),
-          functools.partial(head_loss_fn, axis=axis))
+          functools.partial(head_loss_fn, tensor_axis=tensor_axis))
 
 
-def embed_fn(params: dict, ids: jax.Array, key: jax.Array | None = None, *,
-             axis: str = 'tensor', dropout: float = 0.0) -> jax.Array:
+def embed_fn(params: dict, ids: jax.Array, *, key: jax.Array | None = None,
+             tensor_axis: str = 'tensor', dropout: float = 0.0) -> jax.Array:
   """Token (vocab-parallel) + position embedding: ``ids [B, S] -> [B, S, d]``.
 
   Inside ``shard_map``; ``params['embed']['embedding']`` is the ``[V/N, d]``
-  shard. One all-reduce over ``axis``. With ``key``: dropout at rate
+  shard. One all-reduce over ``tensor_axis``. With ``key``: dropout at rate
   ``dropout`` on the sum (``tensor_parallel.dropout``).
   """
-  x = tp.vocab_parallel_embed(ids, params['embed']['embedding'], axis=axis)
-  return tp.dropout(x + params['pos'][:ids.shape[-1]], dropout, key, axis=axis)
+  x = tp.vocab_parallel_embed(ids, params['embed']['embedding'],
+                              tensor_axis=tensor_axis)
+  return tp.dropout(x + params['pos'][:ids.shape[-1]], dropout, key,
+                    tensor_axis=tensor_axis)
 
 
-def stage_fn(params: dict, x: jax.Array, key: jax.Array | None = None, *,
-             axis: str = 'tensor', dropout: float = 0.0) -> jax.Array:
+def stage_fn(params: dict, x: jax.Array, *, key: jax.Array | None = None,
+             tensor_axis: str = 'tensor', dropout: float = 0.0) -> jax.Array:
   """One pipeline stage: its ``slots`` blocks in order, ``[B, S, d] -> same``.
 
   ``params`` leaves are ``[slots, ...]`` (one stage of ``split_for_pipeline``
   's ``stages``), tensor-parallel shards, applied in order by one
   ``lax.scan`` (one block's program, however many slots). Identity slots
   (zeros) return their input exactly, dropout or not. Two all-reduces over
-  ``axis`` per block forward. With ``key``: residual dropout at rate
+  ``tensor_axis`` per block forward. With ``key``: residual dropout at rate
   ``dropout`` in each block, slot ``j`` drawing from ``fold_in(key, j)``.
 
   Example:
@@ -381,23 +384,24 @@ def stage_fn(params: dict, x: jax.Array, key: jax.Array | None = None, *,
   def block(x, slot):
     block_params, j = slot
     k = None if key is None else jax.random.fold_in(key, j)
-    return tp.transformer_block(block_params, x, axis=axis, causal=True,
-                                dropout=dropout, key=k), None
+    return tp.transformer_block(block_params, x, tensor_axis=tensor_axis,
+                                causal=True, dropout=dropout, key=k), None
 
   slots = jax.tree.leaves(params)[0].shape[0]
   return jax.lax.scan(block, x, (params, jnp.arange(slots)))[0]
 
 
-def _head(params: dict, y: jax.Array, axis: str) -> jax.Array:
+def _head(params: dict, y: jax.Array, tensor_axis: str) -> jax.Array:
   """Final norm and LM head: local logits ``[B, S, V/N]``."""
   h = tp.layer_norm(params['ln_f'], y)
   return tp.column_parallel_linear(h, params['lm_head']['kernel'],
-                                   params['lm_head']['bias'], axis=axis)
+                                   params['lm_head']['bias'],
+                                   tensor_axis=tensor_axis)
 
 
-def head_loss_fn(params: dict, y: jax.Array, targets: jax.Array,
-                 key: jax.Array | None = None, *,
-                 axis: str = 'tensor') -> jax.Array:
+def head_loss_fn(params: dict, y: jax.Array, targets: jax.Array, *,
+                 key: jax.Array | None = None,
+                 tensor_axis: str = 'tensor') -> jax.Array:
   """Final norm, vocab-parallel LM head and cross-entropy, mean over ``[B, S]``.
 
   The full logits ``[B, S, V]`` are never gathered
@@ -406,29 +410,31 @@ def head_loss_fn(params: dict, y: jax.Array, targets: jax.Array,
   has no dropout.
   """
   del key  # no dropout in the head
-  logits = _head(params, y, axis)
-  return tp.vocab_parallel_cross_entropy(logits, targets, axis=axis).mean()
+  logits = _head(params, y, tensor_axis)
+  return tp.vocab_parallel_cross_entropy(logits, targets,
+                                         tensor_axis=tensor_axis).mean()
 
 
 def head_loss_and_accuracy_fn(
-    params: dict, y: jax.Array, targets: jax.Array,
-    key: jax.Array | None = None, *, axis: str = 'tensor'
+    params: dict, y: jax.Array, targets: jax.Array, *,
+    key: jax.Array | None = None, tensor_axis: str = 'tensor'
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """``(head_loss_fn, {'accuracy': ...})`` for ``has_aux=True``.
 
   ``accuracy``: the fraction of positions whose target has the largest
   logit, float32, from the vocabulary shards (one ``pmax`` and one ``psum``
-  of ``[B, S]`` values over ``axis``; the logits are never gathered).
+  of ``[B, S]`` values over ``tensor_axis``; the logits are never gathered).
   """
   del key  # no dropout in the head
-  logits = _head(params, y, axis)
-  loss = tp.vocab_parallel_cross_entropy(logits, targets, axis=axis).mean()
+  logits = _head(params, y, tensor_axis)
+  loss = tp.vocab_parallel_cross_entropy(logits, targets,
+                                         tensor_axis=tensor_axis).mean()
   logits = jax.lax.stop_gradient(logits)   # a metric: no gradient
   vocab = logits.shape[-1]
-  local = targets - jax.lax.axis_index(axis) * vocab
+  local = targets - jax.lax.axis_index(tensor_axis) * vocab
   mine = (local >= 0) & (local < vocab)
   target = jnp.take_along_axis(logits, jnp.where(mine, local, 0)[..., None],
                                axis=-1)[..., 0]
-  target = jax.lax.psum(jnp.where(mine, target, 0), axis)
-  best = jax.lax.pmax(jnp.max(logits, axis=-1), axis)
+  target = jax.lax.psum(jnp.where(mine, target, 0), tensor_axis)
+  best = jax.lax.pmax(jnp.max(logits, axis=-1), tensor_axis)
   return loss, {'accuracy': jnp.mean((target >= best).astype(jnp.float32))}

@@ -3,7 +3,7 @@
 ``from_nnx`` reads a model that keeps its layers as a sequence of identical
 NNX modules (``nnx.List``, list, tuple) or as one module whose params are
 stacked over layers (``nnx.vmap``/``nnx.scan`` style), and gives what
-``jaxpar.parallel.trainer`` takes::
+``jaxpar.parallel.model_trainer`` takes::
 
   embed   attributes defined before ``blocks``   embed(m, inputs) -> x
   stages  blocks stacked [num_stages, slots]     each block as written
@@ -53,7 +53,8 @@ Path = tuple[Any, ...]
 
 
 def _tensor_rules(rules: Mapping[str, Any] | None, names: dict[str, int],
-                  metadata: dict[str, Any], axis: str) -> dict[str, tuple]:
+                  metadata: dict[str, Any],
+                  tensor_axis: str) -> dict[str, tuple]:
   """``{param name: spec of its trailing dims}`` for the split params
   (``tensor_parallel.match_rules``), every rule matching some param.
 
@@ -61,7 +62,8 @@ def _tensor_rules(rules: Mapping[str, Any] | None, names: dict[str, int],
   block) -> ndim; ``metadata``: name -> the Param's Flax ``out_sharding``,
   used when ``rules`` is ``None``.
   """
-  matches = tp.match_rules(names, rules, metadata=metadata, axis=axis)
+  matches = tp.match_rules(names, rules, metadata=metadata,
+                           tensor_axis=tensor_axis)
   if rules is not None:
     used = {match.rule for match in matches.values()}
     unused = [r for r in rules if r not in used]
@@ -74,15 +76,15 @@ def _tensor_rules(rules: Mapping[str, Any] | None, names: dict[str, int],
 
 
 class PipelineModel(NamedTuple):
-  """A Flax NNX model as ``jaxpar.parallel.trainer`` takes it.
+  """A Flax NNX model as ``jaxpar.parallel.model_trainer`` takes it.
 
   Attributes:
     params: ``PipelineParams(embed, stages, head)`` of the model's current
       params: nested dicts by attribute path; ``stages`` leaves
       ``[num_stages, slots, ...]`` by path inside a block.
-    functions: ``(embed_fn, stage_fn, head_loss_fn)``, the three functions
-      of ``jaxpar.parallel.trainer`` (each takes an optional last
-      ``key``).
+    functions: ``(embed_fn, stage_fn, head_loss_fn)``, three functions as
+      ``jaxpar.parallel.trainer`` takes them (each takes ``key=`` by
+      keyword).
     stage_mask: bool ``[num_stages, slots]``: real (``True``) or identity
       slots.
     from_state: ``from_state(state) -> PipelineParams`` of an
@@ -107,7 +109,7 @@ class PipelineModel(NamedTuple):
       ...]``, identity slots zero), or ``None`` for a model without any:
       ``trainer.init(pm.params, pm.model_state)``. Each stage then runs its
       blocks on its statistics and returns them updated
-      (``stage_fn(params, x, [key,] state) -> (y, new_state)``), one
+      (``stage_fn(params, x, state=s) -> (y, new_state)``), one
       microbatch after the other, as the model run on the microbatches in
       turn on one device.
   """
@@ -200,7 +202,7 @@ def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
     (2, 2, 8, 8)
     >>> pm.stage_mask.tolist()                       # 3 layers on 2 stages
     [[True, True], [True, False]]
-    >>> trainer = jaxpar.parallel.trainer(
+    >>> trainer = jaxpar.parallel.model_trainer(
     ...     pm, optax.sgd(0.1), schedule=jaxpar.pipeline.one_f_one_b(2, 2),
     ...     mesh=jaxpar.make_mesh(data=4, stage=2))
     >>> ids = np.zeros((8, 4), np.int32)

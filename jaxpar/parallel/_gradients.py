@@ -18,55 +18,60 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import data_parallel as zero
+from jaxpar import data_parallel
+from jaxpar.data_parallel import internal as dp_internal
 from jaxpar.mesh import axis_size
+from jaxpar.parallel._config import (Specs, TrainerConfig, gradient_specs,
+                                     manual_specs, stored_specs)
 from jaxpar.parallel._params import PipelineParams, untied, with_tied
-from jaxpar.parallel._plan import (Plan, Specs, gradient_specs, manual_specs,
-                                   stored_specs)
 from jaxpar.pipeline import executor
 from jaxpar.pipeline.schedules import local_stages
-from jaxpar.train_state import PyTree, TrainState
+from jaxpar.train_state import TrainState
+from jaxpar.train_state.internal import PyTree
 
 
-def _masked(plan: Plan, stage_grads: PyTree) -> PyTree:
+def _masked(config: TrainerConfig, stage_grads: PyTree) -> PyTree:
   """Zero gradients for the slots ``stage_mask`` marks ``False``."""
-  if plan.stage_mask is None:
+  if config.stage_mask is None:
     return stage_grads
-  mine = jnp.asarray(plan.mask_ranks)[jax.lax.axis_index(plan.axes.stage)]
+  mine = jnp.asarray(config.mask_ranks)[jax.lax.axis_index(config.axes.stage)]
   return jax.tree.map(
       lambda g: jnp.where(
           mine.reshape(mine.shape + (1,) * (g.ndim - mine.ndim)), g,
           jnp.zeros((), g.dtype)), stage_grads)
 
 
-def _functions(plan: Plan, split: PipelineParams, tied: tuple) -> tuple:
+def _functions(config: TrainerConfig, split: PipelineParams,
+               tied: tuple) -> tuple:
   """embed/stage/loss functions of local params (ZeRO-3: of slices that
   each call gathers over ``data`` just in time); the loss function's params
   are ``with_tied(head, embed, tied)``."""
-  if plan.zero_stage != 3:
-    return plan.functions
-  embed_fn, stage_fn, loss_fn = plan.functions
-  gathered = functools.partial(zero.gathered, axis=plan.axes.data)
+  if config.zero_stage != 3:
+    return config.functions
+  embed_fn, stage_fn, loss_fn = config.functions
+  gathered = functools.partial(data_parallel.gathered,
+                               data_axis=config.axes.data)
   return (gathered(embed_fn, split.embed),
           gathered(stage_fn, split.stages, skip=2),
           gathered(loss_fn, with_tied(split.head, split.embed, tied)))
 
 
-def tied_paths(plan: Plan, params: PipelineParams, inputs: Any,
+def tied_paths(config: TrainerConfig, params: PipelineParams, inputs: Any,
                targets: Any) -> tuple:
   """The embed params the head reads too (``PipelineModel.tied``), from
   the shapes of the params and of one microbatch."""
-  if plan.tied is None:
+  if config.tied is None:
     return ()
-  n = axis_size(plan.mesh, plan.axes.data) * plan.schedule.num_microbatches
+  n = (axis_size(config.mesh, config.axes.data)
+       * config.schedule.num_microbatches)
   microbatch = lambda a: jax.ShapeDtypeStruct(
       (np.shape(a)[0] // n,) + np.shape(a)[1:], a.dtype)
-  return plan.tied(zero.logical_shapes(params),
-                   jax.tree.map(microbatch, inputs),
-                   jax.tree.map(microbatch, targets))
+  return config.tied(dp_internal.logical_shapes(params),
+                     jax.tree.map(microbatch, inputs),
+                     jax.tree.map(microbatch, targets))
 
 
-def _local_grads(plan: Plan, specs: Specs, tied: tuple,
+def _local_grads(config: TrainerConfig, specs: Specs, tied: tuple,
                  params: PipelineParams, inputs: Any, targets: Any,
                  key: jax.Array | None, model_state: PyTree):
   """Inside the ``shard_map``: ``(loss, aux, gradients, model_state)`` of one
@@ -74,71 +79,72 @@ def _local_grads(plan: Plan, specs: Specs, tied: tuple,
   ``with_tied(head, embed, tied)``: a tied param's gradient is the sum of
   its two uses (both replicated over ``stage``, summed after the
   executor's ``psum``)."""
-  embed, stage, head_loss = _functions(plan, specs.zero, tied)
-  params = zero.vary(params, stored_specs(plan, specs), axis=plan.axes.data)
+  embed, stage, head_loss = _functions(config, specs.zero, tied)
+  params = dp_internal.vary_unsplit(params, stored_specs(config, specs),
+                                    data_axis=config.axes.data)
   embed_key = None
   if key is not None:
     embed_key, key = jax.random.split(key)
   one_rank = jax.tree.map(lambda a: a[0], params.stages)
   # The embedding runs per microbatch inside stage 0 (with one stage
   # rank, the microbatches run in turn): nothing batch-sized is held.
-  out, grads, *new_state = executor.pipeline_value_and_grad_local(
+  result = executor.pipeline_value_and_grad_local(
       stage, head_loss, one_rank,
       with_tied(params.head, params.embed, tied), inputs, targets,
-      table=plan.table, axis=plan.axes.stage, key=key,
+      table=config.table, stage_axis=config.axes.stage, key=key,
       # the global index of this data shard's first microbatch
-      microbatch_offset=(jax.lax.axis_index(plan.axes.data)
-                         * plan.schedule.num_microbatches),
-      has_aux=plan.has_aux, compute_dtype=plan.compute_dtype, embed_fn=embed,
-      embed_params=params.embed, embed_key=embed_key,
-      remat_policy=plan.remat_policy,
-      stage_state=_rank_state(plan, model_state), input_grads=False)
+      microbatch_offset=(jax.lax.axis_index(config.axes.data)
+                         * config.schedule.num_microbatches),
+      has_aux=config.has_aux, compute_dtype=config.compute_dtype,
+      embed_fn=embed, embed_params=params.embed, embed_key=embed_key,
+      remat_policy=config.remat_policy,
+      stage_state=_rank_state(config, model_state), input_grads=False)
   grads = untied(PipelineParams(
-      grads.embed,
-      jax.tree.map(lambda g: g[None], _masked(plan, grads.stages)),
-      grads.head), tied)
-  loss, aux = jax.lax.pmean(out if plan.has_aux else (out, None),
-                            plan.axes.data)
-  grads = zero.reduce_gradients(grads, gradient_specs(plan, specs),
-                                axis=plan.axes.data,
-                                summed=plan.zero_stage == 3)
-  return loss, aux, grads, _model_order_state(plan, *new_state)
+      result.grads.embed,
+      jax.tree.map(lambda g: g[None], _masked(config, result.grads.stages)),
+      result.grads.head), tied)
+  loss, aux = jax.lax.pmean((result.loss, result.aux), config.axes.data)
+  grads = data_parallel.reduce_gradients(
+      grads, gradient_specs(config, specs), data_axis=config.axes.data,
+      summed=config.zero_stage == 3)
+  return loss, aux, grads, _model_order_state(config, result.state)
 
 
-def _rank_state(plan: Plan, model_state: PyTree) -> PyTree:
+def _rank_state(config: TrainerConfig, model_state: PyTree) -> PyTree:
   """This rank's ``[v, ...]`` rows of the replicated model-order state."""
   if model_state is None:
     return None
-  rank = jax.lax.axis_index(plan.axes.stage)
+  rank = jax.lax.axis_index(config.axes.stage)
   return jax.tree.map(
-      lambda a: executor.stages_to_ranks(a, plan.schedule)[rank], model_state)
+      lambda a: executor.stages_to_ranks(a, config.schedule)[rank], model_state)
 
 
-def _model_order_state(plan: Plan, rank_state: PyTree = None) -> PyTree:
+def _model_order_state(config: TrainerConfig,
+                       rank_state: PyTree = None) -> PyTree:
   """The new state of every rank's stages, model order ``[num_stages,
   ...]`` (each stage from the rank that holds it: a ``psum`` of disjoint
   rows), averaged over ``data``: each data shard updates the statistics on
   its own microbatches."""
   if rank_state is None:
     return None
-  rows = jnp.asarray(local_stages(plan.schedule))[
-      jax.lax.axis_index(plan.axes.stage)]
+  rows = jnp.asarray(local_stages(config.schedule))[
+      jax.lax.axis_index(config.axes.stage)]
   full = jax.tree.map(lambda a: jnp.zeros(
-      (plan.schedule.num_stages,) + a.shape[1:], a.dtype).at[rows].set(a),
+      (config.schedule.num_stages,) + a.shape[1:], a.dtype).at[rows].set(a),
                       rank_state)
-  return jax.lax.pmean(jax.lax.psum(full, plan.axes.stage), plan.axes.data)
+  return jax.lax.pmean(jax.lax.psum(full, config.axes.stage), config.axes.data)
 
 
-def gradient_program(plan: Plan, specs: Specs, state_specs: TrainState,
-                     tied: tuple):
+def gradient_program(config: TrainerConfig, specs: Specs,
+                     state_specs: TrainState, tied: tuple):
   """``_local_grads`` in its ``shard_map``: ``(params, inputs, targets,
   key, model_state) -> (loss, aux, gradients, model_state)`` of global
   arrays."""
-  manual, axes = plan.manual, plan.axes
-  grad_specs = gradient_specs(plan, specs)
+  manual, axes = config.manual, config.axes
+  grad_specs = gradient_specs(config, specs)
   gradients = jax.shard_map(
-      functools.partial(_local_grads, plan, specs, tied),
-      mesh=None if manual else plan.mesh,   # None: auto_axes' mesh, below
+      functools.partial(_local_grads, config, specs, tied),
+      mesh=None if manual else config.mesh,   # None: auto_axes' mesh, below
       in_specs=(manual_specs(state_specs.params, manual), P(axes.data),
                 P(axes.data), P(), P()),
       out_specs=(P(), P(), manual_specs(grad_specs, manual), P()),

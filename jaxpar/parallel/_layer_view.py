@@ -1,6 +1,6 @@
 """The 3D optimizer's view: a pipelined model's params one tree per layer.
 
-The 3D train step keeps stage leaves stacked in the executor's rank placement
+The 3D train step keeps stage leaves stacked in the executor's rank order
 ``[p, v, m_1, ..., *layer_shape]`` (``p`` ranks, ``v`` stages each, then the
 dims a stage mask covers, e.g. GPT's block slots). An optimizer run on those
 stacks would compute its per-leaf statistics -- LAMB/LARS trust ratios,
@@ -17,14 +17,14 @@ of the model in model order, shaped like one layer of the dense model::
             layer: no optimizer state, never updated)
 
 ``LayerView`` maps between the two; ``layerwise`` wraps an optax
-optimizer so that it runs on the view of rank-placement ``PipelineParams``;
+optimizer so that it runs on the view of rank-order ``PipelineParams``;
 ``mirror_specs`` gives an optimizer state's shardings from the view's.
 
 **Sharding.** A layer is one global array, so it cannot live on one stage
 rank only: each layer's optimizer leaves are split over the ``stage`` axis
 along one of their own dims (as ZeRO splits over ``data``), besides their
 tensor split and, with ZeRO, the ``data`` axis. The update reshards the
-gradients and params from the rank placement to the view (one all-to-all over
+gradients and params from the rank order to the view (one all-to-all over
 ``stage`` per leaf: ``[p, v, ..., d, ...]`` split on ``p`` becomes split on
 ``d``, and then every layer is a local slice) and the updates back.
 
@@ -64,7 +64,7 @@ def _constrain(tree: PyTree, specs: PyTree | None) -> PyTree:
 
 
 class LayerView(NamedTuple):
-  """Where each layer of a pipelined model sits in the rank placement.
+  """Where each layer of a pipelined model sits in the rank order.
 
   Attributes:
     positions: per layer, in model order, its index into a stage leaf's
@@ -77,7 +77,7 @@ class LayerView(NamedTuple):
   @classmethod
   def of(cls, schedule: Schedule,
          stage_mask: np.ndarray | None = None) -> 'LayerView':
-    """The view of ``schedule``'s rank placement; a layer is a ``True`` entry
+    """The view of ``schedule``'s rank order; a layer is a ``True`` entry
     of ``stage_mask`` (``[num_stages, m_1, ...]``), default one per stage."""
     where = {k: (r, j) for r, ks in enumerate(local_stages(schedule))
              for j, k in enumerate(ks)}
@@ -93,7 +93,7 @@ class LayerView(NamedTuple):
     return P(*(None,) * len(self.shape), *layer_spec)
 
   def layers(self, stages: PyTree, specs: PyTree | None = None) -> list:
-    """``[layer_0, ..., layer_{L-1}]`` of rank-placement ``stages``.
+    """``[layer_0, ..., layer_{L-1}]`` of rank-order ``stages``.
 
     ``specs``: one layer's ``PartitionSpec`` tree; under ``jit`` the stacks
     are resharded to ``spec(...)`` first, so each slice is local.
@@ -105,8 +105,8 @@ class LayerView(NamedTuple):
 
   def stack(self, layers: list, fill: PyTree | None = None,
             specs: PyTree | None = None) -> PyTree:
-    """Inverse of ``layers``: rank-placement stages; slots that are no layer
-    come from ``fill`` (rank placement too), or are zeros."""
+    """Inverse of ``layers``: rank-order stages; slots that are no layer
+    come from ``fill`` (rank order too), or are zeros."""
     at = {pos: i for i, pos in enumerate(self.positions)}
 
     def one(path_fill, *leaves):
@@ -122,7 +122,7 @@ class LayerView(NamedTuple):
 
   def of_params(self, params: PipelineParams,
                 specs: LayerParams | None = None) -> LayerParams:
-    """``LayerParams`` of rank-placement ``params`` (``specs``: the view's)."""
+    """``LayerParams`` of rank-order ``params`` (``specs``: the view's)."""
     layers = self.layers(params.stages,
                          None if specs is None else specs.layers[0])
     if specs is not None:
@@ -134,13 +134,13 @@ class LayerView(NamedTuple):
 def layerwise(optimizer: optax.GradientTransformation, view: LayerView, *,
               specs: Callable[[PyTree], LayerParams] | None = None
               ) -> optax.GradientTransformationExtraArgs:
-  """``optimizer`` on the ``LayerParams`` view of rank-placement params.
+  """``optimizer`` on the ``LayerParams`` view of rank-order params.
 
   ``init(params)`` is ``optimizer.init(view.of_params(params))``;
   ``update(g, state, params, **extra_args)`` runs ``optimizer.update`` on the
   views (extra args such as ``value=`` passed on, optax's
   ``with_extra_args_support``) and stacks the updates back into the rank
-  placement (zeros where no layer is). ``specs(params) -> LayerParams`` of
+  order (zeros where no layer is). ``specs(params) -> LayerParams`` of
   ``PartitionSpec``s places the views under ``jit`` (inside a mesh context).
   """
   optimizer = optax.with_extra_args_support(optimizer)
@@ -167,7 +167,7 @@ def in_model_order(opt_state: PyTree, view: LayerView,
   """``opt_state`` with each ``LayerParams`` subtree (Adam's ``mu``,
   schedule-free's ``z``) as ``PipelineParams``: its layers stacked by
   ``view.stack`` (zeros where no layer is), then ``to_stages`` (rank
-  placement -> model order). What ``optimizer.init`` of model-order params
+  order -> model order). What ``optimizer.init`` of model-order params
   would give: optax helpers take it with them
   (``schedule_free_eval_params``)."""
   def one(node):

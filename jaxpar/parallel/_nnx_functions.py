@@ -19,12 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.data_parallel import reseeded
+from jaxpar.data_parallel.internal import reseeded
 from jaxpar.parallel._nnx_cut import Cut, path_name
 from jaxpar.parallel._params import PipelineParams
 from jaxpar.parallel._params import flat as _flat
 from jaxpar.parallel._params import nest as _nest
-from jaxpar.pipeline import executor
+from jaxpar.pipeline.executor.internal import is_jaxpr_var, jaxpr_needed
+from jaxpar.vma import vary, varying_axes
 
 PyTree = Any
 Path = tuple[Any, ...]
@@ -61,9 +62,9 @@ def _reads(cut: Cut, fn: Callable[..., Any], values: dict[Path, Any],
     jaxpr = jax.make_jaxpr(lambda o, t, a: fn(_whole_model(
         cut, {**dict(zip(own, o)), **dict(zip(others, t))}), *a))(
             *avals).jaxpr
-    used = {v for k in executor.jaxpr_needed(jaxpr, jaxpr.outvars)
-            for v in jaxpr.eqns[k].invars if executor.is_jaxpr_var(v)}
-    used |= {v for v in jaxpr.outvars if executor.is_jaxpr_var(v)}
+    used = {v for k in jaxpr_needed(jaxpr, jaxpr.outvars)
+            for v in jaxpr.eqns[k].invars if is_jaxpr_var(v)}
+    used |= {v for v in jaxpr.outvars if is_jaxpr_var(v)}
     cut.reads[signature] = [p for p, v in zip(
         others, jaxpr.invars[len(own):len(own) + len(others)]) if v in used]
   return cut.reads[signature]
@@ -120,12 +121,12 @@ def _part_fn(cut: Cut, fn: Callable[..., Any], name: str, own: PyTree,
 
 
 def embed_fn(cut: Cut, embed: Callable[..., jax.Array], embed_params: PyTree,
-             inputs: Any, key: jax.Array | None = None) -> jax.Array:
+             inputs: Any, *, key: jax.Array | None = None) -> jax.Array:
   return _part_fn(cut, embed, 'embed', embed_params, (inputs,), key)
 
 
 def head_loss_fn(cut: Cut, head_loss: Callable[..., Any],
-                 head_params: PyTree, y: jax.Array, targets: Any,
+                 head_params: PyTree, y: jax.Array, targets: Any, *,
                  key: jax.Array | None = None) -> Any:
   return _part_fn(cut, head_loss, 'head_loss', head_params, (y, targets), key)
 
@@ -160,25 +161,25 @@ def _slot(cut: Cut, key: jax.Array | None, x: jax.Array,
   return y, new_state
 
 
-def stage_fn(cut: Cut, stage_params: PyTree, x: jax.Array,
-             *key_state: Any) -> Any:
+def stage_fn(cut: Cut, stage_params: PyTree, x: jax.Array, *,
+             key: jax.Array | None = None, state: PyTree = None) -> Any:
   """A stage: its ``slots`` blocks in one ``lax.scan``;
-  ``stage_fn(params, x, [key])`` or, with ``nnx.BatchStat`` s,
-  ``stage_fn(params, x, [key,] state) -> (y, new_state)`` (``state``
+  ``stage_fn(params, x[, key=k])`` or, with ``nnx.BatchStat`` s,
+  ``stage_fn(params, x, state=s[, key=k]) -> (y, new_state)`` (``state``
   ``[slots, ...]``, the executor's ``stage_state`` convention)."""
-  if cut.stats and len(key_state) not in (1, 2):
+  stateful = bool(cut.stats)
+  if stateful and state is None:
     raise ValueError(
         f'the blocks have nnx.BatchStat s '
         f'({sorted(map(path_name, cut.layers.stats))[:4]}): their stage '
-        'function takes the statistics last and returns (y, new '
+        'function takes the statistics as state= and returns (y, new '
         'statistics); start the trainer with them: trainer.init('
         'pm.params, pm.model_state).')
-  stateful = bool(cut.stats)
-  key = key_state[0] if len(key_state) > stateful else None
-  state = key_state[-1] if stateful else {}
+  if not stateful:
+    state = {}
   # The carry keeps its check_vma type: make x vary as the blocks' output
   # will (over the params', the state's and the key's axes).
-  x = executor.vary(x, executor.varying_axes((stage_params, key, state)))
+  x = vary(x, varying_axes((stage_params, key, state)))
   y, new_state = jax.lax.scan(
       functools.partial(_slot, cut, key), x,
       (stage_params, jnp.arange(cut.split.slots), state))

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.parallel._params import PipelineParams
 from jaxpar.pipeline import executor
-from jaxpar.pipeline.executor import (check_leading)
+from jaxpar.pipeline.executor.internal import check_leading
 from jaxpar.pipeline.schedules import Schedule, local_stages
 
 PyTree = Any

@@ -35,10 +35,14 @@ One train step is one jitted program in two parts:
    gradients and params are resharded to the view (an all-to-all over
    ``stage`` per leaf) and the updates back. Non-finite steps are skipped.
 
-**Options.** ``key`` (dropout; masks a function of the seed, the step, the
-logical stage and the global microbatch, so the same on every mesh),
-``has_aux`` (metrics averaged like the loss, in ``StepStats.aux``) and
-``compute_dtype`` (bf16 compute on float32 params and optimizer state).
+**Options** mean what they mean in ``jaxpar.data_parallel.trainer``:
+``key`` (dropout; masks a function of the seed, the step, the logical stage
+and the global microbatch, so the same on every mesh), ``has_aux`` (metrics
+averaged like the loss, in ``StepStats.aux``), ``compute_dtype`` (bf16
+compute on float32 params and optimizer state), ``remat_policy`` (what the
+backward keeps of each stage's forward; ``None`` is ``'everything'``, the
+default is ``'dots'``), ``max_grad_norm`` and ``zero_stage``;
+``schedule.num_microbatches`` is its ``num_microbatches``.
 
 **Optimizer state** is split like the params' layers: each per-layer leaf
 (and each ``embed``/``head`` leaf) over ``tensor`` as its param, and over
@@ -68,11 +72,11 @@ device holds ``~1/N`` of every leaf, plus at most one padding row:
 
 A state is a plain ``TrainState`` of global arrays (``Padded`` where
 ZeRO pads) whose logical shapes do not depend on the mesh or on
-``zero_stage`` (params in the rank placement ``[p, v, ...]``, optimizer state
+``zero_stage`` (params in the rank order ``[p, v, ...]``, optimizer state
 per layer): ``Trainer.params`` gives them unpadded, ``jaxpar.checkpoint``
 saves them unpadded and restores them onto any mesh and any ``zero_stage``,
 and a state from one trainer is placed as another trainer stores it by its
-``step``. Its ``params`` say their rank placement (a ``PipelineParams``
+``step``. Its ``params`` say their rank order (a ``PipelineParams``
 subclass with a ``placement`` attribute, ``local_stages(schedule)``), so a
 trainer whose schedule places stages differently (interleaved -> ZB-V,
 same ``[p, v, ...]`` shapes) re-lays them first (exact; the optimizer state
@@ -99,37 +103,68 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import data_parallel as zero
-from jaxpar import tensor_parallel as tp
-from jaxpar.data_parallel import batch_size_of, check_opt_state
+from jaxpar.data_parallel import internal as dp_internal
+from jaxpar.data_parallel.internal import batch_size_of, check_opt_state
 from jaxpar.mesh import axis_size
 from jaxpar.parallel._gradients import gradient_program, tied_paths
 from jaxpar.parallel._layer_view import in_model_order
 from jaxpar.parallel._params import PipelineParams
 from jaxpar.parallel._placement import (placed, relaid,
                                         stages_in_model_order)
-from jaxpar.parallel._plan import (Axes, Plan, make_plan, optimizer_view,
-                                   padded_optimizer, param_specs,
-                                   specs_of_state)
+from jaxpar.parallel._config import (Axes, Parts, TrainerConfig,
+                                     function_parts, make_config,
+                                     model_parts, optimizer_view,
+                                     padded_optimizer, param_specs,
+                                     refuse_model, require_model,
+                                     specs_of_state)
+from jaxpar.parallel._from_nnx import PipelineModel
 from jaxpar.pipeline import executor
-from jaxpar.pipeline.executor import check_leading
+from jaxpar.pipeline.executor.internal import check_leading
 from jaxpar.pipeline.schedules import Schedule
-from jaxpar.train_state import (PyTree, StepStats, Trainer, TrainState,
-                                auto_view, check_update_args, placed_init,
-                                sharded_update, signature)
+from jaxpar.tensor_parallel import internal as tp_internal
+from jaxpar.train_state import (StepStats, Trainer, TrainState,
+                                check_update_args, sharded_update)
+from jaxpar.train_state.internal import (PyTree, auto_view, placed_init,
+                                         signature)
 
 
+def _first_checked(check: Callable[[Any], None]):
+  """``entry`` running ``check`` on its first positional argument before
+  Python binds the others: a model given to ``trainer``, or functions to
+  ``model_trainer``, then gets the right call, not a missing argument."""
+  def wrap(entry):
+    @functools.wraps(entry)
+    def checked(*args, **kwargs):
+      if args:
+        check(args[0])
+      return entry(*args, **kwargs)
+    return checked
+  return wrap
+
+
+def _build(parts: Parts, optimizer: Any, *, data_axis: str, stage_axis: str,
+           tensor_axis: str, **options: Any) -> Trainer:
+  """The ``Trainer`` of both entries: the checked config, then its parts."""
+  config = make_config(parts, optimizer,
+                       axes=Axes(data_axis, stage_axis, tensor_axis),
+                       **options)
+  init = placed_init(functools.partial(_storage, config), mesh=config.mesh)
+  return Trainer(functools.partial(_init, config, init), _step(config),
+                 functools.partial(_params, config), _opt_state(config))
+
+
+@_first_checked(refuse_model)
 def trainer(
-    embed_fn: Callable[[PyTree, Any], jax.Array],
-    stage_fn: Callable[[PyTree, jax.Array], jax.Array],
-    loss_fn: Callable[[PyTree, jax.Array, Any], jax.Array] | None = None,
-    optimizer: optax.GradientTransformation | None = None,
+    embed_fn: Callable[..., jax.Array],
+    stage_fn: Callable[..., jax.Array],
+    loss_fn: Callable[..., jax.Array],
+    optimizer: optax.GradientTransformation,
     *,
     schedule: Schedule,
     mesh: Mesh,
     stage_mask: np.ndarray | None = None,
-    max_grad_norm: float | None = None,
     tensor_rules: Mapping[str, Any] | None = None,
+    max_grad_norm: float | None = None,
     data_axis: str = 'data',
     stage_axis: str = 'stage',
     tensor_axis: str = 'tensor',
@@ -137,105 +172,63 @@ def trainer(
     key: jax.Array | None = None,
     has_aux: bool = False,
     compute_dtype: Any = None,
-    remat_policy: Any = None,
+    remat_policy: Any = 'dots',
 ) -> Trainer:
-  """A DP x PP x TP trainer for a model given as embed / stages / head.
+  """Data x pipeline x tensor parallel training of a model given as three
+  functions.
+
+  The model is ``loss_fn(head, stage_fn(stages[S-1], ... stage_fn(stages[0],
+  embed_fn(embed, inputs))), targets)``. Each step splits the batch over
+  ``data_axis``, runs the stages through the pipeline ``schedule`` over
+  ``stage_axis`` and the functions tensor-parallel over ``tensor_axis``,
+  then applies ``optimizer`` to the whole model, one layer at a time as on
+  one device. The options mean what they mean in ``data_parallel.trainer``.
+  For a Flax NNX model cut with ``parallel.from_nnx`` use ``model_trainer``.
 
   Args:
-    embed_fn: ``embed_fn(embed_params, inputs) -> x [b, ...]`` (local
-      shards; may use collectives over ``tensor_axis``). Or a
-      ``PipelineModel`` (``from_nnx``) in place of the three functions:
-      ``trainer(pm, optimizer, *, schedule, mesh, ...)`` with its
-      ``stage_mask``. Its ``tensor_specs`` (``from_nnx(tensor_rules=...)`` or
-      the model's Flax annotations) split params over ``tensor_axis``; the
-      model's layers run as written and XLA partitions them (the gradient
-      ``shard_map`` is manual over ``data_axis`` and ``stage_axis`` only).
-    stage_fn: ``stage_fn(one_stage_params, x) -> y``, ``y`` shaped like ``x``;
-      with a ``model_state`` (``init(params, model_state)``: state that is
-      not a param, e.g. BatchNorm running statistics)
-      ``stage_fn(one_stage_params, x, [key,] state) -> (y, new_state)``.
-    loss_fn: ``loss_fn(head_params, y, targets) -> scalar``, the mean loss of
-      a microbatch.
-    optimizer: any optax ``GradientTransformation``; its ``init`` and
-      ``update`` see global arrays in the per-layer view
-      ``LayerParams(embed, [layer_0, ..., layer_{L-1}], head)``: one tree per
-      real layer in model order, shaped like the dense model's layer, so
-      per-leaf statistics (LAMB, LARS, Adafactor, Muon) and shape rules see
-      what they see on one device. ``state.opt_state`` holds that view.
-    schedule: a ``jaxpar.pipeline`` schedule with ``num_ranks`` equal to the
-      ``stage_axis`` size; its ``num_microbatches`` split each data shard.
-    mesh: a ``('data', 'stage', 'tensor')`` mesh (``jaxpar.make_mesh``).
-    stage_mask: optional bool array whose shape ``[num_stages, ...]`` is a
-      prefix of every stage leaf's shape; its ``True`` entries are the
-      model's layers (in C order), the optimizer's ``layers``; ``False``
-      entries are frozen (gradients zeroed, no optimizer state), e.g. the
-      identity slots of uneven layer splits (``LayerSplit.mask``).
-      ``None``: each logical stage is one layer.
-    max_grad_norm: clip by the global norm over all shards, as
-      ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)``;
-      ``None``: no clipping.
-    tensor_rules: how the three functions' params split over
-      ``tensor_axis``: ``{regex: spec}``, the first regex that fully matches
-      a leaf's ``'/'``-joined path inside its part (``embed``, ``stages`` or
-      ``head``) gives the spec of its trailing dims
-      (``tensor_parallel.param_specs``); jaxpar's GPT has
-      ``gpt.TENSOR_RULES``. ``None``: the params' Flax metadata. A mesh
-      whose ``tensor_axis`` has size > 1 needs a param split over it:
-      ``init`` raises ``ValueError`` otherwise. A ``PipelineModel`` has its
-      rules from ``from_nnx(tensor_rules=...)``.
+    embed_fn: ``embed_fn(embed_params, inputs) -> x``, run per microbatch
+      before the first stage (on local tensor shards).
+    stage_fn: ``stage_fn(stage_params, x) -> y`` with ``y`` shaped like
+      ``x``; with a model state, ``stage_fn(stage_params, x, state=s) ->
+      (y, new_state)``.
+    loss_fn: ``loss_fn(head_params, y, targets) -> scalar``, the mean loss
+      of a microbatch (``(scalar, aux)`` with ``has_aux``).
+    optimizer: any optax ``GradientTransformation``. It sees the per-layer
+      view ``LayerParams(embed, [layer_0, ...], head)``: each layer shaped
+      as in the dense model, so per-leaf statistics (LAMB, Adafactor, Muon)
+      are those of one device.
+    schedule: a ``jaxpar.pipeline`` schedule with ``num_ranks`` the size of
+      ``stage_axis``; ``schedule.num_microbatches`` microbatches per data
+      shard (``data_parallel.trainer``'s ``num_microbatches``).
+    mesh: from ``jaxpar.make_mesh(data=..., stage=..., tensor=...)``.
+    stage_mask: bool ``[num_stages, ...]`` (a prefix of every stage leaf's
+      shape): ``True`` entries are the model's layers, ``False`` ones
+      frozen identity slots (``LayerSplit.mask``). ``None``: each stage is
+      one layer.
+    tensor_rules: ``{regex: spec}`` splitting params over ``tensor_axis``
+      (``tensor_parallel.param_specs``; ``gpt.TENSOR_RULES``). ``None``:
+      the params' Flax metadata.
+    max_grad_norm, zero_stage, has_aux, compute_dtype: as for
+      ``data_parallel.trainer``.
     data_axis, stage_axis, tensor_axis: the mesh axis names.
-    zero_stage: 0 (optimizer state split like the params, and over
-      ``stage_axis``), 1 (also split over ``data_axis``, padded where no dim
-      divides: ``data_parallel.Padded``) or 3 (params too, gathered just in
-      time); see the module docstring. Same losses, norms and params in
-      every stage.
-    key: a PRNG key (``jax.random.key(seed)``) for dropout, or ``None``.
-      Step ``s`` uses ``fold_in(key, s)`` (``s = state.step``), so a resumed
-      run draws the same masks. The three functions then take it as a last
-      argument: ``embed_fn`` per microbatch of global index ``g`` (with
-      ``fold_in(k_e, g)``), ``stage_fn`` and ``loss_fn`` as
-      ``pipeline_value_and_grad_local`` gives it
-      (``fold_in(fold_in(k_p, g), stage)``;
-      ``k_e, k_p = split(fold_in(key, s))``). Global indices make the result
-      the same on every mesh and schedule with the same number of logical
-      stages and the same total number of microbatches.
-    has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (float leaves) is
-      averaged over microbatches and data like the loss, in
-      ``StepStats.aux``.
-    compute_dtype: e.g. ``jnp.bfloat16``: the three functions run on params
-      cast to it (inside each function, so the pipeline's stash never holds
-      a cast copy), so activations, stashes, pipeline messages and
-      tensor-parallel all-reduces are in it; params, optimizer state, loss
-      and gradient accumulation stay float32. ``None``: the params' dtype.
-    remat_policy: what stage forwards stash for the backward
-      (``jaxpar.pipeline.stash_policy``): ``'dots'`` (``None``, the
-      default), ``'everything'``, ``'dots_no_batch'``, ``'nothing'`` (the
-      stage input alone: the whole forward is recomputed) or a
-      ``jax.checkpoint_policies`` policy.
+    key: a PRNG key for dropout, or ``None``. The three functions then get
+      ``key=`` by keyword, drawn from the step, the microbatch's index in
+      the global batch and the logical stage: the same masks on every mesh
+      and schedule with the same stages and microbatches.
+    remat_policy: what the backward keeps of each stage's forward:
+      ``'dots'`` (the default: matmul outputs), ``'everything'``,
+      ``'dots_no_batch'``, ``'nothing'`` or a ``jax.checkpoint_policies``
+      policy, as in ``data_parallel.trainer``; ``None`` is ``'everything'``.
 
   Returns:
     ``Trainer(init, step, params, opt_state)``: ``init(PipelineParams,
-    model_state=None) -> TrainState`` (stages in model order
-    ``[num_stages, ...]``; ``model_state``: the stages' state, leaves
-    ``[num_stages, ...]`` in model order, e.g. ``PipelineModel.
-    model_state``); ``step(state, (inputs, targets)) -> (state,
-    StepStats)`` with leading batch size divisible by ``data size x
-    num_microbatches``; ``params(state) -> PipelineParams`` in model order,
-    still sharded; ``opt_state(state)``: the optimizer state with each
-    per-layer ``LayerParams`` tree as ``PipelineParams`` like
-    ``params(state)`` (``optax.contrib.schedule_free_eval_params(
-    trainer.opt_state(state), trainer.params(state))``).
-
-    ``state.model_state`` stays in model order, replicated: each stage
-    runs its microbatches in order, its state passed from one to the next
-    (running statistics updated once per microbatch, as one device running
-    the microbatches in turn); with ``data`` > 1 each data shard updates it
-    on its own microbatches and the step averages the results over
-    ``data`` (``pmean``). ``optimizer.update`` gets ``value=loss`` (optax's
-    ``GradientTransformationExtraArgs``, e.g. ``reduce_on_plateau``).
+    model_state=None)`` places model-order params (stages ``[num_stages,
+    ...]``); ``step(state, (inputs, targets)) -> (state, StepStats)``;
+    ``params(state)`` gives them back in model order; ``opt_state(state)``
+    the optimizer state laid out like them.
 
   Example:
-    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxpar
+    >>> import numpy as np, optax, jaxpar
     >>> from flax import nnx
     >>> from jaxpar.models import gpt
     >>> config = gpt.GPTConfig(vocab_size=16, seq_len=8, d_model=16,
@@ -248,68 +241,134 @@ def trainer(
     ...     mesh=jaxpar.make_mesh(data=2, stage=2, tensor=2),
     ...     stage_mask=split.mask, tensor_rules=gpt.TENSOR_RULES,
     ...     zero_stage=3)
-    >>> state = trainer.init(pp)
     >>> ids = np.zeros((4, 8), np.int32)
-    >>> state, stats = trainer.step(state, (ids, ids))
+    >>> state, stats = trainer.step(trainer.init(pp), (ids, ids))
     >>> int(state.step), trainer.params(state).stages['ln1']['scale'].shape
     (1, (2, 1, 16))
-    >>> state.opt_state[0].mu.layers[1]['ln1']['scale'].shape  # layer 1
-    (16,)
   """
-  plan = make_plan(embed_fn, stage_fn, loss_fn, optimizer, schedule=schedule,
-               mesh=mesh, stage_mask=stage_mask, max_grad_norm=max_grad_norm,
-               tensor_rules=tensor_rules,
-               axes=Axes(data_axis, stage_axis, tensor_axis),
-               zero_stage=zero_stage, key=key, has_aux=has_aux,
-               compute_dtype=compute_dtype, remat_policy=remat_policy)
-  init = placed_init(functools.partial(_storage, plan), mesh=mesh)
-  return Trainer(functools.partial(_init, plan, init), _step(plan),
-                 functools.partial(_params, plan), _opt_state(plan))
+  return _build(function_parts(embed_fn, stage_fn, loss_fn,
+                               stage_mask=stage_mask,
+                               tensor_rules=tensor_rules),
+                optimizer, schedule=schedule, mesh=mesh,
+                max_grad_norm=max_grad_norm, data_axis=data_axis,
+                stage_axis=stage_axis, tensor_axis=tensor_axis,
+                zero_stage=zero_stage, key=key, has_aux=has_aux,
+                compute_dtype=compute_dtype, remat_policy=remat_policy)
+
+
+@_first_checked(require_model)
+def model_trainer(
+    model: PipelineModel,
+    optimizer: optax.GradientTransformation,
+    *,
+    schedule: Schedule,
+    mesh: Mesh,
+    max_grad_norm: float | None = None,
+    data_axis: str = 'data',
+    stage_axis: str = 'stage',
+    tensor_axis: str = 'tensor',
+    zero_stage: int = 0,
+    key: jax.Array | None = None,
+    has_aux: bool = False,
+    compute_dtype: Any = None,
+    remat_policy: Any = 'dots',
+) -> Trainer:
+  """Data x pipeline x tensor parallel training of a Flax NNX model cut by
+  ``parallel.from_nnx``.
+
+  The same step as ``trainer``, with the model's three functions, its
+  ``stage_mask``, its tensor split (``from_nnx(tensor_rules=...)`` or the
+  model's Flax annotations; XLA partitions its layers as written), its tied
+  params (one param, the gradients of both uses summed) and its model
+  state (BatchNorm statistics, carried in ``TrainState.model_state``).
+
+  Args:
+    model: a ``PipelineModel`` (``parallel.from_nnx``).
+    optimizer, schedule, mesh, max_grad_norm, data_axis, stage_axis,
+      tensor_axis, zero_stage, key, has_aux, compute_dtype, remat_policy:
+      as for ``trainer``.
+
+  Returns:
+    A ``Trainer``; ``init(model.params, model.model_state)`` gives the first
+    state, and ``model.update(module, trainer.params(state),
+    state.model_state)`` writes the trained values back.
+
+  Example:
+    >>> import numpy as np, optax, jaxpar
+    >>> from flax import nnx
+    >>> class Net(nnx.Module):
+    ...   def __init__(self, rngs):
+    ...     self.embed = nnx.Embed(16, 8, rngs=rngs)
+    ...     self.layers = nnx.List([nnx.Linear(8, 8, rngs=rngs)
+    ...                             for _ in range(2)])
+    ...     self.out = nnx.Linear(8, 16, rngs=rngs)
+    >>> net = Net(nnx.Rngs(0))
+    >>> model = jaxpar.parallel.from_nnx(
+    ...     net, blocks='layers', num_stages=2,
+    ...     embed=lambda m, ids: m.embed(ids),
+    ...     head_loss=lambda m, y, t: optax.losses.
+    ...         softmax_cross_entropy_with_integer_labels(m.out(y), t).mean())
+    >>> trainer = jaxpar.parallel.model_trainer(
+    ...     model, optax.sgd(0.1),
+    ...     schedule=jaxpar.pipeline.one_f_one_b(2, 2),
+    ...     mesh=jaxpar.make_mesh(data=4, stage=2))
+    >>> ids = np.zeros((8, 4), np.int32)
+    >>> state, stats = trainer.step(trainer.init(model.params), (ids, ids))
+    >>> model.update(net, trainer.params(state))
+    >>> int(state.step)
+    1
+  """
+  return _build(model_parts(model), optimizer, schedule=schedule, mesh=mesh,
+                max_grad_norm=max_grad_norm, data_axis=data_axis,
+                stage_axis=stage_axis, tensor_axis=tensor_axis,
+                zero_stage=zero_stage, key=key, has_aux=has_aux,
+                compute_dtype=compute_dtype, remat_policy=remat_policy)
 
 
 # ------------------------------------------------------ init and params
 
 
-def _init(plan: Plan, init: Callable[..., TrainState],
+def _init(config: TrainerConfig, init: Callable[..., TrainState],
           params: PipelineParams, model_state: PyTree = None) -> TrainState:
   """``Trainer.init``: checks model-order ``params`` (and ``model_state``),
   then places them (the state's params typed with the schedule's
   placement: ``_placement``)."""
-  _check_model_state(plan, model_state)
+  _check_model_state(config, model_state)
   if not isinstance(params, PipelineParams):
     raise TypeError('params must be a jaxpar.parallel.PipelineParams(embed, '
                     f'stages, head), got {type(params).__name__}.')
-  check_leading(params.stages, plan.schedule.num_stages, 'params.stages',
+  check_leading(params.stages, config.schedule.num_stages, 'params.stages',
                 'schedule.num_stages')
-  if plan.stage_mask is not None:
+  if config.stage_mask is not None:
     for leaf in jax.tree.leaves(params.stages):
-      if leaf.shape[:plan.stage_mask.ndim] != plan.stage_mask.shape:
+      if leaf.shape[:config.stage_mask.ndim] != config.stage_mask.shape:
         raise ValueError(
-            f'stage_mask shape {plan.stage_mask.shape} is not a prefix of a '
+            f'stage_mask shape {config.stage_mask.shape} is not a prefix of a '
             f'stage leaf shape {leaf.shape}.')
-  if plan.tensor_specs is None:   # a PipelineModel's tensor_specs check it
+  if config.tensor_specs is None:   # a PipelineModel's tensor_specs check it
     for part in params:
-      tp.check_divisible(part, mesh=plan.mesh, rules=plan.tensor_rules,
-                         axis=plan.axes.tensor)
-  return _typed(plan, init(params, model_state))
+      tp_internal.check_divisible(part, mesh=config.mesh,
+                                  rules=config.tensor_rules,
+                                  tensor_axis=config.axes.tensor)
+  return _typed(config, init(params, model_state))
 
 
-def _check_model_state(plan: Plan, model_state: PyTree) -> None:
+def _check_model_state(config: TrainerConfig, model_state: PyTree) -> None:
   """``ValueError`` for a missing or misshapen stage state."""
-  if model_state is None and plan.model_state is not None:
+  if model_state is None and config.model_state is not None:
     raise ValueError(
         'the PipelineModel has model state (its blocks\' nnx.BatchStat s: '
         'PipelineModel.model_state); pass it to init, trainer.init('
         'pm.params, pm.model_state), so each step carries and updates it.')
   if model_state is not None:
-    check_leading(model_state, plan.schedule.num_stages, 'model_state',
+    check_leading(model_state, config.schedule.num_stages, 'model_state',
                   'schedule.num_stages')
 
 
-def _typed(plan: Plan, state: TrainState) -> TrainState:
-  """``state`` as the user gets it: params typed with the rank placement
+def _typed(config: TrainerConfig, state: TrainState) -> TrainState:
+  """``state`` as the user gets it: params typed with the rank order
   (``_placement.placed``), so another trainer re-lays it (``relaid``)."""
-  return state._replace(params=placed(state.params, plan.schedule))
+  return state._replace(params=placed(state.params, config.schedule))
 
 
 def _to_ranks(schedule: Schedule, params: PipelineParams) -> PipelineParams:
@@ -317,80 +376,82 @@ def _to_ranks(schedule: Schedule, params: PipelineParams) -> PipelineParams:
       stages=executor.stages_to_ranks(params.stages, schedule))
 
 
-def _fresh_state(plan: Plan, params: PipelineParams) -> TrainState:
+def _fresh_state(config: TrainerConfig, params: PipelineParams) -> TrainState:
   return TrainState(jnp.zeros((), jnp.int32), params,
-                    plan.optimizer.init(plan.view.of_params(params)))
+                    config.optimizer.init(config.view.of_params(params)))
 
 
-def _prepare(plan: Plan, specs: TrainState,
+def _prepare(config: TrainerConfig, specs: TrainState,
              params: PipelineParams) -> PipelineParams:
-  """Model-order params as stored: rank placement, padded where ZeRO pads."""
-  return zero.pad(_to_ranks(plan.schedule, params), specs.params,
-                  mesh=plan.mesh)
+  """Model-order params as stored: rank order, padded where ZeRO pads."""
+  return dp_internal.pad(_to_ranks(config.schedule, params), specs.params,
+                         mesh=config.mesh)
 
 
-def _storage(plan: Plan, params: PipelineParams):
+def _storage(config: TrainerConfig, params: PipelineParams):
   """``(prepare, optimizer, state specs)`` of model-order params' shapes
-  (``train_state.placed_init``)."""
-  params = jax.eval_shape(functools.partial(_to_ranks, plan.schedule), params)
-  tp.check_axis_used(param_specs(plan, params).base, mesh=plan.mesh,
-                     axis=plan.axes.tensor)
-  specs = specs_of_state(plan, jax.eval_shape(
-      functools.partial(_fresh_state, plan), params))
-  return (functools.partial(_prepare, plan, specs),
-          padded_optimizer(plan, specs), specs)
+  (``train_state.internal.placed_init``)."""
+  params = jax.eval_shape(functools.partial(_to_ranks, config.schedule), params)
+  tp_internal.check_axis_used(param_specs(config, params).base,
+                              mesh=config.mesh,
+                              tensor_axis=config.axes.tensor)
+  specs = specs_of_state(config, jax.eval_shape(
+      functools.partial(_fresh_state, config), params))
+  return (functools.partial(_prepare, config, specs),
+          padded_optimizer(config, specs), specs)
 
 
-def _params(plan: Plan, state: TrainState) -> PipelineParams:
+def _params(config: TrainerConfig, state: TrainState) -> PipelineParams:
   """``Trainer.params``: stages back in model order ``[num_stages, ...]``, at
-  their logical shapes (``data_parallel.unpadded``), shards kept; from the
+  their logical shapes (``dp_internal.unpadded``), shards kept; from the
   placement the state says it has (else the trainer's)."""
-  schedule = getattr(type(state.params), 'schedule', plan.schedule)
-  params = PipelineParams(*zero.unpadded(state.params))
+  schedule = getattr(type(state.params), 'schedule', config.schedule)
+  params = PipelineParams(*dp_internal.unpadded(state.params))
   return auto_view(params._replace(
       stages=stages_in_model_order(params.stages, schedule)))
 
 
-def _opt_state(plan: Plan) -> Callable[[TrainState], PyTree]:
+def _opt_state(config: TrainerConfig) -> Callable[[TrainState], PyTree]:
   """``Trainer.opt_state``: the per-layer optimizer state laid out like
   ``Trainer.params`` (``LayerParams`` -> ``PipelineParams``, stages in model
   order ``[num_stages, ...]``, zeros in identity slots), one jitted program
   on the (``Auto``-axes) global arrays."""
   to_stages = lambda stages: jax.tree.map(
-      lambda a: executor.ranks_to_stages(a, plan.schedule), stages)
-  program = jax.jit(lambda opt_state: in_model_order(opt_state, plan.view,
-                                                     to_stages))
+      lambda a: executor.ranks_to_stages(a, config.schedule), stages)
+  program = jax.jit(lambda opt_state: in_model_order(opt_state, config.view,
+                                                       to_stages))
 
   def opt_state(state: TrainState) -> PyTree:
-    return program(auto_view(zero.unpadded(state.opt_state)))
+    return program(auto_view(dp_internal.unpadded(state.opt_state)))
   return opt_state
 
 
 # ------------------------------------------------------------------- the step
 
 
-def _program(plan: Plan, state: TrainState, inputs: Any, targets: Any,
+def _program(config: TrainerConfig, state: TrainState, inputs: Any,
+             targets: Any,
              key: jax.Array | None) -> tuple[TrainState, StepStats]:
   """The jitted step: gradients in the ``shard_map``, then the update on
   global arrays (``train_state.sharded_update``)."""
-  specs = param_specs(plan, state.params)
-  state_specs = specs_of_state(plan, state)
+  specs = param_specs(config, state.params)
+  state_specs = specs_of_state(config, state)
   if key is not None:  # a fresh key each step, a function of (key, step)
     key = jax.random.fold_in(key, state.step)
-  tied = tied_paths(plan, state.params, inputs, targets)
+  tied = tied_paths(config, state.params, inputs, targets)
   loss, aux, grads, model_state = gradient_program(
-      plan, specs, state_specs, tied)(state.params, inputs, targets, key,
-                                      state.model_state)
+      config, specs, state_specs, tied)(state.params, inputs, targets, key,
+                                        state.model_state)
   state, stats = sharded_update(
       state, grads, loss=loss,
-      optimizer=padded_optimizer(plan, state_specs), mesh=plan.mesh,
-      state_specs=state_specs, max_grad_norm=plan.max_grad_norm,
-      update_specs=specs.zero if plan.zero_stage == 1 else None,
+      optimizer=padded_optimizer(config, state_specs), mesh=config.mesh,
+      state_specs=state_specs, max_grad_norm=config.max_grad_norm,
+      update_specs=specs.zero if config.zero_stage == 1 else None,
       model_state=model_state)
   return state, stats._replace(aux=aux)
 
 
-def _validate(plan: Plan, state: Any, batch: Any) -> TrainState:
+def _validate(config: TrainerConfig, state: Any, batch: Any) -> TrainState:
   """Checks ``(state, batch)``; returns the state's specs."""
   if not isinstance(state, TrainState):
     raise TypeError('state must be a TrainState from Trainer.init, got '
@@ -398,47 +459,49 @@ def _validate(plan: Plan, state: Any, batch: Any) -> TrainState:
   if not (isinstance(batch, tuple) and len(batch) == 2):
     raise TypeError('batch must be a tuple (inputs, targets).')
   size = batch_size_of(batch)
-  n_data = axis_size(plan.mesh, plan.axes.data)
-  n = n_data * plan.schedule.num_microbatches
+  n_data = axis_size(config.mesh, config.axes.data)
+  n = n_data * config.schedule.num_microbatches
   if size % n:
     raise ValueError(
-        f'batch size {size} is not divisible by {plan.axes.data} size '
-        f'{n_data} x num_microbatches {plan.schedule.num_microbatches} = '
+        f'batch size {size} is not divisible by {config.axes.data} size '
+        f'{n_data} x num_microbatches {config.schedule.num_microbatches} = '
         f'{n}; use a multiple of {n}.')
   key = signature(state)
-  if key not in plan.cache.states:
-    logical = zero.logical_shapes(state)
-    view = optimizer_view(plan, logical.params)
-    check_opt_state(logical._replace(params=view), plan.optimizer)
-    check_update_args(plan.optimizer, view, logical.opt_state)
-    plan.cache.states[key] = specs_of_state(plan, state)
-  return plan.cache.states[key]
+  if key not in config.cache.states:
+    logical = dp_internal.logical_shapes(state)
+    view = optimizer_view(config, logical.params)
+    check_opt_state(logical._replace(params=view), config.optimizer)
+    check_update_args(config.optimizer, view, logical.opt_state)
+    config.cache.states[key] = specs_of_state(config, state)
+  return config.cache.states[key]
 
 
-def _place(plan: Plan, state: TrainState, batch: tuple) -> tuple:
+def _place(config: TrainerConfig, state: TrainState, batch: tuple) -> tuple:
   """``(state, inputs, targets)`` placed as the step takes them (a state of
   another schedule's placement re-laid: ``_placement.relaid``)."""
   if isinstance(state, TrainState) and isinstance(state.params,
                                                   PipelineParams):
-    state = state._replace(params=relaid(state.params, plan.schedule))
-  return (zero.place(state, _validate(plan, state, batch), mesh=plan.mesh),
-          *jax.device_put(batch, NamedSharding(plan.mesh, P(plan.axes.data))))
+    state = state._replace(params=relaid(state.params, config.schedule))
+  return (dp_internal.place(state, _validate(config, state, batch),
+                            mesh=config.mesh),
+          *jax.device_put(batch,
+                          NamedSharding(config.mesh, P(config.axes.data))))
 
 
-def _step(plan: Plan) -> Callable[[TrainState, tuple],
+def _step(config: TrainerConfig) -> Callable[[TrainState, tuple],
                                    tuple[TrainState, StepStats]]:
   """``Trainer.step`` (and ``step.lower``): one jitted program, the state
   and batch placed first."""
-  compiled = jax.jit(functools.partial(_program, plan))
+  compiled = jax.jit(functools.partial(_program, config))
 
   def step(state: TrainState, batch: tuple) -> tuple[TrainState, StepStats]:
-    with jax.set_mesh(plan.mesh):
-      state, stats = compiled(*_place(plan, state, batch), plan.key)
-    return _typed(plan, state), stats
+    with jax.set_mesh(config.mesh):
+      state, stats = compiled(*_place(config, state, batch), config.key)
+    return _typed(config, state), stats
 
   def lower(state: TrainState, batch: tuple):
-    with jax.set_mesh(plan.mesh):
-      return compiled.lower(*_place(plan, state, batch), plan.key)
+    with jax.set_mesh(config.mesh):
+      return compiled.lower(*_place(config, state, batch), config.key)
 
   step.lower = lower
   return step

@@ -5,8 +5,8 @@ Two subpackages, and this one re-exports both:
 * ``jaxpar.pipeline.schedules`` -- numpy only: build, validate, simulate,
   plot, search and balance schedules, and lay them out as a tick table;
 * ``jaxpar.pipeline.executor`` -- JAX: run a schedule's tick table as one
-  ``lax.scan`` inside one ``jax.shard_map``, and ``profile`` a step: every
-  rank's ticks as they ran (a ``Timeline``: where the time went, a Gantt
+  ``lax.scan`` inside one ``jax.shard_map``, and time a step (``timeline``):
+  every rank's ticks as they ran (a ``Timeline``: where the time went, a Gantt
   chart next to the simulated one).
 
 Example:

@@ -27,7 +27,9 @@ from jaxpar import pipeline
 from jaxpar.planner._model import ModelSpec
 
 SCHEDULES = pipeline.STAGES_PER_RANK   # constructor -> stages per rank
-REMAT_POLICIES = ('dots', 'nothing', 'everything')
+# The remat policies ``layouts`` tries by default (a subset of the
+# trainers' ``train_state.REMAT_POLICIES``).
+CANDIDATE_REMAT_POLICIES = ('dots', 'nothing', 'everything')
 ZERO_STAGES = (0, 1, 3)
 
 
@@ -62,8 +64,9 @@ class Layout(NamedTuple):
     schedule_name: a ``jaxpar.pipeline`` constructor name
       (``'one_f_one_b'``, ``'zero_bubble_v'``, ...).
     num_microbatches: microbatches per replica and step.
-    zero_stage: 0, 1 or 3 (``parallel.trainer``'s ``zero_stage``).
-    remat_policy: what stage forwards stash (``parallel.trainer``'s).
+    zero_stage: 0, 1 or 3 (the trainers' ``zero_stage``).
+    remat_policy: what the backward keeps of each stage's forward: the
+      trainers' ``remat_policy``, a name of ``STASH_POLICIES``.
     virtual_stages: chunks per rank of interleaved 1F1B (else 1).
     searched: with ``schedule_name='search'``, ``pipeline.search``'s
       arguments (``SearchArgs``); else ``None``.
@@ -99,10 +102,16 @@ class Layout(NamedTuple):
     """The ``jaxpar.pipeline`` schedule (memoised)."""
     return _schedule(*schedule_key(self))
 
+  @property
+  def schedule_label(self) -> str:
+    """The schedule's name for tables; ``'-'`` with one stage rank (no
+    pipeline: the microbatches run in turn, as data parallelism does)."""
+    return '-' if self.stage == 1 else self.schedule().name
+
   def describe(self) -> str:
     """``'2x2x2 ZB-V m=4 ZeRO-1 dots'``: one line for tables."""
     return (f'{self.data}x{self.stage}x{self.tensor} '
-            f'{self.schedule().name} m={self.num_microbatches} '
+            f'{self.schedule_label} m={self.num_microbatches} '
             f'ZeRO-{self.zero_stage} {self.remat_policy}')
 
 
@@ -157,7 +166,7 @@ def _schedules(p: int, m: int, num_layers: int,
 
 def layouts(spec: ModelSpec, *, devices: int, batch: int,
             zero_stages: Sequence[int] = ZERO_STAGES,
-            remat_policies: Sequence[str] = REMAT_POLICIES,
+            remat_policies: Sequence[str] = CANDIDATE_REMAT_POLICIES,
             max_microbatches: int = 64,
             virtual_stages: Sequence[int] = (2,)) -> list[Layout]:
   """Every layout of ``spec`` on ``devices`` devices for a ``batch``.

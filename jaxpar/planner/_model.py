@@ -40,7 +40,8 @@ from typing import NamedTuple
 
 from jaxpar.models import gpt
 
-POLICIES = ('dots', 'dots_no_batch', 'nothing', 'everything')
+# The remat policies whose stash the planner models (``ModelSpec.stash``).
+STASH_POLICIES = ('dots', 'dots_no_batch', 'nothing', 'everything')
 
 
 class Split(NamedTuple):
@@ -143,8 +144,14 @@ class ModelSpec(NamedTuple):
         param_bytes=param_bytes, act_bytes=act_bytes)
 
   def stash_of(self, policy: str) -> Split:
-    """Elements per token one block stashes under ``policy``."""
-    return dict(self.stash)[policy]
+    """Elements per token one block stashes under ``policy``, a name of
+    ``STASH_POLICIES``."""
+    stash = dict(self.stash)
+    if policy not in stash:
+      raise ValueError(
+          f'remat_policy={policy!r}: the planner models the stash of '
+          f'{STASH_POLICIES} only; plan with one of them.')
+    return stash[policy]
 
   @property
   def num_params(self) -> int:

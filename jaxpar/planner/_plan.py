@@ -71,7 +71,7 @@ class Candidate(NamedTuple):
     """The candidate as a table / JSON row."""
     x = self.layout
     return {'rank': rank, 'data': x.data, 'stage': x.stage,
-            'tensor': x.tensor, 'schedule': x.schedule().name,
+            'tensor': x.tensor, 'schedule': x.schedule_label,
             'microbatches': x.num_microbatches, 'zero_stage': x.zero_stage,
             'remat_policy': x.remat_policy, 'predicted_s': self.predicted_s,
             'memory_bytes': self.memory_bytes, 'bubble': self.time.bubble,
@@ -237,7 +237,7 @@ def plan(model: Any, optimizer: optax.GradientTransformation | None = None,
          profile: Profile | str | None = None, blocks: str = 'blocks',
          embed: Any = None, head_loss: Any = None,
          zero_stages: Sequence[int] = _layout.ZERO_STAGES,
-         remat_policies: Sequence[str] = _layout.REMAT_POLICIES,
+         remat_policies: Sequence[str] = _layout.CANDIDATE_REMAT_POLICIES,
          max_microbatches: int = 64, where: Any = None,
          compile: int = 0, search: int = 0) -> Plan:
   """Ranks every layout of ``model`` on ``devices`` by predicted step time.
@@ -265,8 +265,8 @@ def plan(model: Any, optimizer: optax.GradientTransformation | None = None,
       pipelined meshes and microbatch counts (their block costs, their
       memory left under the cap; ``_searched``), where it beats the
       built-in constructors; 0 (default): none. Opt-in: the search
-      optimises against the time model: on 2 CPU processes its two
-      schedules were predicted 17-19% fast, data parallelism's 5-12%
+      optimises against the time model, which on 2 CPU processes predicts
+      its two schedules 17-19% fast and data parallelism 5-12% fast
       (``docs/planning.md``).
 
   Returns:

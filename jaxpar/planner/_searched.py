@@ -8,8 +8,8 @@ leave for stashes -- so ``plan`` searches per layout, for the best few
 pipelined meshes and microbatch counts only (a search takes 0.1 s on 2 ranks
 with 4 microbatches, 1-3 s on 4-8 ranks with 16, 14 s on 8 with 64), and
 only when asked (``plan(..., search=K)``): it optimises against the time
-model: on 2 CPU processes its two schedules were predicted 17-19% fast,
-data parallelism's 5-12%.
+model, which on 2 CPU processes predicts its two schedules 17-19% fast
+and data parallelism 5-12% fast.
 
 Example (a CPU's block shares, on paper for 4 H100s):
 

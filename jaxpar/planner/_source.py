@@ -5,7 +5,7 @@
 ``parallel.PipelineModel`` already cut (its stage count only), or a bare
 ``ModelSpec`` (a plan on paper: no trainer) -- and builds, for any number
 of logical stages, the params and the three functions ``parallel.trainer``
-takes.
+takes (or the ``PipelineModel`` ``parallel.model_trainer`` takes).
 """
 
 from __future__ import annotations
@@ -134,7 +134,8 @@ def source(model: Any, *, blocks: str, embed: Callable | None,
 
 def build_trainer(src: Source, devices: Sequence, layout: Layout,
                   optimizer: optax.GradientTransformation, **options: Any):
-  """``parallel.trainer`` of ``layout`` for ``src`` on ``devices``."""
+  """``parallel.trainer`` (``model_trainer`` for a cut NNX model) of
+  ``layout`` for ``src`` on ``devices``."""
   _, functions, mask, rules = src.pipeline(layout.num_stages)
   mesh = make_mesh(data=layout.data, stage=layout.stage,
                    tensor=layout.tensor,
@@ -143,6 +144,6 @@ def build_trainer(src: Source, devices: Sequence, layout: Layout,
                 zero_stage=layout.zero_stage,
                 remat_policy=layout.remat_policy, **options)
   if isinstance(functions, parallel.PipelineModel):
-    return parallel.trainer(functions, optimizer, **common)
+    return parallel.model_trainer(functions, optimizer, **common)
   return parallel.trainer(*functions, optimizer, stage_mask=mask,
                           tensor_rules=rules, **common)

@@ -64,10 +64,6 @@ from jaxpar.tensor_parallel._vocab import (
 from jaxpar.tensor_parallel._vocab import (
     vocab_parallel_embed as vocab_parallel_embed)
 
-# jaxpar-internal (the 3D trainer's checks of a split; not in __all__):
-from jaxpar.tensor_parallel._rules import check_axis_used as check_axis_used
-from jaxpar.tensor_parallel._rules import check_divisible as check_divisible
-
 __all__ = [
     'ColumnParallelLinear', 'ParallelMLP', 'ParallelSelfAttention',
     'RowParallelLinear', 'RuleMatch',

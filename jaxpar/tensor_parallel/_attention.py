@@ -61,9 +61,9 @@ def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
 
 
 def parallel_self_attention(params: Params, x: jax.Array, *,
-                            axis: str = 'tensor', causal: bool = False,
+                            tensor_axis: str = 'tensor', causal: bool = False,
                             sequence_parallel: bool = False) -> jax.Array:
-  """Multi-head self-attention with the heads split over ``axis``.
+  """Multi-head self-attention with the heads split over ``tensor_axis``.
 
   With ``H`` heads of size ``k``, device ``r`` holds heads
   ``r*H/N .. (r+1)*H/N - 1``: the query/key/value kernels ``[d, H/N, k]``
@@ -84,7 +84,7 @@ def parallel_self_attention(params: Params, x: jax.Array, *,
       (the params of ``nnx.MultiHeadAttention``); biases optional.
     x: ``[..., S, d]`` replicated, or ``[..., S/N, d]`` with
       ``sequence_parallel``.
-    axis: the tensor-parallel mesh axis.
+    tensor_axis: the tensor-parallel mesh axis.
     causal: mask keys after each query position.
     sequence_parallel: ``x`` and the result are sequence shards.
 
@@ -111,7 +111,7 @@ def parallel_self_attention(params: Params, x: jax.Array, *,
     True
   """
   fn = 'parallel_self_attention'
-  n = _checks.bound_axis_size(axis, fn)
+  n = _checks.bound_axis_size(tensor_axis, fn)
   params = _checks.as_arrays(params, fn)
   wq = params['query']['kernel']
   if wq.ndim != 3 or x.ndim < 2 or x.shape[-1] != wq.shape[0]:
@@ -134,13 +134,13 @@ def parallel_self_attention(params: Params, x: jax.Array, *,
         f'{fn}: for {heads} local heads (of {heads * n} over {n} devices) of '
         f'size {head_dim} and d={d}:\n  ' + '\n  '.join(wrong))
   for name in want:
-    spec = (f'P({axis!r}, None, None)' if name == 'out' else
-            f'P(None, {axis!r}, None)')
-    _checks.check_sharded(params[name]['kernel'], axis, fn,
+    spec = (f'P({tensor_axis!r}, None, None)' if name == 'out' else
+            f'P(None, {tensor_axis!r}, None)')
+    _checks.check_sharded(params[name]['kernel'], tensor_axis, fn,
                           f"params['{name}']['kernel']", spec)
   if sequence_parallel:
-    _checks.check_sequence_sharded(x, axis, n, fn)
-    x = _collectives.gather_sequence(x, axis)
+    _checks.check_sequence_sharded(x, tensor_axis, n, fn)
+    x = _collectives.gather_sequence(x, tensor_axis)
 
   def project(name):
     y = jnp.einsum('...sd,dhk->...shk', x, params[name]['kernel'])
@@ -151,10 +151,11 @@ def parallel_self_attention(params: Params, x: jax.Array, *,
                                     project('value'), causal=causal)
   partial = jnp.einsum('...qhk,hkd->...qd', heads_out, params['out']['kernel'])
   return _collectives.reduce_partial(partial, params['out'].get('bias'),
-                                     axis, sequence_parallel, fn)
+                                     tensor_axis, sequence_parallel, fn)
 
 
-def transformer_block(params: Params, x: jax.Array, *, axis: str = 'tensor',
+def transformer_block(params: Params, x: jax.Array, *,
+                      tensor_axis: str = 'tensor',
                       causal: bool = True, sequence_parallel: bool = False,
                       dropout: float = 0.0,
                       key: jax.Array | None = None) -> jax.Array:
@@ -177,12 +178,12 @@ def transformer_block(params: Params, x: jax.Array, *, axis: str = 'tensor',
       the matching specs.
     x: ``[..., S, d]`` replicated, or ``[..., S/N, d]`` with
       ``sequence_parallel``.
-    axis: the tensor-parallel mesh axis.
+    tensor_axis: the tensor-parallel mesh axis.
     causal: causal self-attention.
     sequence_parallel: ``x`` and the result are sequence shards.
     dropout: residual dropout rate in ``[0, 1)``.
     key: PRNG key of the dropout masks, the same on every device of
-      ``axis``; ``None``: no dropout.
+      ``tensor_axis``; ``None``: no dropout.
 
   Returns:
     Same shape as ``x``.
@@ -209,11 +210,11 @@ def transformer_block(params: Params, x: jax.Array, *, axis: str = 'tensor',
   """
   params = _checks.as_arrays(params, 'transformer_block')
   keys = (None, None) if key is None else jax.random.split(key)
-  drop = lambda y, k: layers.dropout(y, dropout, k, axis=axis,
+  drop = lambda y, k: layers.dropout(y, dropout, k, tensor_axis=tensor_axis,
                                      sequence_parallel=sequence_parallel)
   h = x + drop(parallel_self_attention(
-      params['attn'], layer_norm(params['ln1'], x), axis=axis,
+      params['attn'], layer_norm(params['ln1'], x), tensor_axis=tensor_axis,
       causal=causal, sequence_parallel=sequence_parallel), keys[0])
   return h + drop(parallel_mlp(
-      params['mlp'], layer_norm(params['ln2'], h), axis=axis,
+      params['mlp'], layer_norm(params['ln2'], h), tensor_axis=tensor_axis,
       sequence_parallel=sequence_parallel), keys[1])

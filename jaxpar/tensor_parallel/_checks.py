@@ -12,45 +12,49 @@ from typing import Any
 from flax import nnx
 import jax
 
-from jaxpar import _compat
+from jaxpar.vma import varying_axes
 
 Params = Mapping[str, Any]
 
 
-def bound_axis_size(axis: str, fn: str) -> int:
-  """Size of the mesh axis ``axis`` of the enclosing ``shard_map``."""
+def bound_axis_size(tensor_axis: str, fn: str) -> int:
+  """Size of the mesh axis ``tensor_axis`` of the enclosing ``shard_map``."""
   try:
-    return jax.lax.axis_size(axis)
+    return jax.lax.axis_size(tensor_axis)
   except NameError:
     raise ValueError(
-        f'{fn}: mesh axis {axis!r} is not bound here. Call it inside '
+        f'{fn}: mesh axis {tensor_axis!r} is not bound here. Call it inside '
         f'jax.shard_map over a mesh with that axis (e.g. '
-        f"jaxpar.make_mesh(tensor=N)), or pass axis=<the mesh's tensor axis "
-        'name>.') from None
+        f"jaxpar.make_mesh(tensor=N)), or pass tensor_axis=<the mesh's "
+        'tensor axis name>.') from None
 
 
-def check_sharded(a: jax.Array, axis: str, fn: str, what: str,
+def check_sharded(a: jax.Array, tensor_axis: str, fn: str, what: str,
                   spec: str) -> None:
-  """A parameter shard must vary over ``axis`` (else every device holds the
-  same slice, or shard_map runs with check_vma=False and grads go wrong)."""
-  if axis not in _compat.varying_axes(a):
+  """A parameter shard must vary over ``tensor_axis`` (else every device
+  holds the same slice, or shard_map runs with check_vma=False and grads go
+  wrong)."""
+  if tensor_axis not in varying_axes(a):
     raise ValueError(
-        f'{fn}: {what} {tuple(a.shape)} is not sharded over {axis!r}. Pass it '
-        f'through jax.shard_map with in_specs {spec} (see '
-        'tensor_parallel.param_specs), and keep check_vma=True (the default): '
+        f'{fn}: {what} {tuple(a.shape)} is not sharded over '
+        f'{tensor_axis!r}. Pass it through jax.shard_map with in_specs '
+        f'{spec} (see tensor_parallel.param_specs), and keep check_vma=True '
+        '(the default): '
         'the layers need it for exact gradients.')
 
 
-def check_sequence_sharded(x: jax.Array, axis: str, n: int, fn: str) -> None:
+def check_sequence_sharded(x: jax.Array, tensor_axis: str, n: int,
+                           fn: str) -> None:
   if x.ndim < 2:
     raise ValueError(
         f'{fn}: sequence_parallel=True needs x of shape [..., S/{n}, d], got '
         f'{tuple(x.shape)}.')
-  if axis not in _compat.varying_axes(x):
+  if tensor_axis not in varying_axes(x):
     raise ValueError(
         f'{fn}: sequence_parallel=True needs x {tuple(x.shape)} sharded along '
-        f'the sequence (dim -2) over {axis!r}, e.g. in_specs P(None, {axis!r}, '
-        'None) for [B, S, d]; it is replicated. Pass sequence_parallel=False '
+        f'the sequence (dim -2) over {tensor_axis!r}, e.g. in_specs '
+        f'P(None, {tensor_axis!r}, None) for [B, S, d]; it is replicated. '
+        'Pass sequence_parallel=False '
         'for replicated activations.')
 
 

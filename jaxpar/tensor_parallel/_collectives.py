@@ -11,13 +11,14 @@ import jax
 from jaxpar.tensor_parallel import _checks
 
 
-def gather_sequence(x: jax.Array, axis: str) -> jax.Array:
+def gather_sequence(x: jax.Array, tensor_axis: str) -> jax.Array:
   """[..., S/N, d] sequence shard -> [..., S, d] (backward: reduce-scatter)."""
-  return jax.lax.all_gather(x, axis, axis=x.ndim - 2, tiled=True)
+  return jax.lax.all_gather(x, tensor_axis, axis=x.ndim - 2, tiled=True)
 
 
-def reduce_partial(partial: jax.Array, bias: jax.Array | None, axis: str,
-                   sequence_parallel: bool, fn: str) -> jax.Array:
+def reduce_partial(partial: jax.Array, bias: jax.Array | None,
+                   tensor_axis: str, sequence_parallel: bool,
+                   fn: str) -> jax.Array:
   """Sums per-device partial outputs, then adds the (replicated) bias once.
 
   ``psum`` -> replicated ``[..., S, d]`` (backward: identity), or with
@@ -25,9 +26,9 @@ def reduce_partial(partial: jax.Array, bias: jax.Array | None, axis: str,
   (backward: all-gather).
   """
   if sequence_parallel:
-    _checks.check_scatter(partial, _checks.bound_axis_size(axis, fn), fn)
-    y = jax.lax.psum_scatter(partial, axis, scatter_dimension=partial.ndim - 2,
-                             tiled=True)
+    _checks.check_scatter(partial, _checks.bound_axis_size(tensor_axis, fn), fn)
+    y = jax.lax.psum_scatter(partial, tensor_axis,
+                             scatter_dimension=partial.ndim - 2, tiled=True)
   else:
-    y = jax.lax.psum(partial, axis)
+    y = jax.lax.psum(partial, tensor_axis)
   return y if bias is None else y + bias

@@ -42,13 +42,15 @@ from jaxpar.tensor_parallel._checks import Params
 
 def column_parallel_linear(x: jax.Array, kernel: jax.Array,
                            bias: jax.Array | None = None, *,
-                           axis: str = 'tensor', gather_output: bool = False,
+                           tensor_axis: str = 'tensor',
+                           gather_output: bool = False,
                            sequence_parallel: bool = False) -> jax.Array:
   """``y = x @ kernel + bias`` with the kernel split by output columns.
 
-  Device ``r`` of the ``N`` along ``axis`` holds ``kernel[:, r*o:(r+1)*o]``
-  and ``bias[r*o:(r+1)*o]`` with ``o = out/N`` (``in_specs
-  P(None, axis)`` and ``P(axis)``), and computes those output features.
+  Device ``r`` of the ``N`` along ``tensor_axis`` holds
+  ``kernel[:, r*o:(r+1)*o]`` and ``bias[r*o:(r+1)*o]`` with ``o = out/N``
+  (``in_specs P(None, tensor_axis)`` and ``P(tensor_axis)``), and computes
+  those output features.
 
   Communication, forward / backward: none / one all-reduce of ``dx``
   (``[..., in]``). With ``gather_output``: plus an all-gather of ``y`` /
@@ -56,11 +58,12 @@ def column_parallel_linear(x: jax.Array, kernel: jax.Array,
   all-gather of the ``x`` sequence shards / a reduce-scatter of ``dx``.
 
   Args:
-    x: ``[..., in]`` replicated over ``axis``; with ``sequence_parallel``,
-      ``[..., S/N, in]``, this device's sequence shard.
+    x: ``[..., in]`` replicated over ``tensor_axis``; with
+      ``sequence_parallel``, ``[..., S/N, in]``, this device's sequence
+      shard.
     kernel: local shard ``[in, out/N]``.
     bias: local shard ``[out/N]`` or ``None``.
-    axis: the tensor-parallel mesh axis.
+    tensor_axis: the tensor-parallel mesh axis.
     gather_output: all-gather the output features, returning the replicated
       ``[..., out]`` instead of the shard ``[..., out/N]``.
     sequence_parallel: ``x`` is sharded along the sequence (dim -2) and is
@@ -86,39 +89,42 @@ def column_parallel_linear(x: jax.Array, kernel: jax.Array,
     True
   """
   fn = 'column_parallel_linear'
-  n = _checks.bound_axis_size(axis, fn)
+  n = _checks.bound_axis_size(tensor_axis, fn)
   if kernel.ndim != 2 or x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
     raise ValueError(
         f'{fn}: x {tuple(x.shape)} and kernel shard {tuple(kernel.shape)} do '
         'not fit: the kernel shard must be [in, out/N] with in = '
         'x.shape[-1].')
-  _checks.check_sharded(kernel, axis, fn, 'kernel', f'P(None, {axis!r})')
+  _checks.check_sharded(kernel, tensor_axis, fn, 'kernel',
+                        f'P(None, {tensor_axis!r})')
   _checks.check_bias(bias, kernel.shape[1], fn,
-              f'shard the bias like the kernel columns, in_specs P({axis!r})')
+                     'shard the bias like the kernel columns, in_specs '
+                     f'P({tensor_axis!r})')
   if bias is not None:
-    _checks.check_sharded(bias, axis, fn, 'bias', f'P({axis!r})')
+    _checks.check_sharded(bias, tensor_axis, fn, 'bias', f'P({tensor_axis!r})')
   if sequence_parallel:
-    _checks.check_sequence_sharded(x, axis, n, fn)
-    x = _collectives.gather_sequence(x, axis)
+    _checks.check_sequence_sharded(x, tensor_axis, n, fn)
+    x = _collectives.gather_sequence(x, tensor_axis)
   y = x @ kernel
   if bias is not None:
     y = y + bias
   if gather_output:
     # Invariant result: its transpose slices this device's columns instead of
     # reduce-scattering N identical copies (which would scale grads by N).
-    y = jax.lax.all_gather(y, axis, axis=y.ndim - 1, tiled=True,
+    y = jax.lax.all_gather(y, tensor_axis, axis=y.ndim - 1, tiled=True,
                            to='invarying')
   return y
 
 
 def row_parallel_linear(x: jax.Array, kernel: jax.Array,
                         bias: jax.Array | None = None, *,
-                        axis: str = 'tensor', input_is_parallel: bool = True,
+                        tensor_axis: str = 'tensor',
+                        input_is_parallel: bool = True,
                         sequence_parallel: bool = False) -> jax.Array:
   """``y = x @ kernel + bias`` with the kernel split by input rows.
 
   Device ``r`` holds ``kernel[r*i:(r+1)*i, :]`` with ``i = in/N``
-  (``in_specs P(axis, None)``) and the matching input features
+  (``in_specs P(tensor_axis, None)``) and the matching input features
   ``x[..., r*i:(r+1)*i]``; ``psum`` adds the ``N`` partial products and the
   replicated ``bias`` is added once, after the sum.
 
@@ -133,13 +139,13 @@ def row_parallel_linear(x: jax.Array, kernel: jax.Array,
       device takes its slice.
     kernel: local shard ``[in/N, out]``.
     bias: replicated ``[out]`` or ``None``.
-    axis: the tensor-parallel mesh axis.
-    input_is_parallel: whether ``x`` is already split over ``axis``.
+    tensor_axis: the tensor-parallel mesh axis.
+    input_is_parallel: whether ``x`` is already split over ``tensor_axis``.
     sequence_parallel: reduce-scatter the result along the sequence (dim -2)
       instead of all-reducing it.
 
   Returns:
-    ``[..., out]`` replicated over ``axis``; with ``sequence_parallel``,
+    ``[..., out]`` replicated over ``tensor_axis``; with ``sequence_parallel``,
     ``[..., S/N, out]``, this device's sequence shard.
 
   Example:
@@ -159,7 +165,7 @@ def row_parallel_linear(x: jax.Array, kernel: jax.Array,
     True
   """
   fn = 'row_parallel_linear'
-  n = _checks.bound_axis_size(axis, fn)
+  n = _checks.bound_axis_size(tensor_axis, fn)
   if kernel.ndim != 2 or x.ndim < 1:
     raise ValueError(f'{fn}: need x [..., in/N] and a kernel shard '
                      f'[in/N, out], got {tuple(x.shape)} and '
@@ -174,18 +180,19 @@ def row_parallel_linear(x: jax.Array, kernel: jax.Array,
         f'{fn}: x has {x.shape[-1]} input features but the kernel shard '
         f'{tuple(kernel.shape)} on {n} devices expects {want} '
         f'(input_is_parallel={input_is_parallel}).{hint}')
-  _checks.check_sharded(kernel, axis, fn, 'kernel', f'P({axis!r}, None)')
+  _checks.check_sharded(kernel, tensor_axis, fn, 'kernel',
+                        f'P({tensor_axis!r}, None)')
   _checks.check_bias(bias, kernel.shape[1], fn,
                      f'pass the full, replicated bias [{kernel.shape[1]}] '
                      'with in_specs P()')
   if not input_is_parallel:
-    start = jax.lax.axis_index(axis) * rows
+    start = jax.lax.axis_index(tensor_axis) * rows
     x = jax.lax.dynamic_slice_in_dim(x, start, rows, axis=x.ndim - 1)
-  return _collectives.reduce_partial(x @ kernel, bias, axis, sequence_parallel,
-                                     fn)
+  return _collectives.reduce_partial(x @ kernel, bias, tensor_axis,
+                                     sequence_parallel, fn)
 
 
-def parallel_mlp(params: Params, x: jax.Array, *, axis: str = 'tensor',
+def parallel_mlp(params: Params, x: jax.Array, *, tensor_axis: str = 'tensor',
                  activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
                  sequence_parallel: bool = False) -> jax.Array:
   """Megatron MLP ``act(x @ W1 + b1) @ W2 + b2``: column then row parallel.
@@ -202,7 +209,7 @@ def parallel_mlp(params: Params, x: jax.Array, *, axis: str = 'tensor',
       an ``nnx.State``); biases optional.
     x: ``[..., d]`` replicated, or ``[..., S/N, d]`` with
       ``sequence_parallel``.
-    axis: the tensor-parallel mesh axis.
+    tensor_axis: the tensor-parallel mesh axis.
     activation: elementwise nonlinearity (default ``jax.nn.gelu``).
     sequence_parallel: ``x`` and the result are sequence shards.
 
@@ -228,20 +235,21 @@ def parallel_mlp(params: Params, x: jax.Array, *, axis: str = 'tensor',
   """
   params = _checks.as_arrays(params, 'parallel_mlp')
   fc_in, fc_out = params['fc_in'], params['fc_out']
-  h = column_parallel_linear(x, fc_in['kernel'], fc_in.get('bias'), axis=axis,
+  h = column_parallel_linear(x, fc_in['kernel'], fc_in.get('bias'),
+                             tensor_axis=tensor_axis,
                              sequence_parallel=sequence_parallel)
   return row_parallel_linear(activation(h), fc_out['kernel'],
-                             fc_out.get('bias'), axis=axis,
+                             fc_out.get('bias'), tensor_axis=tensor_axis,
                              sequence_parallel=sequence_parallel)
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None, *,
-            axis: str = 'tensor', sequence_parallel: bool = False
+            tensor_axis: str = 'tensor', sequence_parallel: bool = False
             ) -> jax.Array:
   """Inverted dropout: ``where(keep, x / (1 - rate), 0)``, ``keep ~
   Bernoulli(1 - rate)``, drawn from ``key``.
 
-  For activations replicated over ``axis``: give every device the same
+  For activations replicated over ``tensor_axis``: give every device the same
   ``key`` and each draws the same mask. With ``sequence_parallel`` (``x`` is
   ``[..., S/N, d]``) each device draws the mask of the whole ``[..., S, d]``
   and keeps its slice, so the result is that of the replicated activations.
@@ -263,12 +271,13 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None, *,
     return x
   shape = x.shape
   if sequence_parallel:
-    n = _checks.bound_axis_size(axis, 'dropout')
+    n = _checks.bound_axis_size(tensor_axis, 'dropout')
     shape = shape[:-2] + (n * shape[-2], shape[-1])
   keep = jax.random.bernoulli(key, 1 - rate, shape)
   if sequence_parallel:
     keep = jax.lax.dynamic_slice_in_dim(
-        keep, jax.lax.axis_index(axis) * x.shape[-2], x.shape[-2], x.ndim - 2)
+        keep, jax.lax.axis_index(tensor_axis) * x.shape[-2], x.shape[-2],
+        x.ndim - 2)
   return jnp.where(keep, x / (1 - rate), jnp.zeros((), x.dtype))
 
 

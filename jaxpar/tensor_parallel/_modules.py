@@ -6,8 +6,9 @@ shards and call them: each call checks the shards against the dense shapes
 and runs the pure function of ``layers`` / ``attention``.
 
 Each module marks its ``nnx.Param``s with Flax sharding metadata
-(``out_sharding``, as ``nnx.with_partitioning`` does: ``(None, axis)`` for a
-column kernel, ``(axis, None)`` for a row kernel, heads for attention), so
+(``out_sharding``, as ``nnx.with_partitioning`` does: ``(None, tensor_axis)``
+for a column kernel, ``(tensor_axis, None)`` for a row kernel, heads for
+attention), so
 ``param_specs`` without rules splits their state wherever the modules sit in
 a model, whatever their names, and Flax's own tools
 (``nnx.get_partition_spec``) read the same specs. ``nnx.to_pure_dict`` drops
@@ -76,12 +77,12 @@ def _bias(p: nnx.Param | None) -> jax.Array | None:
 
 class _ParallelLinear(nnx.Module):
   """Dense ``kernel [in, out]`` and ``bias [out]`` of a tensor-parallel
-  linear; subclasses say which kernel dim is split over ``axis``."""
+  linear; subclasses say which kernel dim is split over ``tensor_axis``."""
   _split_dim: int
   _split_name: str
 
   def __init__(self, in_features: int, out_features: int, *,
-               use_bias: bool = True, axis: str = 'tensor',
+               use_bias: bool = True, tensor_axis: str = 'tensor',
                sequence_parallel: bool = False,
                kernel_init: nnx.Initializer = _default_kernel_init,
                bias_init: nnx.Initializer = _zeros,
@@ -89,9 +90,9 @@ class _ParallelLinear(nnx.Module):
     name = type(self).__name__
     self.in_features = check_int('in_features', in_features, where=name)
     self.out_features = check_int('out_features', out_features, where=name)
-    self.axis, self.sequence_parallel = axis, sequence_parallel
+    self.tensor_axis, self.sequence_parallel = tensor_axis, sequence_parallel
     kernel_split = [None, None]
-    kernel_split[self._split_dim] = axis
+    kernel_split[self._split_dim] = tensor_axis
     self.kernel = _param(kernel_init, rngs,
                          (self.in_features, self.out_features), param_dtype,
                          tuple(kernel_split))
@@ -103,7 +104,7 @@ class _ParallelLinear(nnx.Module):
   def _local(self) -> tuple[jax.Array, jax.Array | None]:
     """The local kernel and bias, checked against the dense shape."""
     name = type(self).__name__
-    n = _checks.bound_axis_size(self.axis, name)
+    n = _checks.bound_axis_size(self.tensor_axis, name)
     _check_shards(name, [_shard_problem(
         'kernel', self.kernel, (self.in_features, self.out_features),
         self._split_dim, n, self._split_name)])
@@ -115,7 +116,7 @@ class ColumnParallelLinear(_ParallelLinear):
   ``bias [out]``, dense at init, split by columns when called.
 
   Args: ``in_features``, ``out_features``, ``gather_output`` and the
-  keyword-only ``use_bias``, ``axis``, ``sequence_parallel``,
+  keyword-only ``use_bias``, ``tensor_axis``, ``sequence_parallel``,
   ``kernel_init``, ``bias_init``, ``param_dtype``, ``rngs`` (as
   ``nnx.Linear`` and ``column_parallel_linear``).
 
@@ -147,7 +148,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return column_parallel_linear(
-        x, *self._local(), axis=self.axis, gather_output=self.gather_output,
+        x, *self._local(), tensor_axis=self.tensor_axis,
+        gather_output=self.gather_output,
         sequence_parallel=self.sequence_parallel)
 
 
@@ -175,7 +177,7 @@ class RowParallelLinear(_ParallelLinear):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return row_parallel_linear(
-        x, *self._local(), axis=self.axis,
+        x, *self._local(), tensor_axis=self.tensor_axis,
         input_is_parallel=self.input_is_parallel,
         sequence_parallel=self.sequence_parallel)
 
@@ -202,14 +204,15 @@ class ParallelMLP(nnx.Module):
 
   def __init__(self, features: int, hidden_features: int, *,
                activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
-               use_bias: bool = True, axis: str = 'tensor',
+               use_bias: bool = True, tensor_axis: str = 'tensor',
                sequence_parallel: bool = False, param_dtype: Any = jnp.float32,
                rngs: nnx.Rngs):
     name = 'ParallelMLP'
     features = check_int('features', features, where=name)
     hidden_features = check_int('hidden_features', hidden_features, where=name)
-    kw = dict(use_bias=use_bias, axis=axis, sequence_parallel=sequence_parallel,
-              param_dtype=param_dtype, rngs=rngs)
+    kw = dict(use_bias=use_bias, tensor_axis=tensor_axis,
+              sequence_parallel=sequence_parallel, param_dtype=param_dtype,
+              rngs=rngs)
     self.fc_in = ColumnParallelLinear(features, hidden_features, **kw)
     self.fc_out = RowParallelLinear(hidden_features, features, **kw)
     self.activation = activation
@@ -240,7 +243,8 @@ class _Projection(nnx.Module):
 
 
 class ParallelSelfAttention(nnx.Module):
-  """NNX module for ``parallel_self_attention``, heads split over ``axis``.
+  """NNX module for ``parallel_self_attention``, heads split over
+  ``tensor_axis``.
 
   Params as ``nnx.MultiHeadAttention``: ``query``/``key``/``value`` kernels
   ``[d, H, k]`` (biases ``[H, k]``), ``out`` kernel ``[H, k, d]`` (bias
@@ -265,7 +269,7 @@ class ParallelSelfAttention(nnx.Module):
 
   def __init__(self, features: int, num_heads: int, *,
                head_dim: int | None = None, causal: bool = False,
-               use_bias: bool = True, axis: str = 'tensor',
+               use_bias: bool = True, tensor_axis: str = 'tensor',
                sequence_parallel: bool = False,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     name = 'ParallelSelfAttention'
@@ -279,20 +283,21 @@ class ParallelSelfAttention(nnx.Module):
       head_dim = features // num_heads
     head_dim = check_int('head_dim', head_dim, where=name)
     self.num_heads, self.head_dim = num_heads, head_dim
-    self.causal, self.axis = causal, axis
+    self.causal, self.tensor_axis = causal, tensor_axis
     self.sequence_parallel = sequence_parallel
     qkv_bias = (num_heads, head_dim) if use_bias else None
     # query/key/value [d, H, k] (bias [H, k]) and out [H, k, d] by heads.
     self.query, self.key, self.value = (
         _Projection((features, num_heads, head_dim), qkv_bias, param_dtype,
-                    rngs, (None, axis, None), (axis, None)) for _ in range(3))
+                    rngs, (None, tensor_axis, None), (tensor_axis, None))
+        for _ in range(3))
     self.out = _Projection((num_heads, head_dim, features),
                            (features,) if use_bias else None, param_dtype, rngs,
-                           (axis, None, None), (None,))
+                           (tensor_axis, None, None), (None,))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     name = 'ParallelSelfAttention'
-    n = _checks.bound_axis_size(self.axis, name)
+    n = _checks.bound_axis_size(self.tensor_axis, name)
     d = self.out.kernel.shape[-1]
     dense = (d, self.num_heads, self.head_dim)
     _check_shards(name, [
@@ -303,6 +308,6 @@ class ParallelSelfAttention(nnx.Module):
                         'num_heads')])
     params = {p: getattr(self, p).params()
               for p in ('query', 'key', 'value', 'out')}
-    return parallel_self_attention(params, x, axis=self.axis,
+    return parallel_self_attention(params, x, tensor_axis=self.tensor_axis,
                                    causal=self.causal,
                                    sequence_parallel=self.sequence_parallel)

@@ -12,7 +12,8 @@ kernel and its bias (``('tensor',)``: kernel ``[in, out]`` ->
 
 Without rules (``rules=None``) the params' own Flax metadata says: the
 ``out_sharding`` of each ``nnx.Variable`` (``nnx.with_partitioning``,
-``nnx.Param(..., out_sharding=...)``), its ``axis`` entries only. jaxpar's
+``nnx.Param(..., out_sharding=...)``), its ``tensor_axis`` entries only.
+jaxpar's
 NNX modules (``ParallelMLP``, ...) mark their params so; a pure dict
 (``nnx.to_pure_dict``) has no metadata and needs rules, such as
 ``jaxpar.models.gpt.TENSOR_RULES`` for jaxpar's GPT.
@@ -89,9 +90,9 @@ def _check_entry(entry: Any) -> bool:
       isinstance(entry, tuple) and all(isinstance(e, str) for e in entry))
 
 
-def _check_rules(rules: Rules, axis: str) -> dict[str, tuple[Any, ...]]:
+def _check_rules(rules: Rules, tensor_axis: str) -> dict[str, tuple[Any, ...]]:
   """``rules`` as ``{regex: spec tuple}``, each regex and spec checked."""
-  example = f"{{r'mlp/fc_in/(kernel|bias)': ({axis!r},)}}"
+  example = f"{{r'mlp/fc_in/(kernel|bias)': ({tensor_axis!r},)}}"
   if not isinstance(rules, Mapping):
     raise TypeError(f'tensor rules must map regexes over /-joined param paths '
                     f'to PartitionSpec entries, e.g. {example}, got a '
@@ -111,30 +112,32 @@ def _check_rules(rules: Rules, axis: str) -> dict[str, tuple[Any, ...]]:
       raise TypeError(
           f'tensor rule {rule!r}: {spec!r} must be the PartitionSpec entries '
           f"of the param's trailing dims, a tuple of None, axis names or "
-          f'tuples of them, e.g. (None, {axis!r}).')
+          f'tuples of them, e.g. (None, {tensor_axis!r}).')
     checked[rule] = tuple(spec)
   return checked
 
 
-def _metadata_spec(sharding: Any, axis: str) -> tuple[Any, ...]:
-  """The ``axis`` entries of a Flax ``out_sharding`` (others: ``None``)."""
+def _metadata_spec(sharding: Any, tensor_axis: str) -> tuple[Any, ...]:
+  """The ``tensor_axis`` entries of a Flax ``out_sharding`` (others:
+  ``None``)."""
   if isinstance(sharding, NamedSharding):
     sharding = sharding.spec
   if sharding is None or isinstance(sharding, str):
     return ()
-  return tuple(axis if e == axis or (isinstance(e, tuple) and axis in e)
+  return tuple(tensor_axis if e == tensor_axis
+               or (isinstance(e, tuple) and tensor_axis in e)
                else None for e in sharding)
 
 
 def match_rules(paths: Mapping[str, int], rules: Rules | None = None, *,
                 metadata: Mapping[str, Any] | None = None,
-                axis: str = 'tensor') -> dict[str, RuleMatch]:
+                tensor_axis: str = 'tensor') -> dict[str, RuleMatch]:
   """How the params at ``paths`` are split, by tensor rules or metadata.
 
   With ``rules``, the first rule (in order) whose regex matches a param's
   whole ``/``-joined path (``re.fullmatch``) gives the ``PartitionSpec``
   entries of its trailing dims, as written. With ``rules=None``, each
-  param's Flax ``out_sharding`` in ``metadata`` gives them, its ``axis``
+  param's Flax ``out_sharding`` in ``metadata`` gives them, its ``tensor_axis``
   entries only (other axes become ``None``).
 
   Args:
@@ -144,12 +147,14 @@ def match_rules(paths: Mapping[str, int], rules: Rules | None = None, *,
     metadata: path -> the param's Flax ``out_sharding`` (a tuple of names
       or a ``PartitionSpec``; ``None`` for none), used when ``rules`` is
       ``None``.
-    axis: the tensor-parallel mesh axis, the one entry kept from metadata.
+    tensor_axis: the tensor-parallel mesh axis, the one entry kept from
+      metadata.
 
   Returns:
     ``{path: RuleMatch(rule, spec)}`` for the matched paths (``rule`` is
-    ``None`` for metadata, whose params without an ``axis`` entry are left
-    out); the rules that match no path are those not among the ``rule`` s.
+    ``None`` for metadata, whose params without a ``tensor_axis`` entry are
+    left out); the rules that match no path are those not among the
+    ``rule`` s.
 
   Raises:
     TypeError: ``rules`` is not a mapping of regex strings to tuples of
@@ -168,11 +173,11 @@ def match_rules(paths: Mapping[str, int], rules: Rules | None = None, *,
   """
   if rules is None:
     metadata = {} if metadata is None else metadata
-    found = {path: (None, _metadata_spec(metadata.get(path), axis))
+    found = {path: (None, _metadata_spec(metadata.get(path), tensor_axis))
              for path in paths}
-    found = {path: m for path, m in found.items() if axis in m[1]}
+    found = {path: m for path, m in found.items() if tensor_axis in m[1]}
   else:
-    checked = _check_rules(rules, axis)
+    checked = _check_rules(rules, tensor_axis)
     found = {}
     for path in paths:
       rule = next((r for r in checked if re.fullmatch(r, path)), None)
@@ -189,12 +194,12 @@ def match_rules(paths: Mapping[str, int], rules: Rules | None = None, *,
   return {path: RuleMatch(*m) for path, m in found.items()}
 
 
-def _matches(params: PyTree, rules: Rules | None, axis: str
+def _matches(params: PyTree, rules: Rules | None, tensor_axis: str
              ) -> tuple[list[_Leaf], Any, dict[str, RuleMatch]]:
   """The leaves of ``params``, its treedef, and how its leaves are split."""
   leaves, treedef = _leaves(params)
   matches = match_rules({leaf.path: len(leaf.shape) for leaf in leaves},
-                        rules, axis=axis,
+                        rules, tensor_axis=tensor_axis,
                         metadata={leaf.path: leaf.sharding for leaf in leaves})
   return leaves, treedef, matches
 
@@ -208,15 +213,16 @@ def _partition_spec(match: RuleMatch | None, ndim: int) -> P:
 
 
 def param_specs(params: PyTree, *, rules: Rules | None = None,
-                axis: str = 'tensor') -> PyTree:
+                tensor_axis: str = 'tensor') -> PyTree:
   """The ``PartitionSpec`` of every leaf of a dense params pytree.
 
   A leaf whose ``/``-joined path a tensor rule matches whole
   (``re.fullmatch``, the first rule in order) is split as the rule says,
   over its trailing dims (so stacked layers, with extra leading dims, take
   the same rules); without ``rules``, as its ``nnx.Variable``'s Flax
-  metadata says (``out_sharding``, its ``axis`` entries). Every other leaf
-  is replicated, ``P()``. A spec splits ``kernel [in, out]`` by columns with
+  metadata says (``out_sharding``, its ``tensor_axis`` entries). Every other
+  leaf is replicated, ``P()``. A spec splits ``kernel [in, out]`` by columns
+  with
   ``('tensor',)`` (or ``(None, 'tensor')``), by rows with
   ``('tensor', None)``; attention kernels ``[d, H, k]`` by heads with
   ``('tensor', None)``, ``[H, k, d]`` with ``('tensor', None, None)``.
@@ -228,7 +234,8 @@ def param_specs(params: PyTree, *, rules: Rules | None = None,
       ``jaxpar.models.gpt.TENSOR_RULES``); rules that match no leaf are
       allowed (one rule set serves a model's several parts). ``None``: the
       params' Flax metadata; a pure dict then stays replicated.
-    axis: the tensor-parallel mesh axis: the entry kept from Flax metadata.
+    tensor_axis: the tensor-parallel mesh axis: the entry kept from Flax
+      metadata.
 
   Returns:
     a pytree of ``PartitionSpec`` with the structure of ``params``: the
@@ -253,7 +260,7 @@ def param_specs(params: PyTree, *, rules: Rules | None = None,
     >>> jaxpar.tensor_parallel.param_specs(state)['fc_in']['kernel'].get_value()
     P(None, 'tensor')
   """
-  leaves, treedef, matches = _matches(params, rules, axis)
+  leaves, treedef, matches = _matches(params, rules, tensor_axis)
   return treedef.unflatten(_partition_spec(matches.get(leaf.path),
                                            len(leaf.shape))
                            for leaf in leaves)
@@ -286,7 +293,8 @@ def _division_errors(leaf: _Leaf, match: RuleMatch,
 
 
 def check_divisible(params: PyTree, *, mesh: jax.sharding.Mesh,
-                    rules: Rules | None = None, axis: str = 'tensor') -> None:
+                    rules: Rules | None = None,
+                    tensor_axis: str = 'tensor') -> None:
   """``ValueError`` unless every split dim of ``params`` divides by its axes.
 
   The dims that ``param_specs`` splits (hidden size, heads, vocabulary) must
@@ -297,17 +305,18 @@ def check_divisible(params: PyTree, *, mesh: jax.sharding.Mesh,
     params: dense params (dicts of arrays or shapes, or an ``nnx.State``).
     mesh: the mesh.
     rules: as in ``param_specs``.
-    axis: the tensor-parallel mesh axis; ``mesh`` must have it.
+    tensor_axis: the tensor-parallel mesh axis; ``mesh`` must have it.
 
   Raises:
     TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
-    ValueError: ``mesh`` has no ``axis``, a spec names an axis not in
+    ValueError: ``mesh`` has no ``tensor_axis``, a spec names an axis not in
       ``mesh``, or a split dim does not divide.
 
   Example:
     >>> import jax.numpy as jnp, jaxpar
+    >>> from jaxpar.tensor_parallel import internal
     >>> params = {'fc_in': {'kernel': jnp.ones((8, 12))}}
-    >>> jaxpar.tensor_parallel.check_divisible(
+    >>> internal.check_divisible(
     ...     params, mesh=jaxpar.make_mesh(tensor=8),
     ...     rules={'fc_in/kernel': (None, 'tensor')})
     Traceback (most recent call last):
@@ -319,9 +328,9 @@ def check_divisible(params: PyTree, *, mesh: jax.sharding.Mesh,
     Choose sizes divisible by the axis sizes, smaller axes, or rules that
     split other dims.
   """
-  axis_size(mesh, axis)   # a Mesh with the axis
+  axis_size(mesh, tensor_axis)   # a Mesh with the axis
   sizes = dict(mesh.shape)
-  leaves, _, matches = _matches(params, rules, axis)
+  leaves, _, matches = _matches(params, rules, tensor_axis)
   errors = [error for leaf in leaves if leaf.path in matches
             for error in _division_errors(leaf, matches[leaf.path], sizes)]
   if errors:
@@ -332,7 +341,8 @@ def check_divisible(params: PyTree, *, mesh: jax.sharding.Mesh,
 
 
 def shard_params(params: PyTree, *, mesh: jax.sharding.Mesh,
-                 rules: Rules | None = None, axis: str = 'tensor') -> PyTree:
+                 rules: Rules | None = None,
+                 tensor_axis: str = 'tensor') -> PyTree:
   """Places dense params on ``mesh`` with the specs of ``param_specs``.
 
   The result has the same (dense, global) shapes; each device stores only
@@ -344,7 +354,7 @@ def shard_params(params: PyTree, *, mesh: jax.sharding.Mesh,
     mesh: the mesh, e.g. ``jaxpar.make_mesh(tensor=4)``.
     rules: as in ``param_specs``: tensor rules, or ``None`` for the params'
       Flax metadata.
-    axis: the tensor-parallel mesh axis.
+    tensor_axis: the tensor-parallel mesh axis.
 
   Returns:
     params with every leaf a ``jax.Array`` sharded as ``param_specs`` says.
@@ -365,17 +375,18 @@ def shard_params(params: PyTree, *, mesh: jax.sharding.Mesh,
     >>> kernel.shape, kernel.sharding.shard_shape(kernel.shape)
     ((8, 32), (8, 8))
   """
-  check_divisible(params, mesh=mesh, rules=rules, axis=axis)
-  specs = param_specs(params, rules=rules, axis=axis)
+  check_divisible(params, mesh=mesh, rules=rules, tensor_axis=tensor_axis)
+  specs = param_specs(params, rules=rules, tensor_axis=tensor_axis)
   return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
                       params, specs)
 
 
 def check_axis_used(specs: PyTree, *, mesh: jax.sharding.Mesh,
-                    axis: str = 'tensor') -> None:
-  """``ValueError`` if ``axis`` has size > 1 but no spec in ``specs`` uses it.
+                    tensor_axis: str = 'tensor') -> None:
+  """``ValueError`` if ``tensor_axis`` has size > 1 but no spec in ``specs``
+  uses it.
 
-  Without a parameter split over ``axis``, each of its devices holds and
+  Without a parameter split over ``tensor_axis``, each of its devices holds and
   computes the whole model: the same numbers as a mesh without the axis,
   for ``size`` times the memory and time. The 3D train step
   (``jaxpar.parallel.trainer``) checks its tensor rules with it.
@@ -383,44 +394,47 @@ def check_axis_used(specs: PyTree, *, mesh: jax.sharding.Mesh,
   Args:
     specs: a pytree of ``PartitionSpec`` (``param_specs`` of the params).
     mesh: the mesh.
-    axis: the tensor-parallel mesh axis.
+    tensor_axis: the tensor-parallel mesh axis.
 
   Raises:
-    ValueError: ``mesh`` has no ``axis``, or ``axis`` is unused.
+    ValueError: ``mesh`` has no ``tensor_axis``, or ``tensor_axis`` is unused.
 
   Example:
     >>> import jax.numpy as jnp, jaxpar
+    >>> from jaxpar.tensor_parallel import internal
     >>> mesh = jaxpar.make_mesh(data=2, stage=2, tensor=2)
     >>> specs = jaxpar.tensor_parallel.param_specs({'w': jnp.ones((4, 4))})
-    >>> jaxpar.tensor_parallel.check_axis_used(specs, mesh=mesh)
+    >>> internal.check_axis_used(specs, mesh=mesh)
     Traceback (most recent call last):
     ...
     ValueError: the mesh {'data': 2, 'stage': 2, 'tensor': 2} has a 'tensor'
     axis of size 2, but no parameter is split over 'tensor' ... or leave
     'tensor' out of the mesh (e.g. jaxpar.make_mesh(data=4, stage=2)).
   """
-  n = axis_size(mesh, axis)
+  n = axis_size(mesh, tensor_axis)
   specs = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
-  if n == 1 or any(axis in (d if isinstance(d, tuple) else (d,))
+  if n == 1 or any(tensor_axis in (d if isinstance(d, tuple) else (d,))
                    for spec in specs for d in spec):
     return
   sizes = dict(mesh.shape)
-  others = [name for name in sizes if name != axis]
+  others = [name for name in sizes if name != tensor_axis]
   without = ''
   if others and set(sizes) <= {'data', 'stage', 'tensor'}:  # make_mesh axes
     sizes[others[0]] *= n
     without = ' (e.g. jaxpar.make_mesh({}))'.format(
         ', '.join(f'{name}={sizes[name]}' for name in others))
   raise ValueError(
-      f'the mesh {dict(mesh.shape)} has a {axis!r} axis of size {n}, but no '
-      f'parameter is split over {axis!r} (no tensor rule matches a param, '
-      f'and no param carries Flax metadata naming {axis!r}): each of its {n} '
+      f'the mesh {dict(mesh.shape)} has a {tensor_axis!r} axis of size {n}, '
+      f'but no parameter is split over {tensor_axis!r} (no tensor rule '
+      'matches a param, and no param carries Flax metadata naming '
+      f'{tensor_axis!r}): each of its {n} '
       f'devices would hold and compute the whole model, for nothing. Split '
-      f'the params over {axis!r} with tensor rules (tensor_rules= of '
+      f'the params over {tensor_axis!r} with tensor rules (tensor_rules= of '
       'jaxpar.parallel.trainer or from_nnx, e.g. '
       "jaxpar.models.gpt.TENSOR_RULES for jaxpar's GPT with "
       "jaxpar.tensor_parallel's layers; see tensor_parallel.param_specs) or "
-      f'Flax metadata (nnx.with_partitioning); or leave {axis!r} out of the '
+      'Flax metadata (nnx.with_partitioning); or leave '
+      f'{tensor_axis!r} out of the '
       f'mesh{without}.')
 
 

@@ -15,12 +15,14 @@ from jaxpar.tensor_parallel import _collectives
 
 
 def vocab_parallel_embed(ids: jax.Array, table: jax.Array, *,
-                         axis: str = 'tensor',
+                         tensor_axis: str = 'tensor',
                          sequence_parallel: bool = False) -> jax.Array:
-  """Embedding lookup ``table[ids]`` with the vocabulary split over ``axis``.
+  """Embedding lookup ``table[ids]`` with the vocabulary split over
+  ``tensor_axis``.
 
   Device ``r`` holds rows ``r*V/N .. (r+1)*V/N - 1`` (``in_specs
-  P(axis, None)``), looks up the ids in its range, zeros the others and one
+  P(tensor_axis, None)``), looks up the ids in its range, zeros the others
+  and one
   all-reduce (with ``sequence_parallel``: a reduce-scatter along the
   sequence) combines them. The backward needs no communication: each device
   scatter-adds into its own rows. Ids must lie in ``[0, V)``; others embed to
@@ -30,7 +32,7 @@ def vocab_parallel_embed(ids: jax.Array, table: jax.Array, *,
     ids: integer ``[...]`` (``[..., S]`` with ``sequence_parallel``),
       replicated.
     table: local shard ``[V/N, d]``.
-    axis: the tensor-parallel mesh axis.
+    tensor_axis: the tensor-parallel mesh axis.
     sequence_parallel: return this device's sequence shard.
 
   Returns:
@@ -50,24 +52,25 @@ def vocab_parallel_embed(ids: jax.Array, table: jax.Array, *,
     True
   """
   fn = 'vocab_parallel_embed'
-  _checks.bound_axis_size(axis, fn)
+  _checks.bound_axis_size(tensor_axis, fn)
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise TypeError(f'{fn}: ids must be integers, got {ids.dtype}.')
   if table.ndim != 2:
     raise ValueError(f'{fn}: table shard must be [V/N, d], got '
                      f'{tuple(table.shape)}.')
-  _checks.check_sharded(table, axis, fn, 'table', f'P({axis!r}, None)')
+  _checks.check_sharded(table, tensor_axis, fn, 'table',
+                        f'P({tensor_axis!r}, None)')
   rows = table.shape[0]
-  local = ids - jax.lax.axis_index(axis) * rows
+  local = ids - jax.lax.axis_index(tensor_axis) * rows
   mine = (local >= 0) & (local < rows)
   vectors = jnp.take(table, jnp.where(mine, local, 0), axis=0)
   vectors = jnp.where(mine[..., None], vectors, jnp.zeros((), table.dtype))
-  return _collectives.reduce_partial(vectors, None, axis, sequence_parallel,
-                                     fn)
+  return _collectives.reduce_partial(vectors, None, tensor_axis,
+                                     sequence_parallel, fn)
 
 
 def vocab_parallel_cross_entropy(logits: jax.Array, labels: jax.Array, *,
-                                 axis: str = 'tensor') -> jax.Array:
+                                 tensor_axis: str = 'tensor') -> jax.Array:
   """Softmax cross-entropy over logits split by vocabulary, never gathered.
 
   With device ``r`` holding ``logits[..., r*V/N:(r+1)*V/N]``::
@@ -86,7 +89,7 @@ def vocab_parallel_cross_entropy(logits: jax.Array, labels: jax.Array, *,
     logits: local shard ``[..., V/N]`` (e.g. from ``column_parallel_linear``
       of the LM head).
     labels: integer ``[...]`` in ``[0, V)``, replicated.
-    axis: the tensor-parallel mesh axis.
+    tensor_axis: the tensor-parallel mesh axis.
 
   Returns:
     per-example loss ``[...]``, replicated.
@@ -108,24 +111,24 @@ def vocab_parallel_cross_entropy(logits: jax.Array, labels: jax.Array, *,
     True
   """
   fn = 'vocab_parallel_cross_entropy'
-  _checks.bound_axis_size(axis, fn)
+  _checks.bound_axis_size(tensor_axis, fn)
   if not jnp.issubdtype(labels.dtype, jnp.integer):
     raise TypeError(f'{fn}: labels must be integers, got {labels.dtype}.')
   if logits.ndim < 1 or tuple(labels.shape) != tuple(logits.shape[:-1]):
     raise ValueError(
         f'{fn}: labels {tuple(labels.shape)} must have the shape of logits '
         f'{tuple(logits.shape)} without its last (vocabulary) axis.')
-  _checks.check_sharded(logits, axis, fn, 'logits',
-                 f'P(..., {axis!r}) (split over the last axis)')
+  _checks.check_sharded(logits, tensor_axis, fn, 'logits',
+                 f'P(..., {tensor_axis!r}) (split over the last axis)')
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   vocab = logits.shape[-1]
-  m = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), axis)
+  m = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), tensor_axis)
   shifted = logits - m[..., None]
-  local = labels - jax.lax.axis_index(axis) * vocab
+  local = labels - jax.lax.axis_index(tensor_axis) * vocab
   mine = (local >= 0) & (local < vocab)
   target = jnp.take_along_axis(shifted, jnp.where(mine, local, 0)[..., None],
                                axis=-1)[..., 0]
   local_sums = jnp.stack(
       [jnp.sum(jnp.exp(shifted), axis=-1), jnp.where(mine, target, 0.)], -1)
-  sums = jax.lax.psum(local_sums, axis)
+  sums = jax.lax.psum(local_sums, tensor_axis)
   return jnp.log(sums[..., 0]) - sums[..., 1]

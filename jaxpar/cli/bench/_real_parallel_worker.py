@@ -30,8 +30,8 @@ runs after the same one):
 
 A barrier (``sync_global_devices``) precedes every timed step, so all ranks
 start it together; rank 0's median wall time and process CPU time are
-reported. Then the pipelines of ``config['profile']`` (constructor names)
-run under ``jaxpar.pipeline.profile`` (``profile_steps``): their rows get
+reported. Then the pipelines of ``config['timeline']`` (constructor names)
+run under ``jaxpar.pipeline.timeline`` (``timeline_steps``): their rows get
 where the time went. Rank 0 checks that every step's loss equals its
 baseline's loss (the steps compute the same maths) and writes the rows to
 ``config['out']`` as JSON.
@@ -58,7 +58,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar import distributed
-from jaxpar.pipeline.executor import DEFAULT_POLICY, tick_messages
+from jaxpar.pipeline.executor.internal import tick_messages
 
 # (constructor name in jaxpar.pipeline, extra positional args after (p, m));
 # those the installed jaxpar lacks are left out.
@@ -177,7 +177,8 @@ def data_parallel_grads(mesh, stage=stage_fn) -> Callable:
 
 
 class Step(NamedTuple):
-  """A step to time: ``fn(*args) -> (loss, grads)`` on ``ranks`` ranks."""
+  """A step to time: ``fn(*args)``, whose first result is the loss (a
+  ``PipelineResult`` or ``(loss, grads)``), on ``ranks`` ranks."""
   fn: Callable
   args: tuple
   ranks: int      # 1: rank 0 alone; the others wait at the next barrier
@@ -186,7 +187,7 @@ class Step(NamedTuple):
   policy: str = ''              # the pipeline's stash policy
   baseline: str = SEQUENTIAL    # the step its speed-up is measured against
   messages: int = 0             # collectives over the pipeline axis per step
-  profiled: bool = False        # also run it under jaxpar.pipeline.profile
+  timeline: bool = False        # also run it under jaxpar.pipeline.timeline
 
 
 def _schedules(p: int, m: int, layers: int, names: list | None
@@ -262,8 +263,8 @@ def _steps(config: dict) -> tuple[dict[str, Step], list[dict]]:
   replicated = NamedSharding(mesh, P())
   schedules, notes = _schedules(n, m, config['layers'],
                                 config.get('schedules'))
-  policies = config.get('policies') or [None]
-  profiled = config.get('profile') or ()
+  policies = config.get('policies') or ['dots']
+  timed = config.get('timeline') or ()
   for (schedule, ideal), constructor in schedules:
     s = schedule.num_stages
     stages = {'w': w.reshape((s, -1) + w.shape[1:])}
@@ -276,9 +277,8 @@ def _steps(config: dict) -> tuple[dict[str, Step], list[dict]]:
           jaxpar.pipeline.pipeline_value_and_grad(
               stage, loss_fn, schedule=schedule, mesh=mesh,
               remat_policy=policy, input_grads=False),
-          args, n, s, ideal, policy or DEFAULT_POLICY,
-          messages=messages(schedule),
-          profiled=n > 1 and constructor in profiled and policy == policies[0])
+          args, n, s, ideal, policy, messages=messages(schedule),
+          timeline=n > 1 and constructor in timed and policy == policies[0])
 
   if config.get('data_parallel', True) and m % n:
     notes.append({'step': DATA_PARALLEL, 'ranks': n, 'm': m, 'note': (
@@ -361,7 +361,7 @@ def time_steps(steps: dict[str, Step], *, repeats: int, warmup: int
       _barrier()
       if me < step.ranks:
         start, start_cpu = time.perf_counter(), time.process_time()
-        loss, _ = jax.block_until_ready(step.fn(*step.args))
+        loss = jax.block_until_ready(step.fn(*step.args))[0]
         if rep >= warmup:
           wall[name].append(time.perf_counter() - start)
           cpu[name].append(time.process_time() - start_cpu)
@@ -372,26 +372,28 @@ def time_steps(steps: dict[str, Step], *, repeats: int, warmup: int
                        losses.get(name)) for name in steps}
 
 
-# The split of a profiled step (``jaxpar.pipeline.RankTotals``' fields), in
-# ms per step, averaged over the ranks: the row's ``<part>_ms`` columns.
+# The split of a step under a timeline (``jaxpar.pipeline.RankTotals``'
+# fields), in ms per step, averaged over the ranks: the row's ``<part>_ms``
+# columns.
 SPLIT = ('compute', 'messages', 'waiting', 'bubble', 'overhead', 'outside')
 
 
-def profile_steps(steps: dict[str, Step], *, repeats: int
-                  ) -> dict[str, dict[str, float]]:
-  """Where the time of each ``profiled`` step went (``jaxpar.pipeline.profile``,
-  ``repeats`` steps after one warm-up): ``<part>_ms`` of ``SPLIT`` and
-  ``profiled_ms`` (the ranks' mean wall time under the profile, host
-  callbacks included: the sum of the parts but ``bubble``, which is a part
-  of ``waiting``). Every rank calls it, in the same order."""
+def timeline_steps(steps: dict[str, Step], *, repeats: int
+                   ) -> dict[str, dict[str, float]]:
+  """Where the time of each ``timeline`` step went
+  (``jaxpar.pipeline.timeline``, ``repeats`` steps after one warm-up):
+  ``<part>_ms`` of ``SPLIT`` and ``timeline_ms`` (the ranks' mean wall time
+  under the timeline, host callbacks included: the sum of the parts but
+  ``bubble``, which is a part of ``waiting``). Every rank calls it, in the
+  same order."""
   out = {}
   for name, step in steps.items():
-    if step.profiled:
-      totals = jaxpar.pipeline.profile(step.fn, *step.args,
-                                       steps=repeats).totals()
+    if step.timeline:
+      totals = jaxpar.pipeline.timeline(step.fn, *step.args,
+                                        steps=repeats).totals()
       out[name] = {f'{part}_ms': 1e3 * float(np.mean(
           [getattr(t, part) for t in totals])) for part in (*SPLIT, 'wall')}
-      out[name]['profiled_ms'] = out[name].pop('wall_ms')
+      out[name]['timeline_ms'] = out[name].pop('wall_ms')
   return out
 
 
@@ -399,7 +401,7 @@ def rows(config: dict) -> list[dict]:
   """Rank 0's table rows, ``[]`` elsewhere (all ranks call it together)."""
   steps, notes = _steps(config)
   timed = time_steps(steps, repeats=config['repeats'], warmup=config['warmup'])
-  split = profile_steps(steps, repeats=config['repeats'])
+  split = timeline_steps(steps, repeats=config['repeats'])
   if jax.process_index() != 0:
     return []
   out = []
@@ -427,7 +429,7 @@ def rows(config: dict) -> list[dict]:
 
 
 def _relative(out: list[dict], steps: dict[str, Step]) -> list[dict]:
-  """Adds the issue's targets: a pipeline's efficiency over DP's
+  """Adds the measures the targets are set on: a pipeline's efficiency over DP's
   (``eff_vs_dp``) and its speed over 1F1B's with the same stash policy
   (``vs_1f1b``), and what its collectives cost at ``MESSAGE``'s time each
   (``comm_ms``), where those rows exist."""

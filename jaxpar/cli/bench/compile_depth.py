@@ -10,7 +10,7 @@ Each stage is one ``lax.scan`` over ``K`` residual tanh layers
   ``lax.scan`` over the stages of the stage's ``lax.scan``), one device, the
   whole batch;
 * ``1F1B`` and ``ZB-H1``: ``pipeline_value_and_grad`` on ``p`` simulated
-  devices (the default stash policy);
+  devices (the executor's default stash policy, ``'dots'``);
 
 the process CPU seconds of the same (``cpu_s``: all threads; less
 sensitive to other processes' load than wall seconds), the compiled HLO's

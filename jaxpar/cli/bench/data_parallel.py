@@ -32,8 +32,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar import hlo
-from jaxpar import data_parallel as zero
 from jaxpar.cli.bench._timing import wall_and_cpu_seconds
+from jaxpar.data_parallel.internal import ZERO_STAGES
+from jaxpar.train_state.internal import auto_view
 
 _SHORT = {'all-reduce': 'AR', 'all-gather': 'AG', 'reduce-scatter': 'RS',
           'collective-permute': 'CP', 'all-to-all': 'A2A'}
@@ -100,7 +101,7 @@ def _vs_gspmd(width, per_device, zero_stage, repeats) -> dict:
   batch = jax.device_put(_batch(n, per_device, width),
                          NamedSharding(mesh, P('data')))
   # The same shards on the Auto mesh: GSPMD decides every collective.
-  auto_state = jaxpar.train_state.auto_view(state)
+  auto_state = auto_view(state)
   state_sh = jax.tree.map(lambda x: x.sharding, auto_state)
   batch_sh = NamedSharding(auto, P('data'))
   auto_batch = jax.device_put(batch, batch_sh)
@@ -153,10 +154,10 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
   sizes = (64, 256) if quick else (64, 256, 1024)
   repeats = 9 if quick else 7
   gspmd = [_vs_gspmd(width, per_device, zero_stage, repeats)
-           for per_device in sizes for zero_stage in zero.ZERO_STAGES]
+           for per_device in sizes for zero_stage in ZERO_STAGES]
   # GPipe(1, 1) lowers to the same two ticks (F, B) as 1F1B(1, 1).
   schedule = jaxpar.pipeline.one_f_one_b(1, 1)
   parallel = [_parallel_vs_dp(width, per_device, zero_stage, schedule, repeats)
-              for per_device in sizes for zero_stage in zero.ZERO_STAGES]
+              for per_device in sizes for zero_stage in ZERO_STAGES]
   return {'data_parallel_vs_gspmd': gspmd,
           'parallel_vs_data_parallel': parallel}

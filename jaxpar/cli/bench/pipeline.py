@@ -27,7 +27,8 @@ Sections:
   ``jaxpar.cli.bench.real_parallel``) and of the tanh layers above: arrays and
   bytes (from ``StageVJP``'s traced stash avals), and the compiled
   ``temp_size_in_bytes`` of 1F1B and GPipe steps (``p = 2``, ``m = 8``) with
-  it. The default policy is the fastest one on ``one_core``.
+  it. The executor's default, ``'dots'``, is the fastest one on
+  ``one_core``.
 
 The model is ``LAYERS`` residual tanh layers sliced from a stacked leaf.
 Parallel speed is not measured here (simulated devices share the cores): see
@@ -51,13 +52,13 @@ from jaxpar.pipeline.executor import (LossFn, StageFn,
                                      pipeline_value_and_grad)
 from jaxpar.pipeline.schedules import tick_table
 from jaxpar.cli.bench import _real_parallel_worker as worker
-from jaxpar.pipeline.executor import DEFAULT_POLICY, StageVJP
-from jaxpar.train_state import POLICIES, cast_params
+from jaxpar.pipeline.executor import StageVJP
+from jaxpar.train_state import REMAT_POLICIES, cast_params
 
 
 def gpipe_autodiff_step(stage_fn: StageFn, loss_fn: LossFn, *,
                         num_microbatches: int, mesh: Mesh,
-                        axis: str = 'stage') -> Callable:
+                        stage_axis: str = 'stage') -> Callable:
   """GPipe by autodiff: ``jax.value_and_grad`` through a forward ``lax.scan``.
 
   The MaxText/Praxis way: one stage per rank; iteration ``t`` of
@@ -71,6 +72,7 @@ def gpipe_autodiff_step(stage_fn: StageFn, loss_fn: LossFn, *,
     (dstage_params, dloss_params, dinputs))`` with ``stage_params`` stacked
     ``[p, ...]``, the same maths as ``pipeline_value_and_grad``.
   """
+  axis = stage_axis
   p, m = axis_size(mesh, axis), num_microbatches
 
   def local_loss(params, loss_params, xs, ts):
@@ -311,7 +313,7 @@ def _stash_policies(quick: bool) -> list[dict]:
   for variant, fn in (('gelu', worker.gelu_stage_fn),
                       ('tanh', worker.stage_fn)):
     base = None
-    for policy in POLICIES:
+    for policy in REMAT_POLICIES:
       _, stash = StageVJP(fn, remat_policy=policy).trace(one, x[:mb])
       nbytes = sum(a.size * a.dtype.itemsize for a in stash)
       base = base or nbytes
@@ -323,7 +325,7 @@ def _stash_policies(quick: bool) -> list[dict]:
                                  ('gpipe', sched.gpipe))}
       rows.append({
           'variant': variant, 'policy': policy,
-          'default': policy == DEFAULT_POLICY, 'layers': layers,
+          'default': policy == 'dots', 'layers': layers,
           'width': width, 'microbatch': mb, 'stash_arrays': len(stash),
           'stash_bytes_per_mb': nbytes, 'vs_everything': nbytes / base,
           'temp_bytes_1f1b': temp['1f1b'], 'temp_bytes_gpipe': temp['gpipe'],

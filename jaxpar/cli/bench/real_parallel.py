@@ -19,7 +19,7 @@ Sections of ``python -m jaxpar bench --only real_parallel``:
 
 * ``real_parallel`` (tanh, ``D = 512``) and ``real_parallel_gelu`` (gelu,
   ``D = 384``, microbatch 96, ``m = 12``): 2 ranks, the rows below; GPipe,
-  1F1B and ZB-H1 (``TARGETS``) are also profiled (``jaxpar.pipeline.profile``);
+  1F1B and ZB-H1 (``TARGETS``) also run under ``jaxpar.pipeline.timeline``;
 * ``real_parallel_unpinned`` and ``real_parallel_gelu_unpinned``: the same
   with the processes not pinned, for ``TARGETS`` only;
 * ``one_core``: the executor's own cost, no messages: one rank (``p = 1``)
@@ -40,7 +40,7 @@ ranks together after a barrier (rank 0's median wall and CPU time):
   interleaved 1F1B with ``v = 2``, ZB-H1, ZB-V, ...) through
   ``pipeline_value_and_grad`` on the mesh ``stage=N`` (for interleaved and V
   schedules that includes permuting the stage params and grads between model
-  order and rank placement every step, as ``pipeline_value_and_grad`` does);
+  order and rank order every step, as ``pipeline_value_and_grad`` does);
   with ``input_grads=False``: no step computes the inputs' cotangent;
 * ``data parallel``: the honest contrast, mesh ``data=N``, each rank running
   ``m/N`` of the microbatches sequentially, then one gradient ``pmean``.
@@ -55,17 +55,18 @@ with costs ``F=1, B=2, I=W=1`` (``N`` for data parallelism); ``efficiency``
 process: with ``N > 1`` ranks it includes time spent waiting in gloo);
 ``policy`` the stash policy; ``cores`` the cores the ranks ran on; for
 pipelines, ``eff_vs_dp`` = efficiency / data parallelism's and ``vs_1f1b`` =
-speed-up / 1F1B's with the same policy (the targets of issue 21: 1F1B and
+speed-up / 1F1B's with the same policy (the targets: 1F1B and
 ZB-H1 at ``eff_vs_dp >= 0.95``, ZB-H1 ``vs_1f1b >= 0.97``, GPipe ``>= 0.9``,
 interleaved and V within 10%); ``messages`` = the collectives over the
 pipeline axis in one step (``ppermute``s, the final ``psum``) and ``comm_ms`` = ``messages`` times one message's cost;
-``pinned`` whether the threads were pinned. A profiled pipeline adds where
+``pinned`` whether the threads were pinned. A pipeline run under a timeline
+adds where
 its time went, per step, mean over the ranks (``jaxpar.pipeline.Timeline``):
 ``compute_ms`` (the blocks), ``messages_ms`` (the ticks' collectives once
 every rank reached them), ``waiting_ms`` (for the last rank to reach them;
 ``bubble_ms`` of it on idle ticks), ``overhead_ms`` (between ticks),
 ``outside_ms`` (before the first tick and after the last), which add up to
-``profiled_ms``, the step's time under the profile (its host callbacks
+``timeline_ms``, the step's time under the timeline (its host callbacks
 included: compare with ``median_ms``). With
 fewer usable cores than ranks the section is one ``skipped`` row; a run that
 fails or times out (all processes are killed) is one ``failed`` row, its
@@ -83,8 +84,8 @@ from jaxpar import distributed
 WORKER = 'jaxpar.cli.bench._real_parallel_worker'
 VARIANTS = ('tanh', 'gelu')   # the worker's layer kinds
 # The executor's own cost (section ``one_core``): the stash policies timed.
-POLICIES = ('everything', 'dots', 'nothing')
-# The schedules with targets (issue 33), profiled, and timed unpinned too.
+BENCH_REMAT_POLICIES = ('everything', 'dots', 'nothing')
+# The schedules with targets, run under a timeline and timed unpinned too.
 TARGETS = ('gpipe', 'one_f_one_b', 'zero_bubble_h1')
 # One compute thread per process: on a core of its own, XLA's intra-op pool
 # only adds threads that spin and switch on that core (a message between
@@ -105,7 +106,7 @@ def measure(*, num_processes: int = 2, layers: int = 8, width: int = 512,
             timeout: float = 1200.0, variant: str = 'tanh',
             schedules: list[str] | None = None,
             policies: list[str] | None = None, data_parallel: bool = True,
-            stage1: bool = False, profile: list[str] | None = None,
+            stage1: bool = False, timeline: list[str] | None = None,
             pinned: bool = True, xla_flags: str = '') -> list[dict]:
   """Times every schedule on ``num_processes`` pinned cores (see the module).
 
@@ -123,14 +124,14 @@ def measure(*, num_processes: int = 2, layers: int = 8, width: int = 512,
     schedules: constructor names of ``jaxpar.pipeline`` to time (e.g.
       ``['one_f_one_b']``); ``None``: all of them.
     policies: stash policies (``remat_policy`` names) to time each schedule
-      with; ``None``: the default one.
+      with; ``None``: the executor's default, ``'dots'``.
     data_parallel: also time data parallelism.
     stage1: also time ``parallel.trainer`` with one stage against
       ``data_parallel.trainer``.
-    profile: constructor names whose step (first policy) also runs under
-      ``jaxpar.pipeline.profile``: its row gets the ``<part>_ms`` columns
+    timeline: constructor names whose step (first policy) also runs under
+      ``jaxpar.pipeline.timeline``: its row gets the ``<part>_ms`` columns
       (compute, messages, waiting, bubble, overhead, outside; ms per step,
-      mean over the ranks) and ``profiled_ms``.
+      mean over the ranks) and ``timeline_ms``.
     pinned: pin each process's threads to its core; ``False``: the OS
       places them (``cores`` then only counts them).
     xla_flags: appended to each process's ``XLA_FLAGS`` (e.g.
@@ -139,8 +140,8 @@ def measure(*, num_processes: int = 2, layers: int = 8, width: int = 512,
   Returns:
     Rows of ``step, policy, ranks, stages, m, width, microbatch, layers,
     variant, median_ms, cpu_ms, speedup, ideal, efficiency, cpu_ratio, vs,
-    cores`` (pipelines: and ``eff_vs_dp``, ``vs_1f1b``; profiled ones: the
-    split), all with ``pinned``; or one ``skipped``
+    cores`` (pipelines: and ``eff_vs_dp``, ``vs_1f1b``; those under a
+    timeline: the split), all with ``pinned``; or one ``skipped``
     / ``failed`` row with a ``note``.
 
   Raises:
@@ -174,7 +175,7 @@ def measure(*, num_processes: int = 2, layers: int = 8, width: int = 512,
               'num_microbatches': num_microbatches, 'repeats': repeats,
               'warmup': warmup, 'variant': variant, 'schedules': schedules,
               'policies': policies, 'data_parallel': data_parallel,
-              'stage1': stage1, 'profile': profile, 'pinned': pinned,
+              'stage1': stage1, 'timeline': timeline, 'pinned': pinned,
               'xla_flags': xla_flags}
     try:
       code = distributed.launch(num_processes, [json.dumps(config)],
@@ -200,9 +201,10 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
   if quick:
     gelu.update(width=192, microbatch=48)
   one_core = dict(num_processes=1, layers=4, width=384, microbatch=96,
-                  num_microbatches=8, variant='gelu', policies=list(POLICIES),
+                  num_microbatches=8, variant='gelu',
+                  policies=list(BENCH_REMAT_POLICIES),
                   schedules=list(TARGETS), data_parallel=False, stage1=True)
-  pinned = dict(profile=list(TARGETS), xla_flags=ONE_THREAD, **times)
+  pinned = dict(timeline=list(TARGETS), xla_flags=ONE_THREAD, **times)
   unpinned = dict(pinned, schedules=list(TARGETS), pinned=False)
   return {'real_parallel': measure(**tanh, **pinned),
           'real_parallel_gelu': measure(**gelu, **pinned),

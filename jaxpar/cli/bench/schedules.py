@@ -13,7 +13,7 @@ Sections:
   (``jaxpar.pipeline.makespan``, costs per 1F1B stage, V schedules paying
   half per action), ``None`` where it does not fit.
 * ``v_memory``: compiled ``temp_size_in_bytes`` of the pipelined step
-  (``pipeline_value_and_grad_local``, params in the rank placement) for 1F1B, ZB-V,
+  (``pipeline_value_and_grad_local``, params in rank order) for 1F1B, ZB-V,
   V-Half and V-Min on the same ``2p``-layer model (1F1B runs two layers a
   stage, the V schedules one): V-Min <= V-Half < 1F1B.
 """
@@ -110,7 +110,7 @@ def _model(num_stages: int, layers: int, batch: int, width: int):
 
 
 def _v_memory(quick: bool) -> list[dict]:
-  """Compiled temp bytes: the stage params stay in the rank placement.
+  """Compiled temp bytes: the stage params stay in rank order.
 
   ``pipeline_value_and_grad_local`` in a ``shard_map``, the params rearranged once
   outside (``stages_to_ranks``), so the step's scratch is the schedule's
@@ -123,9 +123,9 @@ def _v_memory(quick: bool) -> list[dict]:
   for s in (sched.one_f_one_b(p, m), sched.zero_bubble_v(p, m), sched.v_half(p, m),
             sched.v_min(p, m)):
     def body(w, head, x, t, low=tick_table(s)):
-      loss, g = pipeline_value_and_grad_local(_stage, _loss, jax.tree.map(
+      out = pipeline_value_and_grad_local(_stage, _loss, jax.tree.map(
           lambda a: a[0], w), head, x, t, table=low)
-      return loss, jax.tree.map(lambda a: a[None], g.stages)
+      return out.loss, jax.tree.map(lambda a: a[None], out.grads.stages)
     step = jax.jit(jax.shard_map(
         body, mesh=mesh, in_specs=(P('stage'), P(), P(), P()),
         out_specs=(P(), P('stage')), axis_names={'stage'}))

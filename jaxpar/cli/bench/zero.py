@@ -15,7 +15,7 @@ gathers all at once).
 optimized HLO, ``jaxpar.hlo``; whole buffers per device) against ``theory``,
 with ``P`` the gradient bytes, ``P_split`` those of the leaves ZeRO splits
 (every leaf but zero-size ones; those that no dim divides by ``N`` padded to
-a multiple of it, ``zero.padded_shape``) and ``P_whole`` those of the
+a multiple of it, ``dp_internal.padded_shape``) and ``P_whole`` those of the
 others: DP
 all-reduces ``P`` and the loss; ZeRO-1/3 reduce-scatter ``P_split``,
 all-gather ``P_split`` (ZeRO-1: the updated params; ZeRO-3: the params in the
@@ -40,9 +40,9 @@ import optax
 from jax.sharding import Mesh
 
 import jaxpar
-from jaxpar import hlo
-from jaxpar import data_parallel as zero
+from jaxpar import data_parallel, hlo
 from jaxpar.cli.bench._timing import median_seconds
+from jaxpar.data_parallel import internal as dp_internal
 
 _MB = 2.0**20
 
@@ -63,15 +63,15 @@ def _params(width: int, layers: int) -> list:
 def _total_bytes(tree) -> int:
   """Logical bytes (``Padded`` leaves without their padding)."""
   return sum(math.prod(x.shape) * x.dtype.itemsize
-             for x in jax.tree.leaves(zero.logical_shapes(tree)))
+             for x in jax.tree.leaves(dp_internal.logical_shapes(tree)))
 
 
-def theory(params, *, mesh: Mesh, zero_stage: int, axis: str = 'data'
+def theory(params, *, mesh: Mesh, zero_stage: int, data_axis: str = 'data'
            ) -> dict[str, tuple[int, str]]:
   """Bytes per collective kind of a ``data_parallel.trainer`` on ``mesh``.
 
   ``{kind: (bytes, what)}`` for a ``zero_stage`` step on ``params`` with all
-  of the mesh as ``axis`` (whole buffers per device, as ``jaxpar.hlo``
+  of the mesh as ``data_axis`` (whole buffers per device, as ``jaxpar.hlo``
   counts them, one microbatch); see the module docstring. The loss has the
   params' dtype; the norm's partial sums are at least float32.
 
@@ -84,11 +84,13 @@ def theory(params, *, mesh: Mesh, zero_stage: int, axis: str = 'data'
     (12, 'loss + P_whole + 1 partial norm per split leaf')
   """
   leaves = jax.tree.leaves(params)
-  specs = jax.tree.leaves(zero.data_specs(params, mesh=mesh, axis=axis,
-                                          pad=True))
+  specs = jax.tree.leaves(data_parallel.data_specs(params, mesh=mesh,
+                                                   data_axis=data_axis,
+                                                   pad=True))
   split = [(x, s) for x, s in zip(leaves, specs)
-           if zero.data_dim(s, axis) is not None]
-  stored = lambda x, s: (math.prod(zero.padded_shape(x.shape, s, mesh=mesh))
+           if data_parallel.data_dim(s, data_axis) is not None]
+  stored = lambda x, s: (math.prod(dp_internal.padded_shape(x.shape, s,
+                                                            mesh=mesh))
                          * x.dtype.itemsize)
   padded = [(x, s) for x, s in split if stored(x, s) != x.nbytes]
   total = sum(x.nbytes for x in leaves)
@@ -132,11 +134,11 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
                                      zero_stage=stage).step
     state = jaxpar.TrainState.create(params, optimizer)
     if stage:
-      state = zero.shard_state(state, mesh=mesh, zero_stage=stage)
+      state = data_parallel.shard_state(state, mesh=mesh, zero_stage=stage)
     after, _ = step(state, batch)
     compiled = step.lower(after, batch).compile()
     analysis = compiled.memory_analysis()
-    held = zero.bytes_per_device(after)
+    held = data_parallel.bytes_per_device(after)
     memory.append({
         'stage': stage, 'devices': n, 'params': sum(sizes),
         'params_MB_total': _total_bytes(after.params) / _MB,

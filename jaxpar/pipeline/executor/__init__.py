@@ -4,15 +4,18 @@
 the ``_local`` forms run inside a caller's (the 3D trainer's). Inside, a
 stage's backward is cut into its input-gradient and weight-gradient halves
 (``StageVJP``, with a ``remat_policy`` for what the stash keeps), and stage
-trees move between model order and the rank placement ``[p, v, ...]``
-(``stages_to_ranks`` / ``ranks_to_stages``). ``profile`` runs a step with a
-host timestamp at each tick's seams and returns a ``Timeline``: each rank's
+trees move between model order ``[num_stages, ...]`` and rank order
+``[p, v, ...]`` (``stages_to_ranks`` / ``ranks_to_stages``). A training
+step returns a ``PipelineResult``. ``timeline`` runs a step with a host
+timestamp at each tick's seams and returns a ``Timeline``: each rank's
 blocks and messages as they ran, and where the time went.
 """
 
+from jaxpar.pipeline.executor._microbatches import LossFn as LossFn
+from jaxpar.pipeline.executor._microbatches import StageFn as StageFn
 from jaxpar.pipeline.executor._pipeline import PipelineGrads as PipelineGrads
-from jaxpar.pipeline.executor._tick_state import LossFn as LossFn
-from jaxpar.pipeline.executor._tick_state import StageFn as StageFn
+from jaxpar.pipeline.executor._pipeline import (
+    PipelineResult as PipelineResult)
 from jaxpar.pipeline.executor._pipeline import pipeline_apply as pipeline_apply
 from jaxpar.pipeline.executor._pipeline import (
     pipeline_apply_local as pipeline_apply_local)
@@ -24,29 +27,17 @@ from jaxpar.pipeline.executor._placement import (
     ranks_to_stages as ranks_to_stages)
 from jaxpar.pipeline.executor._placement import (
     stages_to_ranks as stages_to_ranks)
-from jaxpar.pipeline.executor._profile import profile as profile
-from jaxpar.pipeline.executor._stage_vjp import DEFAULT_POLICY as DEFAULT_POLICY
 from jaxpar.pipeline.executor._stage_vjp import StageVJP as StageVJP
 from jaxpar.pipeline.executor._stage_vjp import stash_policy as stash_policy
+from jaxpar.pipeline.executor._stamps import timeline as timeline
 from jaxpar.pipeline.executor._timeline import RankTotals as RankTotals
 from jaxpar.pipeline.executor._timeline import Timeline as Timeline
 
-# jaxpar-internal (for jaxpar.parallel's trainer and from_nnx; not in __all__):
-# input checks, the jaxpr dataflow helpers and the varying-axes casts.
-from jaxpar.pipeline.executor._checks import check_fn as check_fn
-from jaxpar.pipeline.executor._checks import check_leading as check_leading
-from jaxpar.pipeline.executor._jaxpr import is_var as is_jaxpr_var
-from jaxpar.pipeline.executor._jaxpr import needed as jaxpr_needed
-from jaxpar.pipeline.executor._tick_rows import messages as tick_messages
-from jaxpar.pipeline.executor._vma import vary as vary
-from jaxpar.pipeline.executor._vma import vma as varying_axes
-
 __all__ = [
-    'DEFAULT_POLICY', 'LossFn', 'StageFn', 'PipelineGrads',
-    'StageVJP',
+    'LossFn', 'StageFn', 'PipelineGrads', 'PipelineResult', 'StageVJP',
     'pipeline_apply', 'pipeline_apply_local', 'pipeline_value_and_grad',
     'pipeline_value_and_grad_local', 'ranks_to_stages', 'stages_to_ranks',
     'stash_policy',
-    # jaxpar.pipeline.profile: a step's ticks as they ran
-    'profile', 'RankTotals', 'Timeline',
+    # jaxpar.pipeline.timeline: a step's ticks as they ran
+    'timeline', 'RankTotals', 'Timeline',
 ]

@@ -1,7 +1,9 @@
 """Checks of user input shared by the pipeline steps (``ValueError``/``TypeError``).
 
 jaxpar-internal: the executor uses them, and ``jaxpar.parallel`` some of them
-(through ``jaxpar.pipeline.executor``'s re-exports).
+(through ``jaxpar.pipeline.executor.internal``). They run before the user's
+functions are traced, except those that trace a function on one
+microbatch's shapes (``check_stage_fn``, ``check_loss_fn``).
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxpar._validate import check_keywords  # re-exported
 from jaxpar.mesh import axis_size
-from jaxpar.pipeline.executor._microbatches import with_key, with_state
+from jaxpar.pipeline.executor._microbatches import extras
 from jaxpar.pipeline.schedules import KIND_CODES, Schedule, TickTable
 
 PyTree = Any
-StageFn = Callable[[PyTree, jax.Array], jax.Array]
 F = KIND_CODES['F']
 
 
@@ -51,15 +53,16 @@ def check_leading(tree: PyTree, size: int, name: str, rule: str) -> None:
         'jnp.stack(a), *per_stage)).')
 
 
-def check_stage_fn(stage_fn: StageFn, params: PyTree, x: Any,
+def check_stage_fn(stage_fn: Callable[..., Any], params: PyTree, x: Any,
                    key: Any = None, state: PyTree = None) -> None:
   """``ValueError`` unless ``stage_fn`` keeps the shape and dtype of ``x``
   (one microbatch's activation, an array or its aval) and, given a
   ``state`` (``[v, ...]``), returns ``(y, new_state)`` with ``new_state``
   shaped like one stage's state."""
   first = lambda tree: jax.tree.map(lambda a: a[0], tree)
-  out = jax.eval_shape(stage_fn, first(params), x, *with_key(key),
-                       *with_state(state, first))
+  out = jax.eval_shape(
+      lambda p, x, k, s: stage_fn(p, x, **extras(k, s)), first(params), x,
+      key, None if state is None else first(state))
   if state is not None:
     out = _check_new_state(out, first(state))
   if (not isinstance(out, jax.ShapeDtypeStruct) or out.shape != x.shape
@@ -84,7 +87,7 @@ def _check_new_state(out: Any, state: PyTree) -> Any:
       jax.tree.structure(out[1]) != jax.tree.structure(state)
       or types(out[1]) != types(state)):
     raise ValueError(
-        'with stage_state, stage_fn(params, x, [key,] state) must return '
+        'with stage_state, stage_fn(params, x, state=s) must return '
         '(y, new_state), new_state of the structure, shapes and dtypes of '
         f'one stage\'s state {jax.tree.map(jax.typeof, state)}; got '
         f'{jax.tree.map(jax.typeof, out)}. Return the updated state (e.g. '
@@ -113,7 +116,8 @@ def check_loss_fn(loss_fn: Callable[..., Any], loss_params: PyTree,
                   y: jax.Array, target: PyTree, key: Any,
                   has_aux: bool) -> None:
   """``TypeError`` unless ``loss_fn`` gives a float scalar (and float aux)."""
-  out = jax.eval_shape(loss_fn, loss_params, y, target, *with_key(key))
+  out = jax.eval_shape(lambda lp, y, t, k: loss_fn(lp, y, t, **extras(k)),
+                       loss_params, y, target, key)
   if has_aux:
     if not (isinstance(out, tuple) and len(out) == 2):
       raise TypeError('has_aux=True needs loss_fn to return a pair (loss, '
@@ -133,7 +137,7 @@ def check_loss_fn(loss_fn: Callable[..., Any], loss_params: PyTree,
                     f'one microbatch, got {out}{hint}.')
 
 
-def check_offset(offset: Any) -> None:
+def check_microbatch_offset(offset: Any) -> None:
   """``TypeError`` unless ``offset`` is one integer (NumPy/JAX ints too)."""
   if (isinstance(offset, bool) or np.ndim(offset)
       or not jnp.issubdtype(jnp.result_type(offset), jnp.integer)):
@@ -142,14 +146,15 @@ def check_offset(offset: Any) -> None:
                     "jax.lax.axis_index('data') * num_microbatches).")
 
 
-def check_axis(axis: str, schedule: Schedule) -> None:
-  """Inside ``shard_map``: ``axis`` must have ``schedule.num_ranks`` ranks."""
-  size = jax.lax.axis_size(axis)
+def check_stage_axis(stage_axis: str, schedule: Schedule) -> None:
+  """Inside ``shard_map``: ``stage_axis`` must have ``schedule.num_ranks``
+  ranks."""
+  size = jax.lax.axis_size(stage_axis)
   if size != schedule.num_ranks:
     raise ValueError(
-        f'axis {axis!r} has size {size} but schedule {schedule.name!r} has '
-        f'num_ranks={schedule.num_ranks}: build the schedule for {size} '
-        'ranks.')
+        f'stage_axis {stage_axis!r} has size {size} but schedule '
+        f'{schedule.name!r} has num_ranks={schedule.num_ranks}: build the '
+        f'schedule for {size} ranks.')
 
 
 def check_table(table: Any) -> TickTable:
@@ -174,16 +179,17 @@ def check_fill(bubble_fill: Any) -> float:
   return float(bubble_fill)
 
 
-def check_schedule(schedule: Any, mesh: Mesh, axis: str) -> None:
+def check_schedule(schedule: Any, mesh: Mesh, stage_axis: str) -> None:
   """``TypeError`` unless ``schedule`` is a ``Schedule``; ``ValueError``
-  unless it has as many ranks as ``mesh``'s ``axis``."""
+  unless it has as many ranks as ``mesh``'s ``stage_axis``."""
   if not isinstance(schedule, Schedule):
     raise TypeError(f'schedule must be a jaxpar.pipeline.Schedule (e.g. '
                     f'jaxpar.pipeline.one_f_one_b(p, m)), got '
                     f'{type(schedule).__name__}.')
-  size = axis_size(mesh, axis)
+  size = axis_size(mesh, stage_axis)
   if size != schedule.num_ranks:
     raise ValueError(
-        f'mesh axis {axis!r} has size {size} but schedule {schedule.name!r} '
-        f'has num_ranks={schedule.num_ranks}: build the schedule for {size} '
-        f'ranks or a mesh with {axis}={schedule.num_ranks}.')
+        f'mesh axis {stage_axis!r} has size {size} but schedule '
+        f'{schedule.name!r} has num_ranks={schedule.num_ranks}: build the '
+        f'schedule for {size} ranks or a mesh with '
+        f'{stage_axis}={schedule.num_ranks}.')

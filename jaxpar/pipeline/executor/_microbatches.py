@@ -1,20 +1,53 @@
 """The batch as microbatches, and the call of a user function on one.
 
 ``microbatched`` splits the step's batch into the ``m`` microbatches the
-tick table names; ``with_key`` gives the trailing arguments of a stage, loss
-or embedding function called on one microbatch (its key, when the step has
-one), ``with_state`` a stateful stage's last one (its state).
+tick table names. ``extras`` gives jaxpar's extra arguments of a user
+function called on one microbatch, by keyword: every stage, loss and
+embedding function takes its data positionally and ``key=`` (when the step
+has a key) and ``state=`` (a stateful stage) by keyword::
+
+  stage_fn(params, x)                      # no key, no state
+  stage_fn(params, x, key=k)               # a step with a key
+  stage_fn(params, x, state=s) -> (y, s)   # a stage with model state
+  loss_fn(loss_params, y, target, key=k)
+  embed_fn(embed_params, raw, key=k)
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 PyTree = Any
+
+
+class StageFn(Protocol):
+  """A pipeline stage: ``stage_fn(params, x) -> y``, ``y`` like ``x``.
+
+  ``params`` is one stage's slice of the stacked stage parameters and ``x``
+  one microbatch's activation. With a step key it is called
+  ``stage_fn(params, x, key=k)``; with model state (``stage_state``)
+  ``stage_fn(params, x, state=s)`` and returns ``(y, new_state)``.
+  """
+
+  def __call__(self, params: PyTree, x: jax.Array, /, **extras: Any) -> Any:
+    ...
+
+
+class LossFn(Protocol):
+  """The loss after the last stage: ``loss_fn(loss_params, y, target)``.
+
+  Returns one microbatch's mean loss, a float scalar (``(loss, aux)`` with
+  ``has_aux``); called ``loss_fn(loss_params, y, target, key=k)`` with a
+  step key.
+  """
+
+  def __call__(self, loss_params: PyTree, y: jax.Array, target: PyTree, /,
+               **extras: Any) -> Any:
+    ...
 
 
 def microbatched(inputs: jax.Array, targets: PyTree, m: int):
@@ -38,15 +71,17 @@ def microbatched(inputs: jax.Array, targets: PyTree, m: int):
   return split(inputs), jax.tree.map(split, targets)
 
 
-def with_key(key: Any) -> tuple:
-  """The trailing arguments of a user function: ``(key,)``, or ``()``."""
-  return () if key is None else (key,)
+def extras(key: Any = None, state: PyTree = None) -> dict[str, Any]:
+  """The keyword arguments jaxpar adds to a user function's data: ``key``
+  and ``state`` where they are not ``None``.
 
-
-def with_state(state: PyTree, pick: Any) -> tuple:
-  """A stateful stage's last argument, ``(pick(state),)`` (its stage's
-  part of ``state``), or ``()`` without a state."""
-  return () if state is None else (pick(state),)
+  Example:
+    >>> from jaxpar.pipeline.executor._microbatches import extras
+    >>> extras(), extras(key=1), extras(state={'n': 0})
+    ({}, {'key': 1}, {'state': {'n': 0}})
+  """
+  return {name: value for name, value in (('key', key), ('state', state))
+          if value is not None}
 
 
 def row(tree: PyTree, j: Any) -> PyTree:

@@ -1,26 +1,16 @@
-"""The pipeline executor: any ``Schedule``'s tick table as one SPMD program.
+"""The executor's public steps: a ``Schedule``'s tick table as one SPMD program.
 
-``pipeline_value_and_grad`` computes the loss and
-gradients of a pipelined model, ``pipeline_apply`` its forward pass. Both
-are one ``jax.shard_map`` over the pipeline axis around one ``lax.scan``
-over the ticks of the schedule's ``TickTable`` (``_tick_scan``, whose
-docstring describes a tick; ``docs/executor.md`` draws one). Each rank holds
-``num_stash_slots`` stashes (activations, never parameters),
-``num_weight_slots`` weight stashes and ``num_mailbox_slots + 1``
-activations: ``O(p)`` for 1F1B whatever the number of microbatches ``m``.
-
-``pipeline_value_and_grad_local`` / ``pipeline_apply_local`` are the same executor as a
-function that runs *inside* a caller's ``shard_map``, so ``stage_fn`` may use
-collectives over other mesh axes (tensor parallelism) and the batch may be
-sharded over a data axis.
-
-Options of the training steps: ``key`` (randomness such as dropout: one key
-per stage and global microbatch, the same in its forward and backward),
-``has_aux`` (``loss_fn`` returns ``(loss, aux)``), ``compute_dtype``
-(e.g. bfloat16 compute on float32 params), ``stage_state`` (model state
-that is not a parameter, e.g. BatchNorm's running statistics, passed from
-each microbatch to the next as on one device) and ``input_grads=False``
-(no input cotangent).
+``pipeline_value_and_grad`` builds a jitted step that computes the loss and
+the gradients of a pipelined model, ``pipeline_apply`` its forward pass.
+Each is one ``jax.shard_map`` over the pipeline axis around one
+``lax.scan`` over the ticks of the schedule's ``TickTable`` (``_tick_scan``,
+whose docstring describes a tick; ``docs/executor.md`` draws one). The
+``_local`` forms are the same executor as functions that run inside a
+caller's ``shard_map`` (the 3D trainer's), so that ``stage_fn`` may use
+collectives over other mesh axes and the batch may be split over a data
+axis. Each public function checks its keyword options once into a
+``StepOptions`` and hands that on; a training step always returns a
+``PipelineResult``.
 """
 from __future__ import annotations
 
@@ -35,34 +25,36 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import vma
+from jaxpar._validate import check_keywords
 from jaxpar.pipeline.executor import _tick_scan
 from jaxpar.pipeline.executor._checks import (
-    check_axis, check_bool, check_fill, check_float, check_fn, check_leading,
-    check_loss_fn, check_offset, check_schedule, check_stage_fn,
-    check_state_order, check_table)
-from jaxpar.pipeline.executor._microbatches import microbatched, with_key
+    check_fill, check_float, check_fn, check_leading, check_loss_fn,
+    check_schedule, check_stage_axis, check_stage_fn, check_state_order,
+    check_table)
+from jaxpar.pipeline.executor._microbatches import (
+    LossFn, StageFn, extras, microbatched)
+from jaxpar.pipeline.executor._options import Embedding, StepOptions
 from jaxpar.pipeline.executor._placement import ranks_to_stages, stages_to_ranks
-from jaxpar.pipeline.executor._stage_vjp import stash_policy
-from jaxpar.pipeline.executor._tick_state import LossFn, StageFn
 from jaxpar.pipeline.executor._vma import full
 from jaxpar.pipeline.schedules import Schedule, TickTable, tick_table
-from jaxpar.train_state import cast_params, check_compute_dtype, check_key
+from jaxpar.train_state import cast_params
+from jaxpar.train_state.internal import check_key
 
 PyTree = Any
 
 
 class PipelineGrads(NamedTuple):
-  """Gradients of the mean batch loss from ``pipeline_value_and_grad``.
+  """Gradients of the mean batch loss, in ``PipelineResult.grads``.
 
   Attributes:
-    stages: like ``stage_params``, stacked ``[num_stages, ...]`` in model order.
-    head: like ``loss_params``: the gradient of the head, the parameters
-      ``loss_fn`` takes after the last stage.
-    inputs: like ``inputs``, ``[batch, ...]``: for a layer in front of the
-      pipeline, chain it with that layer's VJP (``None`` when the step runs
-      that layer itself, as ``embed_fn``, or with ``input_grads=False``).
-    embed: like ``embed_params`` of ``pipeline_value_and_grad_local``'s ``embed_fn``
-      (``None`` without one).
+    stages: like the stage parameters: ``[num_stages, ...]`` in model order
+      from ``pipeline_value_and_grad``, one rank's ``[v, ...]`` in rank
+      order from ``pipeline_value_and_grad_local``.
+    head: like ``loss_params``, the parameters ``loss_fn`` takes.
+    inputs: like ``inputs``, ``[batch, ...]``: chain it with the VJP of a
+      layer in front of the pipeline (``None`` with ``embed_fn``, which
+      runs that layer inside the step, or with ``input_grads=False``).
+    embed: like ``embed_params`` (``None`` without ``embed_fn``).
   """
   stages: PyTree
   head: PyTree
@@ -70,112 +62,104 @@ class PipelineGrads(NamedTuple):
   embed: PyTree = None
 
 
-# ---------------------------------------------------------------- public
+class PipelineResult(NamedTuple):
+  """What a pipelined training step returns, whatever its options.
+
+  Attributes:
+    loss: the mean loss over the batch, a float scalar.
+    aux: ``loss_fn``'s auxiliary output averaged over the microbatches
+      like the loss (``has_aux=True``); ``None`` without ``has_aux``.
+    grads: the gradients, a ``PipelineGrads``.
+    state: the stages' model state after the last microbatch, like the
+      ``stage_state`` given; ``None`` without ``stage_state``.
+  """
+  loss: jax.Array
+  aux: PyTree
+  grads: PipelineGrads
+  state: PyTree
+
+
+# ---------------------------------------------------------------- training
 
 
 def pipeline_value_and_grad_local(
     stage_fn: StageFn, loss_fn: LossFn, local_params: PyTree,
     loss_params: PyTree, inputs: jax.Array, targets: PyTree, *,
-    table: TickTable, axis: str = 'stage',
-    bubble_fill: float = 0.0, key: jax.Array | None = None,
-    microbatch_offset: Any = 0, has_aux: bool = False,
-    compute_dtype: Any = None, embed_fn: Callable[..., jax.Array] | None = None,
+    table: TickTable, stage_axis: str = 'stage', bubble_fill: float = 0.0,
+    key: jax.Array | None = None, microbatch_offset: Any = 0,
+    has_aux: bool = False, compute_dtype: Any = None,
+    remat_policy: Any = 'dots', input_grads: bool = True,
+    embed_fn: Callable[..., jax.Array] | None = None,
     embed_params: PyTree = None, embed_key: jax.Array | None = None,
-    remat_policy: Any = None, stage_state: PyTree = None,
-    input_grads: bool = True
-) -> tuple[Any, PipelineGrads] | tuple[Any, PipelineGrads, PyTree]:
-  """One rank's share of ``pipeline_value_and_grad``; call it inside ``jax.shard_map``.
+    stage_state: PyTree = None) -> PipelineResult:
+  """Computes one rank's share of a pipelined step, inside ``jax.shard_map``.
 
-  For composing pipeline parallelism with other axes: the caller's
-  ``shard_map`` spans ``axis`` and maybe others; ``stage_fn`` may use
-  collectives over the other axes (all devices of a group sit on the same
-  pipeline rank and run the same blocks). ``stage_fn`` and ``loss_fn`` run
-  as on one device over ``axis`` (``jaxpar.vma.lift``); over a batch axis
-  of the caller's, lift them too: ``vma.lift(fn, axes=('data',))``.
+  This is ``pipeline_value_and_grad`` for a caller that owns the
+  ``shard_map``, whose mesh may have more axes than ``stage_axis``:
+  ``stage_fn`` may use collectives over them (tensor parallelism) and the
+  batch may be split over one (data parallelism; ``pmean`` the loss and
+  gradients over it yourself: nothing is reduced over other axes). Each
+  rank passes its own stages in rank order and gets their gradients in that
+  order; the rest is reduced over ``stage_axis``. The functions run as on
+  one device over ``stage_axis`` (``jaxpar.vma.lift``); lift them over your
+  other axes too.
 
   Args:
-    stage_fn: ``stage_fn(one_stage_params, x) -> y``, ``y`` like ``x``;
-      ``stage_fn(one_stage_params, x, key)`` when ``key`` is given; with
-      ``stage_state`` it takes the stage's state last and returns ``(y,
-      new_state)``: ``stage_fn(one_stage_params, x, [key,] state)``.
-    loss_fn: ``loss_fn(loss_params, y, target) -> scalar``, the mean loss of
-      one microbatch, run after the last stage (``(scalar, aux)`` with
-      ``has_aux``; a trailing ``key`` argument when ``key`` is given).
-    local_params: this rank's stages, leading axis ``v`` in the order of
-      ``stages_to_ranks`` (``stages_to_ranks(params, schedule)[rank]``).
-    loss_params: the loss parameters (replicated over ``axis``).
-    inputs: ``[batch, ...]`` (this shard's batch, the same on every rank of
-      ``axis``), split into ``m`` microbatches.
-    targets: pytree of ``[batch, ...]`` leaves.
+    stage_fn: ``stage_fn(params, x) -> y``, ``y`` like ``x``; called with
+      ``key=k`` when ``key`` is given, and with ``state=s``, returning
+      ``(y, new_state)``, when ``stage_state`` is.
+    loss_fn: ``loss_fn(loss_params, y, target) -> loss``, one microbatch's
+      mean loss (``(loss, aux)`` with ``has_aux``; ``key=k`` with a key).
+    local_params: this rank's stages, ``[v, ...]`` in rank order
+      (``stages_to_ranks(params, schedule)[rank]``).
+    loss_params: ``loss_fn``'s parameters, the same on every rank.
+    inputs: ``[batch, ...]``, the same on every rank of ``stage_axis``.
+    targets: a pytree of ``[batch, ...]`` leaves.
     table: ``tick_table(schedule)``.
-    axis: the pipeline axis, of size ``schedule.num_ranks``.
-    bubble_fill: value of unwritten buffer slots and of whatever idle ranks
-      send; ``float('nan')`` checks that bubbles never reach the results.
+    stage_axis: the pipeline's mesh axis, of size ``schedule.num_ranks``.
+    bubble_fill: the value of unwritten buffers and of what idle ranks send
+      (``float('nan')`` shows that bubbles never reach the results).
     key: the step's PRNG key, or ``None``. Stage ``k`` on microbatch ``i``
       gets ``fold_in(fold_in(key, microbatch_offset + i), k)``, the loss
-      ``k = num_stages``: its forward, backward and recompute see one key.
-    microbatch_offset: global index of this shard's first microbatch (with a
-      batch sharded over a data axis: ``axis_index(data) * m``), so that the
-      keys follow the batch rows, not the mesh.
-    has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (float leaves) is
+      ``k = num_stages``, the same in the forward and the backward.
+    microbatch_offset: the global index of this shard's first microbatch,
+      e.g. ``axis_index('data') * m``: the keys follow the batch's rows.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (floats) is
       averaged over the microbatches like the loss.
-    compute_dtype: e.g. ``jnp.bfloat16``: the stages and the loss run on
-      params cast to it (inside the stage, so the stash never holds a cast
-      copy of them) and on inputs cast to it; activations, stashes and
-      messages are in it. Loss, aux and gradients stay in their dtypes
-      (float32). ``None``: the dtypes given.
-    embed_fn: ``embed_fn(embed_params, raw) -> x``, a layer in front of the
-      stages (an embedding) run per microbatch inside stage 0: its ``F``
-      embeds the microbatch's rows of ``inputs`` (raw, e.g. integer token
-      ids), its ``W`` adds the layer's VJP to ``PipelineGrads.embed``. No
-      batch-sized activation or cotangent is held; ``PipelineGrads.inputs``
-      is then ``None``. ``None``: ``inputs`` is stage 0's input.
-    embed_params: ``embed_fn``'s params (replicated over ``axis``).
-    embed_key: with ``embed_fn``, microbatch ``i``'s embedding runs as
-      ``embed_fn(embed_params, raw, fold_in(embed_key, microbatch_offset +
-      i))``; ``None``: without a key.
-    remat_policy: what the forward stashes for the backward
-      (``jaxpar.pipeline.stash_policy``): ``'dots'`` (default:
-      matrix products kept, elementwise work recomputed), ``'everything'``,
+    compute_dtype: e.g. ``jnp.bfloat16``: the functions run on parameters
+      and inputs cast to it; the loss, aux and gradients keep their dtypes.
+    remat_policy: what a stage's forward keeps for its backward
+      (``stash_policy``): ``'dots'``, ``'everything'`` (or ``None``),
       ``'dots_no_batch'``, ``'nothing'`` or a ``jax.checkpoint_policies``
       policy.
-    stage_state: model state that is not a parameter (BatchNorm running
-      statistics, counters), like ``local_params`` this rank's ``[v, ...]``
-      in the order of ``stages_to_ranks``; ``None``: stateless stages. Each
-      stage runs its microbatches in order (every built-in schedule does;
-      another is a ``ValueError``) and passes its state from each
-      microbatch's ``F`` to the next, as one device running the microbatches
-      in turn does; a microbatch's backward sees the state of its forward.
-      The state is not differentiated; ``new_state`` must keep its
-      structure, shapes and dtypes.
-    input_grads: ``False`` skips the input cotangent (``PipelineGrads.
-      inputs`` is ``None``): no batch-sized buffer and no collective for it.
+    input_grads: ``False`` skips the cotangent of ``inputs``.
+    embed_fn: ``embed_fn(embed_params, raw) -> x`` (``key=k`` with an
+      ``embed_key``), a layer in front of the stages run per microbatch on
+      stage 0's rank; ``inputs`` are then its raw rows (e.g. token ids).
+    embed_params: ``embed_fn``'s parameters, the same on every rank.
+    embed_key: microbatch ``i`` embeds with ``fold_in(embed_key,
+      microbatch_offset + i)``.
+    stage_state: model state that is not a parameter (BatchNorm's
+      statistics), ``[v, ...]`` like ``local_params``, passed from each
+      microbatch's forward to the next in microbatch order, as on one
+      device; not differentiated.
 
   Returns:
-    ``(loss, PipelineGrads(stages, head, inputs, embed))`` (``((loss, aux),
-    ...)`` with ``has_aux``), and with ``stage_state`` the state after the
-    last microbatch as a third result, ``[v, ...]`` like ``stage_state``:
-    the mean loss over this shard's batch and its
-    gradients; ``stages`` (and the state) is this rank's ``[v, ...]``
-    (varying over ``axis``), the rest is reduced over ``axis``. Nothing is reduced over
-    other axes: with a batch sharded ``n`` ways over a data axis, ``pmean``
-    the loss and the parameter gradients over it and divide ``inputs`` (this
-    shard's cotangent) by ``n``; the state is this shard's (its statistics
-    are of this shard's microbatches: combine it over the data axis as the
-    model's rule says). With one rank (``num_ranks == 1``) there
-    are no ticks: the microbatches run in turn (``lax.scan`` of
-    ``value_and_grad``), as data parallelism runs them.
+    ``PipelineResult(loss, aux, grads, state)``: the mean loss over this
+    shard's batch, ``aux`` (``None`` without ``has_aux``), the gradients
+    (``grads.stages`` in rank order) and the state after the last
+    microbatch (``None`` without ``stage_state``).
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, jaxpar
     >>> from jax.sharding import PartitionSpec as P
     >>> stage_fn = lambda w, x: jnp.tanh(x @ w)
     >>> loss_fn = lambda scale, y, t: jnp.mean((scale * y - t) ** 2)
-    >>> low = jaxpar.pipeline.tick_table(jaxpar.pipeline.one_f_one_b(4, 8))
+    >>> table = jaxpar.pipeline.tick_table(jaxpar.pipeline.one_f_one_b(4, 8))
     >>> def body(w, scale, x, t):   # one rank's view
-    ...   loss, g = jaxpar.pipeline.pipeline_value_and_grad_local(
-    ...       stage_fn, loss_fn, w[0], scale, x, t, table=low)
-    ...   return loss, g.stages[None]
+    ...   out = jaxpar.pipeline.pipeline_value_and_grad_local(
+    ...       stage_fn, loss_fn, w[0], scale, x, t, table=table)
+    ...   return out.loss, out.grads.stages[None]
     >>> step = jax.jit(jax.shard_map(
     ...     body, mesh=jaxpar.make_mesh(stage=4, data=2), axis_names={'stage'},
     ...     in_specs=(P('stage'), P(), P(), P()), out_specs=(P(), P('stage'))))
@@ -184,191 +168,180 @@ def pipeline_value_and_grad_local(
     >>> dw.shape
     (4, 1, 16, 16)
   """
+  options = StepOptions(
+      stage_axis=stage_axis, bubble_fill=bubble_fill, key=key,
+      microbatch_offset=microbatch_offset, has_aux=has_aux,
+      compute_dtype=compute_dtype, remat_policy=remat_policy,
+      input_grads=input_grads).checked()
+  embedding = (None if embed_fn is None else
+               Embedding(embed_fn, embed_params, embed_key))
+  return _local_step(stage_fn, loss_fn, local_params, loss_params, inputs,
+                     targets, table=table, options=options,
+                     embedding=embedding, stage_state=stage_state)
+
+
+def _local_step(stage_fn: StageFn, loss_fn: LossFn, local_params: PyTree,
+                loss_params: PyTree, inputs: jax.Array, targets: PyTree, *,
+                table: TickTable, options: StepOptions,
+                embedding: Embedding | None,
+                stage_state: PyTree) -> PipelineResult:
+  """``pipeline_value_and_grad_local`` once its options are checked."""
   table = check_table(table)
-  check_fn(stage_fn, 'stage_fn')
-  check_fn(loss_fn, 'loss_fn')
   if not table.training:
     raise ValueError(f'table, the tick table of schedule '
                      f'{table.schedule.name!r}, has no backward actions '
                      '(forward_only=True); use pipeline_apply_local, or pass '
                      'tick_table(schedule).')
   schedule = table.schedule
-  check_axis(axis, schedule)
-  embedding = embed_fn is not None
-  if embedding:
-    check_fn(embed_fn, 'embed_fn')
-    check_key(embed_key)
-  checked = [(local_params, 'local_params'), (loss_params, 'loss_params'),
-             (embed_params, 'embed_params') if embedding else (inputs,
-                                                               'inputs')]
-  for tree, name in checked:
-    check_float(tree, name)
-  check_leading(local_params, schedule.num_stages // schedule.num_ranks,
-                'local_params', 'num_stages // num_ranks')
-  if stage_state is not None:
-    check_leading(stage_state, schedule.num_stages // schedule.num_ranks,
-                  'stage_state', 'num_stages // num_ranks')
-    check_state_order(table)
-  check_bool(input_grads, 'input_grads')
-  check_key(key)
-  check_offset(microbatch_offset)
-  stash_policy(remat_policy)
-  dtype = check_compute_dtype(compute_dtype)
-  # The user's functions as on one device over `axis` (jaxpar.vma); a caller
-  # that also splits the batch lifts them over its axis (parallel.trainer).
-  stage_fn, loss_fn = (vma.lift(stage_fn, axes=(axis,)),
-                       vma.lift(loss_fn, axes=(axis,)))
-  if dtype is not None:
-    stage_fn, loss_fn = cast_params(stage_fn, dtype), cast_params(
-        loss_fn, dtype)
-    if embedding:
-      embed_fn = cast_params(lambda *a, fn=embed_fn: fn(*a).astype(dtype),
-                             dtype)
-    else:
-      inputs_dtype = jnp.result_type(inputs)
-      inputs = jnp.asarray(inputs, dtype)
+  check_stage_axis(options.stage_axis, schedule)
+  _check_functions(stage_fn, loss_fn, embedding, options.key, stage_state)
+  _check_trees(table, local_params, loss_params, inputs, embedding,
+               stage_state)
+  stage_fn, loss_fn, embedding = _as_on_one_device(stage_fn, loss_fn,
+                                                   embedding, options)
+  inputs_dtype = jnp.result_type(inputs)
+  if options.compute_dtype is not None and embedding is None:
+    inputs = jnp.asarray(inputs, options.compute_dtype)
   xs, ts = microbatched(inputs, targets, schedule.num_microbatches)
   x = xs[0]
-  if embedding:
-    x = jax.eval_shape(embed_fn, embed_params, xs[0], *with_key(embed_key))
+  if embedding is not None:
+    x = jax.eval_shape(
+        lambda params, raw, k: embedding.fn(params, raw, **extras(k)),
+        embedding.params, xs[0], embedding.key)
     check_float(x, 'embed_fn(embed_params, inputs)')
     # A value, not its aval: under a shard_map manual over some axes only,
     # eval_shape rejects avals that carry manual-axis types.
     x = full(x, 0)
-  check_stage_fn(stage_fn, local_params, x, key, stage_state)
+  check_stage_fn(stage_fn, local_params, x, options.key, stage_state)
   check_loss_fn(loss_fn, loss_params, x, jax.tree.map(lambda t: t[0], ts),
-                key, has_aux)
-  res = _tick_scan.run(
-      stage_fn, loss_fn, table, local_params, loss_params, xs, ts,
-      axis=axis, bubble_fill=check_fill(bubble_fill),
-      key=key, offset=microbatch_offset, has_aux=has_aux, embed_fn=embed_fn,
-      embed_params=embed_params, embed_key=embed_key, remat_policy=remat_policy,
-      stage_state=stage_state, input_grads=input_grads)
+                options.key, options.has_aux)
+  res = _tick_scan.run(stage_fn, loss_fn, table, local_params, loss_params,
+                       xs, ts, options=options, embedding=embedding,
+                       stage_state=stage_state)
   dx = res.inputs
   if dx is not None:
-    dx = dx.reshape(np.shape(inputs))
-    if dtype is not None:
-      dx = dx.astype(inputs_dtype)
-  out = ((res.value if has_aux else res.value[0]),
-         PipelineGrads(res.stages, res.head, dx, res.embed))
-  return out if stage_state is None else out + (res.state,)
+    dx = dx.reshape(np.shape(inputs)).astype(inputs_dtype)
+  loss, aux = res.value
+  return PipelineResult(loss, aux if options.has_aux else None,
+                        PipelineGrads(res.stages, res.head, dx, res.embed),
+                        res.state)
 
 
-def pipeline_apply_local(
-    stage_fn: StageFn, local_params: PyTree, inputs: jax.Array, *,
-    table: TickTable, axis: str = 'stage',
-    bubble_fill: float = 0.0) -> jax.Array:
-  """One rank's share of ``pipeline_apply``; call it inside ``jax.shard_map``.
-
-  Args are those of ``pipeline_value_and_grad_local``; ``table`` must be
-  forward-only (``tick_table(schedule, forward_only=True)``).
-
-  Returns:
-    ``[batch, ...]``, the last stage's outputs, reduced over ``axis``.
-  """
-  table = check_table(table)
+def _check_functions(stage_fn: Any, loss_fn: Any,
+                     embedding: Embedding | None, key: Any,
+                     stage_state: PyTree) -> None:
+  """``TypeError`` unless each function is callable and takes by keyword
+  the extras this step passes it (``key=``, ``state=``)."""
   check_fn(stage_fn, 'stage_fn')
-  if table.training:
-    raise ValueError(f'table, the tick table of schedule '
-                     f'{table.schedule.name!r}, has backward actions; pass '
-                     'tick_table(schedule, forward_only=True) to '
-                     'pipeline_apply_local.')
+  check_fn(loss_fn, 'loss_fn')
+  keyed = () if key is None else ('key',)
+  check_keywords(stage_fn, 'stage_fn', 'params, x',
+                 keyed + (() if stage_state is None else ('state',)))
+  check_keywords(loss_fn, 'loss_fn', 'loss_params, y, target', keyed)
+  if embedding is not None:
+    check_fn(embedding.fn, 'embed_fn')
+    check_key(embedding.key)
+    check_keywords(embedding.fn, 'embed_fn', 'embed_params, raw',
+                   () if embedding.key is None else ('key',))
+
+
+def _check_trees(table: TickTable, local_params: PyTree,
+                 loss_params: PyTree, inputs: Any,
+                 embedding: Embedding | None, stage_state: PyTree) -> None:
+  """The differentiated trees are floats; the stage trees hold this rank's
+  ``v`` stages; with a state, each stage runs its microbatches in order."""
   schedule = table.schedule
-  check_axis(axis, schedule)
-  check_leading(local_params, schedule.num_stages // schedule.num_ranks,
-                'local_params', 'num_stages // num_ranks')
-  stage_fn = vma.lift(stage_fn, axes=(axis,))
-  xs, _ = microbatched(inputs, (), schedule.num_microbatches)
-  check_stage_fn(stage_fn, local_params, jax.typeof(xs[0]))
-  out = _tick_scan.run(stage_fn, None, table, local_params, (), xs, (),
-                       axis=axis,
-                       bubble_fill=check_fill(bubble_fill))
-  return out.reshape(np.shape(inputs))
+  v = schedule.num_stages // schedule.num_ranks
+  check_float(local_params, 'local_params')
+  check_float(loss_params, 'loss_params')
+  if embedding is None:
+    check_float(inputs, 'inputs')
+  else:
+    check_float(embedding.params, 'embed_params')
+  check_leading(local_params, v, 'local_params', 'num_stages // num_ranks')
+  if stage_state is not None:
+    check_leading(stage_state, v, 'stage_state', 'num_stages // num_ranks')
+    check_state_order(table)
+
+
+def _as_on_one_device(stage_fn: StageFn, loss_fn: LossFn,
+                      embedding: Embedding | None, options: StepOptions):
+  """The functions as on one device over the stage axis (``jaxpar.vma``;
+  a caller that also splits the batch lifts them over its axis), computing
+  in ``options.compute_dtype``."""
+  axes = (options.stage_axis,)
+  stage_fn, loss_fn = (vma.lift(stage_fn, axes=axes),
+                       vma.lift(loss_fn, axes=axes))
+  dtype = options.compute_dtype
+  if dtype is not None:
+    stage_fn, loss_fn = (cast_params(stage_fn, dtype),
+                         cast_params(loss_fn, dtype))
+    if embedding is not None:
+      embed = embedding.fn
+      embedding = embedding._replace(fn=cast_params(
+          lambda *a, **kw: embed(*a, **kw).astype(dtype), dtype))
+  return stage_fn, loss_fn, embedding
 
 
 def pipeline_value_and_grad(
     stage_fn: StageFn, loss_fn: LossFn, *, schedule: Schedule, mesh: Mesh,
-    axis: str = 'stage', bubble_fill: float = 0.0,
-    has_aux: bool = False, compute_dtype: Any = None, remat_policy: Any = None,
-    input_grads: bool = True) -> Callable[..., tuple]:
-  """A jitted pipelined step: the loss and gradients of the batch mean.
+    stage_axis: str = 'stage', bubble_fill: float = 0.0,
+    has_aux: bool = False, compute_dtype: Any = None,
+    remat_policy: Any = 'dots', input_grads: bool = True
+) -> Callable[..., PipelineResult]:
+  """Builds a jitted pipelined training step: the mean loss and its gradients.
 
-  Like ``jax.value_and_grad`` of the sequential model (no optimizer: plug
-  the gradients into optax, or use ``jaxpar.parallel.trainer``).
-
-  The batch is split into ``m = schedule.num_microbatches`` equal
-  microbatches that flow through ``S = schedule.num_stages`` logical stages
-  placed on the ``p`` ranks of ``mesh.shape[axis]`` as the schedule says.
-  The result equals ``jax.value_and_grad`` of the sequential model::
+  The step splits the batch into ``m = schedule.num_microbatches``
+  microbatches, runs them through the ``S = schedule.num_stages`` stages on
+  the ranks of ``mesh``'s ``stage_axis`` as the schedule says, and returns
+  what ``jax.value_and_grad`` of the sequential model gives::
 
     loss = mean_i loss_fn(loss_params, stage_{S-1}(... stage_0(x_i)), t_i)
 
-  With a ``key`` (dropout), stage ``k`` runs as ``stage_fn(params_k, x,
-  k_ik)`` with ``k_ik = fold_in(fold_in(key, i), k)`` and the loss gets
-  ``k_iS``: the same masks in the forward, the backward and a recompute, and
-  the same result for every schedule of ``S`` stages.
-
-  Model state that is not a parameter (BatchNorm running statistics) is
-  passed as ``step(..., stage_state=state)``: each stage then runs as
-  ``stage_fn(params_k, x, [k_ik,] state_k) -> (y, new_state_k)`` on
-  microbatches ``0, 1, ..., m - 1`` in turn, as one device does (see
-  ``pipeline_value_and_grad_local``).
-
-  Memory per rank: the parameters, the batch and its gradient, plus
-  ``tick_table(schedule).num_stash_slots`` stashes (VJP residuals without the
-  parameters; the stage input with ``remat_policy='nothing'``) and ``num_mailbox_slots``
-  activations, independent of ``m`` for 1F1B, interleaved and zero-bubble.
-  When the placement is not one stage per rank in order (interleaved, V),
-  the model-order stage parameters and gradients are permuted to and from
-  the rank placement every step, which gathers them on every device; for
-  large models keep them placed (``stages_to_ranks``) and call
-  ``pipeline_value_and_grad_local`` in your own ``shard_map``.
+  There is no optimizer: pass the gradients to optax, or use
+  ``jaxpar.parallel.trainer``. Besides its parameters and the batch, a rank
+  holds ``tick_table(schedule).num_stash_slots`` stashes and
+  ``num_mailbox_slots`` activations, whatever ``m`` is for 1F1B,
+  interleaved and zero-bubble schedules. Stages that are not one per rank in
+  order (interleaved, V) move between model order and rank order in every
+  step; for a large model keep them in rank order and call
+  ``pipeline_value_and_grad_local``.
 
   Args:
-    stage_fn: ``stage_fn(one_stage_params, x) -> y`` with ``y`` of ``x``'s
-      shape and dtype; ``x`` is one microbatch ``[batch/m, ...]``. Called
-      as ``stage_fn(one_stage_params, x, key)`` when the step gets a key.
-    loss_fn: ``loss_fn(loss_params, y, target) -> scalar``, the mean loss
-      over one microbatch, applied to the last stage's output (``-> (scalar,
-      aux)`` with ``has_aux``; a trailing ``key`` when the step gets one).
-    schedule: a training ``Schedule`` (GPipe, 1F1B, interleaved, zero-bubble,
-      or from CSV).
-    mesh: a mesh with axis ``axis`` of size ``schedule.num_ranks``.
-    axis: the pipeline axis name.
-    remat_policy: the stash (``jaxpar.pipeline.stash_policy``):
-      ``'dots'`` by default, ``'everything'``, ``'dots_no_batch'``,
-      ``'nothing'`` or a ``jax.checkpoint_policies`` policy.
-    bubble_fill: value of unwritten buffer slots and of what idle ranks send;
-      ``float('nan')`` checks that bubbles never reach the results.
-    has_aux: ``loss_fn`` returns ``(loss, aux)``, aux a pytree of floats
-      averaged over microbatches like the loss.
-    compute_dtype: e.g. ``jnp.bfloat16``: stages and loss compute on params
-      and inputs cast to it, so activations, stashes and messages are in it;
-      the loss, aux and all gradients keep their dtypes (float32).
-    input_grads: ``False``: ``grads.inputs`` is ``None`` and is not
-      computed (no batch-sized buffer, no collective for it); for callers
-      with nothing in front of the pipeline to differentiate.
+    stage_fn: ``stage_fn(params, x) -> y``: one stage on one microbatch
+      ``[batch / m, ...]``, ``y`` of ``x``'s shape and dtype. Called with
+      ``key=k`` when the step gets a key, and with ``state=s``, returning
+      ``(y, new_state)``, when it gets a ``stage_state``.
+    loss_fn: ``loss_fn(loss_params, y, target) -> loss``, one microbatch's
+      mean loss (``(loss, aux)`` with ``has_aux``; ``key=k`` with a key).
+    schedule: a training ``Schedule`` (GPipe, 1F1B, interleaved,
+      zero-bubble, searched or read from CSV).
+    mesh: a mesh whose ``stage_axis`` has ``schedule.num_ranks`` devices.
+    stage_axis: the pipeline's mesh axis.
+    bubble_fill: the value of unwritten buffers and of what idle ranks send.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``, ``aux`` floats averaged
+      over the microbatches like the loss.
+    compute_dtype: e.g. ``jnp.bfloat16``: the functions run on parameters
+      and inputs cast to it; the loss, aux and gradients keep their dtypes.
+    remat_policy: what a stage's forward keeps for its backward
+      (``stash_policy``): ``'dots'``, ``'everything'`` (or ``None``),
+      ``'dots_no_batch'``, ``'nothing'`` or a ``jax.checkpoint_policies``
+      policy.
+    input_grads: ``False``: ``grads.inputs`` is ``None``, not computed.
 
   Returns:
     ``step(stage_params, loss_params, inputs, targets, key=None,
-    stage_state=None) -> (loss, PipelineGrads(stages, head, inputs))``
-    (``((loss, aux), grads)`` with ``has_aux``; ``(loss, grads,
-    new_state)`` with a ``stage_state``), jitted. ``stage_params`` is a
-    pytree stacked ``[num_stages, ...]`` in model order, and so are
-    ``stage_state`` and ``new_state``; ``inputs`` is ``[batch, ...]`` and
-    ``targets`` a pytree of ``[batch, ...]`` leaves; ``key`` a PRNG key for
-    the functions (``jax.random.key(seed)``; fold in the step number to
-    draw new masks each step). Shapes are checked when ``step`` is traced,
-    before compiling.
+    stage_state=None) -> PipelineResult(loss, aux, grads, state)``, jitted.
+    ``stage_params``, ``stage_state`` and ``state`` are stacked
+    ``[num_stages, ...]`` in model order; ``inputs`` is ``[batch, ...]``,
+    ``targets`` a pytree of ``[batch, ...]`` leaves, ``key`` a PRNG key.
+    Shapes and signatures are checked when ``step`` is traced.
 
   Raises:
-    TypeError / ValueError: for a non-callable function, a schedule that does
-      not fit the mesh or does not train, a ``compute_dtype`` that is not a
-      float dtype; when called, for a leading axis other than
-      ``num_stages``, a batch not divisible by ``m``, targets of another
-      batch size, a ``stage_fn`` that changes the shape, a ``loss_fn`` whose
-      output is not a float scalar (or ``(scalar, floats)`` with
-      ``has_aux``), or a ``key`` that is not one PRNG key.
+    TypeError / ValueError: a function that is not callable, a schedule
+      that does not fit the mesh or does not train, a bad option; when the
+      step is traced, bad shapes, or a function that does not take the
+      ``key=`` or ``state=`` the step passes.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, jaxpar
@@ -379,69 +352,55 @@ def pipeline_value_and_grad(
     ...     schedule=jaxpar.pipeline.one_f_one_b(4, 8))
     >>> params = {'w': np.full((4, 16, 16), 1 / 16, np.float32),
     ...           'b': np.zeros((4, 16), np.float32)}    # 4 stages
-    >>> loss, grads = step(params, 2.0, np.ones((32, 16)), np.zeros((32, 16)))
-    >>> grads.stages['w'].shape, grads.inputs.shape
-    ((4, 16, 16), (32, 16))
+    >>> out = step(params, 2.0, np.ones((32, 16)), np.zeros((32, 16)))
+    >>> out.grads.stages['w'].shape, out.grads.inputs.shape, out.aux
+    ((4, 16, 16), (32, 16), None)
 
-    Dropout (a key), an auxiliary metric and bfloat16 compute:
+    A key and model state come by keyword (dropout, a running mean):
 
-    >>> def dropout_fn(p, x, key):
-    ...   keep = jax.random.bernoulli(key, 0.9, x.shape)
-    ...   return jnp.where(keep, stage_fn(p, x) / 0.9, 0)
-    >>> def loss_and_mean(scale, y, t, key):
-    ...   return loss_fn(scale, y, t), {'mean_y': jnp.mean(y).astype(float)}
+    >>> def noisy_fn(p, x, *, key, state):
+    ...   y = jnp.where(jax.random.bernoulli(key, 0.9, x.shape),
+    ...                 stage_fn(p, x) / 0.9, 0)
+    ...   return y, 0.9 * state + 0.1 * jnp.mean(x, 0)
     >>> step = jaxpar.pipeline.pipeline_value_and_grad(
-    ...     dropout_fn, loss_and_mean, mesh=jaxpar.make_mesh(stage=4, data=2),
-    ...     schedule=jaxpar.pipeline.one_f_one_b(4, 8), has_aux=True,
-    ...     compute_dtype=jnp.bfloat16)
-    >>> (loss, aux), grads = step(params, 2.0, np.ones((32, 16)),
-    ...                           np.zeros((32, 16)), key=jax.random.key(0))
-    >>> loss.dtype, sorted(aux), grads.stages['w'].dtype
-    (dtype('float32'), ['mean_y'], dtype('float32'))
-
-    A stage with state (a running mean of its inputs, as BatchNorm keeps):
-
-    >>> def norm_fn(p, x, mean):
-    ...   y = stage_fn(p, x - jnp.mean(x, 0))
-    ...   return y, 0.9 * mean + 0.1 * jnp.mean(x, 0)
-    >>> step = jaxpar.pipeline.pipeline_value_and_grad(
-    ...     norm_fn, loss_fn, mesh=jaxpar.make_mesh(stage=4, data=2),
-    ...     schedule=jaxpar.pipeline.one_f_one_b(4, 8), input_grads=False)
-    >>> loss, grads, mean = step(params, 2.0, np.ones((32, 16)),
-    ...                          np.zeros((32, 16)),
-    ...                          stage_state=np.zeros((4, 16)))
-    >>> mean.shape, grads.inputs is None
-    ((4, 16), True)
+    ...     noisy_fn, lambda scale, y, t, *, key: loss_fn(scale, y, t),
+    ...     mesh=jaxpar.make_mesh(stage=4, data=2),
+    ...     schedule=jaxpar.pipeline.one_f_one_b(4, 8))
+    >>> out = step(params, 2.0, np.ones((32, 16)), np.zeros((32, 16)),
+    ...            key=jax.random.key(0), stage_state=np.zeros((4, 16)))
+    >>> out.state.shape, out.loss.dtype
+    ((4, 16), dtype('float32'))
   """
   check_fn(stage_fn, 'stage_fn')
   check_fn(loss_fn, 'loss_fn')
-  check_schedule(schedule, mesh, axis)
+  options = StepOptions(
+      stage_axis=stage_axis, bubble_fill=bubble_fill, has_aux=has_aux,
+      compute_dtype=compute_dtype, remat_policy=remat_policy,
+      input_grads=input_grads).checked()
+  check_schedule(schedule, mesh, stage_axis)
   table = tick_table(schedule)
-  bubble_fill = check_fill(bubble_fill)
-  check_compute_dtype(compute_dtype)
-  stash_policy(remat_policy)
-  check_bool(input_grads, 'input_grads')
-  first, stacked = (lambda tree: jax.tree.map(lambda a: a[0], tree),
-                    lambda tree: jax.tree.map(lambda a: a[None], tree))
+  first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+  stacked = lambda tree: jax.tree.map(lambda a: a[None], tree)
 
   def local(params, loss_params, inputs, targets, key, state):
-    out, grads, *new_state = pipeline_value_and_grad_local(
-        stage_fn, loss_fn, first(params), loss_params,
-        inputs, targets, table=table, axis=axis,
-        bubble_fill=bubble_fill, key=key, has_aux=has_aux,
-        compute_dtype=compute_dtype, remat_policy=remat_policy,
-        stage_state=first(state), input_grads=input_grads)
-    return (out, grads._replace(stages=stacked(grads.stages)),
-            stacked(new_state[0] if new_state else None))
+    out = _local_step(stage_fn, loss_fn, first(params), loss_params, inputs,
+                      targets, table=table, options=options._replace(key=key),
+                      embedding=None, stage_state=first(state))
+    return out._replace(grads=out.grads._replace(
+        stages=stacked(out.grads.stages)), state=stacked(out.state))
 
-  by_stage = NamedSharding(mesh, P(axis))
+  by_rank = NamedSharding(mesh, P(stage_axis))
   to_ranks = lambda tree: jax.reshard(stages_to_ranks(
-      tree, schedule, out_sharding=by_stage), by_stage)
+      tree, schedule, out_sharding=by_rank), by_rank)
+  to_stages = lambda tree: ranks_to_stages(tree, schedule,
+                                           out_sharding=by_rank)
   # Manual over every mesh axis (replicated over the others): XLA:CPU 0.10
   # aborts on a bfloat16 all-reduce in a partly manual shard_map.
   sharded = jax.shard_map(
-      local, mesh=mesh, in_specs=(P(axis), P(), P(), P(), P(), P(axis)),
-      out_specs=(P(), PipelineGrads(P(axis), P(), P()), P(axis)))
+      local, mesh=mesh,
+      in_specs=(P(stage_axis), P(), P(), P(), P(), P(stage_axis)),
+      out_specs=PipelineResult(P(), P(), PipelineGrads(P(stage_axis), P(),
+                                                       P()), P(stage_axis)))
 
   @jax.jit
   def step(stage_params, loss_params, inputs, targets, key=None,
@@ -455,61 +414,103 @@ def pipeline_value_and_grad(
     # Replicated on every device (a no-op unless the caller sharded them).
     loss_params, inputs, targets, key = jax.reshard(
         (loss_params, inputs, targets, key), NamedSharding(mesh, P()))
-    out, grads, new_state = sharded(
-        to_ranks(stage_params), loss_params, inputs, targets, key,
-        None if stage_state is None else to_ranks(stage_state))
-    out = out, grads._replace(stages=ranks_to_stages(
-        grads.stages, schedule, out_sharding=by_stage))
-    if stage_state is None:
-      return out
-    return out + (ranks_to_stages(new_state, schedule,
-                                  out_sharding=by_stage),)
+    out = sharded(to_ranks(stage_params), loss_params, inputs, targets, key,
+                  None if stage_state is None else to_ranks(stage_state))
+    return out._replace(
+        grads=out.grads._replace(stages=to_stages(out.grads.stages)),
+        state=None if stage_state is None else to_stages(out.state))
   return step
 
 
+# ---------------------------------------------------------------- forward
+
+
+def pipeline_apply_local(
+    stage_fn: StageFn, local_params: PyTree, inputs: jax.Array, *,
+    table: TickTable, stage_axis: str = 'stage',
+    bubble_fill: float = 0.0) -> jax.Array:
+  """Runs one rank's share of ``pipeline_apply``; call it in ``jax.shard_map``.
+
+  Args:
+    stage_fn: ``stage_fn(params, x) -> y``, ``y`` like ``x``.
+    local_params: this rank's stages, ``[v, ...]`` in rank order.
+    inputs: ``[batch, ...]``, the same on every rank of ``stage_axis``.
+    table: ``tick_table(schedule, forward_only=True)``.
+    stage_axis: the pipeline's mesh axis, of size ``schedule.num_ranks``.
+    bubble_fill: the value of unwritten buffer slots and of what idle ranks
+      send.
+
+  Returns:
+    ``[batch, ...]``, the last stage's outputs, the same on every rank.
+  """
+  table = check_table(table)
+  check_fn(stage_fn, 'stage_fn')
+  if table.training:
+    raise ValueError(f'table, the tick table of schedule '
+                     f'{table.schedule.name!r}, has backward actions; pass '
+                     'tick_table(schedule, forward_only=True) to '
+                     'pipeline_apply_local.')
+  options = StepOptions(stage_axis=stage_axis,
+                        bubble_fill=bubble_fill).checked()
+  schedule = table.schedule
+  check_stage_axis(stage_axis, schedule)
+  check_leading(local_params, schedule.num_stages // schedule.num_ranks,
+                'local_params', 'num_stages // num_ranks')
+  stage_fn = vma.lift(stage_fn, axes=(stage_axis,))
+  xs, _ = microbatched(inputs, (), schedule.num_microbatches)
+  check_stage_fn(stage_fn, local_params, jax.typeof(xs[0]))
+  out = _tick_scan.run(stage_fn, None, table, local_params, (), xs, (),
+                       options=options)
+  return out.reshape(np.shape(inputs))
+
+
 @functools.partial(jax.jit, static_argnames=(
-    'stage_fn', 'schedule', 'mesh', 'axis', 'bubble_fill'))
-def _apply(stage_fn, stage_params, inputs, *, schedule, mesh, axis,
+    'stage_fn', 'schedule', 'mesh', 'stage_axis', 'bubble_fill'))
+def _apply(stage_fn, stage_params, inputs, *, schedule, mesh, stage_axis,
            bubble_fill):
   bubble_fill = float(bubble_fill)  # passed as a str: nan == nan for the cache
-  check_schedule(schedule, mesh, axis)
+  check_schedule(schedule, mesh, stage_axis)
   table = tick_table(schedule, forward_only=True)
   check_leading(stage_params, schedule.num_stages, 'stage_params',
                 'schedule.num_stages')
   local = lambda params, x: pipeline_apply_local(
       stage_fn, jax.tree.map(lambda a: a[0], params), x, table=table,
-      axis=axis, bubble_fill=bubble_fill)
+      stage_axis=stage_axis, bubble_fill=bubble_fill)
   params = stages_to_ranks(stage_params, schedule,
-                           out_sharding=NamedSharding(mesh, P(axis)))
+                           out_sharding=NamedSharding(mesh, P(stage_axis)))
   inputs = jax.reshard(inputs, NamedSharding(mesh, P()))
-  return jax.shard_map(local, mesh=mesh, in_specs=(P(axis), P()),
-                       out_specs=P(), axis_names={axis})(params, inputs)
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(stage_axis), P()),
+                       out_specs=P(), axis_names={stage_axis})(params, inputs)
 
 
 def pipeline_apply(stage_fn: StageFn, stage_params: PyTree | None = None,
                    inputs: jax.Array | None = None, *, schedule: Schedule,
-                   mesh: Mesh, axis: str = 'stage', bubble_fill: float = 0.0):
-  """The pipelined forward pass (inference): all stages on every microbatch.
+                   mesh: Mesh, stage_axis: str = 'stage',
+                   bubble_fill: float = 0.0):
+  """Runs a pipelined forward pass (inference): every stage on the batch.
 
-  Runs the ``F`` actions of ``schedule`` (any schedule; its backward actions
-  are dropped) and computes ``stage_{S-1}(... stage_0(x))`` for the whole
-  batch. Compiled once per ``(stage_fn, schedule, mesh, axis)`` and shapes.
+  It runs the ``F`` actions of ``schedule`` (any schedule; its backward
+  actions are dropped) and returns ``stage_{S-1}(... stage_0(x))`` for the
+  whole batch. The program is compiled once per ``stage_fn``, schedule,
+  mesh, axis and input shapes.
 
   Args:
-    stage_fn: ``stage_fn(one_stage_params, x) -> y``, ``y`` like ``x``.
-    stage_params: pytree stacked ``[num_stages, ...]`` in model order; give it
-      with ``inputs`` to run at once (the first call form).
-    inputs: ``[batch, ...]`` with ``batch`` divisible by
+    stage_fn: ``stage_fn(params, x) -> y``, ``y`` like ``x``.
+    stage_params: the stages' parameters, stacked ``[num_stages, ...]`` in
+      model order; give it with ``inputs`` to run now.
+    inputs: ``[batch, ...]``, ``batch`` divisible by
       ``schedule.num_microbatches``.
-    schedule: a ``Schedule`` whose ``num_ranks`` is ``mesh.shape[axis]``.
+    schedule: a ``Schedule`` whose ``num_ranks`` is the size of
+      ``stage_axis``.
     mesh: the device mesh.
-    axis: the pipeline axis name.
-    bubble_fill: value of unwritten buffer slots and of what idle ranks send.
+    stage_axis: the pipeline's mesh axis.
+    bubble_fill: the value of unwritten buffer slots and of what idle ranks
+      send.
 
   Returns:
-    Without ``stage_params`` and ``inputs``: ``apply(stage_params, inputs) ->
-    [batch, ...]``, like every other step; with them, that result directly.
-    Outputs are replicated over ``axis``.
+    With ``stage_params`` and ``inputs``: the outputs ``[batch, ...]``, the
+    same on every rank. Without them: ``apply(stage_params, inputs)``, which
+    returns those outputs.
 
   Example:
     >>> import jax.numpy as jnp, numpy as np, jaxpar
@@ -521,12 +522,12 @@ def pipeline_apply(stage_fn: StageFn, stage_params: PyTree | None = None,
   """
   check_fn(stage_fn, 'stage_fn')
   fill = str(check_fill(bubble_fill))  # a str: nan == nan for the jit cache
-  check_schedule(schedule, mesh, axis)
+  check_schedule(schedule, mesh, stage_axis)
   tick_table(schedule, forward_only=True)   # its errors now, not when called
 
   def apply(stage_params: PyTree, inputs: jax.Array) -> jax.Array:
     return _apply(stage_fn, stage_params, inputs, schedule=schedule,
-                  mesh=mesh, axis=axis, bubble_fill=fill)
+                  mesh=mesh, stage_axis=stage_axis, bubble_fill=fill)
   if stage_params is None and inputs is None:
     return apply
   if stage_params is None or inputs is None:

@@ -62,13 +62,19 @@ def ranks_to_stages(tree: PyTree, schedule: Schedule, *,
 
 
 def _permute(tree, order, p, out_sharding, *, to_ranks):
-  """Rows of each leaf in ``order`` (skipped when it is the identity)."""
-  identity = np.array_equal(order, np.arange(len(order)))
+  """Rows of each leaf in ``order`` (skipped when it is the identity).
+
+  The shapes are spelled out from the stage count rather than inferred
+  with ``-1``: a zero-size leaf (``[S, 0]``) leaves ``-1`` undetermined.
+  """
+  num_stages = len(order)
+  identity = np.array_equal(order, np.arange(num_stages))
 
   def one(a):
     if not to_ranks:
-      a = a.reshape((-1,) + a.shape[2:])
+      a = a.reshape((num_stages,) + a.shape[2:])
     if not identity:
       a = jnp.asarray(a).at[order].get(out_sharding=out_sharding)
-    return a.reshape((p, -1) + a.shape[1:]) if to_ranks else a
+    return (a.reshape((p, num_stages // p) + a.shape[1:]) if to_ranks
+            else a)
   return jax.tree.map(one, tree)

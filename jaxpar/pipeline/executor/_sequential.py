@@ -7,27 +7,27 @@ step to ``sequential``: one ``lax.scan`` over the microbatches of
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxpar.pipeline.executor._microbatches import row, with_key, with_state
+from jaxpar.pipeline.executor._microbatches import (
+    LossFn, StageFn, extras, row)
+from jaxpar.pipeline.executor._options import Embedding, StepOptions
 from jaxpar.pipeline.executor._stage_vjp import stash_policy
-from jaxpar.pipeline.executor._tick_state import LossFn, Result, StageFn
-from jaxpar.pipeline.executor._vma import like, vary, vma
+from jaxpar.pipeline.executor._tick_state import Result
+from jaxpar.pipeline.executor._vma import like
+from jaxpar.vma import vary, varying_axes
 
 PyTree = Any
 
 
 def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
                local_params: PyTree, loss_params: PyTree, inputs: PyTree,
-               targets: PyTree, *, axis: str,
-               key: jax.Array | None, offset: Any, has_aux: bool,
-               embed_fn: Callable[..., jax.Array] | None, embed_params: PyTree,
-               embed_key: jax.Array | None, remat_policy: Any = None,
-               stage_state: PyTree = None, input_grads: bool = True):
+               targets: PyTree, *, options: StepOptions,
+               embedding: Embedding | None = None,
+               stage_state: PyTree = None):
   """``run`` on one rank: the microbatches in turn, no ticks.
 
   A ``lax.scan`` over the ``m`` microbatches of ``jax.value_and_grad`` of
@@ -35,16 +35,19 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
   accumulating as data parallelism's microbatches do and passing the
   stages' state (if any) from each microbatch to the next; the same keys,
   results and return values as ``run``. Plain autodiff (XLA fuses the
-  backward) unless a ``remat_policy`` other than ``'everything'`` is asked
-  for: each stage is then a ``jax.checkpoint`` with that policy.
+  backward) under ``remat_policy='everything'`` (or ``None``); under
+  another policy each stage is a ``jax.checkpoint`` with it.
   """
   m, num_stages = schedule.num_microbatches, schedule.num_stages
   train = loss_fn is not None
-  base = vma(inputs) | {axis}
+  key, offset, axis = (options.key, options.microbatch_offset,
+                       options.stage_axis)
+  base = varying_axes(inputs) | {axis}
+  embed_params = None if embedding is None else embedding.params
   local_params, loss_params, embed_params, stage_state = vary(
       (local_params, loss_params, embed_params, stage_state), base)
   layer = stage_fn
-  policy = None if remat_policy is None else stash_policy(remat_policy)
+  policy = stash_policy(options.remat_policy)
   if train and policy is not None:
     layer = jax.checkpoint(stage_fn, policy=policy)
 
@@ -52,23 +55,23 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
     """The microbatch's share of the mean loss and ``(aux, new states)``,
     or (forward only) its output."""
     g = offset + mb
-    if embed_fn is not None:
-      k = None if embed_key is None else jax.random.fold_in(embed_key, g)
-      x = embed_fn(ep, x, *with_key(k))
+    if embedding is not None:
+      k = (None if embedding.key is None else
+           jax.random.fold_in(embedding.key, g))
+      x = embedding.fn(ep, x, **extras(k))
     keys = None if key is None else jax.random.fold_in(key, g)
-    key_of = lambda k: () if key is None else (jax.random.fold_in(keys, k),)
+    key_of = lambda k: None if key is None else jax.random.fold_in(keys, k)
     new = []
     for j in range(num_stages):
-      x = layer(row(params, j), x, *key_of(j),
-                *with_state(states, lambda s, j=j: row(s, j)))
+      x = layer(row(params, j), x, **extras(key_of(j), row(states, j)))
       if states is not None:
         x, new_state = x
         new.append(new_state)
     if not train:
       return x
-    out = loss_fn(lp, x, target, *key_of(num_stages))
+    out = loss_fn(lp, x, target, **extras(key_of(num_stages)))
     loss, aux = jax.tree.map(lambda a: a.astype(jnp.promote_types(
-        a.dtype, jnp.float32)) / m, out if has_aux else (out, ()))
+        a.dtype, jnp.float32)) / m, out if options.has_aux else (out, ()))
     return loss, (aux, jax.tree.map(lambda *a: jnp.stack(a), *new)
                   if new else None)
 
@@ -77,7 +80,7 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
     return jax.lax.psum(jax.lax.map(
         lambda a: model(local_params, None, embed_params, *a, None),
         (inputs, targets, mbs)), axis)
-  with_dx = embed_fn is None and input_grads
+  with_dx = embedding is None and options.input_grads
   grad = jax.value_and_grad(model, (0, 1, 2, 3) if with_dx else (0, 1, 2),
                             has_aux=True)
 
@@ -85,7 +88,7 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
     acc, states = carry
     (loss, (aux, new)), grads = grad(local_params, loss_params, embed_params,
                                      *a, states)
-    acc = jax.tree.map(lambda s, d: s + vary(d, vma(s)), acc,
+    acc = jax.tree.map(lambda s, d: s + vary(d, varying_axes(s)), acc,
                        ((loss, aux), grads[:3]))
     return (acc, like(new, states)), (grads[3] if with_dx else None)
 
@@ -93,11 +96,12 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
   (loss, (aux, new)), grads = jax.eval_shape(lambda: grad(
       local_params, loss_params, embed_params, *first, mbs[0], stage_state))
   zero = jax.tree.map(
-      lambda a: vary(jnp.zeros(a.shape, a.dtype), base | vma(a)),
+      lambda a: vary(jnp.zeros(a.shape, a.dtype), base | varying_axes(a)),
       ((loss, aux), grads[:3]))
   # The states vary as the new ones do (e.g. over a data axis).
   ((out, (grads, dlp, de)), states), dx = jax.lax.scan(
-      body, (zero, vary(stage_state, vma(new))), (inputs, targets, mbs))
+      body, (zero, vary(stage_state, varying_axes(new))),
+      (inputs, targets, mbs))
   out, dlp, de, dx = jax.lax.psum((out, dlp, de, dx), axis)
   return Result(out, grads, dlp, dx,
-                (de if embed_fn is not None else None), states)
+                (de if embedding is not None else None), states)

@@ -1,15 +1,15 @@
 """A pipeline stage cut into the blocks the executor runs: ``F``, ``I``, ``W``.
 
 ``StageVJP(stage_fn, remat_policy)`` turns ``stage_fn(params, x) -> y``
-(or ``stage_fn(params, x, key)``: every block then takes the same ``key``)
+(or ``stage_fn(params, x, key=k)``: every block then takes the same ``key``)
 into
 
 * ``forward(params, x) -> (y, stash)``: the output and the VJP residuals
   that depend on ``x`` -- the **stash holds activations only**. Which
   activations is the **stash policy** (``stash_policy``): ``'everything'``
-  keeps every residual ``jax.vjp`` lists; ``'dots'`` (the default) keeps the
-  outputs of matrix products and recomputes the elementwise work after them
-  in the backward
+  (or ``None``) keeps every residual ``jax.vjp`` lists; ``'dots'`` (the
+  default) keeps the outputs of matrix products and recomputes the
+  elementwise work after them in the backward
   (``jax.checkpoint_policies.dots_saveable``); ``'nothing'``
   keeps ``x`` alone and recomputes the whole forward; any
   ``jax.checkpoint`` policy may be given. Residuals that depend on the
@@ -39,9 +39,9 @@ into
 
 **Model state** that is not a parameter (BatchNorm's running statistics):
 with ``state=`` given to ``trace`` and every block,
-``stage_fn(params, x, [key,] state) -> (y, new_state)`` (the state last) and
-``forward`` returns ``(y, stash, new_state)``. The VJP is over
-``(params, x)`` only; ``new_state`` gets no cotangent. The state counts as
+``stage_fn(params, x, state=s) -> (y, new_state)`` and ``forward`` returns
+``(y, stash, new_state)``. The VJP is over ``(params, x)`` only;
+``new_state`` gets no cotangent. The state counts as
 ``x`` in the dataflow pass: residuals that depend on it are stashed (under
 ``'nothing'``, the state itself), so the backward of a microbatch sees the
 state of that microbatch's forward; the backward blocks read only the
@@ -79,34 +79,33 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.pipeline.executor import _cut, _jaxpr, _vma
+from jaxpar.pipeline.executor._microbatches import extras
 from jaxpar.train_state import check_remat_policy
 
 PyTree = Any
 
 
-# The fastest for GPipe, 1F1B and ZB-H1 on one core (bench ``one_core``,
-# docs/executor.md "Stash policy"): recomputing elementwise work costs less
-# than storing and reloading its intermediates.
-DEFAULT_POLICY = 'dots'
-
-
-def stash_policy(remat_policy: Any = None) -> Callable[..., Any] | None:
+def stash_policy(remat_policy: Any) -> Callable[..., Any] | None:
   """The ``jax.checkpoint`` policy of a stage's stash (``None``: everything).
 
-  ``remat_policy`` as every trainer takes it (``jaxpar.train_state.
-  check_remat_policy``: a name of ``POLICIES`` or a ``jax.checkpoint_policies``
-  policy); ``None`` is the pipeline's ``DEFAULT_POLICY``, ``'dots'``.
-  ``'nothing'`` stashes the stage input alone and recomputes the forward.
+  ``remat_policy`` means what it means in every trainer
+  (``jaxpar.train_state.check_remat_policy``): a name of
+  ``REMAT_POLICIES`` or a ``jax.checkpoint_policies`` policy, ``None``
+  being ``'everything'`` (no recompute). ``'nothing'`` stashes the stage
+  input alone and recomputes the forward. The executor's default is
+  ``'dots'``: on one core it was the fastest for GPipe, 1F1B and ZB-H1
+  (``docs/executor.md``, "Stash policy"), as recomputing elementwise work
+  costs less than storing and reloading its intermediates.
 
   Example:
     >>> import jax
     >>> from jaxpar.pipeline import stash_policy
-    >>> stash_policy() is jax.checkpoint_policies.dots_saveable
+    >>> stash_policy('dots') is jax.checkpoint_policies.dots_saveable
     True
-    >>> stash_policy('nothing') is jax.checkpoint_policies.nothing_saveable
+    >>> stash_policy(None) is None   # 'everything': keep every residual
     True
   """
-  return check_remat_policy(remat_policy, default=DEFAULT_POLICY)
+  return check_remat_policy(remat_policy)
 
 
 class StageVJP:
@@ -118,7 +117,7 @@ class StageVJP:
   """
 
   def __init__(self, stage_fn: Callable[..., jax.Array],
-               remat_policy: Any = None):
+               remat_policy: Any = 'dots'):
     self.stage_fn = stage_fn
     self.policy = stash_policy(remat_policy)
     self._from_x = None      # per closure leaf: depends on x (is stashed)
@@ -134,10 +133,10 @@ class StageVJP:
     if self.policy is not None:
       # The blocks are separate programs: no CSE across them to prevent.
       fn = jax.checkpoint(fn, policy=self.policy, prevent_cse=False)
-    extra = tuple(a for a in (key, state) if a is not None)
+    kwargs = extras(key, state)
     if state is None:
-      return lambda params, x: (fn(params, x, *extra), None)
-    return lambda params, x: tuple(fn(params, x, *extra))
+      return lambda params, x: (fn(params, x, **kwargs), None)
+    return lambda params, x: tuple(fn(params, x, **kwargs))
 
   def _closure(self, params, x, key, state=None):
     y, vjp, new_state = jax.vjp(self._fn(key, state), params, x, has_aux=True)
@@ -245,7 +244,7 @@ def _check_state(state: PyTree, new_state: PyTree) -> None:
       for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new_state)))
   if not same:
     raise ValueError(
-        'stage_fn(params, x, [key,] state) must return (y, new_state) with '
+        'stage_fn(params, x, state=s) must return (y, new_state) with '
         'new_state of the same tree structure, shapes and dtypes as state; '
         f'got state {jax.tree.map(jax.typeof, state)} and new_state '
         f'{new_state}. Return the updated state in the structure it came in.')

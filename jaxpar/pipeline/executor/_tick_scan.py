@@ -5,17 +5,16 @@ table, inside a ``jax.shard_map`` over the pipeline axis
 (``docs/executor.md`` draws a tick); ``jaxpar.pipeline.executor`` wraps it
 into the public steps. ``run`` reads as the recipe: the rank's view of the
 step (``Rank``), the types of what the blocks produce (``_avals``), the
-blocks and message patterns the table holds (``_plan``), the buffers
-(``_init_carry``), the scan of ``_tick``, the sums (``_result``). The
-scan's carry is a ``Carry`` (mailbox, stash, weight stash,
+blocks and message patterns the table holds (``_scan_config``), the
+buffers (``_init_carry``), the scan of ``_tick``, the sums (``_result``).
+The scan's carry is a ``Carry`` (mailbox, stash, weight stash,
 ``Accumulators``, the pending and result rows as an ``Edge``, the stages'
-state); its ``xs``
-are ``TickRow``s, each rank's part an ``Action``; a block reads and
-updates a ``BlockState``. Per tick (``_tick``), every rank
+state); its ``xs`` are ``TickRow``s, each rank's part a ``TickCell``; a
+block reads and updates a ``BlockState``. Per tick (``_tick``), every rank
 
 1. reads its row of the tick table (action kind, stage, microbatch, slots);
-2. reads the action's input: the batch for stage 0's ``F`` (with
-   ``embed_fn``: the embedded raw microbatch), else a mailbox slot (the
+2. reads the action's input: the batch for stage 0's ``F`` (with an
+   embedding: the embedded raw microbatch), else a mailbox slot (the
    activation for ``F``, the output cotangent for ``I`` and ``W``);
 3. runs the block of its action kind and no other (``StageVJP``):
 
@@ -45,15 +44,15 @@ updates a ``BlockState``. Per tick (``_tick``), every rank
    when ``p`` rows wait (or the last is done) one ``psum`` over the pipeline
    axis lands them in their rows on every rank (``edge_rows``). No
    batch-sized buffer is held besides the output (``grads.inputs`` costs
-   ``2p`` rows of scratch), and the result costs ``ceil(m / p)`` collectives:
-   one per row cost 1F1B 15% of its step on two pinned cores over gloo.
-   With ``embed_fn`` stage 0's ``F`` embeds the raw microbatch and its ``W``
+   ``2p`` rows of scratch), and the result costs ``ceil(m / p)`` collectives
+   (one per row costs 1F1B 15% of its step on two pinned cores over gloo).
+   With an embedding stage 0's ``F`` embeds the raw microbatch and its ``W``
    adds the embedding's VJP (recomputing the embedding) to its gradient, and
    there is no batch-sized result at all.
 
 **Dispatch: per tick, one zero-or-one-trip ``while_loop`` per block and one
 ``lax.switch`` over the messages.** The blocks are ``F``, the last stage's
-``F`` (with the loss), ``I`` and ``W`` (with ``embed_fn`` also stage 0's
+``F`` (with the loss), ``I`` and ``W`` (with an embedding also stage 0's
 ``F`` and ``W``: 6); ``blocks`` codes them per (tick, rank) from the table.
 Each runs in a ``when`` (a while loop whose carries, the stash, weight
 stash and gradient accumulators, XLA updates in place). The messages of a
@@ -62,15 +61,15 @@ one of a few patterns, the same on every rank (``messages``): one
 ``lax.switch`` on the pattern runs its ``ppermute``s and ``psum``; its
 operands are read and its results are one activation each, so it copies
 nothing else. A local hand-off (the loss cotangent) and the write of a
-result row are selects, no branch. On XLA:GPU each of these 5 (7 with
-``embed_fn``) ops reads its predicate back to the host; it was ``6 + K``
-(9 for 1F1B on 4 ranks). Fewer would need the blocks in one
+result row are selects, no branch. On XLA:GPU each of these 5 (7 with an
+embedding) ops reads its predicate back to the host. Fewer would need the
+blocks in one
 ``lax.switch``, which copies every buffer a branch passes through unchanged
 on every tick (XLA 0.10: a scan of 64 ticks over a 384x384 accumulator and
 8 activation slots holds 4.2x the temp memory and takes 1.5-1.8x the CPU
 time of the same scan with whiles), or branches with small outputs and the
 accumulators updated outside, which costs a parameter-sized read and write
-on every tick. One stage rank (``num_ranks == 1``) runs no ticks: the
+on every tick. One pipeline rank (``num_ranks == 1``) runs no ticks: the
 microbatches run in turn (``sequential``), as data parallelism runs them.
 
 Buffer updates are selects or writes to a spare slot, never masks multiplied
@@ -81,10 +80,11 @@ per rank (``O(p)`` for 1F1B whatever the number of microbatches ``m``), plus
 the parameters, their gradients, the batch and the output.
 
 **Randomness.** With a key, stage ``k`` on microbatch ``i`` runs with
-``fold_in(fold_in(key, offset + i), k)`` in its ``F``, ``I`` and ``W`` (and a
-remat recompute), the loss with ``k = num_stages``: ``StageVJP`` treats the
-key like the parameters, so a dropout mask is recomputed from it in the
-backward, never stashed, and is the forward's mask.
+``fold_in(fold_in(key, microbatch_offset + i), k)`` in its ``F``, ``I`` and
+``W`` (and a remat recompute), the loss with ``k = num_stages``:
+``StageVJP`` treats the key like the parameters, so a dropout mask is
+recomputed from it in the backward, never stashed, and is the forward's
+mask.
 """
 
 from __future__ import annotations
@@ -96,16 +96,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpar.pipeline.executor._microbatches import row, with_key
-from jaxpar.pipeline.executor._profile import stamp
+from jaxpar.pipeline.executor._microbatches import (
+    LossFn, StageFn, extras, row)
+from jaxpar.pipeline.executor._options import Embedding, StepOptions
 from jaxpar.pipeline.executor._sequential import sequential
 from jaxpar.pipeline.executor._stage_vjp import StageVJP
+from jaxpar.pipeline.executor._stamps import stamp
 from jaxpar.pipeline.executor._tick_rows import F, I, blocks, edge_rows, messages
 from jaxpar.pipeline.executor._tick_state import (
-    Accumulators, Action, Avals, BlockState, Carry, Edge, LossFn, Plan, Rank,
-    Result, StageFn, TickRow)
-from jaxpar.pipeline.executor._vma import full, like, vary, vma
+    Accumulators, Avals, BlockState, Carry, Edge, Rank, Result, ScanConfig,
+    TickCell, TickRow)
+from jaxpar.pipeline.executor._vma import full, like
 from jaxpar.pipeline.schedules import TickTable
+from jaxpar.vma import vary, varying_axes
 
 PyTree = Any
 
@@ -115,76 +118,71 @@ PyTree = Any
 
 def run(stage_fn: StageFn, loss_fn: LossFn | None, table: TickTable,
         local_params: PyTree, loss_params: PyTree, inputs: PyTree,
-        targets: PyTree, *, axis: str, bubble_fill: float,
-        key: jax.Array | None = None, offset: Any = 0,
-        has_aux: bool = False, embed_fn: Callable[..., jax.Array] | None = None,
-        embed_params: PyTree = None, embed_key: jax.Array | None = None,
-        remat_policy: Any = None, stage_state: PyTree = None,
-        input_grads: bool = True) -> Result | jax.Array:
+        targets: PyTree, *, options: StepOptions,
+        embedding: Embedding | None = None,
+        stage_state: PyTree = None) -> Result | jax.Array:
   """The scan over ticks on one rank (inside ``shard_map``); see module doc.
 
   Args are one rank's view: ``local_params`` ``[v, ...]``, ``inputs``
-  ``[m, mb, ...]`` (raw, for ``embed_fn``, when it is given), ``targets``
-  leaves ``[m, mb, ...]``; ``key`` the step's key, ``offset`` the global index
-  of this shard's first microbatch; ``embed_fn(embed_params, inputs[i])``
-  (``+ (fold_in(embed_key, offset + i),)`` with an ``embed_key``) gives stage
-  0's input. ``stage_state`` (training only) is ``[v, ...]`` like
-  ``local_params``: the stages' state, passed from each ``F`` of a stage to
-  its next (in microbatch order, ``check_state_order``). Without
-  ``input_grads`` no input cotangent is computed or held.
+  ``[m, mb, ...]`` (raw rows with an ``embedding``, whose ``fn`` gives
+  stage 0's input), ``targets`` leaves ``[m, mb, ...]``; ``options`` the
+  step's checked ``StepOptions`` (its key, ``microbatch_offset``, ...).
+  ``stage_state`` (training only) is ``[v, ...]`` like ``local_params``:
+  the stages' state, passed from each ``F`` of a stage to its next (in
+  microbatch order, ``check_state_order``).
 
   Returns:
     Training (``loss_fn`` given): a ``Result``: the loss (and aux) and the
     gradients of the mean over the ``m`` microbatches. Forward-only: the
     last stage's outputs ``[m, mb, ...]``. Everything but
-    ``Result.stages`` is reduced over ``axis``.
+    ``Result.stages`` and ``Result.state`` is reduced over the stage axis.
   """
   schedule = table.schedule
   if schedule.num_ranks == 1:
-    return sequential(
-        stage_fn, loss_fn, schedule, local_params, loss_params, inputs,
-        targets, axis=axis, key=key, offset=offset,
-        has_aux=has_aux, embed_fn=embed_fn, embed_params=embed_params,
-        embed_key=embed_key, remat_policy=remat_policy,
-        stage_state=stage_state, input_grads=input_grads)
+    return sequential(stage_fn, loss_fn, schedule, local_params, loss_params,
+                      inputs, targets, options=options, embedding=embedding,
+                      stage_state=stage_state)
   training = loss_fn is not None
+  axis = options.stage_axis
   # Every value the blocks touch varies over the pipeline axis and over
   # what the batch varies over (e.g. 'data'): no gradient is then psum-ed
   # implicitly inside a block that only some ranks run.
-  base = vma(inputs) | {axis}
+  base = varying_axes(inputs) | {axis}
   rank = Rank(
       index=jax.lax.axis_index(axis),
       # Forward-only: nothing is differentiated, so nothing is stashed.
-      stage=StageVJP(stage_fn, remat_policy if training else 'nothing'),
-      loss_fn=loss_fn, embed_fn=embed_fn,
+      stage=StageVJP(stage_fn,
+                     options.remat_policy if training else 'nothing'),
+      loss_fn=loss_fn,
+      embedding=None if embedding is None else embedding._replace(
+          params=vary(embedding.params, base)),
       local_params=vary(local_params, base),
-      loss_params=vary(loss_params, base),
-      embed_params=vary(embed_params, base), inputs=inputs, targets=targets,
-      key=key, embed_key=embed_key, offset=offset, has_aux=has_aux,
-      num_microbatches=schedule.num_microbatches,
+      loss_params=vary(loss_params, base), inputs=inputs, targets=targets,
+      options=options, num_microbatches=schedule.num_microbatches,
       num_stages=schedule.num_stages, state=vary(stage_state, base))
   avals = _avals(rank, axis)
-  plan, rows = _plan(table, axis, bubble_fill, training,
-                     embedding=embed_fn is not None, input_grads=input_grads)
-  carry, _ = jax.lax.scan(functools.partial(_tick, rank, avals, plan),
-                          _init_carry(rank, avals, plan), rows)
-  return _result(plan, carry)
+  config, rows = _scan_config(table, options, training,
+                              embedding=embedding is not None)
+  carry, _ = jax.lax.scan(functools.partial(_tick, rank, avals, config),
+                          _init_carry(rank, avals, config), rows)
+  return _result(config, carry)
 
 
-def _plan(table: TickTable, axis: str, bubble_fill: float, training: bool,
-          *, embedding: bool, input_grads: bool) -> tuple[Plan, TickRow]:
+def _scan_config(table: TickTable, options: StepOptions, training: bool, *,
+                 embedding: bool) -> tuple[ScanConfig, TickRow]:
   """The blocks and message patterns present, and the scan's rows."""
   codes, kinds = blocks(table, loss=training, embed=embedding)
-  plan = Plan(table, kinds, (), axis, bubble_fill, training, embedding,
-              input_grads, embedding or any(
-                  a is not None and a.kind == 'B'
-                  for actions in table.schedule.actions for a in actions))
-  message, patterns = messages(table, plan.with_edge)
+  config = ScanConfig(
+      table, kinds, (), options.stage_axis, options.bubble_fill, training,
+      embedding, options.input_grads, embedding or any(
+          a is not None and a.kind == 'B'
+          for actions in table.schedule.actions for a in actions))
+  message, patterns = messages(table, config.with_edge)
   pending_slot, summed_rows = edge_rows(table)
-  ranks = Action(table.kind, codes, table.stage, table.microbatch,
-                 table.local_stage, table.read_slot, table.stash_slot,
-                 table.weight_slot, table.recv_slot)
-  return (plan._replace(patterns=patterns),
+  ranks = TickCell(table.kind, codes, table.stage, table.microbatch,
+                   table.local_stage, table.read_slot, table.stash_slot,
+                   table.weight_slot, table.recv_slot)
+  return (config._replace(patterns=patterns),
           TickRow(ranks, message, pending_slot, summed_rows))
 
 
@@ -201,25 +199,25 @@ def _avals(rank: Rank, axis: str) -> Avals:
   one_state = row(rank.state, 0)
   k0 = _key(rank, rank.index * 0, rank.index * 0)
   x0 = (jax.eval_shape(lambda ep, mb: _embedded(rank, ep, mb),
-                       rank.embed_params, rank.index * 0)
-        if rank.embed_fn is not None else jax.typeof(rank.inputs[0]))
-  act_vma = vma(rank.inputs) | {axis} | vma(x0)
+                       _embed_params(rank), rank.index * 0)
+        if rank.embedding is not None else jax.typeof(rank.inputs[0]))
+  act_vma = varying_axes(rank.inputs) | {axis} | varying_axes(x0)
   while True:
     x = vary(jnp.zeros(x0.shape, x0.dtype), act_vma)
     state = vary(one_state, act_vma)   # varies as the activations do
     y_aval, stash = rank.stage.trace(one_params, x, k0, state=state)
-    new = act_vma | vma(y_aval) | vma(_new_state(rank, one_params, x, k0,
-                                                 state))
+    new = act_vma | varying_axes(y_aval) | varying_axes(
+        _new_state(rank, one_params, x, k0, state))
     if training:
-      y = vary(jnp.zeros_like(x), vma(y_aval))
+      y = vary(jnp.zeros_like(x), varying_axes(y_aval))
       value, (dhead, dy_aval) = jax.eval_shape(
           lambda lp, y, t, k: _seed(rank, lp, y, t, k), rank.loss_params, y,
           jax.tree.map(lambda t: t[0], rank.targets), k0)
-      dy = vary(jnp.zeros_like(x), new | vma(dy_aval))
+      dy = vary(jnp.zeros_like(x), new | varying_axes(dy_aval))
       dstage, dx_aval = jax.eval_shape(
           functools.partial(rank.stage.backward, state=state), one_params,
           full(stash, 0), dy, k0)
-      new |= vma(dy_aval) | vma(dx_aval)
+      new |= varying_axes(dy_aval) | varying_axes(dx_aval)
     if new == act_vma:
       break
     act_vma = new
@@ -230,179 +228,179 @@ def _avals(rank: Rank, axis: str) -> Avals:
   return Avals(act, act_vma, stash, kept, dstage, value, dhead)
 
 
-def _init_carry(rank: Rank, avals: Avals, plan: Plan) -> Carry:
+def _init_carry(rank: Rank, avals: Avals, config: ScanConfig) -> Carry:
   """The buffers before the first tick: ``bubble_fill`` in every slot,
   zeros in the accumulators, the pending rows and the result."""
-  table, fill = plan.table, plan.bubble_fill
+  table, fill = config.table, config.bubble_fill
   p, m = table.schedule.num_ranks, table.schedule.num_microbatches
   acc = stash = wstash = edge = None
-  if plan.training:
+  if config.training:
     acc = Accumulators(
         full(avals.dstage, 0, table.schedule.num_stages // p),
         full(avals.value, 0), full(avals.dhead, 0),
-        vary(full(jax.eval_shape(lambda: rank.embed_params), 0),
+        vary(full(jax.eval_shape(lambda: _embed_params(rank)), 0),
              avals.act_vma))
     stash = full(avals.stash, fill, table.num_stash_slots)
-    wstash = full((avals.kept, avals.act if plan.dx_at_w else None), fill,
+    wstash = full((avals.kept, avals.act if config.dx_at_w else None), fill,
                   max(table.num_weight_slots, 1))
   mailbox = full(avals.act, fill, table.num_mailbox_slots + 1)
-  if plan.with_edge:
+  if config.with_edge:
     edge = Edge(full(avals.act, 0, p), vary(
         jnp.zeros((m,) + avals.act.shape, avals.act.dtype),
-        avals.act_vma - {plan.axis}))
+        avals.act_vma - {config.stage_axis}))
   return Carry(mailbox, stash, wstash, acc, edge,
                vary(rank.state, avals.act_vma))
 
 
-def _tick(rank: Rank, avals: Avals, plan: Plan, carry: Carry,
+def _tick(rank: Rank, avals: Avals, config: ScanConfig, carry: Carry,
           row: TickRow) -> tuple[Carry, None]:
   """One tick on this rank: read the input, run the block, exchange the
   messages, land them and the summed result rows (module doc, 1-4)."""
-  action = _action(row.ranks, rank.index)
-  x = _block_input(rank, carry.mailbox, action)
-  # jaxpar.pipeline.profile's hook (_profile.stamp: a host timestamp here,
-  # after the block and after the messages); outside a profile it returns
+  cell = _cell(row.ranks, rank.index)
+  x = _block_input(rank, carry.mailbox, cell)
+  # jaxpar.pipeline.timeline's hook (_stamps.stamp: a host timestamp here,
+  # after the block and after the messages); outside a timeline it returns
   # its values and adds nothing to the program.
-  x = stamp(plan, 'start', x, action)
-  target = jax.tree.map(lambda t: t[action.microbatch], rank.targets)
-  state = _run_blocks(rank, avals, plan, action, x, target, BlockState(
-      full(avals.act, plan.bubble_fill), carry.acc, carry.stash,
+  x = stamp(config, 'start', x, cell)
+  target = jax.tree.map(lambda t: t[cell.microbatch], rank.targets)
+  state = _run_blocks(rank, avals, config, cell, x, target, BlockState(
+      full(avals.act, config.bubble_fill), carry.acc, carry.stash,
       carry.wstash, carry.state))
-  state = stamp(plan, 'computed', state)
-  local, remote = _offsets(plan.table)
-  spare = plan.table.num_mailbox_slots
+  state = stamp(config, 'computed', state)
+  local, remote = _offsets(config.table)
+  spare = config.table.num_mailbox_slots
   # A local hand-off (the loss cotangent): no message.
-  mailbox = _deliver(carry.mailbox, action.recv_slot, local,
+  mailbox = _deliver(carry.mailbox, cell.recv_slot, local,
                      [state.payload] * len(local), spare)
   pending = edge = None
-  if plan.with_edge:
-    pending = _pend(plan, action, row.pending_slot, state.payload,
+  if config.with_edge:
+    pending = _pend(config, cell, row.pending_slot, state.payload,
                     carry.edge.pending)
-  got = stamp(plan, 'received',
-              _exchange(plan, avals, row.message, state.payload, pending))
-  mailbox = _deliver(mailbox, action.recv_slot, remote, got, spare)
-  if plan.with_edge:
+  got = stamp(config, 'received',
+              _exchange(config, avals, row.message, state.payload, pending))
+  mailbox = _deliver(mailbox, cell.recv_slot, remote, got, spare)
+  if config.with_edge:
     edge = Edge(pending, _write_rows(carry.edge.result, row.summed_rows,
                                      got[-1]))
   return Carry(mailbox, state.stash, state.wstash, state.acc, edge,
                state.state), None
 
 
-def _result(plan: Plan, carry: Carry) -> Result | jax.Array:
+def _result(config: ScanConfig, carry: Carry) -> Result | jax.Array:
   """The scan's outputs; the sums over the pipeline axis in one collective."""
-  result = carry.edge.result if plan.with_edge else None
-  if not plan.training:
+  result = carry.edge.result if config.with_edge else None
+  if not config.training:
     return result
   acc = carry.acc
   value, head, embed = jax.lax.psum((acc.value, acc.head, acc.embed),
-                                    plan.axis)
+                                    config.stage_axis)
   return Result(value, acc.stages, head, result,
-                embed if plan.embedding else None, carry.state)
+                embed if config.embedding else None, carry.state)
 
 
 # ------------------------------------------------------------ one tick
 
 
-def _action(ranks: Action, index: jax.Array) -> Action:
-  """This rank's action, its buffer indices clipped to 0 where they are -1
+def _cell(ranks: TickCell, index: jax.Array) -> TickCell:
+  """This rank's cell, its buffer indices clipped to 0 where they are -1
   (an idle rank runs no block; a clipped read is not used)."""
-  action = jax.tree.map(lambda a: a[index], ranks)
-  return action._replace(
-      microbatch=jnp.maximum(action.microbatch, 0),
-      local_stage=jnp.maximum(action.local_stage, 0),
-      stash_slot=jnp.maximum(action.stash_slot, 0),
-      weight_slot=jnp.maximum(action.weight_slot, 0))
+  cell = jax.tree.map(lambda a: a[index], ranks)
+  return cell._replace(
+      microbatch=jnp.maximum(cell.microbatch, 0),
+      local_stage=jnp.maximum(cell.local_stage, 0),
+      stash_slot=jnp.maximum(cell.stash_slot, 0),
+      weight_slot=jnp.maximum(cell.weight_slot, 0))
 
 
-def _block_input(rank: Rank, mailbox: PyTree, action: Action) -> jax.Array:
+def _block_input(rank: Rank, mailbox: PyTree, cell: TickCell) -> jax.Array:
   """The action's input: its mailbox slot (an activation for ``F``, a
   cotangent for ``I`` and ``W``), or the batch for stage 0's ``F`` (with
-  ``embed_fn`` that ``F`` embeds its microbatch itself)."""
-  x = mailbox[jnp.maximum(action.read_slot, 0)]
-  if rank.embed_fn is None:
-    x = jnp.where(action.read_slot >= 0, x, rank.inputs[action.microbatch])
+  an embedding that ``F`` embeds its microbatch itself)."""
+  x = mailbox[jnp.maximum(cell.read_slot, 0)]
+  if rank.embedding is None:
+    x = jnp.where(cell.read_slot >= 0, x, rank.inputs[cell.microbatch])
   return x
 
 
-def _run_blocks(rank: Rank, avals: Avals, plan: Plan, action: Action,
-                x: jax.Array, target: PyTree,
+def _run_blocks(rank: Rank, avals: Avals, config: ScanConfig,
+                cell: TickCell, x: jax.Array, target: PyTree,
                 state: BlockState) -> BlockState:
   """Runs the action's block: each block present in its own ``when``."""
-  for code, (kind, first, last) in enumerate(plan.kinds):
+  for code, (kind, first, last) in enumerate(config.kinds):
     if kind == F:   # F does not carry the weight stash
       wstash = state.wstash
-      block = functools.partial(_forward, rank, avals, first, last, action,
+      block = functools.partial(_forward, rank, avals, first, last, cell,
                                 x, target)
-      state = when(action.block == code, block,
+      state = when(cell.block == code, block,
                    state._replace(wstash=None))._replace(wstash=wstash)
     else:
-      block = (functools.partial(_input_grad, rank, avals, action, x)
+      block = (functools.partial(_input_grad, rank, avals, cell, x)
                if kind == I else
-               functools.partial(_weight_grad, rank, avals, first, action, x))
-      state = when(action.block == code, block, state)
+               functools.partial(_weight_grad, rank, avals, first, cell, x))
+      state = when(cell.block == code, block, state)
   return state
 
 
 def _forward(rank: Rank, avals: Avals, first: bool, last: bool,
-             action: Action, x: jax.Array, target: PyTree,
+             cell: TickCell, x: jax.Array, target: PyTree,
              state: BlockState) -> BlockState:
-  """The ``F`` block: the stage's forward (stage 0 with ``embed_fn``: of
+  """The ``F`` block: the stage's forward (stage 0 with an embedding: of
   the embedded microbatch). Training stashes the residuals; the last stage
   adds its loss and sends the loss's cotangent instead of ``y``. A
   stateful stage reads its state and writes the new one in its place."""
   if first:
-    x = like(_embedded(rank, rank.embed_params, action.microbatch).astype(
+    x = like(_embedded(rank, _embed_params(rank), cell.microbatch).astype(
         avals.act.dtype), avals.act)
-  params = _params_of(rank, action.local_stage)
+  params = _params_of(rank, cell.local_stage)
   if rank.loss_fn is None:
     return state._replace(payload=like(rank.stage.stage_fn(params, x),
                                        avals.act))
   y, residuals, *new_state = rank.stage.forward(
-      params, x, _key(rank, action.stage, action.microbatch),
-      state=row(state.state, action.local_stage))
-  state = state._replace(stash=_put(state.stash, action.stash_slot,
+      params, x, _key(rank, cell.stage, cell.microbatch),
+      state=row(state.state, cell.local_stage))
+  state = state._replace(stash=_put(state.stash, cell.stash_slot,
                                     residuals),
-                         state=_put(state.state, action.local_stage,
+                         state=_put(state.state, cell.local_stage,
                                     new_state[0] if new_state else None))
   if not last:
     return state._replace(payload=like(y, avals.act))
   value, (dhead, dy) = _seed(rank, rank.loss_params, y, target,
-                             _key(rank, rank.num_stages, action.microbatch))
+                             _key(rank, rank.num_stages, cell.microbatch))
   acc = state.acc._replace(value=_add(state.acc.value, value),
                            head=_add(state.acc.head, dhead))
   return state._replace(payload=like(dy, avals.act), acc=acc)
 
 
-def _input_grad(rank: Rank, avals: Avals, action: Action, dy: jax.Array,
+def _input_grad(rank: Rank, avals: Avals, cell: TickCell, dy: jax.Array,
                 state: BlockState) -> BlockState:
   """The ``I`` block: the input cotangent (sent), and what ``W`` needs in
   the weight stash (with the input cotangent if ``W`` sends it)."""
-  stashed = jax.tree.map(lambda b: b[action.stash_slot], state.stash)
+  stashed = jax.tree.map(lambda b: b[cell.stash_slot], state.stash)
   dx, kept = rank.stage.input_grad(
-      _params_of(rank, action.local_stage), stashed, dy,
-      _key(rank, action.stage, action.microbatch))
+      _params_of(rank, cell.local_stage), stashed, dy,
+      _key(rank, cell.stage, cell.microbatch))
   dx = like(dx, avals.act)
   return state._replace(payload=dx, wstash=_put(
-      state.wstash, action.weight_slot,
+      state.wstash, cell.weight_slot,
       (kept, None if state.wstash[1] is None else dx)))
 
 
-def _weight_grad(rank: Rank, avals: Avals, first: bool, action: Action,
+def _weight_grad(rank: Rank, avals: Avals, first: bool, cell: TickCell,
                  dy: jax.Array, state: BlockState) -> BlockState:
   """The ``W`` block: the stage's parameter cotangent from what ``I``
-  kept, added to its gradient (stage 0 with ``embed_fn``: and the
+  kept, added to its gradient (stage 0 with an embedding: and the
   embedding's VJP, recomputed); sends ``I``'s input cotangent if it was
-  a schedule's ``B`` (``Plan.dx_at_w``)."""
-  j, mb = action.local_stage, action.microbatch
-  stashed = jax.tree.map(lambda b: b[action.stash_slot], state.stash)
-  kept, dx = jax.tree.map(lambda b: b[action.weight_slot], state.wstash)
+  a schedule's ``B`` (``ScanConfig.dx_at_w``)."""
+  j, mb = cell.local_stage, cell.microbatch
+  stashed = jax.tree.map(lambda b: b[cell.stash_slot], state.stash)
+  kept, dx = jax.tree.map(lambda b: b[cell.weight_slot], state.wstash)
   dstage = rank.stage.weight_grad(_params_of(rank, j), stashed, dy, kept,
-                                  _key(rank, action.stage, mb))
+                                  _key(rank, cell.stage, mb))
   stages = jax.tree.map(lambda g, d: g.at[j].add(like(d, g[j])),
                         state.acc.stages, dstage)
   embed = state.acc.embed
   if first:
-    _, vjp = jax.vjp(lambda ep: _embedded(rank, ep, mb), rank.embed_params)
+    _, vjp = jax.vjp(lambda ep: _embedded(rank, ep, mb), _embed_params(rank))
     embed = _add(embed, vjp(dx.astype(avals.act.dtype))[0])
   return state._replace(payload=state.payload if dx is None else dx,
                         acc=state.acc._replace(stages=stages, embed=embed))
@@ -424,44 +422,44 @@ def _deliver(mailbox: PyTree, recv_slot: jax.Array, offsets: list[int],
   return mailbox
 
 
-def _pend(plan: Plan, action: Action, slot: jax.Array, payload: jax.Array,
-          pending: jax.Array) -> jax.Array:
+def _pend(config: ScanConfig, cell: TickCell, slot: jax.Array,
+          payload: jax.Array, pending: jax.Array) -> jax.Array:
   """``pending`` with the result row done this tick, if any, in ``slot``:
   the payload on the rank that did it, zeros elsewhere (summed later)."""
-  schedule = plan.table.schedule
+  schedule = config.table.schedule
   p = schedule.num_ranks
-  mine = (action.kind == (I if plan.training else F)) & (
-      action.stage == (0 if plan.training else schedule.num_stages - 1))
+  mine = (cell.kind == (I if config.training else F)) & (
+      cell.stage == (0 if config.training else schedule.num_stages - 1))
   k = jnp.minimum(slot, p - 1)
   return _put(pending, k, jnp.where(
       slot < p, jnp.where(mine, payload, jnp.zeros_like(payload)),
       pending[k]))
 
 
-def _exchange(plan: Plan, avals: Avals, message: jax.Array,
+def _exchange(config: ScanConfig, avals: Avals, message: jax.Array,
               payload: jax.Array, pending: jax.Array | None) -> list:
   """The tick's messages: one ``lax.switch`` on its pattern, the same on
   every rank (none when there is one pattern)."""
-  if len(plan.patterns) == 1:
-    return _send(plan, avals, plan.patterns[0], payload, pending)
+  if len(config.patterns) == 1:
+    return _send(config, avals, config.patterns[0], payload, pending)
   return jax.lax.switch(message, [
-      functools.partial(_send, plan, avals, pattern)
-      for pattern in plan.patterns], payload, pending)
+      functools.partial(_send, config, avals, pattern)
+      for pattern in config.patterns], payload, pending)
 
 
-def _send(plan: Plan, avals: Avals, pattern: tuple[bool, ...],
+def _send(config: ScanConfig, avals: Avals, pattern: tuple[bool, ...],
           payload: jax.Array, pending: jax.Array | None) -> list:
   """One pattern: a ``ppermute`` of the payload per remote offset that
-  sends (a fill for the others) and, with ``Plan.with_edge``, the ``psum``
+  sends (a fill for the others) and, with ``ScanConfig.with_edge``, the ``psum``
   of the pending rows (zeros when they are not summed this tick)."""
-  table, axis = plan.table, plan.axis
+  table, axis = config.table, config.stage_axis
   p = table.schedule.num_ranks
   _, remote = _offsets(table)
   msgs = [like(jax.lax.ppermute(payload, axis, [
       (r, (r + table.offsets[k]) % p) for r in range(p)]), avals.act)
-          if send else full(avals.act, plan.bubble_fill)
+          if send else full(avals.act, config.bubble_fill)
           for k, send in zip(remote, pattern)]
-  if plan.with_edge:
+  if config.with_edge:
     msgs.append(jax.lax.psum(pending, axis) if pattern[-1] else
                 vary(jnp.zeros(pending.shape, pending.dtype),
                      avals.act_vma - {axis}))
@@ -493,26 +491,34 @@ def _new_state(rank: Rank, params: PyTree, x: jax.Array, key: Any,
   """The aval of a stateful stage's new state (``None``: stateless)."""
   if state is None:
     return None
-  return jax.eval_shape(lambda *a: rank.stage.stage_fn(*a)[1], params, x,
-                        *with_key(key), state)
+  return jax.eval_shape(
+      lambda p, x, k, s: rank.stage.stage_fn(p, x, **extras(k, s))[1],
+      params, x, key, state)
 
 
 def _key(rank: Rank, stage: Any, microbatch: Any) -> jax.Array | None:
   """The key of (logical ``stage``, ``microbatch``); the loss of a
   microbatch has ``stage = num_stages``. A function of the global
   microbatch index, so of the batch rows, not of the schedule or mesh."""
-  if rank.key is None:
+  options = rank.options
+  if options.key is None:
     return None
-  return jax.random.fold_in(
-      jax.random.fold_in(rank.key, rank.offset + microbatch), stage)
+  return jax.random.fold_in(jax.random.fold_in(
+      options.key, options.microbatch_offset + microbatch), stage)
+
+
+def _embed_params(rank: Rank) -> PyTree:
+  """The embedding's parameters (``None`` without an embedding)."""
+  return None if rank.embedding is None else rank.embedding.params
 
 
 def _embedded(rank: Rank, embed_params: PyTree, microbatch: Any) -> jax.Array:
-  """Stage 0's input for ``microbatch``: ``embed_fn`` of its raw rows."""
+  """Stage 0's input for ``microbatch``: the embedding of its raw rows."""
+  embedding, offset = rank.embedding, rank.options.microbatch_offset
   raw = jax.tree.map(lambda a: a[microbatch], rank.inputs)
-  key = (None if rank.embed_key is None else
-         jax.random.fold_in(rank.embed_key, rank.offset + microbatch))
-  return rank.embed_fn(embed_params, raw, *with_key(key))
+  key = (None if embedding.key is None else
+         jax.random.fold_in(embedding.key, offset + microbatch))
+  return embedding.fn(embed_params, raw, **extras(key))
 
 
 def _seed(rank: Rank, loss_params: PyTree, y: jax.Array, target: PyTree,
@@ -520,8 +526,8 @@ def _seed(rank: Rank, loss_params: PyTree, y: jax.Array, target: PyTree,
   """``((loss, aux), (dloss_params, dy))``: this microbatch's share of the
   mean loss (and aux, at least float32) and its gradient."""
   def share(lp, y):
-    out = rank.loss_fn(lp, y, target, *with_key(key))
-    loss, aux = out if rank.has_aux else (out, ())
+    out = rank.loss_fn(lp, y, target, **extras(key))
+    loss, aux = out if rank.options.has_aux else (out, ())
     return jax.tree.map(lambda a: a.astype(jnp.promote_types(
         a.dtype, jnp.float32)) / rank.num_microbatches, (loss, aux))
   return jax.value_and_grad(share, argnums=(0, 1), has_aux=True)(

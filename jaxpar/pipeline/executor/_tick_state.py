@@ -1,33 +1,33 @@
 """The named state of the executor's tick scan (``_tick_scan.run``).
 
 What one rank holds while it scans the tick table: the fixed inputs
-(``Rank``, ``Avals``, ``Plan``), one tick's row (``TickRow`` of ``Action``s),
-the scan carry (``Carry``: mailbox, stashes, ``Accumulators``, ``Edge``), a
-block's view (``BlockState``) and the result (``Result``). NamedTuples, so
-the scan carries them as pytrees and a reader sees what each field is.
+(``Rank``, ``Avals``, ``ScanConfig``), one tick's row (``TickRow``: every
+rank's ``TickCell``), the scan carry (``Carry``: mailbox, stashes,
+``Accumulators``, ``Edge``), a block's view (``BlockState``) and the result
+(``Result``). NamedTuples, so the scan carries them as pytrees and a reader
+sees what each field is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 
+from jaxpar.pipeline.executor._microbatches import LossFn
+from jaxpar.pipeline.executor._options import Embedding, StepOptions
 from jaxpar.pipeline.executor._stage_vjp import StageVJP
 from jaxpar.pipeline.schedules import TickTable
 
 PyTree = Any
-LossFn = Callable[..., Any]
-StageFn = Callable[..., Any]
 
 
-class Action(NamedTuple):
-  """One rank's row of the tick table at one tick (``TickRow.ranks``: each
-  field ``[p, ...]``, every rank's). ``-1`` means none: idle, no mailbox
-  read (stage 0's batch), no message received over an offset."""
+class TickCell(NamedTuple):
+  """One rank's cell of a tick row of the tick table (in ``TickRow.ranks``
+  each field is ``[p, ...]``, every rank's cell). ``-1`` means none: idle,
+  no mailbox read (stage 0's batch), no message received over an offset."""
   kind: Any          # F, I, W (the table's codes) or idle
-  block: Any         # index into ``Plan.kinds`` (``blocks``), -1 idle
+  block: Any         # index into ``ScanConfig.kinds`` (``blocks``), -1 idle
   stage: Any         # logical stage
   microbatch: Any
   local_stage: Any   # index into the rank's ``local_params`` (``[v, ...]``)
@@ -39,51 +39,48 @@ class Action(NamedTuple):
 
 class TickRow(NamedTuple):
   """One tick of the table: the ``xs`` of the scan."""
-  ranks: Action        # every rank's action
+  ranks: TickCell      # every rank's cell
   message: Any         # the tick's message pattern (``messages``)
   pending_slot: Any    # the pending slot of the result row done now
   summed_rows: Any     # ``[p]``: each pending slot's row if summed now
 
 
-class Plan(NamedTuple):
+class ScanConfig(NamedTuple):
   """What the tick table and the options fix before tracing."""
   table: TickTable
   kinds: tuple[tuple[int, bool, bool], ...]   # the blocks present (``blocks``)
   patterns: tuple[tuple[bool, ...], ...]      # message patterns (``messages``)
-  axis: str                                   # the pipeline axis
+  stage_axis: str                             # the pipeline axis
   bubble_fill: float
   training: bool
-  embedding: bool   # stage 0 embeds the raw microbatch (``embed_fn``)
+  embedding: bool   # stage 0 embeds the raw microbatch (an ``Embedding``)
   input_grads: bool = True   # training computes stage 0's input cotangents
   # The weight stash holds ``I``'s input cotangent for ``W``: ``W`` sends it
-  # (a schedule's ``B``, run as ``I`` then ``W``) or embeds it (``embed_fn``).
+  # (a schedule's ``B``, run as ``I`` then ``W``) or embeds it (an embedding).
   dx_at_w: bool = True
 
   @property
   def with_edge(self) -> bool:
     """A batch-sized result, summed ``p`` rows at a time (``edge_rows``):
     stage 0's input cotangents (forward only: the outputs); none with
-    ``embed_fn`` or without ``input_grads``."""
+    an embedding or without ``input_grads``."""
     return not self.embedding and (self.input_grads or not self.training)
 
 
 class Rank(NamedTuple):
   """One rank's view of the step, the same on every tick: its index on the
-  pipeline axis, its inputs (the params cast to vary over that axis) and
-  the user's functions (``stage``: ``stage_fn`` cut into blocks)."""
+  pipeline axis, its inputs (the params cast to vary over that axis), the
+  user's functions (``stage``: ``stage_fn`` cut into blocks) and the
+  step's options."""
   index: jax.Array            # ``axis_index`` over the pipeline axis
   stage: StageVJP
   loss_fn: LossFn | None      # ``None``: forward only
-  embed_fn: Callable[..., jax.Array] | None
+  embedding: Embedding | None   # the layer stage 0 runs first, if any
   local_params: PyTree        # ``[v, ...]``: this rank's stages
   loss_params: PyTree
-  embed_params: PyTree
-  inputs: PyTree              # ``[m, mb, ...]`` (raw with ``embed_fn``)
+  inputs: PyTree              # ``[m, mb, ...]`` (raw with an embedding)
   targets: PyTree             # leaves ``[m, mb, ...]``
-  key: jax.Array | None       # the step's key
-  embed_key: jax.Array | None
-  offset: Any                 # global index of the shard's first microbatch
-  has_aux: bool
+  options: StepOptions        # its key and microbatch_offset, has_aux
   num_microbatches: int
   num_stages: int
   state: PyTree = None        # ``[v, ...]``: the stages' state before the
@@ -110,7 +107,7 @@ class Accumulators(NamedTuple):
 
 
 class Edge(NamedTuple):
-  """The batch-sized result being written (``Plan.with_edge``)."""
+  """The batch-sized result being written (``ScanConfig.with_edge``)."""
   pending: jax.Array   # ``[p, mb, ...]``: rows done, waiting for their psum
   result: jax.Array    # ``[m, mb, ...]``: the output, written row by row
 
@@ -120,7 +117,7 @@ class Carry(NamedTuple):
   mailbox: PyTree      # ``[num_mailbox_slots + 1, mb, ...]``; the last is spare
   stash: PyTree        # ``[num_stash_slots, ...]``: ``F``'s residuals
   wstash: PyTree       # ``(kept, dx)`` ``[num_weight_slots, ...]``: I for W
-                       # (``dx`` ``None`` unless ``Plan.dx_at_w``)
+                       # (``dx`` ``None`` unless ``ScanConfig.dx_at_w``)
   acc: Accumulators | None   # training only
   edge: Edge | None
   state: PyTree = None   # ``[v, ...]``: each local stage's state so far
@@ -136,10 +133,11 @@ class BlockState(NamedTuple):
 
 
 class Result(NamedTuple):
-  """``run``'s result when training; all but ``stages`` summed over the axis."""
+  """``run``'s result when training; all but ``stages`` (and ``state``)
+  summed over the pipeline axis."""
   value: PyTree              # ``(loss, aux)``, ``aux`` ``()`` without has_aux
   stages: PyTree             # ``[v, ...]``: ``local_params``' gradient
   head: PyTree               # ``loss_params``' gradient
-  inputs: jax.Array | None   # ``[m, mb, ...]``: ``None`` with ``embed_fn``
+  inputs: jax.Array | None   # ``[m, mb, ...]``: ``None`` with an embedding
   embed: PyTree              # ``embed_params``' gradient, ``None`` without
   state: PyTree = None       # ``[v, ...]``: the stages' state after the step

@@ -1,7 +1,7 @@
-"""A pipeline step's ticks as they ran: ``Timeline`` (from ``profile``).
+"""A pipeline step's ticks as they ran: ``Timeline`` (from ``timeline``).
 
 Per tick ``t`` and rank ``r`` the executor stamped three host times
-(``_profile``): ``start`` (the block's input read), ``computed`` (its block
+(``_stamps``): ``start`` (the block's input read), ``computed`` (its block
 done) and ``received`` (the tick's messages landed). The step splits, on
 every rank, into
 
@@ -44,7 +44,7 @@ PARTS = ('compute', 'messages', 'waiting', 'overhead', 'outside')
 
 class RankTotals(NamedTuple):
   """One rank's step time by where it went, in seconds (mean over the
-  profiled steps): ``compute + messages + waiting + overhead + outside ==
+  measured steps): ``compute + messages + waiting + overhead + outside ==
   wall``; ``bubble`` is the part of ``waiting`` in the rank's idle ticks."""
   rank: int
   wall: float
@@ -59,7 +59,7 @@ class RankTotals(NamedTuple):
 class Timeline(NamedTuple):
   """A pipeline step's ticks as they ran on every rank (module doc).
 
-  ``n`` profiled steps, ``T = table.num_ticks`` ticks, ``p`` ranks; times
+  ``n`` measured steps, ``T = table.num_ticks`` ticks, ``p`` ranks; times
   are seconds from the step's call (the earliest process's, per step).
 
   Attributes:
@@ -180,7 +180,7 @@ class Timeline(NamedTuple):
     as stacked bars.
 
     Args:
-      step: which profiled step to draw; default the one of median wall
+      step: which measured step to draw; default the one of median wall
         time.
 
     Returns:
@@ -196,7 +196,7 @@ class Timeline(NamedTuple):
       step = int(np.argsort(self.walls)[n // 2])
     if not (isinstance(step, (int, np.integer)) and -n <= step < n):
       raise ValueError(f'Timeline.plot: step={step!r} must be an int in '
-                       f'[-{n}, {n}) (the {n} profiled steps).')
+                       f'[-{n}, {n}) (the {n} measured steps).')
     fig = Figure(figsize=(12, 2.2 + 1.1 * p), layout='constrained')
     grid = fig.add_gridspec(2, 2, width_ratios=(5, 1))
     measured = fig.add_subplot(grid[1, 0])

@@ -26,7 +26,7 @@ from jaxpar.pipeline.schedules._action import Action
 from jaxpar.pipeline.schedules._schedule import Schedule
 
 
-class Policy(NamedTuple):
+class GreedyRule(NamedTuple):
   """The knobs the search turns (each combination is one candidate).
 
   Attributes:
@@ -51,15 +51,15 @@ class Policy(NamedTuple):
   reserve_all: bool = True
 
 
-POLICIES = tuple(Policy(split, forward_first, fill, None, reserve_all)
-                 for split in (True, False) for forward_first in (False, True)
-                 for fill in ('always', 'fit', 'eager')
-                 for reserve_all in (True, False))
+GREEDY_RULES = tuple(
+    GreedyRule(split, forward_first, fill, None, reserve_all)
+    for split in (True, False) for forward_first in (False, True)
+    for fill in ('always', 'fit', 'eager') for reserve_all in (True, False))
 
 
 def schedule(num_ranks: int, num_microbatches: int,
              placement: Sequence[int], cap: int,
-             costs: Mapping[str, float], policy: Policy = Policy(),
+             costs: Mapping[str, float], rule: GreedyRule = GreedyRule(),
              comm: float = 0.0, name: str = 'greedy') -> Schedule | None:
   """The greedy schedule for ``placement`` with at most ``cap`` stashes a rank.
 
@@ -69,7 +69,7 @@ def schedule(num_ranks: int, num_microbatches: int,
     placement: rank of each logical stage.
     cap: stashes per rank (``>= `` the stages a rank holds).
     costs: time of each action kind (already per logical stage).
-    policy: the heuristic's knobs.
+    rule: the heuristic's knobs.
     comm: latency between ranks, as in ``Schedule.simulate``.
     name: the schedule's name.
 
@@ -77,41 +77,41 @@ def schedule(num_ranks: int, num_microbatches: int,
     The (unvalidated) ``Schedule``, or ``None`` if the cap is too small for
     this placement.
   """
-  plan = _Plan.make(num_ranks, num_microbatches, placement, cap, costs,
-                    policy, comm)
-  if any(len(stages) > cap for stages in plan.mine):
+  run = _GreedyRun.make(num_ranks, num_microbatches, placement, cap, costs,
+                        rule, comm)
+  if any(len(stages) > cap for stages in run.mine):
     return None
-  state = _State.start(plan)
+  state = _State.start(run)
   while any(state.todo):
     busy = [r for r in range(num_ranks) if state.todo[r]]
     rank = min(busy, key=lambda r: (state.clock(r), r in state.stalled, r))
     t = state.clock(rank)
     if rank in state.stalled:  # every rank at time t waits
-      if not _wait_for_next_event(plan, state, busy, t):
+      if not _wait_for_next_event(run, state, busy, t):
         return None  # the cap deadlocks this placement
       continue
-    action = _choose(plan, state, rank, t, busy)
+    action = _choose(run, state, rank, t, busy)
     if action is None:
       state.stalled.add(rank)
       continue
-    _run(plan, state, rank, action, t)
+    _run_action(run, state, rank, action, t)
     state.stalled.clear()
-  return Schedule(num_ranks, plan.num_stages, num_microbatches,
+  return Schedule(num_ranks, run.num_stages, num_microbatches,
                   tuple(placement), tuple(map(tuple, state.rows)), name)
 
 
-class _Plan(NamedTuple):
+class _GreedyRun(NamedTuple):
   """What a run of the scheduler is given (and derives), fixed throughout."""
   num_ranks: int
   num_microbatches: int
   placement: tuple[int, ...]
   mine: list[list[int]]     # the stages of each rank, in model order
   cap: int
-  inflight_cap: int         # policy.max_inflight, or the cap
+  inflight_cap: int         # rule.max_inflight, or the cap
   grad: str                 # the backward that frees the input: 'I' or 'B'
   actions_per_stash: int    # F + (I, W) or F + B
   costs: Mapping[str, float]
-  policy: Policy
+  rule: GreedyRule
   comm: float
 
   @property
@@ -119,18 +119,18 @@ class _Plan(NamedTuple):
     return len(self.placement)
 
   @classmethod
-  def make(cls, p, m, placement, cap, costs, policy, comm) -> _Plan:
+  def make(cls, p, m, placement, cap, costs, rule, comm) -> _GreedyRun:
     mine = [[s for s in range(len(placement)) if placement[s] == r]
             for r in range(p)]
-    kinds = ('I', 'W') if policy.split else ('B',)
+    kinds = ('I', 'W') if rule.split else ('B',)
     return cls(p, m, tuple(placement), mine, cap,
-               cap if policy.max_inflight is None else policy.max_inflight,
-               kinds[0], 1 + len(kinds), costs, policy, comm)
+               cap if rule.max_inflight is None else rule.max_inflight,
+               kinds[0], 1 + len(kinds), costs, rule, comm)
 
 
 class _State(NamedTuple):
   """The list scheduler's state, one entry per stage or per rank; the lists
-  are updated in place by ``_run`` and ``_wait_for_next_event``."""
+  are updated in place by ``_run_action`` and ``_wait_for_next_event``."""
   f_next: list[int]         # next microbatch to forward, per stage
   b_next: list[int]         # next microbatch to backward (B or I), per stage
   end: dict[Action, float]  # when each action that ran ends
@@ -145,19 +145,19 @@ class _State(NamedTuple):
   stalled: set[int]         # ranks with nothing to run at their clock
 
   @classmethod
-  def start(cls, plan: _Plan) -> _State:
-    p, n = plan.num_ranks, plan.num_stages
+  def start(cls, run: _GreedyRun) -> _State:
+    p, n = run.num_ranks, run.num_stages
     return cls([0] * n, [0] * n, {}, [0.0] * p, [0.0] * p, [0] * p, [0] * p,
                [0] * p, [collections.deque() for _ in range(p)],
                [[] for _ in range(p)],
-               [len(stages) * plan.num_microbatches * plan.actions_per_stash
-                for stages in plan.mine], set())
+               [len(stages) * run.num_microbatches * run.actions_per_stash
+                for stages in run.mine], set())
 
   def clock(self, rank: int) -> float:
     return max(self.free_at[rank], self.waiting_until[rank])
 
 
-def _arrival(plan: _Plan, state: _State, action: Action,
+def _arrival(run: _GreedyRun, state: _State, action: Action,
              rank: int) -> float | None:
   """When ``action``'s cross-action inputs are there (``None``: not yet)."""
   s, kind, i = action
@@ -165,74 +165,74 @@ def _arrival(plan: _Plan, state: _State, action: Action,
     deps = [Action(s - 1, 'F', i)] if s > 0 else []
   else:
     deps = [Action(s, 'F', i)] + (
-        [Action(s + 1, plan.grad, i)] if s < plan.num_stages - 1 else [])
+        [Action(s + 1, run.grad, i)] if s < run.num_stages - 1 else [])
   t = 0.0
   for d in deps:
     if d not in state.end:
       return None
     t = max(t, state.end[d] + (
-        plan.comm if plan.placement[d.stage] != rank else 0.0))
+        run.comm if run.placement[d.stage] != rank else 0.0))
   return t
 
 
-def _future_forwards(plan: _Plan, state: _State, rank: int) -> int:
+def _future_forwards(run: _GreedyRun, state: _State, rank: int) -> int:
   """Forwards still to run on this rank for microbatches it admitted."""
-  first = plan.mine[rank][0]
+  first = run.mine[rank][0]
   return sum(state.f_next[first] - state.f_next[s]
-             for s in plan.mine[rank][1:])
+             for s in run.mine[rank][1:])
 
 
-def _admits(plan: _Plan, state: _State, rank: int) -> bool:
+def _admits(run: _GreedyRun, state: _State, rank: int) -> bool:
   """Whether the rank's cap has room to admit a new microbatch."""
-  room = state.live[rank] + len(plan.mine[rank]) + (
-      _future_forwards(plan, state, rank) if plan.policy.reserve_all else 0)
-  return room <= plan.cap and (
-      state.admitted[rank] - state.retired[rank] < plan.inflight_cap)
+  room = state.live[rank] + len(run.mine[rank]) + (
+      _future_forwards(run, state, rank) if run.rule.reserve_all else 0)
+  return room <= run.cap and (
+      state.admitted[rank] - state.retired[rank] < run.inflight_cap)
 
 
-def _candidates(plan: _Plan, state: _State,
+def _candidates(run: _GreedyRun, state: _State,
                 rank: int) -> list[tuple[float | None, Action]]:
   """``(arrival or None, action)`` for the next F per stage and B/I."""
   out = []
-  for s in plan.mine[rank]:
+  for s in run.mine[rank]:
     if state.b_next[s] < state.f_next[s]:
-      a = Action(s, plan.grad, state.b_next[s])
-      out.append((_arrival(plan, state, a, rank), a))
-    if state.f_next[s] < plan.num_microbatches:
+      a = Action(s, run.grad, state.b_next[s])
+      out.append((_arrival(run, state, a, rank), a))
+    if state.f_next[s] < run.num_microbatches:
       a = Action(s, 'F', state.f_next[s])
-      if state.live[rank] >= plan.cap:
+      if state.live[rank] >= run.cap:
         continue
-      if s == plan.mine[rank][0] and not _admits(plan, state, rank):
+      if s == run.mine[rank][0] and not _admits(run, state, rank):
         continue
-      out.append((_arrival(plan, state, a, rank), a))
+      out.append((_arrival(run, state, a, rank), a))
   return out
 
 
-def _choose(plan: _Plan, state: _State, rank: int, t: float,
+def _choose(run: _GreedyRun, state: _State, rank: int, t: float,
             busy: list[int]) -> Action | None:
   """The action ``rank`` runs at ``t`` (``None``: it waits)."""
-  policy, pending_w = plan.policy, state.pending_w[rank]
-  cands = _candidates(plan, state, rank)
+  rule, pending_w = run.rule, state.pending_w[rank]
+  cands = _candidates(run, state, rank)
   ready = [a for at, a in cands if at is not None and at <= t]
   known = [at for at, _ in cands if at is not None]
-  if pending_w and policy.fill == 'eager' and not any(
+  if pending_w and rule.fill == 'eager' and not any(
       a.kind in 'BI' for a in ready):
     return pending_w.popleft()
   if ready:
-    order = ('F', 'B', 'I') if policy.forward_first else ('B', 'I', 'F')
+    order = ('F', 'B', 'I') if rule.forward_first else ('B', 'I', 'F')
     return min(ready, key=lambda a: (order.index(a.kind), -a.stage))
-  if pending_w and (policy.fill == 'always' or not known
-                    or t + plan.costs['W'] <= min(known)
+  if pending_w and (rule.fill == 'always' or not known
+                    or t + run.costs['W'] <= min(known)
                     or not any(state.todo[r] for r in busy if r != rank)):
     return pending_w.popleft()
   return None
 
 
-def _run(plan: _Plan, state: _State, rank: int, action: Action,
+def _run_action(run: _GreedyRun, state: _State, rank: int, action: Action,
          t: float) -> None:
   s, kind, i = action
-  first = s == plan.mine[rank][0]
-  state.end[action] = t + plan.costs[kind]
+  first = s == run.mine[rank][0]
+  state.end[action] = t + run.costs[kind]
   state.free_at[rank] = state.end[action]
   state.rows[rank].append(action)
   state.todo[rank] -= 1
@@ -249,12 +249,12 @@ def _run(plan: _Plan, state: _State, rank: int, action: Action,
     state.retired[rank] += first
 
 
-def _wait_for_next_event(plan: _Plan, state: _State, busy: list[int],
+def _wait_for_next_event(run: _GreedyRun, state: _State, busy: list[int],
                          t: float) -> bool:
   """Every rank at time ``t`` waits: moves the stalled ranks' clocks to the
   next event (``False``: there is none, the cap deadlocks)."""
   future = [state.clock(r) for r in busy if state.clock(r) > t] + [
-      at for r in state.stalled for at, _ in _candidates(plan, state, r)
+      at for r in state.stalled for at, _ in _candidates(run, state, r)
       if at is not None and at > t]
   if not future:
     return False

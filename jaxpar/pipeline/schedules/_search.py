@@ -155,10 +155,10 @@ def search(num_ranks: int, num_microbatches: int, *, memory_limit: float,
     scale = len(placement) / p
     per_action = {k: c / scale for k, c in _simulate.check_costs(costs).items()}
     cap = math.floor(limit * scale + 1e-9)
-    for policy in _greedy.POLICIES:
+    for rule in _greedy.GREEDY_RULES:
       for inflight in sorted({cap // 2, cap - 1} - {0}) + [None]:
         s = _greedy.schedule(p, m, placement, cap, per_action,
-                             policy._replace(max_inflight=inflight), comm,
+                             rule._replace(max_inflight=inflight), comm,
                              name=f'Search(memory={memory_limit:g})')
         if s is not None:
           best.offer(s)

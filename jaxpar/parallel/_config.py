@@ -1,8 +1,9 @@
-"""A 3D trainer's plan: its checked options and the shardings they imply.
+"""A 3D trainer's config: its checked options and the shardings they imply.
 
-``make_plan`` checks ``trainer``'s arguments once (errors before anything
-is traced) into a ``Plan``; the ``PartitionSpec`` s of params, gradients,
-the optimizer's per-layer view and whole states (``Specs``,
+``make_config`` checks the arguments of ``trainer`` and ``model_trainer``
+once (errors before anything is traced) into a ``TrainerConfig``; the
+``PartitionSpec`` s of params, gradients, the optimizer's per-layer view
+and whole states (``Specs``,
 ``specs_of_state``) follow from it and from the params' shapes, memoised
 per signature.
 """
@@ -19,20 +20,25 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import data_parallel as zero
+from jaxpar import data_parallel
 from jaxpar import tensor_parallel as tp
 from jaxpar import vma
+from jaxpar._validate import check_keywords
+from jaxpar.data_parallel import internal as dp_internal
 from jaxpar.mesh import axis_size
 from jaxpar.parallel._from_nnx import PipelineModel
 from jaxpar.parallel._layer_view import LayerView, layerwise, mirror_specs
 from jaxpar.parallel._params import LayerParams, PipelineParams
 from jaxpar.parallel._placement import padded_spec
-from jaxpar.pipeline.executor import check_fn, stash_policy
+from jaxpar.pipeline.executor import stash_policy
+from jaxpar.pipeline.executor.internal import check_fn
 from jaxpar.pipeline.schedules import (Schedule, TickTable, local_stages,
                                        tick_table)
-from jaxpar.train_state import (PyTree, TrainState, check_compute_dtype,
-                                check_key, check_max_grad_norm,
-                                check_optimizer, replicated_specs, signature)
+from jaxpar.train_state import TrainState
+from jaxpar.train_state.internal import (PyTree, check_compute_dtype,
+                                         check_key, check_max_grad_norm,
+                                         check_optimizer, replicated_specs,
+                                         signature)
 
 
 class Axes(NamedTuple):
@@ -49,7 +55,7 @@ class Cache(NamedTuple):
   states: dict
 
 
-class Plan(NamedTuple):
+class TrainerConfig(NamedTuple):
   """What every part of one trainer uses: its options, checked once.
 
   Attributes:
@@ -59,8 +65,8 @@ class Plan(NamedTuple):
     mesh: the mesh; ``axes`` its axis names.
     manual: the axes the gradient ``shard_map`` is manual over (empty: all).
     stage_mask: bool ``[num_stages, ...]`` or ``None``; ``mask_ranks`` the
-      same in the rank placement ``[p, v, ...]``.
-    view: where each layer sits in the rank placement (the optimizer's view).
+      same in the rank order ``[p, v, ...]``.
+    view: where each layer sits in the rank order (the optimizer's view).
     tensor_rules: the tensor rules of the three functions' params.
     tensor_specs: a ``PipelineModel``'s ``tensor_specs`` (its layers run as
       written, XLA partitions ``tensor``), else ``None``.
@@ -96,7 +102,7 @@ class Plan(NamedTuple):
 
 
 class Specs(NamedTuple):
-  """The ``PartitionSpec``s of one params signature (rank placement).
+  """The ``PartitionSpec``s of one params signature (rank order).
 
   Attributes:
     base: over ``tensor`` (the tensor rules) and ``stage`` (a stage leaf's
@@ -136,41 +142,79 @@ def _check_mask(stage_mask: Any, schedule: Schedule) -> np.ndarray | None:
   return stage_mask
 
 
-def _parts(embed_fn, stage_fn, loss_fn, optimizer, stage_mask, tensor_rules):
-  """``(functions, optimizer, stage_mask, tensor_specs, tied,
-  model_state)`` of the arguments:
-  the three functions, or a ``PipelineModel`` and the optimizer."""
-  if not isinstance(embed_fn, PipelineModel):
-    return ((embed_fn, stage_fn, loss_fn), optimizer, stage_mask, None, None,
-            None)
-  if loss_fn is not None or optimizer is not None:
-    raise TypeError('trainer(pm, optimizer, *, schedule, mesh, ...) '
-                    'takes a PipelineModel and the optimizer only.')
-  if tensor_rules is not None:
+class Parts(NamedTuple):
+  """What a trainer trains: the three functions, and what a
+  ``PipelineModel`` adds to them (``None`` for bare functions).
+
+  Attributes:
+    functions: ``(embed_fn, stage_fn, loss_fn)``.
+    stage_mask: bool ``[num_stages, ...]`` or ``None``.
+    tensor_rules: the rules splitting the functions' params over ``tensor``.
+    tensor_specs, tied, model_state: a ``PipelineModel``'s.
+  """
+  functions: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
+  stage_mask: Any = None
+  tensor_rules: Mapping[str, Any] | None = None
+  tensor_specs: Callable[..., PipelineParams] | None = None
+  tied: Callable[..., tuple] | None = None
+  model_state: PyTree = None
+
+
+# Names and data arguments of the three functions, as the step calls them.
+FUNCTIONS = (('embed_fn', 'params, inputs'), ('stage_fn', 'params, x'),
+             ('loss_fn', 'params, y, targets'))
+
+
+def refuse_model(embed_fn: Any) -> None:
+  """``TypeError`` for a ``PipelineModel`` given to ``parallel.trainer``."""
+  if isinstance(embed_fn, PipelineModel):
     raise TypeError(
-        'trainer(pm, optimizer, tensor_rules=...): a PipelineModel splits its '
-        'params over tensor as from_nnx says; pass the rules there: '
-        'from_nnx(model, ..., tensor_rules=rules), then trainer(pm, '
-        'optimizer, schedule=..., mesh=...).')
-  pm = embed_fn
-  return (pm.functions, stage_fn,
-          pm.stage_mask if stage_mask is None else stage_mask,
-          pm.tensor_specs, pm.tied, pm.model_state)
+        'parallel.trainer takes three functions (embed_fn, stage_fn, '
+        'loss_fn); a PipelineModel (parallel.from_nnx) trains with '
+        'parallel.model_trainer(model, optimizer, schedule=..., mesh=...).')
 
 
-def make_plan(embed_fn, stage_fn, loss_fn, optimizer, *, schedule: Schedule,
-              mesh: Mesh, stage_mask, max_grad_norm, tensor_rules, axes: Axes,
-              zero_stage, key, has_aux, compute_dtype, remat_policy) -> Plan:
-  """The checked options (errors before anything is traced)."""
-  functions, optimizer, stage_mask, tensor_specs, tied, model_state = _parts(
-      embed_fn, stage_fn, loss_fn, optimizer, stage_mask, tensor_rules)
-  for name, fn in zip(('embed_fn', 'stage_fn', 'loss_fn'), functions):
+def require_model(model: Any) -> None:
+  """``TypeError`` unless ``model`` is a ``PipelineModel``."""
+  if not isinstance(model, PipelineModel):
+    raise TypeError(
+        f'parallel.model_trainer takes a PipelineModel (from '
+        f'parallel.from_nnx), got {type(model).__name__}; three functions '
+        'train with parallel.trainer(embed_fn, stage_fn, loss_fn, optimizer, '
+        'schedule=..., mesh=...).')
+
+
+def function_parts(embed_fn, stage_fn, loss_fn, *, stage_mask,
+                   tensor_rules) -> Parts:
+  """``parallel.trainer``'s ``Parts``: three functions, checked callable."""
+  refuse_model(embed_fn)
+  functions = (embed_fn, stage_fn, loss_fn)
+  for (name, _), fn in zip(FUNCTIONS, functions):
     check_fn(fn, name)
+  return Parts(functions, stage_mask, tensor_rules)
+
+
+def model_parts(model: Any) -> Parts:
+  """``parallel.model_trainer``'s ``Parts``: a ``PipelineModel``'s."""
+  require_model(model)
+  return Parts(model.functions, model.stage_mask, None, model.tensor_specs,
+               model.tied, model.model_state)
+
+
+def make_config(parts: Parts, optimizer, *, schedule: Schedule, mesh: Mesh,
+                max_grad_norm, axes: Axes, zero_stage, key, has_aux,
+                compute_dtype, remat_policy) -> TrainerConfig:
+  """The checked options (errors before anything is traced)."""
+  check_key(key)
+  if key is not None:
+    for (name, data), fn in zip(FUNCTIONS, parts.functions):
+      check_keywords(fn, name, data, ('key',))
   # The user's functions as on one device (jaxpar.vma).
   functions = tuple(vma.lift(fn, axes=(axes.data, axes.stage))
-                    for fn in functions)
+                    for fn in parts.functions)
+  tensor_specs = parts.tensor_specs
   optimizer = check_optimizer(optimizer)
-  zero_stage = zero.check_zero_stage(zero_stage)
+  zero_stage = dp_internal.check_zero_stage(zero_stage)
   check_max_grad_norm(max_grad_norm)
   for axis in axes:
     axis_size(mesh, axis)
@@ -180,22 +224,21 @@ def make_plan(embed_fn, stage_fn, loss_fn, optimizer, *, schedule: Schedule,
   manual = (frozenset() if tensor_specs is None
             else frozenset({axes.data, axes.stage}))
   _check_schedule(schedule, axis_size(mesh, axes.stage), axes.stage)
-  stage_mask = _check_mask(stage_mask, schedule)
-  check_key(key)
+  stage_mask = _check_mask(parts.stage_mask, schedule)
   compute_dtype = check_compute_dtype(compute_dtype)
   stash_policy(remat_policy)
   if key is not None:
     key = jax.device_put(key, NamedSharding(mesh, P()))
-  return Plan(
+  return TrainerConfig(
       functions=functions, optimizer=optimizer, schedule=schedule,
       table=tick_table(schedule), mesh=mesh, axes=axes, manual=manual,
       stage_mask=stage_mask,
-      # the mask in the rank placement [p, v, ...], in numpy (no op to compile)
+      # the mask in the rank order [p, v, ...], in numpy (no op to compile)
       mask_ranks=(None if stage_mask is None
                   else stage_mask[np.array(local_stages(schedule))]),
-      view=LayerView.of(schedule, stage_mask), tensor_rules=tensor_rules,
-      tensor_specs=tensor_specs, tied=tied, model_state=model_state,
-      zero_stage=zero_stage,
+      view=LayerView.of(schedule, stage_mask),
+      tensor_rules=parts.tensor_rules, tensor_specs=tensor_specs,
+      tied=parts.tied, model_state=parts.model_state, zero_stage=zero_stage,
       max_grad_norm=max_grad_norm, key=key, has_aux=has_aux,
       compute_dtype=compute_dtype, remat_policy=remat_policy,
       cache=Cache(specs={}, states={}))
@@ -217,98 +260,102 @@ def manual_specs(specs: PyTree, axes: frozenset[str]) -> PyTree:
                       is_leaf=lambda x: isinstance(x, P))
 
 
-def param_specs(plan: Plan, params: PipelineParams) -> Specs:
+def param_specs(config: TrainerConfig, params: PipelineParams) -> Specs:
   """The ``Specs`` of placed params (``Padded`` leaves at their logical
   ``shape``), computed once per signature."""
-  params = zero.logical_shapes(params)
+  params = dp_internal.logical_shapes(params)
   key = signature(params)
-  if key not in plan.cache.specs:
-    base = _base_specs(plan, params)
-    plan.cache.specs[key] = Specs(base, _zero_specs(plan, params, base),
-                                   _view_specs(plan, params, base))
-  return plan.cache.specs[key]
+  if key not in config.cache.specs:
+    base = _base_specs(config, params)
+    config.cache.specs[key] = Specs(base, _zero_specs(config, params, base),
+                                    _view_specs(config, params, base))
+  return config.cache.specs[key]
 
 
-def _base_specs(plan: Plan, params: PipelineParams) -> PipelineParams:
+def _base_specs(config: TrainerConfig,
+                params: PipelineParams) -> PipelineParams:
   """Over ``tensor`` as the tensor rules say, over ``stage`` on a stage
   leaf's rank dim."""
-  if plan.tensor_specs is not None:
-    base = plan.tensor_specs(params, axis_size(plan.mesh, plan.axes.tensor))
+  if config.tensor_specs is not None:
+    base = config.tensor_specs(params,
+                               axis_size(config.mesh, config.axes.tensor))
   else:
     base = PipelineParams(*(
-        tp.param_specs(part, rules=plan.tensor_rules, axis=plan.axes.tensor)
+        tp.param_specs(part, rules=config.tensor_rules,
+                       tensor_axis=config.axes.tensor)
         for part in params))
   return base._replace(stages=jax.tree.map(
-      lambda leaf, s: P(plan.axes.stage, *padded_spec(s, np.ndim(leaf))[1:]),
+      lambda leaf, s: P(config.axes.stage, *padded_spec(s, np.ndim(leaf))[1:]),
       params.stages, base.stages))
 
 
-def _zero_specs(plan: Plan, params: PipelineParams,
+def _zero_specs(config: TrainerConfig, params: PipelineParams,
                 base: PipelineParams) -> PipelineParams:
   """``base`` with ZeRO's ``data`` axis on one more dim of every leaf."""
   # Leading dims ZeRO never splits: a stage leaf's [p, v] and the dims the
   # stage mask covers after them (the mask applies to whole local rows).
   skip = PipelineParams(
-      0, 2 if plan.stage_mask is None else 1 + plan.stage_mask.ndim, 0)
+      0, 2 if config.stage_mask is None else 1 + config.stage_mask.ndim, 0)
   return PipelineParams(*(
-      zero.data_specs(part, spec, mesh=plan.mesh, axis=plan.axes.data,
-                      skip=lead, pad=True)
+      data_parallel.data_specs(part, spec, mesh=config.mesh,
+                               data_axis=config.axes.data, skip=lead, pad=True)
       for part, spec, lead in zip(params, base, skip)))
 
 
-def _view_specs(plan: Plan, params: PipelineParams,
+def _view_specs(config: TrainerConfig, params: PipelineParams,
                 base: PipelineParams) -> LayerParams:
   """The per-layer view's specs: each layer's tensor split, and ``stage``
   (and ``data`` with ZeRO) on one more dim."""
-  lead = len(plan.view.shape)
+  lead = len(config.view.shape)
   shapes = LayerParams(params.embed, jax.tree.map(
       lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf)[lead:], leaf.dtype),
       params.stages), params.head)
   specs = LayerParams(base.embed, jax.tree.map(
       lambda leaf, s: P(*padded_spec(s, np.ndim(leaf))[lead:]),
       params.stages, base.stages), base.head)
-  for axis in (plan.axes.stage,) + ((plan.axes.data,) if plan.zero_stage
+  for axis in (config.axes.stage,) + ((config.axes.data,) if config.zero_stage
                                     else ()):
-    specs = LayerParams(*(zero.data_specs(part, spec, mesh=plan.mesh,
-                                          axis=axis,
-                                          pad=axis == plan.axes.data)
-                          for part, spec in zip(shapes, specs)))
-  return specs._replace(layers=[specs.layers] * len(plan.view.positions))
+    specs = LayerParams(*(data_parallel.data_specs(
+        part, spec, mesh=config.mesh, data_axis=axis,
+        pad=axis == config.axes.data) for part, spec in zip(shapes, specs)))
+  return specs._replace(layers=[specs.layers] * len(config.view.positions))
 
 
-def stored_specs(plan: Plan, specs: Specs) -> PipelineParams:
+def stored_specs(config: TrainerConfig, specs: Specs) -> PipelineParams:
   """How the params are stored: split over ``data`` with ZeRO-3 only."""
-  return specs.zero if plan.zero_stage == 3 else specs.base
+  return specs.zero if config.zero_stage == 3 else specs.base
 
 
-def gradient_specs(plan: Plan, specs: Specs) -> PipelineParams:
+def gradient_specs(config: TrainerConfig, specs: Specs) -> PipelineParams:
   """How the gradients leave the ``shard_map``: reduce-scattered with ZeRO."""
-  return specs.zero if plan.zero_stage else specs.base
+  return specs.zero if config.zero_stage else specs.base
 
 
-def _view_of(plan: Plan, params: PipelineParams) -> LayerParams:
-  return param_specs(plan, params).view
+def _view_of(config: TrainerConfig, params: PipelineParams) -> LayerParams:
+  return param_specs(config, params).view
 
 
-def optimizer_view(plan: Plan, params: PipelineParams) -> LayerParams:
-  """The optimizer's view of rank-placement params, as shapes."""
-  return jax.eval_shape(plan.view.of_params, jax.tree.map(
+def optimizer_view(config: TrainerConfig,
+                   params: PipelineParams) -> LayerParams:
+  """The optimizer's view of rank-order params, as shapes."""
+  return jax.eval_shape(config.view.of_params, jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params))
 
 
-def specs_of_state(plan: Plan, state: TrainState) -> TrainState:
-  state = zero.logical_shapes(state)
-  specs = param_specs(plan, state.params)
-  return TrainState(P(), stored_specs(plan, specs), mirror_specs(
-      state.opt_state, optimizer_view(plan, state.params), specs.view),
+def specs_of_state(config: TrainerConfig, state: TrainState) -> TrainState:
+  state = dp_internal.logical_shapes(state)
+  specs = param_specs(config, state.params)
+  return TrainState(P(), stored_specs(config, specs), mirror_specs(
+      state.opt_state, optimizer_view(config, state.params), specs.view),
       replicated_specs(state.model_state))
 
 
-def padded_optimizer(plan: Plan,
+def padded_optimizer(config: TrainerConfig,
                      specs: TrainState) -> optax.GradientTransformation:
   """The optimizer on the per-layer view of logical leaves, its state
-  stored padded (``data_parallel.padded_optimizer``) as ``specs`` say."""
-  layer_optimizer = layerwise(plan.optimizer, plan.view,
-                              specs=functools.partial(_view_of, plan))
-  return zero.padded_optimizer(layer_optimizer, specs.opt_state,
-                               mesh=plan.mesh)
+  stored padded (``data_parallel.internal.padded_optimizer``) as ``specs``
+  say."""
+  layer_optimizer = layerwise(config.optimizer, config.view,
+                              specs=functools.partial(_view_of, config))
+  return dp_internal.padded_optimizer(layer_optimizer, specs.opt_state,
+                                      mesh=config.mesh)

@@ -1,6 +1,6 @@
-"""``profile``: a pipeline step run with a host timestamp at each tick's seams.
+"""``timeline``: a pipeline step run with a host timestamp at each tick's seams.
 
-``profile(step, *args)`` traces ``step`` afresh with the executor's hook
+``timeline(step, *args)`` traces ``step`` afresh with the executor's hook
 (``stamp``, called three times in each tick of ``_tick_scan``) switched on,
 runs it, and returns a ``Timeline`` (``_timeline``): when each rank's block
 started and ended and when the tick's messages landed, on the host's
@@ -8,7 +8,7 @@ monotonic clock. Each stamp is an ``io_callback`` tied into the data flow
 on both sides (``stamp``): it fires once the values before it exist, and
 what comes after waits for it, so a stamp falls exactly
 between the block and the messages, on every rank (simulated devices of one
-process, or processes of ``jax.distributed``). Outside ``profile`` the hook
+process, or processes of ``jax.distributed``). Outside ``timeline`` the hook
 returns its values untouched and adds nothing to the program.
 """
 
@@ -28,15 +28,15 @@ import numpy as np
 from jax.experimental import io_callback, multihost_utils
 
 from jaxpar.pipeline.executor._timeline import Timeline, exchanges
-from jaxpar.pipeline.executor._vma import vary, vma
 from jaxpar.pipeline.schedules import TickTable
+from jaxpar.vma import vary, varying_axes
 
 PyTree = Any
 EVENTS = ('start', 'computed', 'received')   # a tick's stamps, in order
 
 
 class _Recorder:
-  """Host side of a ``profile``: the tables traced and the stamps."""
+  """Host side of a ``timeline``: the tables traced and the stamps."""
 
   def __init__(self):
     self.tables: list[tuple[TickTable, bool]] = []   # (table, with_edge)
@@ -56,7 +56,7 @@ class _Recorder:
   def run(self, step: Callable, args: tuple, kwargs: dict) -> None:
     """One call of ``step``, its events and host times kept apart."""
     if jax.process_count() > 1:
-      multihost_utils.sync_global_devices('jaxpar.pipeline.profile')
+      multihost_utils.sync_global_devices('jaxpar.pipeline.timeline')
     first, called = len(self.events), time.perf_counter_ns()
     jax.block_until_ready(step(*args, **kwargs))
     self.steps.append((first, len(self.events), called,
@@ -64,13 +64,13 @@ class _Recorder:
 
 
 _RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar(
-    'jaxpar_pipeline_profile', default=None)
+    'jaxpar_pipeline_timeline', default=None)
 
 
-def stamp(plan: Any, event: str, values: PyTree, action: Any = None
+def stamp(config: Any, event: str, values: PyTree, cell: Any = None
           ) -> PyTree:
   """The executor's hook: ``values``, with a host timestamp between what
-  computes them and what uses them, while ``profile`` traces; else
+  computes them and what uses them, while ``timeline`` traces; else
   ``values`` as they are (no callback in the program).
 
   The callback takes the first element of each leaf (so it runs once they
@@ -81,23 +81,24 @@ def stamp(plan: Any, event: str, values: PyTree, action: Any = None
   callback and one element read and written per leaf.
 
   Args:
-    plan: the tick scan's ``Plan`` (its ``table``, ``axis``, ``with_edge``).
+    config: the tick scan's ``ScanConfig`` (its ``table``, ``stage_axis``,
+      ``with_edge``).
     event: one of ``EVENTS``.
     values: the pytree the stamp waits for and then hands on.
-    action: at ``'start'``, the rank's ``Action`` (its kind, stage and
+    cell: at ``'start'``, the rank's ``TickCell`` (its kind, stage and
       microbatch are recorded as the device read them).
   """
   recorder = _RECORDER.get()
   if recorder is None:
     return values
-  if not any(t is plan.table for t, _ in recorder.tables):
-    recorder.tables.append((plan.table, plan.with_edge))
-  info = [jax.lax.axis_index(plan.axis)]
+  if not any(t is config.table for t, _ in recorder.tables):
+    recorder.tables.append((config.table, config.with_edge))
+  info = [jax.lax.axis_index(config.stage_axis)]
   others = tuple(a for a in jax.sharding.get_abstract_mesh().manual_axes
-                 if a != plan.axis)
+                 if a != config.stage_axis)
   info.append(jax.lax.axis_index(others) if others else info[0] * 0)
-  if action is not None:
-    info += [action.kind, action.stage, action.microbatch]
+  if cell is not None:
+    info += [cell.kind, cell.stage, cell.microbatch]
   leaves, tree = jax.tree.flatten(values)
   tied = [k for k, leaf in enumerate(leaves) if _tieable(leaf)]
   firsts = [_first(leaves[k]) for k in tied]
@@ -108,7 +109,7 @@ def stamp(plan: Any, event: str, values: PyTree, action: Any = None
       ordered=False)
   for k, first in zip(tied, echoed):
     leaf = leaves[k]
-    first = vary(first, vma(leaf))
+    first = vary(first, varying_axes(leaf))
     leaves[k] = first.reshape(()) if leaf.ndim == 0 else (
         jax.lax.dynamic_update_slice(leaf, first, (0,) * leaf.ndim))
   return jax.tree.unflatten(tree, leaves)
@@ -126,47 +127,45 @@ def _first(leaf: jax.Array) -> jax.Array:
   return jax.lax.slice(leaf, (0,) * leaf.ndim, (1,) * leaf.ndim)
 
 
-def profile(step: Callable[..., Any], *args: Any, steps: int = 3,
-            warmup: int = 1, **kwargs: Any) -> Timeline:
-  """Runs a pipeline step and measures every rank's ticks as they ran.
+def timeline(step: Callable[..., Any], *args: Any, steps: int = 3,
+             warmup: int = 1, **kwargs: Any) -> Timeline:
+  """Runs a pipeline step and returns when each rank's ticks ran.
 
-  ``step`` is anything whose trace runs the executor's tick scan once
-  (``pipeline_value_and_grad``'s step, ``parallel.trainer``'s
-  ``Trainer.step``, a function calling ``pipeline_value_and_grad_local``).
-  ``profile`` clears JAX's caches (``jax.clear_caches``) so that ``step`` is
-  traced again with a host timestamp at three points of every tick (the
-  block's start and end, the messages landed: ``stamp``), runs it ``warmup
-  + steps`` times (the first compiles; all processes of a multi-process job
-  call ``profile`` together, each step after a barrier), and clears the
-  caches again, so the next ordinary call compiles the step as it was.
-  Every call gets ``args`` and ``kwargs`` as given (no state is threaded
-  through: profile a pure step, or one that does not donate its inputs).
+  ``step`` is any function whose trace runs the executor's tick scan once:
+  the step ``pipeline_value_and_grad`` returns, ``parallel.trainer``'s
+  ``Trainer.step``, or a function of yours that calls
+  ``pipeline_value_and_grad_local``. ``timeline`` traces it again with a
+  host timestamp at three points of every tick (the block starts, the block
+  ends, the messages have landed), calls it ``warmup + steps`` times with
+  ``args`` and ``kwargs``, and returns what the stamps measured. It clears
+  JAX's caches before and after, so the next ordinary call compiles the
+  step without the stamps. No state is threaded from call to call: time a
+  pure step, or one that does not donate its inputs. In a multi-process job
+  every process calls it, and each call starts after a barrier.
 
-  Each stamp costs a host callback: 0.05 ms on an idle CPU core, several
-  times that on a loaded machine, most of it inside ``compute``. Profile
-  blocks of a millisecond or more, and compare ``Timeline.walls`` with the
-  step's own time to see the cost.
+  Each stamp costs a host callback (about 0.05 ms on an idle core, more on
+  a loaded one): time blocks of a millisecond or more, and compare
+  ``Timeline.walls`` with the step's own time.
 
   Args:
-    step: the step to run, ``step(*args, **kwargs)``.
-    *args: its arguments.
-    steps: profiled calls (after ``warmup``); their totals are averaged.
-    warmup: calls first, not kept (the first compiles).
+    step: the step, called as ``step(*args, **kwargs)``.
+    *args: its positional arguments.
+    steps: the calls measured, after ``warmup``; their totals are averaged.
+    warmup: the calls made first and not kept (the first compiles).
     **kwargs: its keyword arguments.
 
   Returns:
     A ``Timeline``: ``summary()``, ``totals()`` (compute, messages, waiting,
-    overhead, outside per rank), ``costs()``, ``plot()`` (the measured Gantt
-    chart below the simulated one). With several devices per pipeline rank
-    (a data or tensor axis) the first device of each rank is kept. With
-    several processes every process returns the whole timeline; their clocks
-    are the machine's monotonic clock, or, across machines, aligned at a
-    barrier (to its skew).
+    overhead and outside time per rank), ``costs()`` and ``plot()`` (the
+    measured Gantt chart below the simulated one). With several devices per
+    rank (a data or tensor axis) the first device of each rank is kept.
+    Every process returns the whole timeline, on the machine's monotonic
+    clock (across machines, aligned at a barrier).
 
   Raises:
     TypeError: ``step`` is not callable.
-    ValueError: ``steps < 1`` or ``warmup < 0``; the step ran no tick (one
-      pipeline rank runs the microbatches in turn, without ticks) or the
+    ValueError: ``steps < 1`` or ``warmup < 0``; the step ran no tick (with
+      one pipeline rank the microbatches run in turn, without ticks) or the
       ticks of more than one tick table.
 
   Example:
@@ -176,7 +175,7 @@ def profile(step: Callable[..., Any], *args: Any, steps: int = 3,
     ...     lambda _, y, t: jnp.mean((y - t) ** 2),
     ...     schedule=jaxpar.pipeline.one_f_one_b(2, 2),
     ...     mesh=jaxpar.make_mesh(stage=2, devices=jax.devices()[:2]))
-    >>> timeline = jaxpar.pipeline.profile(
+    >>> timeline = jaxpar.pipeline.timeline(
     ...     step, np.ones((2, 8, 8), np.float32) / 8, 0., np.ones((4, 8)),
     ...     np.zeros((4, 8)), steps=2)
     >>> timeline.start.shape      # [steps, ticks, ranks]
@@ -187,11 +186,11 @@ def profile(step: Callable[..., Any], *args: Any, steps: int = 3,
     True
   """
   if not callable(step):
-    raise TypeError(f'profile: step={step!r} is not callable; pass the '
+    raise TypeError(f'timeline: step={step!r} is not callable; pass the '
                     'jitted step, e.g. pipeline_value_and_grad(...).')
   for name, value, low in (('steps', steps, 1), ('warmup', warmup, 0)):
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-      raise ValueError(f'profile: {name}={value!r} must be an int >= {low}.')
+      raise ValueError(f'timeline: {name}={value!r} must be an int >= {low}.')
   recorder = _Recorder()
   token = _RECORDER.set(recorder)
   jax.clear_caches()   # trace the step again, with the stamps
@@ -201,21 +200,21 @@ def profile(step: Callable[..., Any], *args: Any, steps: int = 3,
   finally:
     _RECORDER.reset(token)
     jax.clear_caches()   # the next ordinary call traces it without them
-  return _timeline(recorder, warmup)
+  return _measured(recorder, warmup)
 
 
-def _timeline(recorder: _Recorder, warmup: int) -> Timeline:
+def _measured(recorder: _Recorder, warmup: int) -> Timeline:
   """The recorded stamps as a ``Timeline`` (gathered from every process)."""
   tables = recorder.tables
   if not tables:
     raise ValueError(
-        'profile: the step ran no pipeline tick: with one pipeline rank '
+        'timeline: the step ran no pipeline tick: with one pipeline rank '
         '(num_ranks == 1) the executor runs the microbatches in turn, '
-        'without ticks; profile a schedule over >= 2 ranks.')
+        'without ticks; time a schedule over >= 2 ranks.')
   if any(t.kind.shape != tables[0][0].kind.shape or
          (t.kind != tables[0][0].kind).any() for t, _ in tables[1:]):
-    raise ValueError(f'profile: the step ran {len(tables)} different tick '
-                     'tables; profile a step with one pipeline.')
+    raise ValueError(f'timeline: the step ran {len(tables)} different tick '
+                     'tables; time a step with one pipeline.')
   table, with_edge = tables[0]
   ticks = table.num_ticks
   local, hosts = [], []   # per step: {rank: [T, 6]}; (call, return) ns
@@ -254,7 +253,7 @@ def _by_rank(events: list[tuple[int, ...]], ticks: int
       row[-1][event] = ns
   for rank, rows in out.items():
     if len(rows) != ticks:
-      raise RuntimeError(f'profile: rank {rank} stamped {len(rows)} ticks, '
+      raise RuntimeError(f'timeline: rank {rank} stamped {len(rows)} ticks, '
                          f'the table has {ticks}.')
   return {rank: np.array(rows, np.int64) for rank, rows in out.items()}
 
@@ -266,7 +265,7 @@ def _gathered(ranks: np.ndarray, mine: np.ndarray, hosts: np.ndarray):
   hosts = np.broadcast_to(hosts[:, None], (n, len(ranks), 2))
   if jax.process_count() == 1:
     return ranks, mine, hosts
-  multihost_utils.sync_global_devices('jaxpar.pipeline.profile: clocks')
+  multihost_utils.sync_global_devices('jaxpar.pipeline.timeline: clocks')
   clock = np.array([time.perf_counter_ns(),
                     zlib.crc32(socket.gethostname().encode())], np.int64)
   with jax.enable_x64(True):

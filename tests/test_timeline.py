@@ -1,4 +1,4 @@
-"""jaxpar.pipeline.profile: every rank's ticks as they ran, and the Timeline's
+"""jaxpar.pipeline.timeline: every rank's ticks as they ran, and the Timeline's
 arithmetic (compute, messages, waiting, overhead, outside add up)."""
 
 import jax
@@ -45,7 +45,7 @@ def test_measured_blocks_run_in_the_schedules_order():
           0., rng.normal(size=(16, 8)).astype(np.float32),
           np.zeros((16, 8), np.float32))
   want = step(*args)
-  timeline = pp.profile(step, *args, steps=2)
+  timeline = pp.timeline(step, *args, steps=2)
   table = timeline.table
   ticks = table.num_ticks
   assert table.schedule is schedule
@@ -75,7 +75,7 @@ def test_measured_blocks_run_in_the_schedules_order():
     assert 0 <= t.bubble <= t.waiting and min(t[1:]) >= 0
   assert set(timeline.costs()) == {'F', 'I', 'W', 'B'}
   assert timeline.message_seconds() > 0
-  # After profiling, the step compiles as before: no callback, same result.
+  # After the timeline, the step compiles as before: no callback, same result.
   assert 'callback' not in step.lower(*args).as_text()
   for got, expected in zip(jax.tree.leaves(step(*args)),
                            jax.tree.leaves(want)):
@@ -133,8 +133,8 @@ def test_plot_draws_simulated_measured_and_totals():
 
 def test_bad_calls_raise():
   with pytest.raises(TypeError, match='step=3 is not callable'):
-    pp.profile(3)
+    pp.timeline(3)
   with pytest.raises(ValueError, match='steps=0 must be an int >= 1'):
-    pp.profile(jax.jit(jnp.sin), 1., steps=0)
+    pp.timeline(jax.jit(jnp.sin), 1., steps=0)
   with pytest.raises(ValueError, match='ran no pipeline tick'):
-    pp.profile(jax.jit(jnp.sin), 1., steps=1, warmup=0)
+    pp.timeline(jax.jit(jnp.sin), 1., steps=1, warmup=0)
