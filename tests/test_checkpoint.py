@@ -132,7 +132,7 @@ def test_placement_mismatch_errors(run):
   with pytest.raises(ValueError, match='restore with schedule='):
     checkpoint.restore(run['model'], _init((2, 2, 2)))
   # A schedule that is not the like's.
-  with pytest.raises(ValueError, match=r"rank placement of schedule '1F1B' "
+  with pytest.raises(ValueError, match=r"rank order of schedule '1F1B' "
                      r'\(4 ranks, 4 stages\) starts with \(4, 1\)'):
     checkpoint.restore(run['model'], _init((2, 2, 2)),
                        schedule=MESHES[(1, 4, 2)])

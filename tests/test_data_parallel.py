@@ -41,7 +41,8 @@ def parallel_run(step, params, batches, optimizer):
 
 # Every pair of options together (4 runs, not all 8 triples: each is a
 # program to compile); shard_map with clipping and 2 microbatches also in
-# test_any_mesh_shape_float64 and in test_zero.py, on other meshes.
+# test_any_mesh_shape_float64 and in test_data_parallel_zero.py, on other
+# meshes.
 @pytest.mark.parametrize('backend,num_microbatches,max_grad_norm', [
     ('shard_map', 1, None), ('shard_map', 2, 0.5), ('pmap', 1, 0.5),
     ('pmap', 2, None)])

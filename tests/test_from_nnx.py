@@ -546,7 +546,7 @@ def test_live_state_handed_to_a_schedule_placing_stages_differently(
   tree_allclose(
       nnx.to_pure_dict(pm.to_state(jax.device_get(zbv.params(state)))),
       nnx.to_pure_dict(want[1][1]), rtol=1e-10, atol=1e-12)
-  with pytest.raises(ValueError, match=r"rank placement \(\(0, 2\), \(1, 3\)\) "
+  with pytest.raises(ValueError, match=r"rank order \(\(0, 2\), \(1, 3\)\) "
                      r"of schedule 'Interleaved 1F1B \(v=2\)', not in that of "
                      r"schedule='ZB-V'"):
     jaxpar.checkpoint.save(tmp_path, first, step=1,

@@ -235,7 +235,7 @@ def test_zero3_memory_and_collectives():
   # them from I: measured 3.4% of this tiny stage per copy of W.
   # The update runs on the per-layer view, split over stage too: embed and head
   # updates are gathered over stage (their 1/N data slices), and the stage
-  # gradients and updates move between the rank placement and the view by
+  # gradients and updates move between the rank order and the view by
   # all-to-all over stage (at most twice the stage bytes).
   # Counted in the program text, where stage 0's W (which also adds the
   # embedding's VJP, run per microbatch inside stage 0) is a second copy of

@@ -30,11 +30,10 @@ from jaxpar.parallel._from_nnx import PipelineModel
 from jaxpar.parallel._layer_view import LayerView, layerwise, mirror_specs
 from jaxpar.parallel._params import LayerParams, PipelineParams
 from jaxpar.parallel._placement import padded_spec
-from jaxpar.pipeline.executor import stash_policy
 from jaxpar.pipeline.executor.internal import check_fn
 from jaxpar.pipeline.schedules import (Schedule, TickTable, local_stages,
                                        tick_table)
-from jaxpar.train_state import TrainState
+from jaxpar.train_state import TrainState, check_remat_policy
 from jaxpar.train_state.internal import (PyTree, check_compute_dtype,
                                          check_key, check_max_grad_norm,
                                          check_optimizer, replicated_specs,
@@ -226,7 +225,7 @@ def make_config(parts: Parts, optimizer, *, schedule: Schedule, mesh: Mesh,
   _check_schedule(schedule, axis_size(mesh, axes.stage), axes.stage)
   stage_mask = _check_mask(parts.stage_mask, schedule)
   compute_dtype = check_compute_dtype(compute_dtype)
-  stash_policy(remat_policy)
+  check_remat_policy(remat_policy)
   if key is not None:
     key = jax.device_put(key, NamedSharding(mesh, P()))
   return TrainerConfig(

@@ -25,8 +25,8 @@ squared norm per split leaf (the global norm's sum over devices); ZeRO-1
 gathers the new params of padded leaves with an all-reduce of their logical
 bytes ``P_pad`` instead (XLA's choice for an uneven split).
 ``ring_bytes`` is what a ring moves per device: ``(N-1)/N`` of the buffer,
-twice for an all-reduce. The tests (tests/test_zero.py) hold the compiled
-step to ``theory`` byte for byte.
+twice for an all-reduce. The tests (tests/test_data_parallel_zero.py) hold
+the compiled step to ``theory`` byte for byte.
 """
 
 from __future__ import annotations

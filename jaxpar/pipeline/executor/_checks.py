@@ -137,11 +137,13 @@ def check_loss_fn(loss_fn: Callable[..., Any], loss_params: PyTree,
                     f'one microbatch, got {out}{hint}.')
 
 
-def check_microbatch_offset(offset: Any) -> None:
-  """``TypeError`` unless ``offset`` is one integer (NumPy/JAX ints too)."""
-  if (isinstance(offset, bool) or np.ndim(offset)
-      or not jnp.issubdtype(jnp.result_type(offset), jnp.integer)):
-    raise TypeError(f'microbatch_offset={offset!r} must be one integer, the '
+def check_microbatch_offset(microbatch_offset: Any) -> None:
+  """``TypeError`` unless ``microbatch_offset`` is one integer (NumPy and JAX
+  integers too)."""
+  value = microbatch_offset
+  if (isinstance(value, bool) or np.ndim(value)
+      or not jnp.issubdtype(jnp.result_type(value), jnp.integer)):
+    raise TypeError(f'microbatch_offset={value!r} must be one integer, the '
                     "global index of this shard's first microbatch (e.g. "
                     "jax.lax.axis_index('data') * num_microbatches).")
 

@@ -40,8 +40,7 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
   """
   m, num_stages = schedule.num_microbatches, schedule.num_stages
   train = loss_fn is not None
-  key, offset, axis = (options.key, options.microbatch_offset,
-                       options.stage_axis)
+  key, axis = options.key, options.stage_axis
   base = varying_axes(inputs) | {axis}
   embed_params = None if embedding is None else embedding.params
   local_params, loss_params, embed_params, stage_state = vary(
@@ -54,7 +53,7 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
   def model(params, lp, ep, x, target, mb, states):
     """The microbatch's share of the mean loss and ``(aux, new states)``,
     or (forward only) its output."""
-    g = offset + mb
+    g = options.microbatch_offset + mb
     if embedding is not None:
       k = (None if embedding.key is None else
            jax.random.fold_in(embedding.key, g))

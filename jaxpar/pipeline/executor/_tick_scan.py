@@ -514,10 +514,10 @@ def _embed_params(rank: Rank) -> PyTree:
 
 def _embedded(rank: Rank, embed_params: PyTree, microbatch: Any) -> jax.Array:
   """Stage 0's input for ``microbatch``: the embedding of its raw rows."""
-  embedding, offset = rank.embedding, rank.options.microbatch_offset
+  embedding = rank.embedding
   raw = jax.tree.map(lambda a: a[microbatch], rank.inputs)
-  key = (None if embedding.key is None else
-         jax.random.fold_in(embedding.key, offset + microbatch))
+  key = (None if embedding.key is None else jax.random.fold_in(
+      embedding.key, rank.options.microbatch_offset + microbatch))
   return embedding.fn(embed_params, raw, **extras(key))
 
 
