@@ -18,9 +18,8 @@ keep one across runs.
 XLA's CPU backend compiles with LLVM at optimisation level 0
 (``--xla_backend_optimization_level=0``, appended to ``XLA_FLAGS``; a level
 the user set is kept): the test programs are tiny, compiling them is most of
-the suite's CPU time, and level 0 cuts a fifth of it in the compile-heavy
-files (issue 25, user+sys: test_zero 60.8 -> 48.0 s, test_tensor_parallel
-58.7 -> 46.5 s, test_vma 59.6 -> 49.5 s). The flag acts after
+the suite's CPU time, and level 0 cuts about a fifth of it in the
+compile-heavy files. The flag acts after
 XLA's HLO passes, so what the tests measure in HLO is unchanged:
 ``memory_analysis()`` and the collective counts and bytes of the ZeRO,
 pipeline and tensor-parallel steps are identical at both levels. Processes

@@ -1,4 +1,4 @@
-"""Ordinary one-device JAX runs unchanged inside jaxpar's steps (issue 23).
+"""Ordinary one-device JAX runs unchanged inside jaxpar's steps.
 
 The losses and stages below use what a stack of layers or an RNN is written
 with on one device -- ``lax.scan`` over stacked params, ``fori_loop``, an

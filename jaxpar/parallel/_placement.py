@@ -1,6 +1,6 @@
-"""Stage leaves in two orders: the schedule's rank placement and the model's.
+"""Stage leaves in two orders: the schedule's rank order and the model's.
 
-The pipeline keeps stage leaves in the rank placement ``[p, v, ...]`` of a
+The pipeline keeps stage leaves in the rank order ``[p, v, ...]`` of a
 ``Schedule`` (``jaxpar.pipeline.stages_to_ranks``: rank ``r`` holds its
 ``v`` stages); users, ``Trainer.params`` and checkpoints see them in model
 order ``[num_stages, ...]``. The two functions here move whole trees of
@@ -51,7 +51,7 @@ def model_sharding(leaf: Any) -> NamedSharding | None:
 
 
 def stages_in_model_order(stages: PyTree, schedule: Schedule) -> PyTree:
-  """Stage leaves in the rank placement ``[p, v, ...]`` of ``schedule``
+  """Stage leaves in the rank order ``[p, v, ...]`` of ``schedule``
   back in model order ``[num_stages, ...]``, shards kept
   (``P(a, None, *rest)`` -> ``P(a, *rest)``): the order of
   ``Trainer.params`` and of checkpoints.
@@ -67,7 +67,7 @@ def stages_in_model_order(stages: PyTree, schedule: Schedule) -> PyTree:
 
 
 def stages_like(stages: PyTree, like: PyTree, schedule: Schedule) -> PyTree:
-  """Model-order stage leaves ``[num_stages, ...]`` in the rank placement
+  """Model-order stage leaves ``[num_stages, ...]`` in the rank order
   ``[p, v, ...]`` of ``schedule``, stored as ``like``'s leaves are (their
   shardings; numpy for numpy); inverse of ``stages_in_model_order``.
 
@@ -98,7 +98,7 @@ def _relaid(stages: PyTree, like: PyTree, schedule: Schedule, *,
              if np.shape(a)[:2] != lead]
     if wrong:
       raise ValueError(
-          f'{"; ".join(wrong)}, but rank-placement stage leaves start with '
+          f'{"; ".join(wrong)}, but rank-order stage leaves start with '
           f'(num_ranks, num_stages // num_ranks) = {lead} for schedule '
           f'{schedule.name!r}; model-order leaves go to stages_like.')
   leaves, tree = jax.tree.flatten(stages)
@@ -137,7 +137,7 @@ _PLACED: dict[tuple[tuple[int, ...], ...], type] = {}
 
 
 def placed(params: PipelineParams, schedule: Schedule) -> PipelineParams:
-  """``params`` (stages in ``schedule``'s rank placement) typed with that
+  """``params`` (stages in ``schedule``'s rank order) typed with that
   placement: a ``PipelineParams`` subclass whose ``placement`` is
   ``local_stages(schedule)`` (and ``schedule`` one schedule with it).
 
@@ -154,7 +154,7 @@ def placed(params: PipelineParams, schedule: Schedule) -> PipelineParams:
   if placement not in _PLACED:
     _PLACED[placement] = type('PipelineParams', (PipelineParams,), {
         '__slots__': (), '__module__': PipelineParams.__module__,
-        '__doc__': f'PipelineParams, stages in the rank placement '
+        '__doc__': f'PipelineParams, stages in the rank order '
                    f'{placement} (rank r holds the stages placement[r]).',
         'placement': placement, 'schedule': schedule,
         '__reduce__': lambda self: (placed, (PipelineParams(*self),
@@ -179,7 +179,7 @@ def relaid(params: PipelineParams, schedule: Schedule) -> PipelineParams:
   if (old.num_ranks, old.num_stages) != (schedule.num_ranks,
                                          schedule.num_stages):
     raise ValueError(
-        f'the state holds its stages in the rank placement of schedule '
+        f'the state holds its stages in the rank order of schedule '
         f'{old.name!r} ({old.num_ranks} ranks, {old.num_stages} stages); '
         f'this trainer runs {schedule.name!r} ({schedule.num_ranks} ranks, '
         f'{schedule.num_stages} stages). Save it with jaxpar.checkpoint.save('
