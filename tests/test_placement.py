@@ -1,5 +1,5 @@
 """Stage placement: where logical stages sit on ranks, and moving stage
-leaves between the rank placement ``[p, v, ...]`` and model order.
+leaves between rank order ``[p, v, ...]`` and model order.
 
 ``jaxpar.pipeline.stages_to_ranks`` / ``ranks_to_stages`` (the executor's
 ``_placement``) move a tree leaf by leaf; ``jaxpar.parallel.stages_like`` /

@@ -6,7 +6,7 @@ the global batch, exactly, with the batch split over ``data``. Its
 too (FSDP). The ZeRO building blocks (``data_spec``, ``gathered``,
 ``reduce_gradients``, ...) are what ``jaxpar.parallel`` composes with the
 pipeline and tensor axes. ``from_nnx(model, loss=...)`` gives a Flax NNX
-model as ``trainer`` takes it; the model state (BatchNorm statistics) rides
+model as ``model_trainer`` takes it; the model state (BatchNorm statistics) rides
 in ``TrainState.model_state``. Behind this API: ``_trainer`` (the step),
 ``_specs`` (spec arithmetic), ``_state`` (placing a state from outside
 ``jit``), ``_blocks`` (collectives inside ``shard_map``), ``_padding``

@@ -1,4 +1,4 @@
-"""Stage parameters between model order ``[S, ...]`` and the rank placement ``[p, v, ...]``."""
+"""Stage parameters between model order ``[S, ...]`` and rank order ``[p, v, ...]``."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _stage_order(schedule: Schedule) -> np.ndarray:
 
 def stages_to_ranks(tree: PyTree, schedule: Schedule, *,
                     out_sharding: NamedSharding | None = None) -> PyTree:
-  """Rearranges a ``[num_stages, ...]`` stack into the ``[p, v, ...]`` rank placement.
+  """Rearranges a ``[num_stages, ...]`` stack into rank order ``[p, v, ...]``.
 
   Row ``[r, j]`` holds the ``j``-th stage (ascending) that ``schedule.placement``
   puts on rank ``r``; ``v = num_stages // p``. Shard dim 0 over the pipeline
