@@ -52,6 +52,16 @@ def is_package(name):
   return MODULES[name].name == '__init__.py'
 
 
+def absolute(node, package):
+  """The module a ``from ... import`` in ``package`` names, relative
+  imports resolved."""
+  base = node.module or ''
+  if not node.level:
+    return base
+  parts = package.split('.')[:len(package.split('.')) - node.level + 1]
+  return '.'.join(parts + ([base] if base else []))
+
+
 def imported(name, source, modules=MODULES):
   """Every name the module ``name`` imports, as ``(dotted name, line)``: top
   level, in functions, in ``if TYPE_CHECKING:`` blocks alike; relative
@@ -64,10 +74,7 @@ def imported(name, source, modules=MODULES):
     if isinstance(node, ast.Import):
       found += [(alias.name, node.lineno) for alias in node.names]
     elif isinstance(node, ast.ImportFrom):
-      base = node.module or ''
-      if node.level:
-        parts = package.split('.')[:len(package.split('.')) - node.level + 1]
-        base = '.'.join(parts + ([base] if base else []))
+      base = absolute(node, package)
       for alias in node.names:
         sub = f'{base}.{alias.name}'
         private = alias.name.startswith('_') and base.startswith('jaxpar')
@@ -181,10 +188,7 @@ def bound_names(package, source, star=lambda module: ()):
       found += [(a.asname or a.name.split('.')[0], node.lineno)
                 for a in node.names]
     elif isinstance(node, ast.ImportFrom):
-      base = node.module or ''
-      if node.level:
-        parts = package.split('.')[:len(package.split('.')) - node.level + 1]
-        base = '.'.join(parts + ([base] if base else []))
+      base = absolute(node, package)
       for a in node.names:
         names = star(base) if a.name == '*' else [a.asname or a.name]
         found += [(n, node.lineno) for n in names]
