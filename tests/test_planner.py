@@ -5,6 +5,7 @@ trainer on the model as written, bad input, the command line."""
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -180,6 +181,53 @@ def test_bad_input():
     jaxpar.plan(CONFIG, batch=BATCH, devices=8, profile='H100-SXM', search=-1)
 
 
+@pytest.mark.parametrize('options, error, match', [
+    ({'zero_stages': [2]}, ValueError, r'holds 2: .*ZeRO stages \(0, 1, 3\)'),
+    ({'zero_stages': [5]}, ValueError, r'holds 5: .*pass a subset'),
+    ({'zero_stages': [-1]}, ValueError, r'holds -1'),
+    ({'zero_stages': ['x']}, TypeError, r"holds 'x', a str: .*\(0, 1, 3\)"),
+    ({'zero_stages': 1}, TypeError, r'must be a sequence'),
+    ({'remat_policies': ['bogus']}, ValueError,
+     r"'bogus', not a remat policy.*REMAT_POLICIES, \('everything', 'dots'"),
+    ({'remat_policies': 'dots'}, TypeError, r"e.g. remat_policies=\('dots'"),
+    ({'memory_per_device': -1}, ValueError, r'=-1 must be a positive finite'),
+    ({'memory_per_device': 0}, ValueError, r'=0 must be a positive finite'),
+    ({'memory_per_device': float('nan')}, ValueError, r'=nan must be a pos'),
+    ({'memory_per_device': '2 parsecs'}, ValueError, r"not a size: .*'80GiB'"),
+    ({'memory_per_device': [1]}, TypeError, r'must be bytes, got a list'),
+    ({'max_microbatches': 0}, ValueError, r'max_microbatches=0 must be an '
+     r'int >= 1'),
+    ({'batch': 0}, ValueError, r'batch=0 sequences: a step needs at least'),
+    ({'compile': -1}, ValueError, r'compile=-1 must be an int >= 0'),
+])
+def test_bad_input_names_its_cause(options, error, match):
+  """Each bad argument is refused before any work, by a message naming the
+  value, the rule and the fix (never the batch for another cause)."""
+  with pytest.raises(error, match=match):
+    jaxpar.plan(CONFIG, **{'batch': BATCH, **options}, devices=8,
+                profile='H100-SXM')
+
+
+def test_bad_input_of_the_model_names_the_layers():
+  """A 1-layer model with ``where=stage > 1`` is refused for its layers;
+  a size string is a cap; data-parallel rows have no schedule."""
+  one = CONFIG._replace(num_layers=1)
+  with pytest.raises(ValueError, match=r'1 layer\(s\), so stage is at most '
+                     r'1.*meshes data x stage x tensor are 2x1x4, 4x1x2, 8x1x1'):
+    jaxpar.plan(one, batch=BATCH, devices=8, profile='H100-SXM',
+                where=lambda x: x.stage > 1)
+  with pytest.raises(ValueError, match=r'with batch 3: a mesh needs data '
+                     r'dividing the batch.*none does'):
+    jaxpar.plan(one, batch=3, devices=8, profile='H100-SXM')
+  plan = jaxpar.plan(CONFIG, batch=BATCH, devices=8, profile='H100-SXM',
+                     memory_per_device='2GiB')
+  assert plan.memory_per_device == 2 * 2**30
+  rows = plan.rows()
+  assert {r['schedule'] for r in rows if r['stage'] == 1} == {'-'}
+  assert all(' - m=' in c.layout.describe() for c in plan.candidates
+             if c.layout.stage == 1)
+
+
 def test_spearman():
   assert planner.spearman([1, 2, 3], [5, 6, 7]) == pytest.approx(1.0)
   assert planner.spearman([1, 2, 3], [7, 6, 5]) == pytest.approx(-1.0)
@@ -221,19 +269,19 @@ def test_cli_plan_writes_the_table_and_json(capfd, tmp_path):
 
 
 class _Block(nnx.Module):
-  def __init__(self, rngs):
-    self.norm = nnx.RMSNorm(8, rngs=rngs)
-    self.mlp = nnx.Linear(8, 8, rngs=rngs)
+  def __init__(self, rngs, dtype=jnp.float32):
+    self.norm = nnx.RMSNorm(8, param_dtype=dtype, rngs=rngs)
+    self.mlp = nnx.Linear(8, 8, param_dtype=dtype, rngs=rngs)
 
   def __call__(self, x):
     return x + self.mlp(self.norm(x))
 
 
 class _Net(nnx.Module):
-  def __init__(self, rngs):
-    self.embed = nnx.Embed(16, 8, rngs=rngs)
-    self.layers = nnx.List([_Block(rngs) for _ in range(4)])
-    self.out = nnx.Linear(8, 16, rngs=rngs)
+  def __init__(self, rngs, dtype=jnp.float32):
+    self.embed = nnx.Embed(16, 8, param_dtype=dtype, rngs=rngs)
+    self.layers = nnx.List([_Block(rngs, dtype) for _ in range(4)])
+    self.out = nnx.Linear(8, 16, param_dtype=dtype, rngs=rngs)
 
 
 def _head_loss(m, y, t):
@@ -251,9 +299,9 @@ def _as_written(net, ids, targets):
 
 def _plan_net(net, ids, **options):
   return jaxpar.plan(
-      net, optax.sgd(0.1), batch=(ids, ids), profile='H100-SXM',
-      blocks='layers', embed=lambda m, x: m.embed(x), head_loss=_head_loss,
-      **{'devices': jax.devices(), **options})
+      net, optax.sgd(0.1), profile='H100-SXM', blocks='layers',
+      embed=lambda m, x: m.embed(x), head_loss=_head_loss,
+      **{'devices': jax.devices(), 'batch': (ids, ids), **options})
 
 
 def test_an_nnx_model_is_planned_through_from_nnx():
@@ -357,3 +405,139 @@ def test_a_searched_schedule_is_a_candidate(model, batch):
   stepped = dense_of(trainer, new, split)   # sgd(1): params - grads
   tree_allclose(stepped, jax.tree.map(lambda p, g: p - g, params, grads),
                 rtol=1e-5, atol=1e-6)
+
+
+def _normed_net():
+  net = _Net(nnx.Rngs(0))
+  net.layers = nnx.List([_NormedBlock(nnx.Rngs(i)) for i in range(4)])
+  return net
+
+
+def test_batch_statistics_mark_the_layouts_that_change_the_model():
+  """An unsynced BatchNorm normalises what one device runs at once: the
+  layouts that split the batch (over data or microbatches) are marked, in
+  ``Candidate.changes`` and the table, and rank after the ones that compute
+  the model as written unless ``prefer_as_written=False``."""
+  ids = np.zeros((8, 4), np.int32)
+  few = dict(devices=jax.devices()[:2], compile=0, max_microbatches=2,
+             remat_policies=('dots',))
+  plan = _plan_net(_normed_net(), ids, **few)
+  for c in plan.candidates:
+    split = c.layout.data * c.layout.num_microbatches
+    assert c.as_written == (split == 1), c.layout
+    assert c.changes == ('' if split == 1 else
+                         f'BatchNorm statistics over {8 // split} of 8 rows')
+  assert plan.best.as_written
+  table = plan.table(len(plan.candidates))
+  assert 'BatchNorm statistics over 4 of 8 rows' in table   # m=2 or d=2
+  assert plan.rows()[-1]['changes'] == plan.candidates[-1].changes
+  fastest = _plan_net(_normed_net(), ids, **few, prefer_as_written=False)
+  assert fastest.best.predicted_s == min(c.predicted_s
+                                         for c in fastest.candidates)
+  assert not fastest.best.as_written
+  plain = _plan_net(_Net(nnx.Rngs(0)), ids, **few)
+  assert all(c.as_written for c in plain.candidates)
+
+
+# Megatron's MLP split for _Block: the output features over tensor.
+_RULES = {'mlp/kernel': (None, 'tensor'), 'mlp/bias': ('tensor',)}
+
+
+def _check_one_step(plan, net, batch, layout):
+  """``layout``'s trainer from ``plan``: one SGD(1) step gives the loss and
+  the params of the model as written on one device (float64)."""
+  candidate = next(c for c in plan.candidates if c.layout == layout)
+  trainer = plan.trainer(optax.sgd(1.0), candidate)
+  new, stats = trainer.step(trainer.init(plan.params(candidate)), batch)
+  graphdef, params = nnx.split(net, nnx.Param)
+  loss, grads = jax.value_and_grad(
+      lambda p: _as_written(nnx.merge(graphdef, p), *batch))(params)
+  np.testing.assert_allclose(stats.loss, loss, rtol=1e-10)
+  pm = plan.source.pipeline(layout.num_stages)[1]
+  got = nnx.to_pure_dict(pm.to_state(jax.device_get(trainer.params(new))))
+  want = jax.tree.map(lambda p, g: p - g, nnx.to_pure_dict(params),
+                      nnx.to_pure_dict(grads))
+  tree_allclose(got, want)
+
+
+def test_tensor_rules_give_a_model_its_tensor_candidates(x64):
+  """``tensor_rules`` as ``from_nnx`` takes them: a model without Flax
+  sharding metadata gets ``tensor`` candidates (the split dims' sizes
+  divide), and the plan's tensor-parallel layout trains it as written."""
+  net = _Net(nnx.Rngs(0), jnp.float64)
+  rng = np.random.default_rng(1)
+  batch = tuple(rng.integers(0, 16, (8, 4)).astype(np.int32)
+                for _ in range(2))
+  plan = _plan_net(net, batch[0], tensor_rules=_RULES, compile=0,
+                   devices=jax.devices()[:4], batch=batch, max_microbatches=2,
+                   remat_policies=('dots',), zero_stages=(0,))
+  assert plan.spec.tensor_sizes(8) == (1, 2, 4, 8)
+  assert plan.spec.layer.split == 8 * 8 + 8
+  split = {c.layout.tensor for c in plan.candidates}
+  assert split == {1, 2, 4}
+  _check_one_step(plan, net, batch, planner.Layout(1, 2, 2, 'one_f_one_b',
+                                                   2))
+  with pytest.raises(ValueError, match='tensor_rules are for a Flax NNX'):
+    jaxpar.plan(CONFIG, batch=BATCH, devices=8, profile='H100-SXM',
+                tensor_rules=_RULES)
+
+
+_FACTORY = '''
+import jax.numpy as jnp, numpy as np, optax
+from flax import nnx
+
+class Block(nnx.Module):
+  def __init__(self, rngs):
+    self.norm = nnx.RMSNorm(8, param_dtype=jnp.float64, rngs=rngs)
+    self.mlp = nnx.Linear(8, 8, param_dtype=jnp.float64, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.mlp(self.norm(x))
+
+class Net(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(16, 8, param_dtype=jnp.float64, rngs=rngs)
+    self.layers = nnx.List([Block(rngs) for _ in range(4)])
+    self.out = nnx.Linear(8, 16, param_dtype=jnp.float64, rngs=rngs)
+
+def head_loss(m, y, t):
+  return optax.losses.softmax_cross_entropy_with_integer_labels(
+      m.out(y), t).mean()
+
+def factory():
+  ids = np.random.default_rng(1).integers(0, 16, (8, 5)).astype(np.int32)
+  return dict(model=Net(nnx.Rngs(0)), batch=(ids[:, :-1], ids[:, 1:]),
+              blocks='layers', embed=lambda m, x: m.embed(x),
+              head_loss=head_loss, optimizer=optax.sgd(1.0),
+              tensor_rules={'mlp/kernel': (None, 'tensor')})
+'''
+
+
+def test_cli_plans_a_model_of_your_own(x64, capfd, tmp_path):
+  """``python -m jaxpar plan --model FILE.py:factory`` plans the factory's
+  NNX model (its tensor rules give tensor candidates); the same keywords
+  give ``jaxpar.plan`` a plan whose best layout trains it as written; a
+  factory of the wrong kind, or GPT flags beside it, are refused."""
+  path = tmp_path / 'my_model.py'
+  path.write_text(_FACTORY)
+  out = tmp_path / 'plan.json'
+  spec = f'{path}:factory'
+  capfd.readouterr()
+  code = plan_command.main(['--model', spec, '--devices', '4', '--profile',
+                            'H100-SXM', '--json', str(out)])
+  assert code == 0, capfd.readouterr().err
+  rows = json.loads(out.read_text())['rows']
+  assert {r['tensor'] for r in rows} == {1, 2, 4}
+  kw = plan_command.load_factory(spec)
+  plan = jaxpar.plan(**kw, devices=jax.devices()[:4], profile='H100-SXM',
+                     compile=0)
+  best = plan.rows(1)[0]
+  assert {k: best[k] for k in rows[0]} == rows[0]     # the CLI's plan
+  _check_one_step(plan, kw['model'], kw['batch'], plan.best.layout)
+  path.write_text(_FACTORY + '\ndef bad():\n  return 3\n')
+  assert plan_command.main(['--model', f'{path}:bad', '--devices', '4',
+                            '--profile', 'H100-SXM']) == 2
+  assert "must return a dict of jaxpar.plan keywords" in capfd.readouterr().err
+  with pytest.raises(SystemExit):
+    plan_command.main(['--model', spec, '--layers', '4'])
+  assert 'leave out the GPT flags --layers' in capfd.readouterr().err

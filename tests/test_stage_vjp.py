@@ -1,7 +1,8 @@
 """StageVJP: the stash holds activations only; I + W is one backward, exactly.
 
 Every stash policy, as the ``I``/``W`` blocks and through the executor
-(ZB-H1, dropout keys), against ``jax.vjp`` / ``jax.value_and_grad``.
+(ZB-H1, dropout keys), and ``w_recompute`` (V-Half), against ``jax.vjp`` /
+``jax.value_and_grad``.
 """
 
 import jax
@@ -13,8 +14,8 @@ import jaxpar
 from jaxpar import pipeline as pp
 from jaxpar.pipeline import StageVJP, stash_policy
 from jaxpar.train_state import REMAT_POLICIES
-from helpers import (dropout_loss, dropout_reference, dropout_stage, model,
-                     tree_allclose)
+from helpers import (dropout_loss, dropout_reference, dropout_stage, loss_fn,
+                     model, reference, stage_fn, tree_allclose)
 
 # Every named policy and one given as a jax.checkpoint policy.
 ALL_POLICIES = [*REMAT_POLICIES, jax.checkpoint_policies.checkpoint_dots]
@@ -59,9 +60,9 @@ def params(seed=0, dtype=np.float64):
           'b': rng.normal(size=(L, D, 2 * D)).astype(dtype) / 4}
 
 
-def split_blocks(fn, w, x, dy, policy='dots'):
+def split_blocks(fn, w, x, dy, policy='dots', w_recompute=False):
   """A traced StageVJP (its blocks jitted, as inside the executor)."""
-  stage = StageVJP(fn, remat_policy=policy)
+  stage = StageVJP(fn, remat_policy=policy, w_recompute=w_recompute)
   traced = lambda method: lambda *args: [method(*args)][:0]  # avals: no output
   jax.eval_shape(traced(stage.trace), w, x)
   _, stash = jax.jit(stage.forward)(w, x)
@@ -130,6 +131,18 @@ def test_zero_bubble_halves_do_one_backward_of_flops(fn):
   assert f_w > 0.3 * f_b and f_i > 0.3 * f_b
 
 
+def test_w_recompute_costs_w_the_input_gradient_chain():
+  """XLA's FLOP count: ``I`` is unchanged; ``W`` redoes ``I``'s products
+  but the stage input's cotangent (3 layers: ``W`` ~0.93 ``B``)."""
+  w = params(dtype=np.float32)
+  x = np.ones((MB, D), np.float32)
+  stage, stash = split_blocks(stacked, w, x, x, w_recompute=True)
+  f_i = _flops(stage.input_grad, w, stash, x)
+  f_w = _flops(stage.weight_grad, w, stash, x, [])
+  f_b = _flops(stage.backward, w, stash, x)
+  assert f_b - f_i < f_w < f_b
+
+
 def _temp_bytes(fn, stages):
   p, m = 2, 4
   step = pp.pipeline_value_and_grad(
@@ -187,9 +200,26 @@ def test_every_policy_is_exact_with_zero_bubble_and_dropout(x64, policy):
   tree_allclose(grads[:3], want_grads, rtol=1e-10, atol_scale='leaf')
 
 
+def test_w_recompute_is_exact_through_a_v_schedule(x64):
+  """V-Half (I and W apart, two stages a rank) with ``w_recompute``: the
+  sequential model's loss and gradients."""
+  p, m = 2, 2
+  schedule = pp.v_half(p, m)
+  args = model(schedule.num_stages, m * MB)
+  step = pp.pipeline_value_and_grad(
+      stage_fn, loss_fn, schedule=schedule,
+      mesh=jaxpar.make_mesh(stage=p, devices=jax.devices()[:p]),
+      w_recompute=True, bubble_fill=float('nan'))
+  loss, _, grads, _ = step(*args)
+  want, want_grads = reference(*args, m)
+  np.testing.assert_allclose(loss, want, rtol=1e-10)
+  tree_allclose(grads[:3], want_grads, rtol=1e-10, atol_scale='leaf')
+
+
 @pytest.mark.parametrize('kwargs, error, match', [
     (dict(remat_policy='dot'), ValueError, r"remat_policy='dot' is not one"),
     (dict(remat_policy=3), TypeError, 'must be a name'),
+    (dict(w_recompute='yes'), TypeError, 'w_recompute=.yes. must be True'),
 ])
 def test_bad_policy_raises_when_the_step_is_built(kwargs, error, match):
   with pytest.raises(error, match=match):
@@ -315,3 +345,18 @@ def test_scanned_layers_are_cut_once_not_per_layer(x64, fn):
   # per layer, stacked ([groups,] layers, ...): activations, no weights
   assert all(a.shape[-2] == MB and np.prod(a.shape[:-2]) == layers
              for a in kept), kept
+
+
+@pytest.mark.parametrize('fn', [stacked, shared_b, nested])
+def test_w_recompute_keeps_nothing_and_is_exact(x64, fn):
+  """``w_recompute``: ``I`` keeps nothing, ``W`` recomputes the cotangent
+  chain from (params, stash, dy); the halves are still the VJP."""
+  rng = np.random.default_rng(4)
+  w = {k: rng.normal(size=(4, D, 2 * D)) / 4 for k in 'ab'}
+  x, dy = rng.normal(size=(MB, D)), rng.normal(size=(MB, D))
+  stage, stash = split_blocks(fn, w, x, dy, w_recompute=True)
+  dx, kept = jax.jit(stage.input_grad)(w, stash, dy)
+  dw = jax.jit(stage.weight_grad)(w, stash, dy, kept)
+  want_dw, want_dx = jax.vjp(fn, w, x)[1](dy)
+  assert kept == []
+  tree_allclose((dx, dw), (want_dx, want_dw), rtol=1e-12, atol=1e-12)

@@ -1,10 +1,11 @@
 """ZeRO's building blocks inside ``jax.shard_map``: the collectives of a step.
 
 Each runs on one device's shards, with ``specs`` the leaves' global
-``PartitionSpec``s (``data_specs``): ``vary_unsplit`` types replicated params as
-per-device, ``gather`` / ``gathered`` all-gather ZeRO-3 slices just in
-time, ``reduce_gradients`` averages gradients over the data axis into the
-ZeRO layout. ``jaxpar.data_parallel.trainer`` and ``jaxpar.parallel.trainer``
+``PartitionSpec``s (``data_specs``): ``vary_unsplit`` types replicated params
+as per-device, ``gather`` all-gathers ZeRO-3 slices, ``gathered`` runs a
+function on them gathering each param at its first use (``_layer_gather``),
+``reduce_gradients`` averages gradients over the data axis into the ZeRO
+layout. ``jaxpar.data_parallel.trainer`` and ``jaxpar.parallel.trainer``
 compose them; the package docstring shows one step.
 """
 
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.data_parallel._layer_gather import Slice, at_first_use
 from jaxpar.data_parallel._padding import Padded, entry_axes, is_padded
 from jaxpar.data_parallel._specs import data_dim
 from jaxpar.train_state.internal import PyTree
@@ -66,20 +68,52 @@ def gather(params: PyTree, specs: PyTree, *, data_axis: str,
 
 def gathered(fn: Callable[..., Any], specs: PyTree, *, data_axis: str,
              skip: int = 0) -> Callable[..., Any]:
-  """``fn(params, *args, **kwargs)`` on ZeRO-3 slices, gathering the params
-  just in time.
+  """``fn(params, *args, **kwargs)`` on ZeRO-3 slices, each param gathered
+  at its first use.
 
-  ``g(slices, *args, **kwargs) = fn(gather(slices), *args, **kwargs)`` under
-  ``jax.checkpoint(policy=dots_saveable)``: the backward pass re-gathers
-  instead of keeping the gathered params. The gradient w.r.t. ``slices`` is
-  this device's slice of the gradient *summed* over ``data_axis``
-  (``Padded`` where the slices are, with zero padding).
+  ``g(slices, *args, **kwargs)`` equals ``fn(gather(slices), *args,
+  **kwargs)``, but no param is gathered before ``fn`` needs it
+  (``_layer_gather``): casts run on the slices, a ``lax.scan`` over stacked
+  leaves gathers one layer per iteration (and its gradient is
+  reduce-scattered per layer in the backward), and every gather sits in a
+  ``jax.checkpoint`` that keeps no gathered param for the backward pass,
+  which gathers again. The gradient w.r.t. ``slices`` is this device's
+  slice of the gradient *summed* over ``data_axis`` (``Padded`` where the
+  slices are, with zero padding).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxpar.make_mesh(data=8)
+    >>> params = {'w': jnp.ones((4, 8, 16)) / 8}      # 4 layers, stacked
+    >>> specs = jaxpar.data_parallel.data_specs(params, mesh=mesh)
+    >>> def loss(p, x):
+    ...   step = lambda h, w: (jnp.tanh(h @ w[:, :8]), None)
+    ...   return jax.lax.scan(step, x, p['w'])[0].sum()
+    >>> fn = jaxpar.data_parallel.gathered(loss, specs, data_axis='data')
+    >>> x = jax.device_put(jnp.ones((8, 8)), jax.NamedSharding(mesh, P('data')))
+    >>> slices = jax.device_put(params, jax.tree.map(
+    ...     lambda s: jax.NamedSharding(mesh, s), specs))
+    >>> grad = jax.jit(jax.shard_map(
+    ...     jax.grad(fn), mesh=mesh, in_specs=(specs, P('data')),
+    ...     out_specs=specs))(slices, x)
+    >>> specs['w'], bool(jnp.allclose(grad['w'], jax.grad(loss)(
+    ...     params, jnp.ones((8, 8)))))
+    (P(None, None, 'data'), True)
   """
+  def held(spec, x):
+    dim = data_dim(spec, data_axis)
+    if dim is None:
+      return x
+    if is_padded(x):
+      return Slice(x.value, dim - skip, x.shape[dim])
+    return Slice(x, dim - skip)
+
   def fn_of_slices(params, *args, **kwargs):
-    return fn(gather(params, specs, data_axis=data_axis, skip=skip), *args,
-              **kwargs)
-  return jax.checkpoint(fn_of_slices,
-                        policy=jax.checkpoint_policies.dots_saveable)
+    return at_first_use(
+        fn, jax.tree.map(held, specs, params, is_leaf=_is_spec), *args,
+        data_axis=data_axis, **kwargs)
+  return fn_of_slices
 
 
 def reduce_gradients(grads: PyTree, specs: PyTree, *, data_axis: str,

@@ -30,7 +30,7 @@ from jaxpar.parallel._from_nnx import PipelineModel
 from jaxpar.parallel._layer_view import LayerView, layerwise, mirror_specs
 from jaxpar.parallel._params import LayerParams, PipelineParams
 from jaxpar.parallel._placement import padded_spec
-from jaxpar.pipeline.executor.internal import check_fn
+from jaxpar.pipeline.executor.internal import check_bool, check_fn
 from jaxpar.pipeline.schedules import (Schedule, TickTable, local_stages,
                                        tick_table)
 from jaxpar.train_state import TrainState, check_remat_policy
@@ -73,8 +73,8 @@ class TrainerConfig(NamedTuple):
       too), else ``None``.
     model_state: a ``PipelineModel``'s ``model_state`` (the shapes
       ``init`` needs one of), else ``None``.
-    zero_stage, max_grad_norm, key, has_aux, compute_dtype, remat_policy:
-      the options as ``trainer`` takes them (``key`` replicated on ``mesh``).
+    zero_stage, max_grad_norm, key, has_aux, compute_dtype, remat_policy,
+      w_recompute: the options as ``trainer`` takes them (``key`` replicated on ``mesh``).
     cache: the memos.
   """
   functions: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
@@ -97,6 +97,7 @@ class TrainerConfig(NamedTuple):
   has_aux: bool
   compute_dtype: Any
   remat_policy: Any
+  w_recompute: bool
   cache: Cache
 
 
@@ -202,7 +203,7 @@ def model_parts(model: Any) -> Parts:
 
 def make_config(parts: Parts, optimizer, *, schedule: Schedule, mesh: Mesh,
                 max_grad_norm, axes: Axes, zero_stage, key, has_aux,
-                compute_dtype, remat_policy) -> TrainerConfig:
+                compute_dtype, remat_policy, w_recompute) -> TrainerConfig:
   """The checked options (errors before anything is traced)."""
   check_key(key)
   if key is not None:
@@ -226,6 +227,7 @@ def make_config(parts: Parts, optimizer, *, schedule: Schedule, mesh: Mesh,
   stage_mask = _check_mask(parts.stage_mask, schedule)
   compute_dtype = check_compute_dtype(compute_dtype)
   check_remat_policy(remat_policy)
+  check_bool(w_recompute, 'w_recompute')
   if key is not None:
     key = jax.device_put(key, NamedSharding(mesh, P()))
   return TrainerConfig(
@@ -240,7 +242,7 @@ def make_config(parts: Parts, optimizer, *, schedule: Schedule, mesh: Mesh,
       tied=parts.tied, model_state=parts.model_state, zero_stage=zero_stage,
       max_grad_norm=max_grad_norm, key=key, has_aux=has_aux,
       compute_dtype=compute_dtype, remat_policy=remat_policy,
-      cache=Cache(specs={}, states={}))
+      w_recompute=w_recompute, cache=Cache(specs={}, states={}))
 
 
 # ------------------------------------------------------------------ the specs

@@ -130,9 +130,12 @@ class PipelineModel(NamedTuple):
     nnx.update(model, self.to_state(params, model_state))
 
 
-def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
-             embed: Callable[[nnx.Module, Any], jax.Array],
-             head_loss: Callable[[nnx.Module, jax.Array, Any], Any],
+def from_nnx(model: nnx.Module, *, blocks: str | Sequence[str],
+             num_stages: int,
+             embed: Callable[[nnx.Module, Any], Any],
+             head_loss: Callable[[nnx.Module, Any, Any], Any],
+             block: Callable[[Any, Any], Any] | Mapping[str, Callable] | None
+             = None,
              counts: Sequence[int] | None = None,
              head: Sequence[str] | None = None,
              tensor_rules: Mapping[str, Any] | None = None) -> PipelineModel:
@@ -212,7 +215,7 @@ def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
     (1, (8, 8))
   """
   _check_functions(model, embed, head_loss)
-  cut = read_cut(model, blocks, num_stages, counts, head)
+  cut = read_cut(model, blocks, num_stages, counts, head, block)
   rules = _tensor_rules(tensor_rules, *param_names(cut), 'tensor')
   return PipelineModel(
       from_state(cut, nnx.state(model, nnx.Param)),
@@ -221,7 +224,8 @@ def from_nnx(model: nnx.Module, *, blocks: str, num_stages: int,
        functools.partial(head_loss_fn, cut, head_loss)),
       cut.split.mask, functools.partial(from_state, cut),
       functools.partial(to_state, cut),
-      functools.partial(_tensor_specs, rules) if rules else None,
+      functools.partial(_tensor_specs, rules, len(cut.kinds) > 1)
+      if rules else None,
       functools.partial(tied, cut, embed, head_loss),
       stacked_blocks(cut, variable_values(nnx.state(model, nnx.BatchStat)))
       if cut.stats else None)
@@ -240,11 +244,12 @@ def _check_functions(model: Any, embed: Any, head_loss: Any) -> None:
 # ------------------------------------------------------------- tensor rules
 
 
-def _tensor_specs(rules: dict[str, tuple], pp: PipelineParams,
+def _tensor_specs(rules: dict[str, tuple], kinds: bool, pp: PipelineParams,
                   size: int = 1) -> PipelineParams:
-  """``PipelineModel.tensor_specs``: each leaf's spec from ``rules``."""
-  def one(key_path, leaf):
-    name = '/'.join(str(k.key) for k in key_path)
+  """``PipelineModel.tensor_specs``: each leaf's spec from ``rules`` (a
+  stage leaf of several ``kinds`` by its path after the kind's key)."""
+  def one(key_path, leaf, stage=False):
+    name = '/'.join(str(k.key) for k in key_path[int(stage and kinds):])
     spec = rules.get(name, ())
     dims = range(np.ndim(leaf) - len(spec), np.ndim(leaf))
     for dim, entry in zip(dims, spec):
@@ -255,5 +260,8 @@ def _tensor_specs(rules: dict[str, tuple], pp: PipelineParams,
             f'but does not divide by its size {size}; choose a size that '
             f'divides it or change the rule.')
     return P(*(None,) * (np.ndim(leaf) - len(spec)), *spec)
-  return PipelineParams(*(jax.tree_util.tree_map_with_path(one, part)
-                          for part in pp))
+  return PipelineParams(
+      jax.tree_util.tree_map_with_path(one, pp.embed),
+      jax.tree_util.tree_map_with_path(
+          functools.partial(one, stage=True), pp.stages),
+      jax.tree_util.tree_map_with_path(one, pp.head))

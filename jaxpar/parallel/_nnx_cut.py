@@ -1,15 +1,24 @@
 """How ``from_nnx`` reads a Flax NNX model: the ``Cut``.
 
-The blocks (a sequence of identical modules or one module stacked over
-layers), their split over stages, the non-block params split between
-``embed`` and ``head``, the blocks' ``nnx.BatchStat`` s; and the moves
-between the model's own state and the pipeline's stacked trees
-(``from_state``, ``to_state``, ``stacked_blocks``).
+The blocks (where the model keeps them: a sequence of modules, numbered
+attributes ``blocks_0 ... blocks_N`` as ``nnx.bridge.ToNNX`` keeps a Linen
+model's list, a list of paths, or one module stacked over layers), grouped
+into *kinds* (one structure and one ``block`` function each), their split over
+stages, the non-block params split between ``embed`` and ``head``, the blocks'
+``nnx.BatchStat`` s; and the moves between the model's own state and the
+pipeline's stacked trees (``from_state``, ``to_state``, ``stacked_blocks``).
+
+With one kind a slot's params are one block's, by path inside the block.
+With several (an encoder's layers, then a decoder's) a slot holds the union
+``{kind: params}``: the layer's own kind, the others zeros that it never
+reads (``_nnx_functions`` picks the kind whose params are not all zero).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -23,87 +32,259 @@ from jaxpar.parallel._params import nest as _nest
 
 PyTree = Any
 Path = tuple[Any, ...]
+BlockFn = Callable[[Any, Any], Any]
+
+# Linen names the modules of a list attribute `blocks` defined in `setup`
+# `blocks_0`, `blocks_1`, ... (nnx.bridge.ToNNX keeps them so).
+_NUMBERED = re.compile(r'(?P<base>.+)_(?P<index>\d+)')
 
 
 def path_name(path: Path) -> str:
   return '/'.join(str(k) for k in path)
 
 
+def call_block(b: Any, x: Any) -> Any:
+  """The default ``block``: ``b(x)``."""
+  return b(x)
+
+
 def _attributes(node: Any) -> list[str]:
-  """A module's attribute names in definition order."""
+  """A module's attribute names in definition order; a dict's keys."""
+  if isinstance(node, dict):
+    return [k for k in node if isinstance(k, str)]
   return [k for k in vars(node) if not k.startswith('_')]
 
 
-def _sequences(model: nnx.Module) -> list[str]:
-  """Attribute paths of the module sequences in ``model``: ``blocks`` values."""
-  return ['.'.join(map(str, p)) for p, node in nnx.iter_graph(model)
-          if isinstance(node, (nnx.List, list, tuple)) and len(node)
-          and all(isinstance(n, nnx.Module) for n in node)]
+def _child(node: Any, name: Any) -> Any:
+  if isinstance(node, (dict, nnx.List, list, tuple)):
+    return node[name]
+  return getattr(node, name)
 
 
-def _find_blocks(model: nnx.Module, blocks: str) -> tuple[Path, Any]:
-  if not isinstance(blocks, str) or not blocks:
+def _numbered(node: Any, base: str) -> list[str]:
+  """``base_0, base_1, ...``: the attributes of ``node`` numbered from 0."""
+  names, found = set(_attributes(node)), []
+  while f'{base}_{len(found)}' in names:
+    found.append(f'{base}_{len(found)}')
+  return found
+
+
+def _candidates(model: nnx.Module) -> list[str]:
+  """``blocks`` values that name several layers of ``model``: its sequences
+  of modules and its numbered attributes (``'blocks'`` for ``blocks_0,
+  blocks_1, ...``)."""
+  found = []
+  for path, node in nnx.iter_graph(model):
+    where = '.'.join(map(str, path))
+    if (isinstance(node, (nnx.List, list, tuple)) and len(node)
+        and all(isinstance(n, nnx.Module) for n in node)):
+      found.append(where)
+    if isinstance(node, (nnx.Module, dict)) and not isinstance(node, nnx.List):
+      for name in _attributes(node):
+        m = _NUMBERED.fullmatch(name)
+        if m and m['index'] == '0' and len(_numbered(node, m['base'])) > 1:
+          found.append('.'.join(filter(None, (where, m['base']))))
+  return found
+
+
+class _Entry(NamedTuple):
+  """One entry of ``blocks``: its layers' model paths and nodes."""
+  name: str
+  paths: list[Path]
+  nodes: list[Any]
+  single: bool          # one module (stacked over layers if it is all)
+
+
+def _entry(model: nnx.Module, name: Any) -> _Entry:
+  """The layers one ``blocks`` path names."""
+  if not isinstance(name, str) or not name:
     raise TypeError(f"blocks must be an attribute path such as 'blocks' or "
-                    f"'decoder.layers', got {blocks!r}.")
+                    f"'decoder.layers' (or a list of them), got {name!r}.")
   node, path = model, ()
-  for name in blocks.split('.'):
-    if name not in _attributes(node):
-      where = type(model).__name__ + ''.join('.' + p for p in path)
-      raise ValueError(
-          f'blocks={blocks!r}: {where} has no attribute {name!r}; its '
-          f'attributes are {_attributes(node)}. Pass the path of the layers, '
-          f'one of the module sequences of this model: {_sequences(model)}.')
-    node, path = getattr(node, name), path + (name,)
-  return path, node
-
-
-class _Layers(NamedTuple):
-  """The blocks: one graphdef, each layer's params, one layer's other state."""
-  graphdef: Any
-  params: list[dict[Path, jax.Array]]   # per layer, by path inside a block
-  other: list[tuple[Path, Any]]          # other variables of one layer
-  stacked: bool
-  sharding: dict[Path, Any]              # Flax out_sharding of each param
-  stats: dict[Path, Any]                 # one layer's nnx.BatchStat s
-
-
-def _layers(node: Any, blocks: str) -> _Layers:
-  """Reads a sequence of identical modules or one stacked module."""
-  if isinstance(node, nnx.Module) and not isinstance(node, nnx.List):
-    return _stacked_layers(node, blocks)
-  if not isinstance(node, (nnx.List, list, tuple)) or not len(node):
+  parts = name.split('.')
+  for i, part in enumerate(parts):
+    if part in _attributes(node):
+      node, path = _child(node, part), path + (part,)
+      continue
+    members = _numbered(node, part) if i == len(parts) - 1 else []
+    if members:
+      return _Entry(name, [path + (m,) for m in members],
+                    [_child(node, m) for m in members], False)
+    where = type(model).__name__ + ''.join('.' + str(p) for p in path)
     raise ValueError(
-        f'blocks={blocks!r} is a {type(node).__name__}; it must name a '
-        'non-empty nnx.List, list or tuple of identical NNX modules, or one '
-        'module whose params are stacked over layers (nnx.vmap).')
-  graphdef, params, stats, other = nnx.split(node[0], nnx.Param,
-                                             nnx.BatchStat, ...)
-  first = dict(nnx.to_flat_state(params))
-  layers = []
-  for i, block in enumerate(node):
-    g, p = nnx.split(block, nnx.Param, nnx.BatchStat, ...)[:2]
-    flat = dict(nnx.to_flat_state(p))
-    same = {k: (np.shape(v.get_value()), v.get_value().dtype)
-            for k, v in flat.items()}
-    want = {k: (np.shape(v.get_value()), v.get_value().dtype)
-            for k, v in first.items()}
-    if g != graphdef or same != want:
-      diff = sorted(set(same.items()) ^ set(want.items()))
+        f'blocks={name!r}: {where} has no attribute {part!r}; its '
+        f'attributes are {_attributes(node)}. Pass the path of the layers: '
+        f'these name several layers of this model: {_candidates(model)} '
+        "(or a list of paths, one per layer).")
+  if isinstance(node, (nnx.List, list, tuple)):
+    return _Entry(name, [path + (i,) for i in range(len(node))], list(node),
+                  False)
+  return _Entry(name, [path], [node], True)
+
+
+# ----------------------------------------------------- Linen layers (ToNNX)
+
+
+def _linen_call(path: Path, module: Any, *args: Any, **kwargs: Any) -> Any:
+  """Calls the Linen submodule at ``path`` of the bound ``module``: an
+  attribute, or item ``i`` of the list ``base`` for ``base_i``."""
+  for name in path:
+    sub = getattr(module, name, None)
+    m = _NUMBERED.fullmatch(name)
+    if sub is None and m:
+      seq = getattr(module, m['base'], None)
+      if isinstance(seq, (list, tuple)) and int(m['index']) < len(seq):
+        sub = seq[int(m['index'])]
+    if sub is None:
       raise ValueError(
-          f'blocks={blocks!r}: block {i} ({type(block).__name__}) differs in '
-          f'structure from block 0 ({type(node[0]).__name__})'
-          + (f', e.g. at {path_name(diff[0][0])!r}' if diff else '')
-          + '. Pipeline stages stack identical blocks: keep the differing '
-          'layers out of `blocks` (in embed or head_loss), or make them '
-          'the same.')
-    layers.append({k: v.get_value() for k, v in flat.items()})
-  return _Layers(graphdef, layers, list(nnx.to_flat_state(other)), False,
-                 {p: v.get_metadata().get('out_sharding')
-                  for p, v in first.items()}, dict(nnx.to_flat_state(stats)))
+          f'the Linen module {type(module).__name__} has no submodule '
+          f'{name!r} to run as a block: from_nnx calls a Linen block by its '
+          'attribute (defined in setup(), e.g. self.blocks = [Block() ...] '
+          'for blocks_0, blocks_1, ...); modules made inside an '
+          '@nn.compact __call__ cannot be called alone.')
+    module = sub
+  return module(*args, **kwargs)
 
 
-def _stacked_layers(node: nnx.Module, blocks: str) -> _Layers:
-  """The layers of one module whose params are stacked over layers."""
+class LinenBlock(nnx.bridge.ToNNX):
+  """One layer of an ``nnx.bridge.ToNNX``-wrapped Linen model as a module:
+  ``block(*args, **kwargs)`` runs the Linen submodule at ``path`` (e.g.
+  ``('blocks_0',)``: ``self.blocks[0]`` of a list defined in ``setup``) on
+  the variables this module holds, and keeps what it updates (batch
+  statistics)."""
+
+  def __init__(self, module: Any, path: Path, variables: dict,
+               rngs: nnx.Rngs | None = None):
+    super().__init__(module, rngs)
+    self.to_nnx__path = tuple(path)
+    for name in reversed(path[1:]):
+      variables = {name: variables}
+    setattr(self, path[0], variables)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return super().__call__(
+        *args, method=functools.partial(_linen_call, self.to_nnx__path),
+        mutable=True, **kwargs)
+
+
+def _linen_block(model: nnx.Module, path: Path, node: dict,
+                 at: Path) -> LinenBlock:
+  """``node`` (the variables of a ToNNX model's layer at ``path``) as a
+  ``LinenBlock`` running the submodule at the ToNNX-relative path ``at``."""
+  owner, start = None, 0
+  current = model
+  for i, name in enumerate(path):
+    if isinstance(current, nnx.bridge.ToNNX):
+      owner, start = current, i
+    current = _child(current, name)
+  if owner is None:
+    raise ValueError(
+        f'blocks: {path_name(path)!r} is a dict of variables, not a module; '
+        'only the layers of an nnx.bridge.ToNNX-wrapped Linen model are '
+        'dicts. Pass the path of a module or of a sequence of modules.')
+  variables = nnx.merge(*nnx.split(node))
+  return LinenBlock(owner.to_nnx__module, at or path[start:], variables,
+                    owner.to_nnx__rngs)
+
+
+# ------------------------------------------------------------- block kinds
+
+
+class Kind(NamedTuple):
+  """Layers of one structure run by one ``block`` function.
+
+  Attributes:
+    key: the kind's key in a slot's union of params (the first ``blocks``
+      entry of the kind), ``None`` when it is the only kind.
+    call: ``block(b, x) -> x``.
+    graphdef: one layer as a callable module (a ``LinenBlock`` for Linen
+      layers); ``inner`` the path of the layer's variables in it.
+    params: one layer's params as ``nnx.Param`` s by path inside a block;
+      ``stats`` its ``nnx.BatchStat`` s; ``other`` its other variables.
+    sharding: the Flax ``out_sharding`` of each param.
+  """
+  key: str | None
+  call: BlockFn
+  graphdef: Any
+  inner: Path
+  params: dict[Path, nnx.Param]
+  stats: dict[Path, Any]
+  other: list[tuple[Path, Any]]
+  sharding: dict[Path, Any]
+
+
+def _structure(module: Any) -> tuple:
+  graphdef, params = nnx.split(module, nnx.Param, ...)[:2]
+  return graphdef, {k: (np.shape(v.get_value()), v.get_value().dtype)
+                    for k, v in nnx.to_flat_state(params)}
+
+
+def _kind(key: str | None, call: BlockFn, module: Any, inner: Path) -> Kind:
+  graphdef, params, stats, other = nnx.split(module, nnx.Param,
+                                             nnx.BatchStat, ...)
+  strip = lambda flat: {p[len(inner):]: v for p, v in flat}
+  params = strip(nnx.to_flat_state(params))
+  return Kind(key, call, graphdef, inner,
+              {p: nnx.Param(v.get_value()) for p, v in params.items()},
+              strip(nnx.to_flat_state(stats)),
+              list(nnx.to_flat_state(other)),
+              {p: v.get_metadata().get('out_sharding')
+               for p, v in params.items()})
+
+
+def _block_fns(block: Any, entries: list[_Entry]) -> list[BlockFn]:
+  """Each entry's ``block`` function."""
+  if block is None:
+    return [call_block] * len(entries)
+  if callable(block):
+    return [block] * len(entries)
+  names = [e.name for e in entries]
+  if not isinstance(block, Mapping) or sorted(block) != sorted(names) or not (
+      all(callable(f) for f in block.values())):
+    raise TypeError(
+        f'block must be a function block(b, x) -> x (how a block b runs on '
+        f'the carried activation x), or a dict of one per blocks entry '
+        f'{names}; got {block!r}.')
+  return [block[n] for n in names]
+
+
+def _kinds(model: nnx.Module, entries: list[_Entry], block: Any
+           ) -> tuple[list[Kind], list[int]]:
+  """The kinds of the layers, and each layer's kind, in model order."""
+  kinds, of, seen = [], [], {}
+  for entry, call in zip(entries, _block_fns(block, entries)):
+    first = None
+    for i, (path, node) in enumerate(zip(entry.paths, entry.nodes)):
+      linen = not isinstance(node, nnx.Module)
+      module = node if not linen else _linen_block(
+          model, path, node, () if first is None else first[2])
+      at = module.to_nnx__path if linen else ()
+      shape = _structure(module)
+      if first is None:
+        first = (shape, type(node).__name__, at)
+      elif shape != first[0]:
+        diff = sorted(set(shape[1].items()) ^ set(first[0][1].items()))
+        raise ValueError(
+            f'blocks={entry.name!r}: block {i} ({type(node).__name__}) '
+            f'differs in structure from block 0 ({first[1]})'
+            + (f', e.g. at {path_name(diff[0][0][len(at):])!r}'
+               if diff else '')
+            + '. Pipeline stages stack identical blocks: keep the differing '
+            'layers out of `blocks` (in embed or head_loss), list them as '
+            'an entry of their own, or make them the same.')
+      sig = (shape[0], str(shape[1]), call)
+      if sig not in seen:
+        seen[sig] = len(kinds)
+        kinds.append(_kind(entry.name, call, module, at))
+      of.append(seen[sig])
+  if len(kinds) == 1:
+    kinds = [kinds[0]._replace(key=None)]
+  return kinds, of
+
+
+def _stacked_kind(node: nnx.Module, blocks: str, call: BlockFn
+                  ) -> tuple[Kind, int]:
+  """The one kind of a module stacked over layers, and its layer count."""
   graphdef, params, stats, other = nnx.split(node, nnx.Param, nnx.BatchStat,
                                              ...)
   flat = dict(nnx.to_flat_state(params))
@@ -116,33 +297,17 @@ def _stacked_layers(node: nnx.Module, blocks: str) -> _Layers:
         f'{ {path_name(p): s for p, s in sizes.items()} }. Pass the path of a '
         'list of layers or of a module built with nnx.vmap.')
   (num,) = next(iter(sizes.values()))
-  sharding = {p: v.get_metadata().get('out_sharding')
-              for p, v in flat.items()}
   first = lambda state: [
       (p, v.replace(jax.tree.map(lambda a: a[0], v.get_value())))
       for p, v in nnx.to_flat_state(state)]
-  return _Layers(graphdef, [
-      {p: v.get_value()[i] for p, v in flat.items()} for i in range(num)],
-      first(other), True, sharding, dict(first(stats)))
+  return Kind(None, call, graphdef, (),
+              {p: nnx.Param(v.get_value()[0]) for p, v in flat.items()},
+              dict(first(stats)), first(other),
+              {p: v.get_metadata().get('out_sharding')
+               for p, v in flat.items()}), num
 
 
-def _sides(model: nnx.Module, path: Path, head: Sequence[str] | None,
-           rest: Sequence[Path]) -> tuple[set[Path], set[Path]]:
-  """Non-block param paths split into (embed, head) ones."""
-  if head is not None:
-    prefixes = [tuple(h.split('/')) for h in head]
-    in_head = lambda p: any(p[:len(h)] == h for h in prefixes)
-  else:
-    def in_head(p):
-      node = model
-      for i, name in enumerate(path):
-        if p[i] != name:
-          names = _attributes(node)
-          return names.index(p[i]) > names.index(name)
-        node = getattr(node, name)
-      return False
-  heads = {p for p in rest if in_head(p)}
-  return set(rest) - heads, heads
+# -------------------------------------------------------------------- Cut
 
 
 class Cut(NamedTuple):
@@ -154,9 +319,10 @@ class Cut(NamedTuple):
       path (the values and metadata a rebuilt model starts from).
     params: the paths of the model's ``nnx.Param`` s; ``stats`` of its
       ``nnx.BatchStat`` s (all in the blocks).
-    path: the blocks' attribute path; ``blocks`` as the user wrote it.
-    layers: the blocks (``_Layers``); ``block_template`` one block's params
-      as ``nnx.Param`` s.
+    blocks: ``blocks`` as the user wrote it.
+    prefixes: the model path of each layer, in model order (a stacked
+      module: its one path); ``stacked``: the layers are one module's.
+    kinds: the blocks' kinds; ``layer_kinds`` each layer's.
     split: which layers sit on which stage.
     embed_paths, head_paths: the non-block params of each side.
     reads: ``_reads``' memo: the params each ``(function, avals)`` reads
@@ -166,25 +332,46 @@ class Cut(NamedTuple):
   template: dict[Path, Any]
   params: frozenset[Path]
   stats: frozenset[Path]
-  path: Path
-  blocks: str
-  layers: _Layers
-  block_template: dict[Path, nnx.Param]
+  blocks: Any
+  prefixes: tuple[Path, ...]
+  stacked: bool
+  kinds: tuple[Kind, ...]
+  layer_kinds: tuple[int, ...]
   split: LayerSplit
   embed_paths: frozenset[Path]
   head_paths: frozenset[Path]
   reads: dict
 
+  def layer_of(self, path: Path) -> int | None:
+    """The index of the (non-stacked) layer holding ``path``, or ``None``."""
+    for i, prefix in enumerate(self.prefixes):
+      if path[:len(prefix)] == prefix:
+        return i
+    return None
 
-def _check_unshared(model: nnx.Module, path: Path, node: Any) -> None:
+  def in_blocks(self, path: Path) -> bool:
+    return self.layer_of(path) is not None
+
+  def union_path(self, layer: int, inner: Path) -> Path:
+    """A layer's variable by its path in a slot's (union of) params."""
+    key = self.kinds[self.layer_kinds[layer]].key
+    return inner if key is None else (key,) + inner
+
+  def kind_of(self, slot_path: Path) -> tuple[int, Path]:
+    """``(kind, path inside a block)`` of a path in a slot's params."""
+    if len(self.kinds) == 1:
+      return 0, slot_path
+    return [k.key for k in self.kinds].index(slot_path[0]), slot_path[1:]
+
+
+def _check_unshared(model: nnx.Module, prefixes: Sequence[Path],
+                    nodes: Sequence[Any]) -> None:
   """``ValueError`` for a block param that is another one's ``nnx.Param``."""
-  if not isinstance(node, (nnx.List, list, tuple)):
-    return
   owner = {id(v): p for p, v in nnx.iter_graph(model)
            if isinstance(v, nnx.Variable)}
-  for i, block in enumerate(node):
-    for q, v in nnx.iter_graph(block):
-      where = path + (i,) + q
+  for prefix, node in zip(prefixes, nodes):
+    for q, v in nnx.iter_graph(node):
+      where = prefix + q
       if isinstance(v, nnx.Param) and owner[id(v)] != where:
         raise ValueError(
             f'param {path_name(where)!r} is the same nnx.Param as '
@@ -197,7 +384,7 @@ def _check_unshared(model: nnx.Module, path: Path, node: Any) -> None:
 
 
 def _layer_split(num: int, num_stages: Any, counts: Sequence[int] | None,
-                 blocks: str) -> LayerSplit:
+                 blocks: Any) -> LayerSplit:
   """``num`` layers on ``num_stages`` stages, ``counts`` checked."""
   if isinstance(num_stages, bool) or not isinstance(num_stages,
                                                     (int, np.integer)):
@@ -216,20 +403,59 @@ def _layer_split(num: int, num_stages: Any, counts: Sequence[int] | None,
   return LayerSplit(num, int(num_stages), counts)
 
 
-def read_cut(model: nnx.Module, blocks: str, num_stages: Any,
-             counts: Sequence[int] | None, head: Sequence[str] | None) -> Cut:
-  """Reads ``model``: its blocks, their split over stages, the two sides."""
-  path, node = _find_blocks(model, blocks)
-  layers = _layers(node, blocks)
-  _check_unshared(model, path, node)
-  split = _layer_split(len(layers.params), num_stages, counts, blocks)
+def _sides(model: nnx.Module, anchor: Path, head: Sequence[str] | None,
+           rest: Sequence[Path]) -> tuple[set[Path], set[Path]]:
+  """Non-block param paths split into (embed, head) ones: by default the
+  head's are defined after ``anchor`` (the last blocks) at its level."""
+  if head is not None:
+    prefixes = [tuple(h.split('/')) for h in head]
+    in_head = lambda p: any(p[:len(h)] == h for h in prefixes)
+  else:
+    def in_head(p):
+      node = model
+      for i, name in enumerate(anchor):
+        if i >= len(p):
+          return False
+        if p[i] != name:
+          names = _attributes(node)
+          return (p[i] in names and name in names
+                  and names.index(p[i]) > names.index(name))
+        node = _child(node, name)
+      return False
+  heads = {p for p in rest if in_head(p)}
+  return set(rest) - heads, heads
+
+
+def read_cut(model: nnx.Module, blocks: Any, num_stages: Any,
+             counts: Sequence[int] | None, head: Sequence[str] | None,
+             block: Any = None) -> Cut:
+  """Reads ``model``: its blocks and their kinds, their split over stages,
+  the two sides."""
+  if isinstance(blocks, (list, tuple)) and blocks:
+    entries = [_entry(model, name) for name in blocks]
+  else:
+    entries = [_entry(model, blocks)]
+  if isinstance(blocks, str) and entries[0].single:
+    kind, num = _stacked_kind(entries[0].nodes[0], blocks,
+                              _block_fns(block, entries)[0])
+    kinds, layer_kinds, stacked = [kind], [0] * num, True
+  else:
+    kinds, layer_kinds = _kinds(model, entries, block)
+    stacked, num = False, len(layer_kinds)
+  prefixes = tuple(p for e in entries for p in e.paths)
+  _check_unshared(model, prefixes, [n for e in entries for n in e.nodes])
+  split = _layer_split(num, num_stages, counts, blocks)
   graphdef, state = nnx.split(model)
   template = dict(nnx.to_flat_state(state))
-  params = frozenset(p for p, v in template.items()
-                     if isinstance(v, nnx.Param))
-  stats = frozenset(p for p, v in template.items()
-                    if isinstance(v, nnx.BatchStat))
-  outside = sorted(path_name(p) for p in stats if p[:len(path)] != path)
+  cut = Cut(graphdef=graphdef, template=template,
+            params=frozenset(p for p, v in template.items()
+                             if isinstance(v, nnx.Param)),
+            stats=frozenset(p for p, v in template.items()
+                            if isinstance(v, nnx.BatchStat)),
+            blocks=blocks, prefixes=prefixes, stacked=stacked,
+            kinds=tuple(kinds), layer_kinds=tuple(layer_kinds), split=split,
+            embed_paths=frozenset(), head_paths=frozenset(), reads={})
+  outside = sorted(path_name(p) for p in cut.stats if not cut.in_blocks(p))
   if outside:
     raise ValueError(
         f'nnx.BatchStat {outside[:4]} outside blocks={blocks!r}: from_nnx '
@@ -237,21 +463,18 @@ def read_cut(model: nnx.Module, blocks: str, num_stages: Any,
         '(PipelineModel.model_state), not those of embed or head_loss. '
         'Move the normalisation into the blocks, or use a norm without '
         'running statistics there (nnx.LayerNorm, nnx.RMSNorm).')
-  rest = [p for p in params if p[:len(path)] != path]
-  embed_paths, head_paths = _sides(model, path, head, rest)
+  rest = [p for p in cut.params if not cut.in_blocks(p)]
+  last = prefixes[-1]   # a sequence's last item: the sequence
+  embed_paths, head_paths = _sides(
+      model, last[:-1] if isinstance(last[-1], int) else last, head, rest)
   if head is not None:
     unknown = [h for h in head if not any(
         path_name(p).startswith(h) for p in head_paths)]
     if unknown:
       raise ValueError(f'head={list(head)}: {unknown} match no non-block '
                        f'param; they are {sorted(map(path_name, rest))}.')
-  return Cut(
-      graphdef=graphdef, template=template, params=params, stats=stats,
-      path=path,
-      blocks=blocks, layers=layers,
-      block_template={p: nnx.Param(v) for p, v in layers.params[0].items()},
-      split=split, embed_paths=frozenset(embed_paths),
-      head_paths=frozenset(head_paths), reads={})
+  return cut._replace(embed_paths=frozenset(embed_paths),
+                      head_paths=frozenset(head_paths))
 
 
 # ------------------------------------------------- model params <-> pipeline
@@ -270,20 +493,33 @@ def variable_values(state: nnx.State) -> dict[Path, Any]:
           for p, v in nnx.to_flat_state(state)}
 
 
+def _per_layer(cut: Cut, flat: dict[Path, Any]) -> list[dict[Path, Any]]:
+  """Each layer's variables of ``flat`` by path in a slot's params; with
+  several kinds, zeros for the other kinds' (the union)."""
+  num = cut.split.num_layers
+  if cut.stacked:
+    (prefix,) = cut.prefixes
+    return [{p[len(prefix):]: v[i] for p, v in flat.items()
+             if p[:len(prefix)] == prefix} for i in range(num)]
+  per_layer = [{} for _ in range(num)]
+  for p, v in flat.items():
+    i = cut.layer_of(p)
+    if i is not None:
+      per_layer[i][cut.union_path(i, p[len(cut.prefixes[i]):])] = v
+  if len(cut.kinds) > 1:
+    like = {}
+    for layer in per_layer:
+      like.update({p: jax.ShapeDtypeStruct(np.shape(v), v.dtype)
+                   for p, v in layer.items()})
+    per_layer = [{p: layer[p] if p in layer else np.zeros(a.shape, a.dtype)
+                  for p, a in like.items()} for layer in per_layer]
+  return per_layer
+
+
 def stacked_blocks(cut: Cut, flat: dict[Path, Any]) -> PyTree:
   """The block variables of ``flat`` (by model path) stacked
   ``[num_stages, slots, ...]``."""
-  path, num = cut.path, cut.split.num_layers
-  inner = lambda p: p[len(path) + (0 if cut.layers.stacked else 1):]
-  if cut.layers.stacked:
-    per_layer = [{inner(p): v[i] for p, v in flat.items()
-                  if p[:len(path)] == path} for i in range(num)]
-  else:
-    per_layer = [{} for _ in range(num)]
-    for p, v in flat.items():
-      if p[:len(path)] == path:
-        per_layer[p[len(path)]][inner(p)] = v
-  return _nest(cut.split.stack(per_layer))
+  return _nest(cut.split.stack(_per_layer(cut, flat)))
 
 
 def _real_slots(split: LayerSplit) -> tuple[tuple[int, int], ...]:
@@ -291,25 +527,18 @@ def _real_slots(split: LayerSplit) -> tuple[tuple[int, int], ...]:
   return tuple((k, j) for k, c in enumerate(split.counts) for j in range(c))
 
 
-def _layer_paths(cut: Cut, stage_paths: Sequence[Path]) -> list[Path]:
-  """The model's paths of the values ``_layer_values`` gives, in order."""
-  if cut.layers.stacked:
-    return [cut.path + p for p in stage_paths]
-  num = cut.split.num_layers
-  return [cut.path + (i,) + p for p in stage_paths for i in range(num)]
-
-
-def _layer_values(stacked: bool, real: tuple[tuple[int, int], ...],
-                  leaves: Sequence[Any]) -> list:
-  """The model's layer params from the stage leaves (``stages[k, j]``)."""
+def _picked(stacked: bool, picks: tuple, leaves: Sequence[Any]) -> list:
+  """The model's layer values from the stage leaves (``stages[k, j]``):
+  stacked, every leaf at the ``(k, j)`` of ``picks``; else the ``(leaf,
+  k, j)`` of ``picks``."""
   if stacked:
-    return [jnp.stack([leaf[k, j] for k, j in real]) for leaf in leaves]
-  return [leaf[k, j] for leaf in leaves for k, j in real]
+    return [jnp.stack([leaf[k, j] for k, j in picks]) for leaf in leaves]
+  return [leaves[n][k, j] for n, k, j in picks]
 
 
 # Global arrays: one program per signature, where eager indexing compiles
 # one op per layer and leaf shape.
-_layer_arrays = jax.jit(_layer_values, static_argnums=(0, 1))
+_picked_arrays = jax.jit(_picked, static_argnums=(0, 1))
 
 
 def _layer_leaves(cut: Cut, stages: PyTree) -> dict[Path, Any]:
@@ -317,10 +546,21 @@ def _layer_leaves(cut: Cut, stages: PyTree) -> dict[Path, Any]:
   ``[num_stages, slots, ...]``."""
   stages = _flat(stages)
   leaves = list(stages.values())
+  real = _real_slots(cut.split)
+  if cut.stacked:
+    paths, picks = [cut.prefixes[0] + p for p in stages], real
+  else:
+    paths, picks = [], []
+    for n, p in enumerate(stages):
+      kind, inner = cut.kind_of(p)
+      for i, k in enumerate(cut.layer_kinds):
+        if k == kind:
+          paths.append(cut.prefixes[i] + inner)
+          picks.append((n,) + real[i])
+    picks = tuple(picks)
   arrays = all(isinstance(v, jax.Array) for v in leaves)
-  return dict(zip(_layer_paths(cut, list(stages)),
-                  (_layer_arrays if arrays else _layer_values)(
-                      cut.layers.stacked, _real_slots(cut.split), leaves)))
+  return dict(zip(paths, (_picked_arrays if arrays else _picked)(
+      cut.stacked, picks, leaves)))
 
 
 def to_state(cut: Cut, pp: PipelineParams,
@@ -341,11 +581,14 @@ def to_state(cut: Cut, pp: PipelineParams,
 def param_names(cut: Cut) -> tuple[dict[str, int], dict[str, Any]]:
   """``({name: ndim}, {name: Flax out_sharding})`` of the params, by
   ``'/'``-joined name (block params by their path inside a block)."""
-  rest = [p for p in cut.params if p[:len(cut.path)] != cut.path]
-  names = {path_name(p): np.ndim(v) for p, v in cut.layers.params[0].items()}
+  rest = [p for p in cut.params if not cut.in_blocks(p)]
+  names, sharding = {}, {}
+  for kind in cut.kinds:
+    names.update({path_name(p): np.ndim(v.get_value())
+                  for p, v in kind.params.items()})
+    sharding.update({path_name(p): s for p, s in kind.sharding.items()})
   names.update({path_name(p): np.ndim(cut.template[p].get_value())
                 for p in rest})
-  sharding = {path_name(p): s for p, s in cut.layers.sharding.items()}
   sharding.update({
       path_name(p): cut.template[p].get_metadata().get('out_sharding')
       for p in rest})

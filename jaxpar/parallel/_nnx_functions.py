@@ -131,34 +131,70 @@ def head_loss_fn(cut: Cut, head_loss: Callable[..., Any],
   return _part_fn(cut, head_loss, 'head_loss', head_params, (y, targets), key)
 
 
-def _block(cut: Cut, slot_params: PyTree, x: jax.Array,
-           key: jax.Array | None, slot_state: PyTree) -> tuple[Any, PyTree]:
-  """One block, the user's module, on ``slot_params`` (and its
-  ``nnx.BatchStat`` s ``slot_state``): ``(y, new slot_state)``."""
-  values, stats = _flat(slot_params), _flat(slot_state)
-  module = nnx.merge(cut.layers.graphdef, nnx.from_flat_state(
-      [(p, cut.block_template[p].replace(values[p])) for p in values]
-      + [(p, cut.layers.stats[p].replace(stats[p])) for p in stats]
-      + [(p, v.replace(v.get_value())) for p, v in cut.layers.other]))
-  y = reseeded(module, key)(x)
-  return y, _nest({p: v.get_value() for p, v in nnx.to_flat_state(
-      nnx.state(module, nnx.BatchStat))})
+def _run(cut: Cut, kind: int, values: dict[Path, Any],
+         stats: dict[Path, Any], x: Any, key: jax.Array | None
+         ) -> tuple[Any, dict[Path, Any]]:
+  """A block of ``kind``, the user's module, on its params ``values`` (and
+  ``nnx.BatchStat`` s ``stats``), by path inside a block: ``(y, new
+  stats)``."""
+  k = cut.kinds[kind]
+  module = nnx.merge(k.graphdef, nnx.from_flat_state(
+      [(k.inner + p, k.params[p].replace(values[p])) for p in values]
+      + [(k.inner + p, k.stats[p].replace(stats[p])) for p in stats]
+      + [(p, v.replace(v.get_value())) for p, v in k.other]))
+  y = k.call(reseeded(module, key), x)
+  return y, {p[len(k.inner):]: v.get_value() for p, v in nnx.to_flat_state(
+      nnx.state(module, nnx.BatchStat))}
 
 
-def _slot(cut: Cut, key: jax.Array | None, x: jax.Array,
-          slot: tuple[PyTree, jax.Array, PyTree]) -> tuple[Any, PyTree]:
-  """The stage scan's body: slot ``j``'s block on ``x``."""
-  slot_params, j, slot_state = slot
-  y, new_state = _block(cut, slot_params, x,
-                        None if key is None else jax.random.fold_in(key, j),
-                        slot_state)
-  if not cut.split.mask.all():   # identity slots (all-zero params) pass x
-    real = functools.reduce(jnp.logical_or, [
-        jnp.any(a != 0) for a in jax.tree.leaves(slot_params)])
-    y = jnp.where(real, y, x)
+def _one_kind(cut: Cut, key: jax.Array | None, x: Any, slot_params: PyTree,
+              slot_state: PyTree) -> tuple[Any, PyTree]:
+  """A slot of a model with one kind of block (identity slots: all-zero
+  params, pass ``x``)."""
+  y, new_state = _run(cut, 0, _flat(slot_params), _flat(slot_state), x, key)
+  new_state = _nest(new_state)
+  if not cut.split.mask.all():
+    real = _nonzero(slot_params)
+    y = jax.tree.map(lambda n, o: jnp.where(real, n, o), y, x)
     new_state = jax.tree.map(lambda n, o: jnp.where(real, n, o), new_state,
                              slot_state)
   return y, new_state
+
+
+def _nonzero(tree: PyTree) -> jax.Array:
+  return functools.reduce(jnp.logical_or, [
+      jnp.any(a != 0) for a in jax.tree.leaves(tree)], jnp.bool_(False))
+
+
+def _kinds(cut: Cut, key: jax.Array | None, x: Any, slot_params: PyTree,
+           slot_state: PyTree) -> tuple[Any, PyTree]:
+  """A slot of a model with several kinds of block: its params are the
+  union ``{kind: params}``; the kind whose params are not all zero runs
+  (``lax.switch``), none (an identity slot) passes ``x``."""
+  params, state = slot_params, slot_state
+
+  def branch(i):
+    key_i = cut.kinds[i].key
+    def run(operands):
+      x, params, state = operands
+      y, new = _run(cut, i, _flat(params[key_i]),
+                    _flat(state.get(key_i, {})), x, key)
+      return y, {**state, **({key_i: _nest(new)} if new else {})}
+    return run
+  flags = [_nonzero(params[k.key]) for k in cut.kinds] + [jnp.bool_(True)]
+  return jax.lax.switch(jnp.argmax(jnp.stack(flags)),
+                        [branch(i) for i in range(len(cut.kinds))]
+                        + [lambda operands: (operands[0], operands[2])],
+                        (x, params, state))
+
+
+def _slot(cut: Cut, key: jax.Array | None, x: Any,
+          slot: tuple[PyTree, jax.Array, PyTree]) -> tuple[Any, PyTree]:
+  """The stage scan's body: slot ``j``'s block on ``x``."""
+  slot_params, j, slot_state = slot
+  key = None if key is None else jax.random.fold_in(key, j)
+  run = _one_kind if len(cut.kinds) == 1 else _kinds
+  return run(cut, key, x, slot_params, slot_state)
 
 
 def stage_fn(cut: Cut, stage_params: PyTree, x: jax.Array, *,
@@ -171,7 +207,8 @@ def stage_fn(cut: Cut, stage_params: PyTree, x: jax.Array, *,
   if stateful and state is None:
     raise ValueError(
         f'the blocks have nnx.BatchStat s '
-        f'({sorted(map(path_name, cut.layers.stats))[:4]}): their stage '
+        f'({sorted(path_name(p) for k in cut.kinds for p in k.stats)[:4]}): '
+        'their stage '
         'function takes the statistics as state= and returns (y, new '
         'statistics); start the trainer with them: trainer.init('
         'pm.params, pm.model_state).')

@@ -173,6 +173,7 @@ def trainer(
     has_aux: bool = False,
     compute_dtype: Any = None,
     remat_policy: Any = 'dots',
+    w_recompute: bool = False,
 ) -> Trainer:
   """Data x pipeline x tensor parallel training of a model given as three
   functions.
@@ -219,6 +220,10 @@ def trainer(
       ``'dots'`` (the default: matmul outputs), ``'everything'``,
       ``'dots_no_batch'``, ``'nothing'`` or a ``jax.checkpoint_policies``
       policy, as in ``data_parallel.trainer``; ``None`` is ``'everything'``.
+    w_recompute: a schedule's ``W`` blocks recompute the cotangents its
+      ``I`` blocks would keep for them (``pipeline_value_and_grad``): less
+      memory for zero-bubble and V schedules, one more matrix product per
+      weight in ``W``.
 
   Returns:
     ``Trainer(init, step, params, opt_state)``: ``init(PipelineParams,
@@ -253,7 +258,8 @@ def trainer(
                 max_grad_norm=max_grad_norm, data_axis=data_axis,
                 stage_axis=stage_axis, tensor_axis=tensor_axis,
                 zero_stage=zero_stage, key=key, has_aux=has_aux,
-                compute_dtype=compute_dtype, remat_policy=remat_policy)
+                compute_dtype=compute_dtype, remat_policy=remat_policy,
+                w_recompute=w_recompute)
 
 
 @_first_checked(require_model)
@@ -272,6 +278,7 @@ def model_trainer(
     has_aux: bool = False,
     compute_dtype: Any = None,
     remat_policy: Any = 'dots',
+    w_recompute: bool = False,
 ) -> Trainer:
   """Data x pipeline x tensor parallel training of a Flax NNX model cut by
   ``parallel.from_nnx``.
@@ -285,8 +292,8 @@ def model_trainer(
   Args:
     model: a ``PipelineModel`` (``parallel.from_nnx``).
     optimizer, schedule, mesh, max_grad_norm, data_axis, stage_axis,
-      tensor_axis, zero_stage, key, has_aux, compute_dtype, remat_policy:
-      as for ``trainer``.
+      tensor_axis, zero_stage, key, has_aux, compute_dtype, remat_policy,
+      w_recompute: as for ``trainer``.
 
   Returns:
     A ``Trainer``; ``init(model.params, model.model_state)`` gives the first
@@ -322,7 +329,8 @@ def model_trainer(
                 max_grad_norm=max_grad_norm, data_axis=data_axis,
                 stage_axis=stage_axis, tensor_axis=tensor_axis,
                 zero_stage=zero_stage, key=key, has_aux=has_aux,
-                compute_dtype=compute_dtype, remat_policy=remat_policy)
+                compute_dtype=compute_dtype, remat_policy=remat_policy,
+                w_recompute=w_recompute)
 
 
 # ------------------------------------------------------ init and params

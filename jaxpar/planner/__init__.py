@@ -23,15 +23,18 @@ Example:
 """
 
 from jaxpar.planner._calibrate import measure_profile as measure_profile
+from jaxpar.planner._checks import parse_size as parse_size
 from jaxpar.planner._layout import Layout as Layout
 from jaxpar.planner._layout import SearchArgs as SearchArgs
 from jaxpar.planner._layout import layouts as layouts
 from jaxpar.planner._measure import Measured as Measured
 from jaxpar.planner._measure import measure as measure
 from jaxpar.planner._measure import spearman as spearman
+from jaxpar.planner._measure import summary as summary
 from jaxpar.planner._memory import Memory as Memory
 from jaxpar.planner._memory import memory as memory
 from jaxpar.planner._model import ModelSpec as ModelSpec
+from jaxpar.planner._plan import DEFAULT_COMPILES as DEFAULT_COMPILES
 from jaxpar.planner._plan import Candidate as Candidate
 from jaxpar.planner._plan import Plan as Plan
 from jaxpar.planner._plan import plan as plan
@@ -41,8 +44,8 @@ from jaxpar.planner._time import StepTime as StepTime
 from jaxpar.planner._time import step_time as step_time
 
 __all__ = [
-    'Candidate', 'Layout', 'Measured', 'Memory', 'ModelSpec', 'PROFILES',
+    'Candidate', 'DEFAULT_COMPILES', 'Layout', 'Measured', 'Memory', 'ModelSpec', 'PROFILES',
     'Plan', 'Profile', 'SearchArgs', 'StepTime', 'layouts', 'measure',
     'measure_profile',
-    'memory', 'plan', 'spearman', 'step_time',
+    'memory', 'parse_size', 'plan', 'spearman', 'step_time', 'summary',
 ]

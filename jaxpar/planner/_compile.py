@@ -6,18 +6,24 @@ same buffers; only their schedules' stash and message slots differ, and
 those are counted exactly (``_memory.stash_bytes``). So one compiled step
 per shape gives the ``work`` part (gradients, update temporaries, gathers)
 of all of them: ``work = compiled (arguments + temp) - the analytic
-arguments and stashes``. The candidates of the shapes not compiled keep
-the analytic model, their temporaries (stash + work) scaled by the median
-ratio of compiled to analytic temporaries over the compiled shapes.
+arguments and stashes``. ``plan`` compiles the best candidate's shape, ranks
+again, compiles the best one's shape if it is not compiled yet, and so on
+(``compile=K`` shapes; by default 2 where the devices are present), so the
+plan's best is a compiled figure unless K compiles moved it. The candidates
+of the shapes not compiled keep the analytic model, their temporaries
+(stash + work) scaled by the median ratio of compiled to analytic
+temporaries over the compiled shapes where it is above 1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
 from jaxpar.planner._layout import Layout
 from jaxpar.planner._source import Source, build_trainer
@@ -41,21 +47,34 @@ def step_bytes(src: Source, devices: Sequence, layout: Layout,
 
 
 def compiled_memory(ranked: list, count: int, src: Source,
-                    devices: Sequence, optimizer, batch: Any,
-                    cap: float) -> list:
-  """``ranked`` with the work of ``count`` stage shapes compiled (those
-  of the best candidates) and used for every candidate of the shape."""
-  work, ratios = {}, []
-  for candidate in ranked:
-    key = shape_key(candidate.layout)
-    if len(work) >= count:
+                    devices: Sequence, optimizer, batch: Any, cap: float,
+                    rank: Callable[[list], list]) -> list:
+  """``ranked`` with the work of ``count`` stage shapes compiled and used
+  for every candidate of the shape: each time the best candidate whose
+  shape is not compiled yet, then ranked again (``rank``), so that a shape
+  that needs more than predicted gives its place before the next compile.
+  The shapes not compiled keep the analytic model, their temporaries
+  scaled by the median compiled/analytic ratio where it is above 1 (never
+  below: a compile of one shape does not make another fit)."""
+  analytic = {c.layout: c.memory for c in ranked}
+  work, ratios, out = {}, [], list(ranked)
+  for _ in range(count):
+    todo = next((c for c in out if shape_key(c.layout) not in work), None)
+    if todo is None:
       break
-    if key not in work:
-      total = step_bytes(src, devices, candidate.layout, optimizer, batch)
-      mem = candidate.memory
-      work[key] = total - (mem.total - mem.work)
-      ratios.append((work[key] + mem.stash) / (mem.work + mem.stash))
-  ratio = float(np.median(ratios))
+    mem = analytic[todo.layout]
+    total = _shared(step_bytes(src, devices, todo.layout, optimizer, batch))
+    work[shape_key(todo.layout)] = total - (mem.total - mem.work)
+    ratios.append((total - mem.total + mem.work + mem.stash)
+                  / (mem.work + mem.stash))
+    out = rank(_apply(ranked, work, max(float(np.median(ratios)), 1.0),
+                      cap))
+  return out
+
+
+def _apply(ranked: list, work: dict, ratio: float, cap: float) -> list:
+  """``ranked``'s candidates with the compiled ``work`` of their shape, or
+  their temporaries scaled by ``ratio``."""
   out = []
   for c in ranked:
     key = shape_key(c.layout)
@@ -67,3 +86,10 @@ def compiled_memory(ranked: list, count: int, src: Source,
     out.append(c._replace(memory=mem, fits=mem.total <= cap,
                           compiled=key in work))
   return out
+
+
+def _shared(nbytes: int) -> int:
+  """Process 0's ``nbytes`` in every process (one ranking in all)."""
+  if jax.process_count() == 1:
+    return nbytes
+  return int(multihost_utils.broadcast_one_to_all(np.int64(nbytes)))

@@ -1,13 +1,13 @@
-"""Predicted against measured: time the top candidates' steps for real.
+"""Predicted against measured: time candidates' steps for real.
 
 ``measure(plan, n, optimizer, batch)`` builds the trainers of ``n`` of the
-plan's best candidates, the best of each mesh and microbatch count first
-(then of each schedule too: candidates that differ only in ZeRO stage or
-remat policy differ by less than a loaded machine's noise), compiles each step
-(its ``memory_analysis()``: arguments + temp) and times them in rounds
-(each one's fastest of ``repeats``, each the second of two steps in a
-row); ``spearman`` is the
-rank correlation of two orders.
+plan's candidates spread over its predicted range (the best, then evenly
+spaced places of the ranking down to the slowest that fits: a ranking is
+only tested by candidates that differ), compiles each step (its
+``memory_analysis()``: arguments + temp) and times them in rounds (each
+one's fastest of ``repeats``, each the second of two steps in a row);
+``summary`` gives the mean absolute time error and ``spearman``, the rank
+correlation of two orders.
 
 Example:
   >>> from jaxpar.planner import spearman
@@ -64,33 +64,33 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
   return float(np.corrcoef(ra, rb)[0, 1])
 
 
-# What makes two candidates worth timing apart, most telling first: the
-# mesh and microbatch count (the microbatch size moves a CPU's block rate by
-# 2x), then the schedule too (on a few ranks the schedules of one mesh and
-# microbatch count measure within a few percent: near ties).
-_DISTINCT = (lambda x: (x.data, x.stage, x.tensor, x.num_microbatches),
-             lambda x: x[:5])
-
-
-def _diverse(candidates: Sequence, n: int) -> list:
-  """``n`` fitting candidates: the best of each mesh and microbatch count,
-  then of each mesh, schedule and microbatch count, in rank order."""
-  fits = [c for c in candidates if c.fits]
-  out = []
-  for key in _DISTINCT:
-    seen = {key(c.layout) for c in out}
-    for c in fits:
-      if len(out) < n and key(c.layout) not in seen and c not in out:
-        seen.add(key(c.layout))
-        out.append(c)
-  return sorted(out, key=candidates.index)
+def _spread(candidates: Sequence, n: int) -> list:
+  """``n`` fitting candidates spread over the predicted range: the best,
+  then the one at each of ``n - 1`` evenly spaced places of the ranking by
+  predicted time (the slowest last), each the nearest there of a mesh,
+  schedule and microbatch count not taken yet (ZeRO and remat variants of
+  one are near ties on a loaded machine), in rank order."""
+  fits = sorted((c for c in candidates if c.fits),
+                key=lambda c: c.predicted_s)
+  if len(fits) <= n:
+    return fits
+  key = lambda c: c.layout[:5]
+  out, seen = [fits[0]], {key(fits[0])}
+  for k in range(1, n):
+    at = round(k * (len(fits) - 1) / (n - 1))
+    order = sorted(range(len(fits)), key=lambda i: (abs(i - at), -i))
+    pick = next((fits[i] for i in order if key(fits[i]) not in seen),
+                next(fits[i] for i in order if fits[i] not in out))
+    seen.add(key(pick))
+    out.append(pick)
+  return sorted(out, key=lambda c: c.predicted_s)
 
 
 def measure(plan: Any, n: int, optimizer: optax.GradientTransformation,
             batch: Any, *, repeats: int = 5) -> list[Measured]:
-  """Times ``n`` of the best candidates of ``plan`` (module doc): the
-  fastest of ``repeats`` steps after one warm-up, and the compiled step's
-  arguments + temp.
+  """Times ``n`` candidates of ``plan`` spread over its predicted range
+  (module doc): the fastest of ``repeats`` steps after one warm-up, and the
+  compiled step's arguments + temp.
 
   The candidates are stepped in rounds, so that load from other work that
   comes and goes falls on all of them alike (timed one after another, the
@@ -101,7 +101,7 @@ def measure(plan: Any, n: int, optimizer: optax.GradientTransformation,
   temporaries, a 32-sequence microbatch, took 1.38 s against 1.01 s).
   """
   runs = []
-  for candidate in _diverse(plan.candidates, n):
+  for candidate in _spread(plan.candidates, n):
     trainer = plan.trainer(optimizer, candidate)
     state = trainer.init(plan.params(candidate))
     # jit reuses this executable for the calls below: one compile each.
@@ -116,3 +116,32 @@ def measure(plan: Any, n: int, optimizer: optax.GradientTransformation,
       state[0], _ = jax.block_until_ready(step(state[0], batch))
       times.append(time.perf_counter() - start)
   return [Measured(c, min(times), nbytes) for c, _, _, times, nbytes in runs]
+
+
+def summary(measured: Sequence[Measured], *, repeats: int = 5) -> dict:
+  """``measure``'s rows and what they say: ``mean_abs_error`` (of the
+  predicted time, relative to the measured), ``spearman`` (predicted
+  against measured order), ``best_vs_fastest`` (the predicted best's
+  measured time over the fastest measured, minus 1).
+
+  Example:
+    >>> from jaxpar.planner import Measured, summary
+    >>> from types import SimpleNamespace as C
+    >>> rows = [Measured(C(predicted_s=t, memory_bytes=1,
+    ...                    layout=C(describe=lambda: 'x')), m, 1)
+    ...         for t, m in ((1.0, 1.1), (2.0, 1.9), (3.0, 3.3))]
+    >>> out = summary(rows)
+    >>> round(out['mean_abs_error'], 3), out['spearman'], out['best_vs_fastest']
+    (0.083, 1.0, 0.0)
+  """
+  rows = [m.row() for m in measured]
+  first = min(rows, key=lambda r: r['predicted_s'])
+  return {'rows': rows,
+          'mean_abs_error': float(np.mean([abs(r['time_error'])
+                                           for r in rows])),
+          'spearman': spearman([r['predicted_s'] for r in rows],
+                               [r['measured_s'] for r in rows]),
+          'best_vs_fastest': first['measured_s'] / min(
+              r['measured_s'] for r in rows) - 1,
+          'how': f'the fastest of {repeats} rounds, each the second of two '
+                 'steps in a row; compiled arguments + temp'}

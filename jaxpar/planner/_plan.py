@@ -17,15 +17,19 @@ H100 node: no micro-benchmark, no compile):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxpar import parallel
+from jaxpar._validate import check_int
 from jaxpar.planner import _layout
+from jaxpar.planner._checks import (check_counts, check_remat_policies,
+                                    check_zero_stages, no_layout, parse_size)
 from jaxpar.planner._calibrate import measure_profile
 from jaxpar.planner._layout import Layout, layouts
 from jaxpar.planner._memory import Memory, memory
@@ -37,6 +41,8 @@ from jaxpar.planner._source import Source, build_trainer, source
 from jaxpar.planner._time import StepTime, step_time
 
 GIB = 2.0**30
+# Stage shapes ``plan`` compiles by default where the devices are present.
+DEFAULT_COMPILES = 2
 
 
 class Candidate(NamedTuple):
@@ -50,12 +56,24 @@ class Candidate(NamedTuple):
     fits: ``memory_bytes <= memory_per_device``.
     compiled: whether ``memory``'s work part comes from a compiled step of
       the same stage shape.
+    changes: what the layout changes in what the model computes, ``''``
+      where it computes the model as written (one device, the whole
+      batch at once): a model with batch statistics (unsynced
+      ``nnx.BatchNorm``) normalises each device's microbatch alone when
+      ``data * num_microbatches > 1``, e.g. ``'BatchNorm statistics over
+      4 of 32 rows'``.
   """
   layout: Layout
   memory: Memory
   time: StepTime
   fits: bool
   compiled: bool = False
+  changes: str = ''
+
+  @property
+  def as_written(self) -> bool:
+    """Whether the layout computes the model as written (``changes``)."""
+    return not self.changes
 
   @property
   def memory_bytes(self) -> int:
@@ -76,8 +94,10 @@ class Candidate(NamedTuple):
             'remat_policy': x.remat_policy, 'predicted_s': self.predicted_s,
             'memory_bytes': self.memory_bytes, 'bubble': self.time.bubble,
             'fits': self.fits, 'compiled': self.compiled,
-            'note': '' if self.fits else
-            f'needs {self.memory_bytes / GIB:.3g} > {cap / GIB:.3g} GiB'}
+            'changes': self.changes,
+            'note': '; '.join(x for x in (
+                '' if self.fits else f'needs {self.memory_bytes / GIB:.3g}'
+                f' > {cap / GIB:.3g} GiB', self.changes) if x)}
 
 
 class Plan(NamedTuple):
@@ -98,7 +118,9 @@ class Plan(NamedTuple):
 
   @property
   def best(self) -> Candidate:
-    """The fastest candidate that fits."""
+    """The fastest candidate that fits (with ``plan(...,
+    prefer_as_written=True)``, the default: the fastest that fits and
+    computes the model as written, where one does)."""
     return self.candidates[0]
 
   @property
@@ -119,7 +141,8 @@ class Plan(NamedTuple):
              r['schedule'], str(r['microbatches']), str(r['zero_stage']),
              r['remat_policy'], f"{1e3 * r['predicted_s']:.4g}",
              f"{r['memory_bytes'] / GIB:.4g}", f"{r['bubble']:.2f}",
-             r['note'] or ('compiled' if r['compiled'] else ''))
+             '; '.join(x for x in ('compiled' if r['compiled'] else '',
+                                   r['note']) if x))
             for r in self.rows(limit)]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     lines = ['  '.join(x.ljust(w) for x, w in zip(line, widths)).rstrip()
@@ -198,8 +221,11 @@ def _profile(profile: Any, spec: ModelSpec, devices: tuple | None) -> Profile:
 
 
 def _batch_size(batch: Any) -> tuple[int, Any]:
-  if isinstance(batch, int) and not isinstance(batch, bool):
-    return batch, None
+  if isinstance(batch, bool):
+    raise TypeError('plan: batch=True: pass (inputs, targets) of one step '
+                    'or its size as an int.')
+  if isinstance(batch, (int, np.integer)):
+    return int(batch), None
   inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
   leaves = jax.tree.leaves(inputs)
   if not leaves or not hasattr(leaves[0], 'shape') or not leaves[0].shape:
@@ -233,98 +259,134 @@ def _nothing_fits(ranked: list[Candidate], cap: float, n: int) -> ValueError:
 
 def plan(model: Any, optimizer: optax.GradientTransformation | None = None,
          *, batch: Any, devices: Sequence | int | None = None,
-         memory_per_device: float | None = None,
+         memory_per_device: float | str | None = None,
          profile: Profile | str | None = None, blocks: str = 'blocks',
          embed: Any = None, head_loss: Any = None,
+         tensor_rules: Mapping[str, Any] | None = None,
          zero_stages: Sequence[int] = _layout.ZERO_STAGES,
          remat_policies: Sequence[str] = _layout.CANDIDATE_REMAT_POLICIES,
          max_microbatches: int = 64, where: Any = None,
-         compile: int = 0, search: int = 0) -> Plan:
+         compile: int | None = None, search: int = 0,
+         prefer_as_written: bool = True) -> Plan:
   """Ranks every layout of ``model`` on ``devices`` by predicted step time.
 
   Args:
     model: jaxpar's ``gpt.GPT`` (or ``GPTConfig``), a Flax NNX model (cut
-      by ``parallel.from_nnx`` with ``blocks``, ``embed``, ``head_loss``), a
-      ``parallel.PipelineModel`` (cut already: only layouts of its logical
-      stage count) or a ``ModelSpec`` (a plan on paper).
+      by ``parallel.from_nnx`` with ``blocks``, ``embed``, ``head_loss``,
+      ``tensor_rules``), a ``parallel.PipelineModel`` (cut already: only
+      layouts of its logical stage count) or a ``ModelSpec`` (a plan on
+      paper).
     optimizer: the optax optimizer (its state's size; default Adam's 2x).
     batch: ``(inputs, targets)`` of one global step, or its size.
     devices: the devices (default ``jax.devices()``), or a count with a
       ``profile`` for devices that are not here.
-    memory_per_device: bytes; default the profile's.
+    memory_per_device: bytes, a number or a string such as ``'80GiB'``
+      (``parse_size``); default the profile's.
     profile: a ``Profile`` or a name of ``PROFILES``; default measured on
       ``devices`` (``measure_profile``).
-    blocks, embed, head_loss: as ``parallel.from_nnx`` takes them.
-    zero_stages, remat_policies, max_microbatches: the candidates' ranges.
+    blocks, embed, head_loss, tensor_rules: as ``parallel.from_nnx`` takes
+      them (an NNX model); ``tensor_rules`` gives a model without Flax
+      sharding metadata its ``tensor`` candidates.
+    zero_stages: ZeRO stages to try, a subset of ``(0, 1, 3)``.
+    remat_policies: names of ``train_state.REMAT_POLICIES`` to try.
+    max_microbatches: the most microbatches per replica to try (>= 1).
     where: ``where(layout) -> bool`` keeps only some layouts (e.g.
       ``lambda x: x.stage > 1``).
-    compile: compile the steps of this many distinct stage shapes (those of
-      the best candidates; devices present) and use their memory for every
-      candidate of the same shape.
+    compile: compile the steps of this many distinct stage shapes, the
+      best first, ranking again after each (a shape whose step needs more
+      than predicted gives way), and use their memory for every candidate
+      of the shape (``_compile``); default ``DEFAULT_COMPILES`` where the
+      devices are present and the model can be built, else 0 (``0``: the
+      analytic memory alone).
     search: add ``pipeline.search``'s schedule for this many of the best
       pipelined meshes and microbatch counts (their block costs, their
       memory left under the cap; ``_searched``), where it beats the
       built-in constructors; 0 (default): none. Opt-in: the search
-      optimises against the time model, which on 2 CPU processes predicts
-      its two schedules 17-19% fast and data parallelism 5-12% fast
+      optimises against the time model's blind spots
       (``docs/planning.md``).
+    prefer_as_written: rank the layouts that compute the model as written
+      (``Candidate.changes`` empty) before those that change it (a
+      BatchNorm's statistics over each device's microbatch); ``False``:
+      rank all by time.
 
   Returns:
     ``Plan``: ``plan.best`` the fastest layout that fits.
 
   Raises:
-    ValueError: no layout fits (naming the smallest need and what to
-      change), bad devices, profile, ``compile`` or ``search``.
+    TypeError: arguments of the wrong type (a ``memory_per_device`` that is
+      neither a number nor a size string, ``zero_stages`` not a sequence).
+    ValueError: an argument out of its range (naming it and the rule), no
+      layout of the model (naming what removed them), none that fits
+      (naming the smallest need and what to change).
   """
-  for name, value in (('compile', compile), ('search', search)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-      raise ValueError(f'plan: {name}={value!r} must be an int >= 0.')
+  zero_stages = check_zero_stages(zero_stages)
+  remat_policies = check_remat_policies(remat_policies)
+  cap = (None if memory_per_device is None
+         else parse_size(memory_per_device))
+  check_int('search', search, minimum=0, where='plan')
+  if compile is not None:
+    check_int('compile', compile, minimum=0, where='plan')
   n_batch, inputs = _batch_size(batch)
-  src = source(model, blocks=blocks, embed=embed, head_loss=head_loss,
-               inputs=inputs)
+  max_microbatches = check_counts(batch=n_batch,
+                                  max_microbatches=max_microbatches)
   devs, n = _devices(devices)
-  found = layouts(src.spec, devices=n, batch=n_batch,
-                  zero_stages=zero_stages, remat_policies=remat_policies,
-                  max_microbatches=max_microbatches)
-  found = [x for x in found if (where is None or where(x)) and (
-      src.num_stages in (None, x.num_stages))]
-  if not found:
-    cut = ('' if src.num_stages is None else
-           f' and {src.num_stages} logical stages (the PipelineModel\'s cut)')
-    raise ValueError(
-        f'plan: no layout of {src.spec.name} on {n} devices with batch '
-        f'{n_batch}{cut}: the batch must divide by the data size and the '
-        f'tensor size divide {src.spec.divisors}; change the batch or '
-        'devices.')
+  src = source(model, blocks=blocks, embed=embed, head_loss=head_loss,
+               inputs=inputs, tensor_rules=tensor_rules)
+  found = _layouts(src, n, n_batch, where, zero_stages=zero_stages,
+                   remat_policies=remat_policies,
+                   max_microbatches=max_microbatches)
   prof = _profile(profile, src.spec, devs)
-  cap = float(prof.memory_bytes if memory_per_device is None
-              else memory_per_device)
+  cap = float(prof.memory_bytes) if cap is None else cap
   factor = _opt_factor(optimizer)
-  judge = lambda layout: _candidate(src.spec, layout, n_batch, prof, factor,
-                                   cap)
-  ranked = _ranked([judge(x) for x in found])
+  judge = lambda layout: _candidate(src, layout, n_batch, prof, factor, cap)
+  rank = lambda c: _ranked(c, prefer_as_written)
+  ranked = rank([judge(x) for x in found])
   if search:
-    ranked = _ranked(ranked + [judge(x) for x in searched(
+    ranked = rank(ranked + [judge(x) for x in searched(
         ranked, search, src.spec, batch=n_batch, opt_factor=factor, cap=cap,
         profile=prof, num_stages=src.num_stages)
         if where is None or where(x)])
+  if compile is None:
+    compile = DEFAULT_COMPILES
   if compile and devs is not None and src.pipeline is not None:
-    ranked = _ranked(compiled_memory(ranked, compile, src, devs,
-                                     optimizer or optax.adam(1e-3), batch,
-                                     cap))
+    ranked = compiled_memory(ranked, compile, src, devs,
+                             optimizer or optax.adam(1e-3), batch, cap, rank)
   if not ranked[0].fits:
     raise _nothing_fits(ranked, cap, n)
   return Plan(tuple(ranked), cap, prof, src, devs)
 
 
-def _candidate(spec: ModelSpec, layout: Layout, batch: int, profile: Profile,
+def _layouts(src: Source, n: int, batch: int, where: Any,
+             **ranges: Any) -> list[Layout]:
+  """The layouts of ``src`` on ``n`` devices that ``where`` and its cut
+  keep, or the ``ValueError`` naming what removed them all."""
+  allowed = layouts(src.spec, devices=n, batch=batch, **ranges)
+  found = [x for x in allowed if (where is None or where(x)) and (
+      src.num_stages in (None, x.num_stages))]
+  if not found:
+    raise no_layout(name=src.spec.name, devices=n, batch=batch,
+                    num_layers=src.spec.num_layers,
+                    tensor_sizes=src.spec.tensor_sizes(n),
+                    allowed=[x[:3] for x in allowed],
+                    num_stages=src.num_stages, where=where is not None)
+  return found
+
+
+def _candidate(src: Source, layout: Layout, batch: int, profile: Profile,
                opt_factor: float, cap: float) -> Candidate:
-  mem = memory(spec, layout, batch=batch, opt_factor=opt_factor)
-  return Candidate(layout, mem, step_time(spec, layout, batch=batch,
-                                          profile=profile), mem.total <= cap)
+  mem = memory(src.spec, layout, batch=batch, opt_factor=opt_factor)
+  rows = batch // (layout.data * layout.num_microbatches)
+  changes = (f'BatchNorm statistics over {rows} of {batch} rows'
+             if src.batch_statistics and rows < batch else '')
+  return Candidate(layout, mem, step_time(src.spec, layout, batch=batch,
+                                          profile=profile), mem.total <= cap,
+                   changes=changes)
 
 
-def _ranked(candidates: list[Candidate]) -> list[Candidate]:
+def _ranked(candidates: list[Candidate],
+            prefer_as_written: bool = True) -> list[Candidate]:
+  """Fitting first; among them those as written first (if preferred),
+  then by predicted time; the others by memory."""
   return sorted(candidates, key=lambda c: (
-      not c.fits, c.predicted_s if c.fits else c.memory_bytes,
-      c.memory_bytes))
+      not c.fits, prefer_as_written and not c.as_written,
+      c.predicted_s if c.fits else c.memory_bytes, c.memory_bytes))

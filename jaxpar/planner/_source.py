@@ -10,13 +10,14 @@ takes (or the ``PipelineModel`` ``parallel.model_trainer`` takes).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxpar import parallel
 from jaxpar.mesh import make_mesh
@@ -35,11 +36,15 @@ class Source(NamedTuple):
       stage_mask, tensor_rules)`` or ``None`` on paper.
     num_stages: the logical stages every layout must have (a
       ``PipelineModel`` is cut already), or ``None``.
+    batch_statistics: whether the model's blocks keep batch statistics
+      (``nnx.BatchStat`` s: an unsynced BatchNorm normalises what one
+      device runs at once, so splitting the batch changes its maths).
   """
   spec: ModelSpec
   model: Any
   pipeline: Callable[[int], tuple] | None
   num_stages: int | None = None
+  batch_statistics: bool = False
 
 
 def _gpt_pipeline(model: gpt.GPT | gpt.GPTConfig) -> Callable[[int], tuple]:
@@ -55,38 +60,59 @@ def _gpt_pipeline(model: gpt.GPT | gpt.GPTConfig) -> Callable[[int], tuple]:
   return pipeline
 
 
-def _nnx_pipeline(model: nnx.Module, blocks: str, embed: Callable,
-                  head_loss: Callable) -> Callable[[int], tuple]:
+def _nnx_pipeline(model: nnx.Module, cut: dict) -> Callable[[int], tuple]:
   def pipeline(num_stages: int) -> tuple:
-    pm = parallel.from_nnx(model, blocks=blocks, num_stages=num_stages,
-                           embed=embed, head_loss=head_loss)
+    pm = parallel.from_nnx(model, num_stages=num_stages, **cut)
     return pm.params, pm, pm.stage_mask, None
   return pipeline
 
 
-def _elements(tree: Any) -> int:
-  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
+def _parts(pm: parallel.PipelineModel) -> tuple[dict, tuple[int, ...]]:
+  """``({part: Split of its elements}, sizes of the split dims)`` of a cut
+  model's params: a leaf whose ``tensor_specs`` entry splits a dim counts
+  as split (a ``stages`` leaf per slot), the rest as replicated."""
+  specs = (pm.tensor_specs(pm.params) if pm.tensor_specs is not None
+           else jax.tree.map(lambda _: P(), pm.params))
+  parts, divisors = {}, set()
+  for part in ('embed', 'stages', 'head'):
+    split = replicated = 0.0
+    leaves = jax.tree.leaves(getattr(pm.params, part))
+    spec_leaves = jax.tree.leaves(getattr(specs, part),
+                                  is_leaf=lambda x: isinstance(x, P))
+    for leaf, spec in zip(leaves, spec_leaves):
+      dims = [np.shape(leaf)[i] for i, e in enumerate(spec) if e is not None]
+      divisors.update(dims)
+      if dims:
+        split += np.size(leaf)
+      else:
+        replicated += np.size(leaf)
+    parts[part] = Split(split, replicated)
+  return parts, tuple(sorted(divisors)) or (1,)
 
 
 def _pipeline_spec(pm: parallel.PipelineModel, name: str,
                    inputs: Any) -> ModelSpec:
   """A ``ModelSpec`` of a cut model read from its params and one
-  microbatch: widths from the embedding's output, params per part (no
-  tensor split), a GPT-like stash per token of its width."""
+  microbatch: widths from the embedding's output, params per part (split
+  over ``tensor`` as its ``tensor_specs`` say), FLOPs split in the share
+  of the layer's params that are, a GPT-like stash per token of its
+  width."""
   layers = int(pm.stage_mask.sum())
   x = jax.eval_shape(lambda p, i: pm.functions[0](p, i), pm.params.embed,
-                     inputs[:1])
+                     jax.tree.map(lambda a: a[:1], inputs))
   seq, d = int(np.prod(x.shape[1:-1])), int(x.shape[-1])
-  per_layer = _elements(pm.params.stages) / pm.stage_mask.size
+  parts, divisors = _parts(pm)
+  layer = Split(*(n / pm.stage_mask.size for n in parts['stages']))
+  flops = 2 * sum(layer) + 4 * seq * d
+  share = layer.split / max(sum(layer), 1.0)
   as_gpt = ModelSpec.from_gpt(gpt.GPTConfig(d_model=d, num_heads=1,
                                             seq_len=seq, num_layers=layers))
+  head = parts['head']
   return as_gpt._replace(
-      name=name, layer=Split(0, per_layer),
-      embed=Split(0, _elements(pm.params.embed)),
-      head=Split(0, _elements(pm.params.head)),
-      flops=Split(0, 2 * per_layer + 4 * seq * d),
-      head_flops=Split(0, 2 * _elements(pm.params.head)),
-      divisors=(1,), vocab_size=1)
+      name=name, layer=layer, embed=parts['embed'], head=head,
+      flops=Split(share * flops, (1 - share) * flops),
+      head_flops=Split(2 * head.split, 2 * head.replicated),
+      divisors=divisors, vocab_size=1)
 
 
 def _cut_pipeline(pm: parallel.PipelineModel) -> Callable[[int], tuple]:
@@ -101,13 +127,22 @@ def _cut_pipeline(pm: parallel.PipelineModel) -> Callable[[int], tuple]:
 
 
 def source(model: Any, *, blocks: str, embed: Callable | None,
-           head_loss: Callable | None, inputs: Any) -> Source:
+           head_loss: Callable | None, inputs: Any,
+           tensor_rules: Mapping[str, Any] | None = None) -> Source:
   """The ``Source`` of what ``plan`` was given (see the module doc).
 
   Raises:
     TypeError: a model of another kind, or an NNX model without ``embed``
-      and ``head_loss``.
+      and ``head_loss``, or without a batch of arrays.
+    ValueError: ``tensor_rules`` for a model that is not an NNX model.
   """
+  if tensor_rules is not None and (isinstance(
+      model, (gpt.GPT, gpt.GPTConfig)) or not isinstance(model, nnx.Module)):
+    raise ValueError(
+        f'plan: tensor_rules are for a Flax NNX model cut by from_nnx; a '
+        f'{type(model).__name__} has its own split (jaxpar\'s GPT: '
+        'gpt.TENSOR_RULES; a PipelineModel: from_nnx(tensor_rules=...)). '
+        'Leave tensor_rules out.')
   if isinstance(model, ModelSpec):
     return Source(model, None, None)
   if isinstance(model, (gpt.GPT, gpt.GPTConfig)):
@@ -118,13 +153,24 @@ def source(model: Any, *, blocks: str, embed: Callable | None,
       raise TypeError(
           f'plan: a {type(model).__name__} is cut with parallel.from_nnx: '
           'pass blocks=, embed= and head_loss= as from_nnx takes them.')
-    pm = parallel.from_nnx(model, blocks=blocks, num_stages=1, embed=embed,
-                           head_loss=head_loss)
+    if inputs is None:
+      raise TypeError(
+          f'plan: batch is a size, but a {type(model).__name__} is read '
+          'from one microbatch; pass batch=(inputs, targets) of one step.')
+    cut = dict(blocks=blocks, embed=embed, head_loss=head_loss,
+               tensor_rules=tensor_rules)
+    pm = parallel.from_nnx(model, num_stages=1, **cut)
     return Source(_pipeline_spec(pm, type(model).__name__, inputs), model,
-                  _nnx_pipeline(model, blocks, embed, head_loss))
+                  _nnx_pipeline(model, cut),
+                  batch_statistics=pm.model_state is not None)
   if isinstance(model, parallel.PipelineModel):
+    if inputs is None:
+      raise TypeError('plan: batch is a size, but a PipelineModel is read '
+                      'from one microbatch; pass batch=(inputs, targets) of '
+                      'one step.')
     return Source(_pipeline_spec(model, 'PipelineModel', inputs), model,
-                  _cut_pipeline(model), model.stage_mask.shape[0])
+                  _cut_pipeline(model), model.stage_mask.shape[0],
+                  batch_statistics=model.model_state is not None)
   raise TypeError(
       f'plan: model must be jaxpar.models.gpt.GPT (or its GPTConfig), a '
       f'flax.nnx.Module (with blocks=, embed=, head_loss=), a '

@@ -15,7 +15,9 @@ Sections:
 * ``v_memory``: compiled ``temp_size_in_bytes`` of the pipelined step
   (``pipeline_value_and_grad_local``, params in rank order) for 1F1B, ZB-V,
   V-Half and V-Min on the same ``2p``-layer model (1F1B runs two layers a
-  stage, the V schedules one): V-Min <= V-Half < 1F1B.
+  stage, the V schedules one), the split schedules also with
+  ``w_recompute`` (``W`` keeps nothing from ``I``): V-Min <= V-Half <=
+  0.9x 1F1B with it; ``temp_vs_1f1b`` the ratio, ``step_ms`` the step time.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.cli.bench._timing import compile_stats, median_seconds
+from jaxpar.cli.bench._timing import median_seconds, wall_and_cpu_seconds
 from jaxpar.mesh import make_mesh
 from jaxpar.pipeline import schedules as sched
 from jaxpar.pipeline.executor import (pipeline_value_and_grad_local,
@@ -109,33 +111,48 @@ def _model(num_stages: int, layers: int, batch: int, width: int):
           jax.random.normal(k[3], (batch, width)), jnp.zeros((batch, 8)))
 
 
+def _v_step(s, mesh, w_recompute: bool):
+  """The jitted step of ``_v_memory``: one rank's stages in rank order."""
+  def body(w, head, x, t, table=tick_table(s)):
+    out = pipeline_value_and_grad_local(
+        _stage, _loss, jax.tree.map(lambda a: a[0], w), head, x, t,
+        table=table, w_recompute=w_recompute)
+    return out.loss, jax.tree.map(lambda a: a[None], out.grads.stages)
+  return jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=(P('stage'), P(), P(), P()),
+      out_specs=(P(), P('stage')), axis_names={'stage'}))
+
+
 def _v_memory(quick: bool) -> list[dict]:
   """Compiled temp bytes: the stage params stay in rank order.
 
   ``pipeline_value_and_grad_local`` in a ``shard_map``, the params rearranged once
   outside (``stages_to_ranks``), so the step's scratch is the schedule's
   stashes and messages, not a per-step permutation of the params; a large
-  microbatch against a narrow model makes activations the bulk of it.
+  microbatch against a narrow model makes activations the bulk of it. The
+  step's wall and process-CPU time (its work), the two ``w_recompute``
+  settings of a schedule taking turns.
   """
   p, m, mb, width = 4, 8, (128 if quick else 512), 64
   mesh = make_mesh(stage=p, devices=jax.devices()[:p])
   rows = []
-  for s in (sched.one_f_one_b(p, m), sched.zero_bubble_v(p, m), sched.v_half(p, m),
-            sched.v_min(p, m)):
-    def body(w, head, x, t, low=tick_table(s)):
-      out = pipeline_value_and_grad_local(_stage, _loss, jax.tree.map(
-          lambda a: a[0], w), head, x, t, table=low)
-      return out.loss, jax.tree.map(lambda a: a[None], out.grads.stages)
-    step = jax.jit(jax.shard_map(
-        body, mesh=mesh, in_specs=(P('stage'), P(), P(), P()),
-        out_specs=(P(), P('stage')), axis_names={'stage'}))
+  for s in (sched.one_f_one_b(p, m), sched.zero_bubble_v(p, m),
+            sched.v_half(p, m), sched.v_min(p, m)):
     stages, *rest = _model(s.num_stages, 2 * p, m * mb, width)
-    stats = compile_stats(step, stages_to_ranks(stages, s), *rest)
-    rows.append({'schedule': s.name, 'p': p, 'm': m, 'layers': 2 * p,
-                 'width': width, 'microbatch': mb,
-                 'peak_memory': max(peak_memory(s)),
-                 'stash_slots': tick_table(s).num_stash_slots,
-                 'temp_bytes': stats['temp_bytes']})
+    args = (stages_to_ranks(stages, s), *rest)
+    compiled = {w: _v_step(s, mesh, w).lower(*args).compile()
+                for w in ((False,) if s.name == '1F1B' else (False, True))}
+    times = wall_and_cpu_seconds(compiled, args, repeats=3 if quick else 7)
+    for w_recompute, step in compiled.items():
+      temp = step.memory_analysis().temp_size_in_bytes
+      rows.append({
+          'schedule': s.name, 'w_recompute': w_recompute, 'p': p, 'm': m,
+          'layers': 2 * p, 'width': width, 'microbatch': mb,
+          'peak_memory': max(peak_memory(s)),
+          'stash_slots': tick_table(s).num_stash_slots, 'temp_bytes': temp,
+          'temp_vs_1f1b': temp / rows[0]['temp_bytes'] if rows else 1.0,
+          'step_ms': 1e3 * times[w_recompute][0],
+          'step_cpu_ms': 1e3 * times[w_recompute][1]})
   return rows
 
 

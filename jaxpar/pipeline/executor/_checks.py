@@ -55,27 +55,42 @@ def check_leading(tree: PyTree, size: int, name: str, rule: str) -> None:
 
 def check_stage_fn(stage_fn: Callable[..., Any], params: PyTree, x: Any,
                    key: Any = None, state: PyTree = None) -> None:
-  """``ValueError`` unless ``stage_fn`` keeps the shape and dtype of ``x``
-  (one microbatch's activation, an array or its aval) and, given a
-  ``state`` (``[v, ...]``), returns ``(y, new_state)`` with ``new_state``
-  shaped like one stage's state."""
+  """``ValueError`` unless ``stage_fn`` maps ``x`` (one microbatch's
+  activation: an array or any pytree of arrays, or their avals) to the same
+  structure, shapes and dtypes and, given a ``state`` (``[v, ...]``),
+  returns ``(y, new_state)`` with ``new_state`` shaped like one stage's
+  state."""
   first = lambda tree: jax.tree.map(lambda a: a[0], tree)
   out = jax.eval_shape(
       lambda p, x, k, s: stage_fn(p, x, **extras(k, s)), first(params), x,
       key, None if state is None else first(state))
   if state is not None:
     out = _check_new_state(out, first(state))
-  if (not isinstance(out, jax.ShapeDtypeStruct) or out.shape != x.shape
-      or out.dtype != x.dtype):
-    got = (f'{out.dtype}{list(out.shape)}' if isinstance(
-        out, jax.ShapeDtypeStruct) else f'a {type(out).__name__}')
+  if _types(out) != _types(x):
     raise ValueError(
-        f'stage_fn maps a microbatch {x.dtype}{list(x.shape)} to {got}; '
-        'a pipeline stage must return an array of the same shape and dtype '
-        'as its input. Move shape-changing layers (embedding, head) out of '
-        'the stages: in front of the pipeline (embed_fn of '
+        f'stage_fn maps a microbatch {_show(x)} to {_show(out)}; a pipeline '
+        'stage must return what it takes: the same structure, shapes and '
+        'dtypes (values it only passes on, e.g. an encoder output or a '
+        'mask, returned unchanged). Move shape-changing layers (embedding, '
+        'head) out of the stages: in front of the pipeline (embed_fn of '
         'pipeline_value_and_grad_local, or chain PipelineGrads.inputs, their '
         'cotangent) or into loss_fn.')
+
+
+def _types(tree: PyTree) -> tuple:
+  """``tree``'s structure and its leaves' shapes and dtypes."""
+  return jax.tree.structure(tree), [
+      (tuple(np.shape(a)), jnp.result_type(a)) for a in jax.tree.leaves(tree)]
+
+
+def _show(tree: PyTree) -> str:
+  """``float32[2, 8]`` for an array; its key paths too for a pytree."""
+  one = lambda a: f'{jnp.result_type(a)}{list(np.shape(a))}'
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  if len(leaves) == 1 and not leaves[0][0]:
+    return one(leaves[0][1])
+  return '{' + ', '.join(f'{jax.tree_util.keystr(path) or "()"}: {one(a)}'
+                         for path, a in leaves) + f'}} ({type(tree).__name__})'
 
 
 def _check_new_state(out: Any, state: PyTree) -> Any:

@@ -10,6 +10,11 @@ parameters alone (the first ``num_params`` inputs), and elementwise functions
 of what ``W`` reads anyway (an activation from a stashed product), are
 recomputed in ``W`` instead of kept. Each other operation runs once
 (``I + W = B`` in FLOPs, up to that elementwise work).
+``cut(closed, num_params, keep=False)`` keeps nothing (``w_recompute``):
+``W`` then runs everything ``dparams`` needs from the arguments alone, the
+cotangent chain through the layers included, so ``I + W`` costs a backward
+plus ``I``'s matrix products (less the first layer's ``dx``) and ``I``
+hands ``W`` nothing to hold.
 
 A ``lax.scan`` (a stage's layers, its transposed backward) is cut the same
 way, body by body, instead of being unrolled: ``I`` runs a scan of the body's
@@ -59,14 +64,20 @@ class Programs(NamedTuple):
   weight_grad: Callable[..., list]
 
 
-def cut(closed: jex.ClosedJaxpr, num_params: int) -> Programs:
+def cut(closed: jex.ClosedJaxpr, num_params: int, *,
+        keep: bool = True) -> Programs:
   """``closed: (params..., rest...) -> (dparams..., dx)`` cut into ``I`` and
-  ``W``; see the module doc."""
+  ``W``; ``keep=False``: ``kept`` is empty and ``W`` recomputes what it
+  would read from it. See the module doc."""
   jaxpr = closed.jaxpr
   *dparams, dx = jaxpr.outvars
   level = _Level(jaxpr, jaxpr.invars[:num_params], jaxpr.invars)
   input_items = level.input_pass([dx])
-  weight_items, kept = level.weight_pass(dparams)
+  if keep:
+    weight_items, kept = level.weight_pass(dparams)
+  else:   # the whole backward of dparams, scans whole
+    weight_items, kept = [jaxpr.eqns[k] for k in _jaxpr.needed(
+        jaxpr, dparams)], []
   consts = dict(zip(jaxpr.constvars, closed.consts))
 
   def input_grad(*args):

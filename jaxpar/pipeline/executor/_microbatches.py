@@ -50,25 +50,52 @@ class LossFn(Protocol):
     ...
 
 
-def microbatched(inputs: jax.Array, targets: PyTree, m: int):
-  """``inputs`` and every ``targets`` leaf reshaped to ``[m, batch/m, ...]``."""
-  if np.ndim(inputs) == 0:
-    raise ValueError(f'inputs must have a leading batch axis, got shape '
-                     f'{np.shape(inputs)}.')
-  batch = np.shape(inputs)[0]
+def microbatched(inputs: PyTree, targets: PyTree, m: int):
+  """Every leaf of ``inputs`` and ``targets`` reshaped to ``[m, batch/m, ...]``.
+
+  ``inputs`` is any pytree of arrays with a leading batch axis (a dict of
+  token ids and a mask, a tuple of tensors), split leaf by leaf like the
+  ``targets``; ``batch`` is its first leaf's leading size.
+
+  Raises:
+    ValueError: ``inputs`` has no leaves, a leaf has no leading axis or
+      another batch size (named by its key path), or ``batch`` does not
+      divide by ``m``.
+
+  Example:
+    >>> import numpy as np
+    >>> from jaxpar.pipeline.executor._microbatches import microbatched
+    >>> xs, ts = microbatched({'x': np.ones((6, 3)), 'ids': np.arange(6)},
+    ...                       np.zeros(6), 2)
+    >>> xs['x'].shape, xs['ids'].shape, ts.shape
+    ((2, 3, 3), (2, 3), (2, 3))
+  """
+  leaves = jax.tree_util.tree_leaves_with_path(inputs)
+  if not leaves:
+    raise ValueError(f'inputs has no arrays ({inputs!r}); pass the batch, '
+                     'an array or a pytree of arrays [batch, ...].')
+  shapes = [(f'inputs{jax.tree_util.keystr(path)}', np.shape(leaf))
+            for path, leaf in leaves]
+  shapes += [(f'targets{jax.tree_util.keystr(path)}', np.shape(leaf))
+             for path, leaf in jax.tree_util.tree_leaves_with_path(targets)]
+  first, shape = shapes[0]
+  if not shape:
+    raise ValueError(f'{first} must have a leading batch axis, got shape '
+                     f'{shape}.')
+  batch = shape[0]
+  for name, shape in shapes[1:]:
+    if not shape or shape[0] != batch:
+      raise ValueError(
+          f'{name} has shape {shape} but {first} has batch size {batch}: '
+          'every leaf of inputs and targets must share the leading batch '
+          'axis.')
   if batch % m:
     raise ValueError(
         f'inputs batch size {batch} is not divisible by the schedule\'s '
         f'num_microbatches={m}: use a batch that is a multiple of {m} or a '
         f'schedule whose microbatch count divides {batch}.')
-  for path, leaf in jax.tree_util.tree_leaves_with_path(targets):
-    if not np.shape(leaf) or np.shape(leaf)[0] != batch:
-      raise ValueError(
-          f'targets{jax.tree_util.keystr(path)} has shape {np.shape(leaf)} but '
-          f'inputs has batch size {batch}: inputs and targets must share the '
-          'leading batch axis.')
   split = lambda a: jnp.reshape(a, (m, batch // m) + np.shape(a)[1:])
-  return split(inputs), jax.tree.map(split, targets)
+  return jax.tree.map(split, inputs), jax.tree.map(split, targets)
 
 
 def extras(key: Any = None, state: PyTree = None) -> dict[str, Any]:

@@ -57,6 +57,10 @@ class StepOptions(NamedTuple):
       (``stash_policy``; ``None`` means ``'everything'``).
     input_grads: compute the cotangent of the batch (``PipelineGrads.
       inputs``).
+    w_recompute: ``I`` keeps nothing for ``W``; ``W`` recomputes the
+      cotangent chain it needs (``StageVJP``): less memory between a
+      schedule's ``I`` and ``W``, one more matrix product per weight in
+      ``W``.
   """
   stage_axis: str = 'stage'
   bubble_fill: float = 0.0
@@ -66,6 +70,7 @@ class StepOptions(NamedTuple):
   compute_dtype: Any = None
   remat_policy: Any = 'dots'
   input_grads: bool = True
+  w_recompute: bool = False
 
   def checked(self) -> StepOptions:
     """These options, checked: a ``TypeError`` or ``ValueError`` names the
@@ -78,6 +83,7 @@ class StepOptions(NamedTuple):
     check_microbatch_offset(self.microbatch_offset)
     check_bool(self.has_aux, 'has_aux')
     check_bool(self.input_grads, 'input_grads')
+    check_bool(self.w_recompute, 'w_recompute')
     stash_policy(self.remat_policy)
     return self._replace(bubble_fill=check_fill(self.bubble_fill),
                          compute_dtype=check_compute_dtype(self.compute_dtype))

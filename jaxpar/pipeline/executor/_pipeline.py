@@ -35,7 +35,7 @@ from jaxpar.pipeline.executor._microbatches import (
     LossFn, StageFn, extras, microbatched)
 from jaxpar.pipeline.executor._options import Embedding, StepOptions
 from jaxpar.pipeline.executor._placement import ranks_to_stages, stages_to_ranks
-from jaxpar.pipeline.executor._vma import full
+from jaxpar.pipeline.executor._vma import full, is_float
 from jaxpar.pipeline.schedules import Schedule, TickTable, tick_table
 from jaxpar.train_state import cast_params
 from jaxpar.train_state.internal import check_key
@@ -89,6 +89,7 @@ def pipeline_value_and_grad_local(
     key: jax.Array | None = None, microbatch_offset: Any = 0,
     has_aux: bool = False, compute_dtype: Any = None,
     remat_policy: Any = 'dots', input_grads: bool = True,
+    w_recompute: bool = False,
     embed_fn: Callable[..., jax.Array] | None = None,
     embed_params: PyTree = None, embed_key: jax.Array | None = None,
     stage_state: PyTree = None) -> PipelineResult:
@@ -133,6 +134,9 @@ def pipeline_value_and_grad_local(
       ``'dots_no_batch'``, ``'nothing'`` or a ``jax.checkpoint_policies``
       policy.
     input_grads: ``False`` skips the cotangent of ``inputs``.
+    w_recompute: a ``W`` block recomputes the cotangents its ``I`` would
+      keep for it (zero-bubble and V schedules hold less between them; ``W``
+      runs one more matrix product per weight).
     embed_fn: ``embed_fn(embed_params, raw) -> x`` (``key=k`` with an
       ``embed_key``), a layer in front of the stages run per microbatch on
       stage 0's rank; ``inputs`` are then its raw rows (e.g. token ids).
@@ -172,7 +176,7 @@ def pipeline_value_and_grad_local(
       stage_axis=stage_axis, bubble_fill=bubble_fill, key=key,
       microbatch_offset=microbatch_offset, has_aux=has_aux,
       compute_dtype=compute_dtype, remat_policy=remat_policy,
-      input_grads=input_grads).checked()
+      input_grads=input_grads, w_recompute=w_recompute).checked()
   embedding = (None if embed_fn is None else
                Embedding(embed_fn, embed_params, embed_key))
   return _local_step(stage_fn, loss_fn, local_params, loss_params, inputs,
@@ -195,36 +199,43 @@ def _local_step(stage_fn: StageFn, loss_fn: LossFn, local_params: PyTree,
   schedule = table.schedule
   check_stage_axis(options.stage_axis, schedule)
   _check_functions(stage_fn, loss_fn, embedding, options.key, stage_state)
-  _check_trees(table, local_params, loss_params, inputs, embedding,
-               stage_state)
+  _check_trees(table, local_params, loss_params, embedding, stage_state)
   stage_fn, loss_fn, embedding = _as_on_one_device(stage_fn, loss_fn,
                                                    embedding, options)
-  inputs_dtype = jnp.result_type(inputs)
+  given = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), inputs)
   if options.compute_dtype is not None and embedding is None:
-    inputs = jnp.asarray(inputs, options.compute_dtype)
+    inputs = jax.tree.map(lambda a, t: jnp.asarray(
+        a, options.compute_dtype) if is_float(t) else a, inputs, given)
   xs, ts = microbatched(inputs, targets, schedule.num_microbatches)
-  x = xs[0]
+  x = jax.tree.map(lambda a: a[0], xs)
   if embedding is not None:
-    x = jax.eval_shape(
-        lambda params, raw, k: embedding.fn(params, raw, **extras(k)),
-        embedding.params, xs[0], embedding.key)
-    check_float(x, 'embed_fn(embed_params, inputs)')
     # A value, not its aval: under a shard_map manual over some axes only,
     # eval_shape rejects avals that carry manual-axis types.
-    x = full(x, 0)
+    x = full(jax.eval_shape(
+        lambda params, raw, k: embedding.fn(params, raw, **extras(k)),
+        embedding.params, x, embedding.key), 0)
   check_stage_fn(stage_fn, local_params, x, options.key, stage_state)
   check_loss_fn(loss_fn, loss_params, x, jax.tree.map(lambda t: t[0], ts),
                 options.key, options.has_aux)
   res = _tick_scan.run(stage_fn, loss_fn, table, local_params, loss_params,
                        xs, ts, options=options, embedding=embedding,
                        stage_state=stage_state)
-  dx = res.inputs
-  if dx is not None:
-    dx = dx.reshape(np.shape(inputs)).astype(inputs_dtype)
+  dx = None if res.inputs is None else jax.tree.map(
+      _batch_cotangent, res.inputs, given)
   loss, aux = res.value
   return PipelineResult(loss, aux if options.has_aux else None,
                         PipelineGrads(res.stages, res.head, dx, res.embed),
                         res.state)
+
+
+def _batch_cotangent(rows: jax.Array, given: jax.ShapeDtypeStruct):
+  """An input leaf's cotangent ``[m, mb, ...]`` as ``grads.inputs`` holds
+  it: shaped and typed like the leaf, ``float0`` zeros for an integer one
+  (what ``jax.vjp`` of a layer in front of the pipeline takes)."""
+  if not is_float(given):
+    return np.zeros(given.shape, jax.dtypes.float0)
+  return rows.reshape(given.shape).astype(given.dtype)
 
 
 def _check_functions(stage_fn: Any, loss_fn: Any,
@@ -246,17 +257,16 @@ def _check_functions(stage_fn: Any, loss_fn: Any,
 
 
 def _check_trees(table: TickTable, local_params: PyTree,
-                 loss_params: PyTree, inputs: Any,
-                 embedding: Embedding | None, stage_state: PyTree) -> None:
-  """The differentiated trees are floats; the stage trees hold this rank's
-  ``v`` stages; with a state, each stage runs its microbatches in order."""
+                 loss_params: PyTree, embedding: Embedding | None,
+                 stage_state: PyTree) -> None:
+  """The parameters are floats; the stage trees hold this rank's ``v``
+  stages; with a state, each stage runs its microbatches in order. (The
+  inputs may hold integers: their cotangents are zeros.)"""
   schedule = table.schedule
   v = schedule.num_stages // schedule.num_ranks
   check_float(local_params, 'local_params')
   check_float(loss_params, 'loss_params')
-  if embedding is None:
-    check_float(inputs, 'inputs')
-  else:
+  if embedding is not None:
     check_float(embedding.params, 'embed_params')
   check_leading(local_params, v, 'local_params', 'num_stages // num_ranks')
   if stage_state is not None:
@@ -287,8 +297,8 @@ def pipeline_value_and_grad(
     stage_fn: StageFn, loss_fn: LossFn, *, schedule: Schedule, mesh: Mesh,
     stage_axis: str = 'stage', bubble_fill: float = 0.0,
     has_aux: bool = False, compute_dtype: Any = None,
-    remat_policy: Any = 'dots', input_grads: bool = True
-) -> Callable[..., PipelineResult]:
+    remat_policy: Any = 'dots', input_grads: bool = True,
+    w_recompute: bool = False) -> Callable[..., PipelineResult]:
   """Builds a jitted pipelined training step: the mean loss and its gradients.
 
   The step splits the batch into ``m = schedule.num_microbatches``
@@ -328,6 +338,9 @@ def pipeline_value_and_grad(
       ``'dots_no_batch'``, ``'nothing'`` or a ``jax.checkpoint_policies``
       policy.
     input_grads: ``False``: ``grads.inputs`` is ``None``, not computed.
+    w_recompute: a ``W`` block recomputes the cotangents its ``I`` would
+      keep for it (zero-bubble and V schedules hold less between them; ``W``
+      runs one more matrix product per weight).
 
   Returns:
     ``step(stage_params, loss_params, inputs, targets, key=None,
@@ -376,7 +389,7 @@ def pipeline_value_and_grad(
   options = StepOptions(
       stage_axis=stage_axis, bubble_fill=bubble_fill, has_aux=has_aux,
       compute_dtype=compute_dtype, remat_policy=remat_policy,
-      input_grads=input_grads).checked()
+      input_grads=input_grads, w_recompute=w_recompute).checked()
   check_schedule(schedule, mesh, stage_axis)
   table = tick_table(schedule)
   first = lambda tree: jax.tree.map(lambda a: a[0], tree)
@@ -458,10 +471,11 @@ def pipeline_apply_local(
                 'local_params', 'num_stages // num_ranks')
   stage_fn = vma.lift(stage_fn, axes=(stage_axis,))
   xs, _ = microbatched(inputs, (), schedule.num_microbatches)
-  check_stage_fn(stage_fn, local_params, jax.typeof(xs[0]))
+  check_stage_fn(stage_fn, local_params,
+                 jax.tree.map(lambda a: jax.typeof(a[0]), xs))
   out = _tick_scan.run(stage_fn, None, table, local_params, (), xs, (),
                        options=options)
-  return out.reshape(np.shape(inputs))
+  return jax.tree.map(lambda o, a: o.reshape(np.shape(a)), out, inputs)
 
 
 @functools.partial(jax.jit, static_argnames=(

@@ -17,7 +17,7 @@ from jaxpar.pipeline.executor._microbatches import (
 from jaxpar.pipeline.executor._options import Embedding, StepOptions
 from jaxpar.pipeline.executor._stage_vjp import stash_policy
 from jaxpar.pipeline.executor._tick_state import Result
-from jaxpar.pipeline.executor._vma import like
+from jaxpar.pipeline.executor._vma import like, stored
 from jaxpar.vma import vary, varying_axes
 
 PyTree = Any
@@ -81,7 +81,7 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
         (inputs, targets, mbs)), axis)
   with_dx = embedding is None and options.input_grads
   grad = jax.value_and_grad(model, (0, 1, 2, 3) if with_dx else (0, 1, 2),
-                            has_aux=True)
+                            has_aux=True, allow_int=True)
 
   def body(carry, a):
     acc, states = carry
@@ -89,7 +89,9 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
                                      *a, states)
     acc = jax.tree.map(lambda s, d: s + vary(d, varying_axes(s)), acc,
                        ((loss, aux), grads[:3]))
-    return (acc, like(new, states)), (grads[3] if with_dx else None)
+    # Integer input leaves: zeros of their dtype, not float0.
+    return (acc, like(new, states)), (stored(grads[3], a[0]) if with_dx
+                                      else None)
 
   first = jax.tree.map(lambda a: a[0], (inputs, targets))
   (loss, (aux, new)), grads = jax.eval_shape(lambda: grad(

@@ -37,6 +37,13 @@ into
   scans of one layer's halves, ``kept`` stacked per layer, so the blocks'
   programs and compile time do not grow with the number of layers.
 
+  With ``w_recompute=True`` ``kept`` is empty: ``W`` recomputes from
+  ``(params, stash, dy)`` everything ``dparams`` needs, the cotangent
+  chain through the stage's layers included (one more matrix product per
+  weight: ``W`` costs about ``I + W``). Between ``I`` and ``W`` a
+  microbatch then holds its stash and ``dy`` only, so a V schedule's memory
+  follows its activation count (``docs/executor.md``, "Stash policy").
+
 **Model state** that is not a parameter (BatchNorm's running statistics):
 with ``state=`` given to ``trace`` and every block,
 ``stage_fn(params, x, state=s) -> (y, new_state)`` and ``forward`` returns
@@ -113,13 +120,15 @@ class StageVJP:
 
   Call ``trace(params, x)`` once (with the avals the blocks will see) before
   the blocks; it fixes the residual structure and the ``I``/``W`` cut.
-  ``remat_policy`` chooses the stash (``stash_policy``).
+  ``remat_policy`` chooses the stash (``stash_policy``); ``w_recompute``
+  empties ``kept`` (``W`` recomputes the cotangents it would read).
   """
 
   def __init__(self, stage_fn: Callable[..., jax.Array],
-               remat_policy: Any = 'dots'):
+               remat_policy: Any = 'dots', *, w_recompute: bool = False):
     self.stage_fn = stage_fn
     self.policy = stash_policy(remat_policy)
+    self.w_recompute = w_recompute
     self._from_x = None      # per closure leaf: depends on x (is stashed)
     self._x = None           # aval of x
     self._input = self._weight = None
@@ -201,7 +210,8 @@ class StageVJP:
 
   def split(self, params: PyTree, stash: Any, dy: jax.Array,
             key: Any = None, state: PyTree = None) -> PyTree:
-    """Cuts the backward into ``I`` and ``W``; returns the ``kept`` avals.
+    """Cuts the backward into ``I`` and ``W``; returns the ``kept`` avals
+    (``[]`` with ``w_recompute``).
 
     As in ``backward``, only the structure of ``state`` is read; the blocks
     then take it (or not) and ignore it.
@@ -215,7 +225,7 @@ class StageVJP:
       return jax.tree.leaves(dparams) + [dx]
     # Every operation its own eqn; scans stay scans and are cut body by body.
     self._input, self._weight = _cut.cut(_jaxpr.flatten(flat, *args),
-                                         num_consts)
+                                         num_consts, keep=not self.w_recompute)
     self._dparams_def = jax.tree.structure(params)
     return jax.make_jaxpr(self._input)(*args).out_avals[1:]
 

@@ -106,7 +106,7 @@ from jaxpar.pipeline.executor._tick_rows import F, I, blocks, edge_rows, message
 from jaxpar.pipeline.executor._tick_state import (
     Accumulators, Avals, BlockState, Carry, Edge, Rank, Result, ScanConfig,
     TickCell, TickRow)
-from jaxpar.pipeline.executor._vma import full, like
+from jaxpar.pipeline.executor._vma import cotangent, full, like, stored
 from jaxpar.pipeline.schedules import TickTable
 from jaxpar.vma import vary, varying_axes
 
@@ -200,20 +200,21 @@ def _avals(rank: Rank, axis: str) -> Avals:
   k0 = _key(rank, rank.index * 0, rank.index * 0)
   x0 = (jax.eval_shape(lambda ep, mb: _embedded(rank, ep, mb),
                        _embed_params(rank), rank.index * 0)
-        if rank.embedding is not None else jax.typeof(rank.inputs[0]))
+        if rank.embedding is not None else
+        jax.tree.map(lambda a: jax.typeof(a[0]), rank.inputs))
   act_vma = varying_axes(rank.inputs) | {axis} | varying_axes(x0)
   while True:
-    x = vary(jnp.zeros(x0.shape, x0.dtype), act_vma)
+    x = vary(full(x0, 0), act_vma)
     state = vary(one_state, act_vma)   # varies as the activations do
     y_aval, stash = rank.stage.trace(one_params, x, k0, state=state)
     new = act_vma | varying_axes(y_aval) | varying_axes(
         _new_state(rank, one_params, x, k0, state))
     if training:
-      y = vary(jnp.zeros_like(x), varying_axes(y_aval))
+      y = vary(_zeros_like(x), varying_axes(y_aval))
       value, (dhead, dy_aval) = jax.eval_shape(
           lambda lp, y, t, k: _seed(rank, lp, y, t, k), rank.loss_params, y,
           jax.tree.map(lambda t: t[0], rank.targets), k0)
-      dy = vary(jnp.zeros_like(x), new | varying_axes(dy_aval))
+      dy = vary(_zeros_like(x), new | varying_axes(dy_aval))
       dstage, dx_aval = jax.eval_shape(
           functools.partial(rank.stage.backward, state=state), one_params,
           full(stash, 0), dy, k0)
@@ -221,7 +222,7 @@ def _avals(rank: Rank, axis: str) -> Avals:
     if new == act_vma:
       break
     act_vma = new
-  act = jax.typeof(x)
+  act = jax.tree.map(jax.typeof, x)
   if not training:
     return Avals(act, act_vma, stash)
   kept = rank.stage.split(one_params, full(stash, 0), dy, k0, state=state)
@@ -245,9 +246,9 @@ def _init_carry(rank: Rank, avals: Avals, config: ScanConfig) -> Carry:
                   max(table.num_weight_slots, 1))
   mailbox = full(avals.act, fill, table.num_mailbox_slots + 1)
   if config.with_edge:
-    edge = Edge(full(avals.act, 0, p), vary(
-        jnp.zeros((m,) + avals.act.shape, avals.act.dtype),
-        avals.act_vma - {config.stage_axis}))
+    edge = Edge(full(avals.act, 0, p), vary(jax.tree.map(
+        lambda a: jnp.zeros((m,) + a.shape, a.dtype), avals.act),
+                                            avals.act_vma - {config.stage_axis}))
   return Carry(mailbox, stash, wstash, acc, edge,
                vary(rank.state, avals.act_vma))
 
@@ -312,13 +313,14 @@ def _cell(ranks: TickCell, index: jax.Array) -> TickCell:
       weight_slot=jnp.maximum(cell.weight_slot, 0))
 
 
-def _block_input(rank: Rank, mailbox: PyTree, cell: TickCell) -> jax.Array:
+def _block_input(rank: Rank, mailbox: PyTree, cell: TickCell) -> PyTree:
   """The action's input: its mailbox slot (an activation for ``F``, a
   cotangent for ``I`` and ``W``), or the batch for stage 0's ``F`` (with
   an embedding that ``F`` embeds its microbatch itself)."""
-  x = mailbox[jnp.maximum(cell.read_slot, 0)]
+  x = row(mailbox, jnp.maximum(cell.read_slot, 0))
   if rank.embedding is None:
-    x = jnp.where(cell.read_slot >= 0, x, rank.inputs[cell.microbatch])
+    x = jax.tree.map(lambda a, b: jnp.where(cell.read_slot >= 0, a, b), x,
+                     row(rank.inputs, cell.microbatch))
   return x
 
 
@@ -349,8 +351,8 @@ def _forward(rank: Rank, avals: Avals, first: bool, last: bool,
   adds its loss and sends the loss's cotangent instead of ``y``. A
   stateful stage reads its state and writes the new one in its place."""
   if first:
-    x = like(_embedded(rank, _embed_params(rank), cell.microbatch).astype(
-        avals.act.dtype), avals.act)
+    x = like(_cast(_embedded(rank, _embed_params(rank), cell.microbatch),
+                   avals.act), avals.act)
   params = _params_of(rank, cell.local_stage)
   if rank.loss_fn is None:
     return state._replace(payload=like(rank.stage.stage_fn(params, x),
@@ -401,7 +403,7 @@ def _weight_grad(rank: Rank, avals: Avals, first: bool, cell: TickCell,
   embed = state.acc.embed
   if first:
     _, vjp = jax.vjp(lambda ep: _embedded(rank, ep, mb), _embed_params(rank))
-    embed = _add(embed, vjp(dx.astype(avals.act.dtype))[0])
+    embed = _add(embed, vjp(cotangent(_cast(dx, avals.act), avals.act))[0])
   return state._replace(payload=state.payload if dx is None else dx,
                         acc=state.acc._replace(stages=stages, embed=embed))
 
@@ -431,9 +433,9 @@ def _pend(config: ScanConfig, cell: TickCell, slot: jax.Array,
   mine = (cell.kind == (I if config.training else F)) & (
       cell.stage == (0 if config.training else schedule.num_stages - 1))
   k = jnp.minimum(slot, p - 1)
-  return _put(pending, k, jnp.where(
-      slot < p, jnp.where(mine, payload, jnp.zeros_like(payload)),
-      pending[k]))
+  return _put(pending, k, jax.tree.map(
+      lambda new, old: jnp.where(slot < p, jnp.where(mine, new, 0), old),
+      payload, row(pending, k)))
 
 
 def _exchange(config: ScanConfig, avals: Avals, message: jax.Array,
@@ -461,20 +463,21 @@ def _send(config: ScanConfig, avals: Avals, pattern: tuple[bool, ...],
           for k, send in zip(remote, pattern)]
   if config.with_edge:
     msgs.append(jax.lax.psum(pending, axis) if pattern[-1] else
-                vary(jnp.zeros(pending.shape, pending.dtype),
-                     avals.act_vma - {axis}))
+                vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                  pending), avals.act_vma - {axis}))
   return msgs
 
 
-def _write_rows(result: jax.Array, summed_rows: jax.Array,
-                summed: jax.Array) -> jax.Array:
+def _write_rows(result: PyTree, summed_rows: jax.Array,
+                summed: PyTree) -> PyTree:
   """The rows summed this tick into ``result``, if any: one in-place row
   write per pending slot (a select keeps the row otherwise)."""
-  m = result.shape[0]
+  m = jax.tree.leaves(result)[0].shape[0]
   for k in range(summed_rows.shape[0]):
     i = jnp.minimum(summed_rows[k], m - 1)
-    result = _put(result, i, jnp.where(summed_rows[k] < m, summed[k],
-                                       result[i]))
+    result = _put(result, i, jax.tree.map(
+        lambda new, old: jnp.where(summed_rows[k] < m, new, old),
+        row(summed, k), row(result, i)))
   return result
 
 
@@ -530,8 +533,18 @@ def _seed(rank: Rank, loss_params: PyTree, y: jax.Array, target: PyTree,
     loss, aux = out if rank.options.has_aux else (out, ())
     return jax.tree.map(lambda a: a.astype(jnp.promote_types(
         a.dtype, jnp.float32)) / rank.num_microbatches, (loss, aux))
-  return jax.value_and_grad(share, argnums=(0, 1), has_aux=True)(
-      loss_params, y)
+  value, (dhead, dy) = jax.value_and_grad(
+      share, argnums=(0, 1), has_aux=True, allow_int=True)(loss_params, y)
+  return value, (dhead, stored(dy, y))
+
+
+def _zeros_like(tree: PyTree) -> PyTree:
+  return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _cast(tree: PyTree, avals: PyTree) -> PyTree:
+  """Each leaf of ``tree`` in the dtype of the matching aval."""
+  return jax.tree.map(lambda a, t: a.astype(t.dtype), tree, avals)
 
 
 def _put(buf: PyTree, index: Any, value: PyTree) -> PyTree:

@@ -4,6 +4,12 @@ With ``check_vma``, every value carries the mesh axes over which it varies;
 scan carries, loop carries and buffer writes must agree on them. ``like``
 and ``full`` make the executor's buffers agree, on top of the one pair
 ``jaxpar.vma.varying_axes`` / ``jaxpar.vma.vary``.
+
+An activation may be any pytree, integer leaves too (token ids, positions
+passed along with ``x``). JAX's cotangent of an integer leaf is a
+``float0`` zero, which no buffer holds: a buffer holds zeros of the leaf's
+own dtype instead, and ``cotangent`` / ``stored`` convert between the two
+at a ``jax.vjp``.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar.vma import vary, varying_axes
 
@@ -33,3 +40,22 @@ def full(avals: PyTree, fill: float, n: int | None = None) -> PyTree:
     shape = a.shape if n is None else (n,) + a.shape
     return vary(jnp.full(shape, value, a.dtype), varying_axes(a))
   return jax.tree.map(one, avals)
+
+
+def is_float(aval: Any) -> bool:
+  """Whether a leaf (an array or its aval) is differentiated: inexact."""
+  return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def cotangent(tree: PyTree, avals: PyTree) -> PyTree:
+  """``tree`` as ``jax.vjp`` takes it for values like ``avals``: the
+  leaves of integer avals replaced by ``float0`` zeros."""
+  return jax.tree.map(lambda d, a: d if is_float(a) else np.zeros(
+      a.shape, jax.dtypes.float0), tree, avals)
+
+
+def stored(tree: PyTree, avals: PyTree) -> PyTree:
+  """A cotangent of values like ``avals`` as a buffer holds it: the leaves
+  of integer avals (``float0`` from ``jax.vjp``) as zeros of their dtype."""
+  return jax.tree.map(lambda d, a: d if is_float(a) else jnp.zeros(
+      a.shape, a.dtype), tree, avals)

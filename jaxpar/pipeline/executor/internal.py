@@ -15,11 +15,12 @@ Example:
   [0]
 """
 
+from jaxpar.pipeline.executor._checks import check_bool as check_bool
 from jaxpar.pipeline.executor._checks import check_fn as check_fn
 from jaxpar.pipeline.executor._checks import check_leading as check_leading
 from jaxpar.pipeline.executor._jaxpr import is_var as is_jaxpr_var
 from jaxpar.pipeline.executor._jaxpr import needed as jaxpr_needed
 from jaxpar.pipeline.executor._tick_rows import messages as tick_messages
 
-__all__ = ['check_fn', 'check_leading', 'is_jaxpr_var', 'jaxpr_needed',
+__all__ = ['check_bool', 'check_fn', 'check_leading', 'is_jaxpr_var', 'jaxpr_needed',
            'tick_messages']

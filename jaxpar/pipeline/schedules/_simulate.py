@@ -49,7 +49,10 @@ class SimResult(NamedTuple):
 def check_costs(costs: Mapping[str, float] | None,
                 defaults: Mapping[str, float] = DEFAULT_COSTS
                 ) -> dict[str, float]:
-  """``defaults`` updated by ``costs``; ``ValueError`` for bad kinds/values."""
+  """``defaults`` updated by ``costs``; ``ValueError`` for bad kinds/values.
+
+  Without a ``'B'`` entry a full backward costs ``I + W``.
+  """
   if costs is None:
     return dict(defaults)
   if not isinstance(costs, Mapping):
@@ -65,6 +68,8 @@ def check_costs(costs: Mapping[str, float] | None,
       raise ValueError(f'costs={dict(costs)!r}: costs[{kind!r}]={cost!r} must '
                        'be a finite number >= 0.')
     merged[kind] = float(cost)
+  if 'B' not in costs and 'B' in merged:
+    merged['B'] = merged['I'] + merged['W']
   return merged
 
 
@@ -203,7 +208,8 @@ def simulate(schedule: ScheduleLike, costs: Mapping[str, float] | None = None,
     schedule: a ``Schedule`` (validated first; idle ``None`` slots take no
       time, waiting follows from the dependencies).
     costs: time per action kind, merged into the default
-      ``{'F': 1, 'B': 2, 'I': 1, 'W': 1}`` (``B = I + W``).
+      ``{'F': 1, 'B': 2, 'I': 1, 'W': 1}`` (without a ``'B'`` entry,
+      ``B = I + W``).
     comm: latency ``>= 0`` between a dependency ending on one rank and its
       consumer starting on another (0 between stages on the same rank).
 

@@ -1,51 +1,76 @@
 """A ``Schedule`` laid out in time: the tick table the executor scans over.
 
 A schedule says *what* each rank computes and in which order; its tick
-table says *when* (a global tick per action) and *where the data lives*
-(which buffer slot each action reads and writes). The executor
+table says *when* (a global tick per block) and *where the data lives*
+(which buffer slot each block reads and writes). The executor
 (``jaxpar.pipeline.executor``) runs one ``lax.scan`` step per tick and reads
 row ``t`` of these arrays, so the whole schedule is int32 data, never Python
 control flow.
 
-**Every tick holds one action per rank, and every action costs about the
-same**: a full backward ``B(s, i)`` runs as its two halves, ``I(s, i)`` (the
-input cotangent) and then ``W(s, i)`` (the parameter cotangent, from what
-``I`` kept) in the next tick, and its input cotangent is sent with ``W``, when
-``B`` would have finished. Ranks run in lock-step (every tick ends with the
-messages), so a tick lasts as long as its slowest rank::
+**Blocks.** A tick holds at most one block per rank:
 
-  makespan(costs) = sum_t max_r costs[kind[t, r]]
+* ``F``: a forward;
+* ``B``: a schedule's full backward ``B(s, i)`` as one VJP (the input and
+  the parameter cotangent), keeping nothing for later;
+* ``I`` and ``W``: the two halves of a backward that zero-bubble and V
+  schedules run apart: ``I`` the input cotangent (keeping for ``W`` the
+  cotangents at the parameter-consuming operations), ``W`` the parameter
+  cotangent.
 
-With ``F``, ``I`` and ``W`` alike (``B = I + W = 2F``, ``simulate``'s default
-costs) no rank waits inside a tick, and the lock-step time is the event-driven
-time of ``Schedule.simulate``: a ``B`` still takes two units and still hands
-its cotangent on when it ends. (Run as one block, a ``B`` beside an ``F`` on
-the next rank would stretch every steady-state tick of 1F1B to ``B``.)
+A block's message (an activation, an input cotangent, or on the last stage
+the loss cotangent, a local hand-off) leaves at the end of its tick and is
+usable from the next. Ranks run in lock-step (every tick with messages ends
+with the exchange), so a tick lasts as long as its slowest block::
 
-The table is built by greedy list scheduling (in each rank's schedule order;
-``None`` entries are display padding and take no time): a rank runs its next
-action at the first tick at which its inputs exist; a result produced at tick
-``t`` (sent to another rank or kept locally) is usable from tick ``t + 1``. The
-dependencies are ``dependency_graph``'s (``_simulate``): ``F(s, i)`` needs
-``F(s-1, i)``; ``B(s, i)`` and ``I(s, i)`` need ``F(s, i)`` and the input
-cotangent from ``B/I(s+1, i)``; ``W(s, i)`` needs ``I(s, i)``.
+  makespan(costs) = sum_t max_r costs[kind[t, r]]      F = I = W = 1, B = 2
+
+**Like with like.** The blocks are placed by list scheduling (each rank in
+its schedule order; a block at the first tick at which its inputs exist)
+with a one-step lookahead: at each tick it also tries holding back the ready
+``B``'s while other ranks run one-unit blocks (so that ``B``'s share ticks
+instead of stretching a tick of ``F``'s to two units) and holding back one
+rank (so that its messages later leave in the same tick as another rank's
+and share its ``ppermute``), finishes each try by plain list scheduling,
+and keeps the one with the shortest lock-step time, then the fewest ticks
+with messages. Interleaved 1F1B, p = 2, m = 4: ``B``'s face ``B``'s::
+
+  rank 0: FFFFFF.BFBFBFB.B.BBB      (lock-step 27 = simulate's)
+  rank 1: .FFFFFBFBFBFBFB.B.BB.
+
+**Fused or split.** A schedule with ``B`` actions is laid out twice: each
+``B`` as one ``B`` block, and each ``B`` as an ``I`` and then a ``W``. The
+fused table is kept when its lock-step time is at most
+``Schedule.simulate``'s (costs ``F = 1, B = 2``: the schedule as written);
+else the split one, which never exceeds it (its ``I`` sends the cotangent
+when it ends, a tick before ``B`` would). GPipe and interleaved 1F1B run
+fused. 1F1B runs split: in its steady state rank ``r`` runs a backward
+while its neighbours run a forward (their order and the one-tick message
+delay fix that), so a fused ``B`` stretches every tick to two units (p = 4,
+m = 8: 39 against 33)::
+
+  1F1B p=2 m=3, split:  rank 0: FF.IWFIWIW.IW      (lock-step 12)
+                        rank 1: .FIWFIWFIW...
+
+The lookahead is bounded (``_LOOKAHEAD`` blocks placed by its tries per
+table): past it, each tick runs every ready block.
 
 Buffers (per rank, slots reused through a free list, so the slot counts equal
 the peak number of live entries):
 
-* **stash**: written by ``F(s, i)``, read by ``I(s, i)`` and ``W(s, i)``,
-  freed after ``W``;
-* **weight stash**: what ``I(s, i)`` hands to ``W(s, i)`` (the cotangents at
-  the parameter-consuming operations, and the input cotangent), written by
-  ``I``, freed after ``W`` (one slot when ``W`` follows ``I``);
+* **stash**: written by ``F(s, i)``, read by its ``B`` or its ``I`` and
+  ``W``, freed after the last of them;
+* **weight stash**: what ``I(s, i)`` hands to ``W(s, i)``, freed after
+  ``W`` (no slot for a ``B``);
 * **mailbox**: one slot per message received but not yet consumed. Messages
-  are activations ``F(s, i) -> F(s+1, i)``, cotangents ``I/W(s, i) ->
-  I, W(s-1, i)`` and, on the last stage, the loss cotangent
-  ``F(S-1, i) -> I, W(S-1, i)`` (a local message).
+  are activations ``F(s, i) -> F(s+1, i)``, input cotangents ``B/I(s, i) ->
+  B, or I and W, (s-1, i)`` and, on the last stage, the loss cotangent
+  ``F(S-1, i) -> B, or I and W, (S-1, i)`` (a local message).
 
 A message from rank ``src`` to rank ``dst`` travels over the rank offset
 ``(dst - src) % p``; ``offsets`` lists the distinct ones (``0`` is a local
-hand-off), so the executor issues one ``ppermute`` per nonzero offset per tick.
+hand-off). A rank sends at most one message per tick, so the executor issues
+one ``ppermute`` per nonzero offset that carries a message in the tick: the
+messages travelling the same way in a tick share it.
 """
 
 from __future__ import annotations
@@ -59,12 +84,14 @@ import numpy as np
 
 from jaxpar.pipeline.schedules._action import Action
 from jaxpar.pipeline.schedules._schedule import Schedule
-from jaxpar.pipeline.schedules._simulate import (check_comm, check_costs,
-                                                  dependency_graph)
+from jaxpar.pipeline.schedules._simulate import (DEFAULT_COSTS, check_comm,
+                                                  check_costs)
 
-IDLE, F, I, W = 0, 1, 3, 4
-KIND_CODES = {'F': F, 'I': I, 'W': W}
-KIND_NAMES = '.F?IW'
+IDLE, F, B, I, W = 0, 1, 2, 3, 4
+KIND_CODES = {'F': F, 'B': B, 'I': I, 'W': W}
+KIND_NAMES = '.FBIW'
+# Blocks placed by the lookahead's tries, per table, before it stops trying.
+_LOOKAHEAD = 100_000
 
 
 class TickTable(NamedTuple):
@@ -75,24 +102,26 @@ class TickTable(NamedTuple):
 
   Attributes:
     schedule: the ``Schedule`` the table lays out.
-    kind: int32 ``[T, p]``, the action of rank ``r`` at tick ``t``:
-      ``0`` idle, ``1`` F, ``3`` I, ``4`` W (a schedule's ``B`` is an ``I``
-      and the ``W`` after it).
+    kind: int32 ``[T, p]``, the block of rank ``r`` at tick ``t``:
+      ``0`` idle, ``1`` F, ``2`` B, ``3`` I, ``4`` W (``KIND_CODES``). A
+      schedule's ``B`` is one ``B`` block, or an ``I`` and a later ``W``
+      when the table is split (module doc).
     stage: int32 ``[T, p]``, its logical stage.
     microbatch: int32 ``[T, p]``, its microbatch.
     local_stage: int32 ``[T, p]``, index of ``stage`` among the rank's own
       stages (ascending stage order), i.e. into the rank's ``[v, ...]`` slice
       of the stage parameters.
-    read_slot: int32 ``[T, p]``, the mailbox slot holding the action's input:
+    read_slot: int32 ``[T, p]``, the mailbox slot holding the block's input:
       the activation for ``F`` (``-1`` on stage 0, which reads the batch), the
-      output cotangent for ``I`` and ``W``.
-    stash_slot: int32 ``[T, p]``, the stash slot ``F`` writes and ``I``/``W``
-      read.
+      output cotangent for ``B``, ``I`` and ``W``.
+    stash_slot: int32 ``[T, p]``, the stash slot ``F`` writes and ``B``,
+      ``I`` and ``W`` read.
     weight_slot: int32 ``[T, p]``, the weight-stash slot ``I`` writes and
-      ``W`` reads.
+      ``W`` reads (``-1`` for ``F`` and ``B``).
     recv_slot: int32 ``[T, p, K]``, the mailbox slot into which rank ``r``
       stores, at the end of tick ``t``, the message from rank
-      ``(r - offsets[k]) % p``.
+      ``(r - offsets[k]) % p`` (the output of that rank's block at tick
+      ``t``).
     offsets: the ``K`` distinct offsets ``(dst - src) % p`` of all messages,
       ascending.
     num_stash_slots: stash slots per rank, ``max(peak_stash)``.
@@ -125,8 +154,15 @@ class TickTable(NamedTuple):
 
   @property
   def training(self) -> bool:
-    """Whether the schedule has backward actions (else it is forward-only)."""
+    """Whether the schedule has backward blocks (else it is forward-only)."""
     return bool((self.kind > F).any())
+
+  @property
+  def message_ticks(self) -> int:
+    """The ``ppermute``s of a step: per tick, the offsets between ranks that
+    carry a message (the executor skips the others)."""
+    remote = [k for k, offset in enumerate(self.offsets) if offset]
+    return int((self.recv_slot[:, :, remote] >= 0).any(axis=1).sum())
 
   def makespan(self, costs: Mapping[str, float] | None = None,
                comm: float = 0.0) -> float:
@@ -136,27 +172,28 @@ class TickTable(NamedTuple):
     executor skips the ``ppermute`` of the others).
 
     Args:
-      costs: time per action kind, merged into ``Schedule.simulate``'s
-        defaults ``{'F': 1, 'B': 2, 'I': 1, 'W': 1}`` (``B`` runs as ``I`` and
-        ``W``, so its own cost is not used).
+      costs: time per block kind, merged into ``Schedule.simulate``'s
+        defaults ``{'F': 1, 'B': 2, 'I': 1, 'W': 1}`` (without a ``'B'``
+        entry, ``B = I + W``).
       comm: time of one tick's messages, ``>= 0``.
 
     Returns:
       The time the executor takes when every rank waits for the slowest one
       at the end of each tick, to compare with
-      ``schedule.simulate(costs).makespan``: equal for ``F = I = W`` and
-      ``comm = 0``; with kinds of unequal cost a tick waits for its slowest
-      kind, so the lock-step time can be longer.
+      ``schedule.simulate(costs).makespan`` (the schedule's event-driven time,
+      where nothing waits for a tick to end): never longer with the default
+      costs and ``comm = 0`` (module doc); with kinds of unequal cost a tick
+      waits for its slowest block.
 
     Example:
       >>> import jaxpar
       >>> from jaxpar.pipeline import tick_table
-      >>> s = jaxpar.pipeline.one_f_one_b(4, 8)
+      >>> s = jaxpar.pipeline.gpipe(4, 8)
       >>> tick_table(s).makespan(), s.simulate().makespan   # (m + p - 1)(F + B)
       (33.0, 33.0)
     """
     cost = check_costs(costs)
-    table = np.array([0.0, cost['F'], 0.0, cost['I'], cost['W']])
+    table = np.array([0.0] + [cost[k] for k in KIND_NAMES[1:]])
     remote = [k for k, offset in enumerate(self.offsets) if offset]
     sends = (self.recv_slot[:, :, remote] >= 0).any(axis=(1, 2))
     return float(table[self.kind].max(axis=1).sum()
@@ -168,9 +205,9 @@ class TickTable(NamedTuple):
     Example:
       >>> import jaxpar
       >>> from jaxpar.pipeline import tick_table
-      >>> print(tick_table(jaxpar.pipeline.one_f_one_b(2, 3)).render())
-      rank 0: FF..IWFIW.IW
-      rank 1: .FIWFIWFIW..
+      >>> print(tick_table(jaxpar.pipeline.gpipe(2, 3)).render())
+      rank 0: FFF..BBB
+      rank 1: .FFFBBB.
     """
     return '\n'.join(f'rank {r}: ' + ''.join(KIND_NAMES[k] for k in row)
                      for r, row in enumerate(self.kind.T))
@@ -204,7 +241,7 @@ def _allocate(intervals: Iterable[tuple[int, int, tuple]]) -> tuple[dict, int]:
   """Slots for ``(write_time, last_read_time, key)`` with a free list.
 
   A slot last read at time ``r`` can be written again at any time ``>= r``
-  (times are half-ticks: actions read at ``2t``, messages land at
+  (times are half-ticks: blocks read at ``2t``, messages land at
   ``2t + 1``), so intervals that do not overlap share a slot. Returns
   ``{key: slot}`` and the peak slot count.
   """
@@ -223,45 +260,174 @@ def _allocate(intervals: Iterable[tuple[int, int, tuple]]) -> tuple[dict, int]:
   return slots, size
 
 
-def _ticks(schedule: Schedule) -> tuple[dict[Action, int], dict, int]:
-  """Greedy list scheduling with every ``B`` split into ``I`` then ``W``.
+# ------------------------------------------------------------ the packing
 
-  Returns ``({action: tick}`` over ``F``/``I``/``W`` actions, ``{(stage,
-  microbatch): tick}`` at which the input cotangent is sent, tick count).
+
+class _Blocks(NamedTuple):
+  """A schedule's blocks, numbered: what the packing places in ticks.
+
+  ``actions[b]`` is block ``b`` (a split ``B(s, i)`` is two blocks,
+  ``I(s, i)`` and ``W(s, i)``); ``rows[r]`` rank ``r``'s blocks in order;
+  ``deps[b]`` the blocks whose results ``b`` reads (placed strictly
+  earlier); ``cost[b]`` its time (``DEFAULT_COSTS``); ``sends[b]`` the
+  offset of its message to another rank, ``0`` if none.
   """
-  graph = dependency_graph(schedule)
-  rows = []  # per rank: (action run, what it waits for, what it completes)
+  actions: list[Action]
+  rows: list[list[int]]
+  deps: list[tuple[int, ...]]
+  cost: list[float]
+  sends: list[int]
+
+
+def _blocks(schedule: Schedule, *, fuse: bool) -> _Blocks:
+  """The blocks of a validated ``schedule``, each ``B`` one block if
+  ``fuse``, else an ``I`` and then a ``W`` (module doc)."""
+  p, last, where = schedule.num_ranks, schedule.num_stages - 1, {}
+  actions, rows = [], []
   for acts in schedule.actions:
-    row = []
+    rows.append([])
     for a in acts:
-      if a is None:
-        continue
-      if a.kind == 'B':
-        i, w = a._replace(kind='I'), a._replace(kind='W')
-        row += [(i, graph[a], i), (w, (i,), a)]
-      else:
-        row.append((a, graph[a], a))
-    rows.append(row)
-  tick: dict[Action, int] = {}
-  done: dict[Action, int] = {}  # schedule action (or split I) -> its tick
-  pos = [0] * len(rows)
-  t = 0
-  while any(pos[r] < len(row) for r, row in enumerate(rows)):
-    progressed = False
-    for r, row in enumerate(rows):
-      if pos[r] < len(row):
-        a, deps, completes = row[pos[r]]
-        if all(done.get(d, t) < t for d in deps):
-          tick[a] = t
-          done[completes] = t
-          pos[r] += 1
-          progressed = True
-    if not progressed:  # validate() rules this out
-      raise RuntimeError(f'Schedule {schedule.name!r} deadlocks at tick {t}.')
-    t += 1
-  sent = {(a.stage, a.microbatch): t for a, t in done.items()
-          if a.kind in 'BI'}
-  return tick, sent, t
+      split = (a.kind == 'B' and not fuse) if a is not None else False
+      for kind in ('IW' if split else (a.kind,) if a is not None else ()):
+        where[a._replace(kind=kind)] = len(actions)
+        rows[-1].append(len(actions))
+        actions.append(a._replace(kind=kind))
+
+  def grad(s, i):  # the block computing stage s's input cotangent
+    return where.get(Action(s, 'B', i), where.get(Action(s, 'I', i)))
+
+  deps, sends = [], []
+  for s, kind, i in actions:
+    offset = 0
+    if kind == 'F':
+      deps.append((where[Action(s - 1, 'F', i)],) if s > 0 else ())
+      if s < last:
+        offset = schedule.placement[s + 1] - schedule.placement[s]
+    elif kind == 'W':
+      deps.append((where[Action(s, 'I', i)],))
+    else:
+      deps.append((where[Action(s, 'F', i)],)
+                  + ((grad(s + 1, i),) if s < last else ()))
+      if s > 0:
+        offset = schedule.placement[s - 1] - schedule.placement[s]
+    sends.append(offset % p)
+  return _Blocks(actions, rows, deps,
+                 [DEFAULT_COSTS[a.kind] for a in actions], sends)
+
+
+class _Packing:
+  """Blocks placed in ticks ``< t`` so far; ``place`` adds tick ``t``,
+  ``finish`` places the rest by plain list scheduling."""
+
+  def __init__(self, blocks: _Blocks):
+    self.blocks = blocks
+    self.pos = [0] * len(blocks.rows)     # each rank's next block
+    self.tick = [-1] * len(blocks.actions)
+    self.t = 0
+    self.time = 0.0       # lock-step time so far
+    self.messages = 0     # ticks x offsets with messages between ranks
+
+  def copy(self) -> _Packing:
+    new = object.__new__(_Packing)
+    new.__dict__.update(self.__dict__, pos=list(self.pos),
+                        tick=list(self.tick))
+    return new
+
+  @property
+  def done(self) -> bool:
+    return all(p == len(row) for p, row in zip(self.pos, self.blocks.rows))
+
+  def ready(self) -> list[int]:
+    """The ranks whose next block can run at tick ``t``."""
+    rows, deps, tick, t = self.blocks.rows, self.blocks.deps, self.tick, self.t
+    return [r for r, row in enumerate(rows) if self.pos[r] < len(row)
+            and all(0 <= tick[d] < t for d in deps[row[self.pos[r]]])]
+
+  def place(self, ranks: list[int]) -> None:
+    """Runs the next block of each of ``ranks`` at tick ``t``; next tick."""
+    cost, offsets = 0.0, set()
+    for r in ranks:
+      b = self.blocks.rows[r][self.pos[r]]
+      self.tick[b] = self.t
+      self.pos[r] += 1
+      cost = max(cost, self.blocks.cost[b])
+      offsets.add(self.blocks.sends[b])
+    self.time += cost
+    self.messages += len(offsets - {0})
+    self.t += 1
+
+  def finish(self) -> int:
+    """Places every block left at its earliest tick (after the rank's
+    previous block and its inputs, from tick ``t`` on); returns how many."""
+    rows, deps, tick = self.blocks.rows, self.blocks.deps, self.tick
+    cost, offsets, placed = {}, {}, 0
+    while not self.done:
+      before = placed
+      for r, row in enumerate(rows):
+        k = self.pos[r]
+        at = tick[row[k - 1]] + 1 if k else 0
+        while k < len(row):
+          b = row[k]
+          if any(tick[d] < 0 for d in deps[b]):
+            break
+          at = max([at, self.t] + [tick[d] + 1 for d in deps[b]])
+          tick[b], k, at = at, k + 1, at + 1
+          cost[at - 1] = max(cost.get(at - 1, 0.0), self.blocks.cost[b])
+          offsets.setdefault(at - 1, set()).add(self.blocks.sends[b])
+        placed += k - self.pos[r]
+        self.pos[r] = k
+      if placed == before:   # validate() rules this out
+        raise RuntimeError(f'Deadlock at tick {self.t}.')
+    self.time += sum(cost.values())
+    self.messages += sum(len(o - {0}) for o in offsets.values())
+    self.t = max(cost, default=self.t - 1) + 1
+    return placed
+
+
+def _choices(packing: _Packing, ranks: list[int], *, drops: bool
+             ) -> list[list[int]]:
+  """What tick ``t`` may run: every ready rank first, then all but the
+  costliest blocks (when costs differ) and, with ``drops``, all but one
+  rank."""
+  out = [ranks]
+  cost = [packing.blocks.cost[packing.blocks.rows[r][packing.pos[r]]]
+          for r in ranks]
+  cheap = [r for r, c in zip(ranks, cost) if c < max(cost, default=0)]
+  out += [cheap] if cheap else []
+  if drops and len(ranks) > 1:
+    out += [[q for q in ranks if q != r] for r in ranks]
+  return [c for k, c in enumerate(out) if c not in out[:k]]
+
+
+def _pack(blocks: _Blocks) -> _Packing:
+  """The blocks in ticks by list scheduling with a one-step lookahead (the
+  module doc): each tick takes the choice whose plain finish has the least
+  lock-step time, then the fewest messages. Holding back one rank is tried
+  in the first ``3 p`` ticks (it sets the ranks' phases); all tries stop
+  after ``_LOOKAHEAD`` blocks placed."""
+  packing, budget = _Packing(blocks), _LOOKAHEAD
+  while not packing.done:
+    ready = packing.ready()
+    choices = (_choices(packing, ready, drops=packing.t < 3 * len(blocks.rows))
+               if budget > 0 else [ready])
+    best, best_score = ready, None
+    for choice in choices[1:] and choices:
+      trial = packing.copy()
+      trial.place(choice)
+      budget -= trial.finish()
+      if best_score is None or (trial.time, trial.messages) < best_score:
+        best, best_score = choice, (trial.time, trial.messages)
+    packing.place(best)
+  return packing
+
+
+def _layout(schedule: Schedule) -> _Packing:
+  """The packed blocks of ``schedule``: fused ``B``'s unless that is slower
+  than the schedule as written, then split (module doc)."""
+  fused = _pack(_blocks(schedule, fuse=True))
+  if fused.time <= schedule.simulate().makespan:
+    return fused
+  return _pack(_blocks(schedule, fuse=False))
 
 
 def tick_table(schedule: Schedule, *, forward_only: bool = False) -> TickTable:
@@ -273,10 +439,11 @@ def tick_table(schedule: Schedule, *, forward_only: bool = False) -> TickTable:
       ``pipeline_apply``); their order is the schedule's.
 
   Returns:
-    A ``TickTable``: int32 ``[ticks, ranks]`` tables of actions and
+    A ``TickTable``: int32 ``[ticks, ranks]`` tables of blocks and
     buffer slots plus the buffer sizes. The stash and mailbox sizes follow
     the schedule: ``O(p)`` for 1F1B, ``O(m)`` for GPipe. Its lock-step time
-    ``makespan()`` equals ``schedule.simulate().makespan`` (default costs).
+    ``makespan()`` is at most ``schedule.simulate().makespan`` (default
+    costs).
 
   Raises:
     TypeError: if ``schedule`` is not a ``Schedule``.
@@ -285,78 +452,48 @@ def tick_table(schedule: Schedule, *, forward_only: bool = False) -> TickTable:
 
   Example:
     >>> import jaxpar
-    >>> table = jaxpar.pipeline.tick_table(jaxpar.pipeline.one_f_one_b(4, 8))
+    >>> table = jaxpar.pipeline.tick_table(jaxpar.pipeline.gpipe(4, 8))
     >>> table.kind.shape, table.num_stash_slots, table.offsets
-    ((33, 4), 4, (0, 1, 3))
+    ((22, 4), 8, (0, 1, 3))
   """
   if not isinstance(schedule, Schedule):
     raise TypeError(f'tick_table expects a jaxpar.pipeline.Schedule, got '
                     f'{type(schedule).__name__}.')
   schedule.validate()
-  training = not forward_only
   if forward_only:
     schedule = dataclasses.replace(schedule, actions=tuple(
         tuple(a for a in acts if a is not None and a.kind == 'F')
         for acts in schedule.actions))
   stages_of = local_stages(schedule)
-  p, n = schedule.num_ranks, schedule.num_stages
-  tick, sent, num_ticks = _ticks(schedule)
-  at = lambda kind, s, i: tick[Action(s, kind, i)]
-
-  # Buffer lifetimes (write time, last read time, key) in half-ticks: an
-  # action reads at 2t, its messages land at 2t + 1.
-  stash_iv: list[list[tuple]] = [[] for _ in range(p)]
-  weight_iv: list[list[tuple]] = [[] for _ in range(p)]
-  mail_iv: list[list[tuple]] = [[] for _ in range(p)]
-  messages = []  # (src, dst, send tick, key)
-  for a, tk in tick.items():
-    s, i, src = a.stage, a.microbatch, schedule.placement[a.stage]
-    if a.kind == 'F':
-      if training:
-        stash_iv[src].append((2 * tk, 2 * at('W', s, i), (s, i)))
-      if s < n - 1:
-        dst = schedule.placement[s + 1]
-        messages.append((src, dst, tk, ('F', s, i)))
-        mail_iv[dst].append((2 * tk + 1, 2 * at('F', s + 1, i), ('F', s, i)))
-      elif training:  # the loss cotangent, kept locally for I and W
-        messages.append((src, src, tk, ('F', s, i)))
-        mail_iv[src].append((2 * tk + 1, 2 * at('W', s, i), ('F', s, i)))
-    elif a.kind == 'I':
-      weight_iv[src].append((2 * tk, 2 * at('W', s, i), (s, i)))
-      if s > 0:
-        dst = schedule.placement[s - 1]
-        messages.append((src, dst, sent[s, i], ('I', s, i)))
-        mail_iv[dst].append((2 * sent[s, i] + 1, 2 * at('W', s - 1, i),
-                             ('I', s, i)))
-  slots = {}
-  peaks = np.zeros((3, p), np.int32)
-  for k, intervals in enumerate((stash_iv, weight_iv, mail_iv)):
-    for r in range(p):
-      found, peaks[k, r] = _allocate(intervals[r])
-      slots.update({(k,) + key: slot for key, slot in found.items()})
-  offsets = tuple(sorted({(dst - src) % p for src, dst, *_ in messages}))
-
-  shape = (num_ticks, p)
+  packing = _layout(schedule)
+  blocks, ticks = packing.blocks, packing.tick
+  slots, peaks, messages = _slots(schedule, blocks, ticks, not forward_only)
+  offsets = tuple(sorted({(dst - src) % schedule.num_ranks
+                          for src, dst, *_ in messages}))
+  shape = (packing.t, schedule.num_ranks)
   kind = np.zeros(shape, np.int32)
   stage, microbatch, local_stage, read_slot, stash_slot, weight_slot = (
       np.full(shape, -1, np.int32) for _ in range(6))
   recv_slot = np.full(shape + (len(offsets),), -1, np.int32)
-  for a, tk in tick.items():
+  last = schedule.num_stages - 1
+  for a, tk in zip(blocks.actions, ticks):
     s, i, r = a.stage, a.microbatch, schedule.placement[a.stage]
     kind[tk, r] = KIND_CODES[a.kind]
     stage[tk, r], microbatch[tk, r] = s, i
     local_stage[tk, r] = stages_of[r].index(s)
-    if training:
-      stash_slot[tk, r] = slots[0, s, i]
+    if not forward_only:
+      stash_slot[tk, r] = slots['stash', s, i]
     if a.kind == 'F':
       if s > 0:
-        read_slot[tk, r] = slots[2, 'F', s - 1, i]
-    else:
-      weight_slot[tk, r] = slots[1, s, i]
-      read_slot[tk, r] = slots[(2, 'F', s, i) if s == n - 1 else
-                               (2, 'I', s + 1, i)]
+        read_slot[tk, r] = slots['mail', 'F', s - 1, i]
+      continue
+    if a.kind in 'IW':
+      weight_slot[tk, r] = slots['weight', s, i]
+    read_slot[tk, r] = slots[('mail', 'F', s, i) if s == last else
+                             ('mail', 'G', s + 1, i)]
   for src, dst, tk, key in messages:
-    recv_slot[tk, dst, offsets.index((dst - src) % p)] = slots[(2,) + key]
+    recv_slot[tk, dst, offsets.index((dst - src) % schedule.num_ranks)] = (
+        slots[('mail',) + key])
   return TickTable(
       schedule=schedule, kind=kind, stage=stage, microbatch=microbatch,
       local_stage=local_stage, read_slot=read_slot, stash_slot=stash_slot,
@@ -366,3 +503,47 @@ def tick_table(schedule: Schedule, *, forward_only: bool = False) -> TickTable:
       num_mailbox_slots=int(peaks[2].max(initial=0)),
       peak_stash=peaks[0], peak_mailbox=peaks[2])
 
+
+def _slots(schedule: Schedule, blocks: _Blocks, ticks: list[int],
+           training: bool) -> tuple[dict, np.ndarray, list]:
+  """The buffer slots of the placed blocks (module doc).
+
+  Returns ``({('stash' | 'weight', s, i) or ('mail', 'F' | 'G', s, i):
+  slot}, int32 [3, p] peak stash / weight / mailbox entries, messages as
+  (src rank, dst rank, tick, (kind, stage, microbatch)))``: ``'F'`` keys an
+  activation or the loss cotangent of stage ``s``'s ``F``, ``'G'`` the input
+  cotangent of stage ``s``'s ``B`` or ``I``.
+  """
+  p, last, place = schedule.num_ranks, schedule.num_stages - 1, {}
+  for a, tk in zip(blocks.actions, ticks):
+    place[a] = tk
+  at = lambda kind, s, i: place[Action(s, kind, i)]
+  # The last block that reads (s, i)'s stash and output cotangent.
+  done = lambda s, i: place.get(Action(s, 'B', i), place.get(Action(s, 'W', i)))
+  # (write time, last read time, key) in half-ticks: a block reads at 2t,
+  # its messages land at 2t + 1.
+  lives = {name: [[] for _ in range(p)] for name in ('stash', 'weight', 'mail')}
+  messages = []
+  for a, tk in zip(blocks.actions, ticks):
+    s, i, src = a.stage, a.microbatch, schedule.placement[a.stage]
+    if a.kind == 'F' and training:
+      lives['stash'][src].append((2 * tk, 2 * done(s, i), ('stash', s, i)))
+    if a.kind == 'F' and (s < last or training):
+      dst = schedule.placement[s + 1] if s < last else src
+      read = at('F', s + 1, i) if s < last else done(s, i)
+      messages.append((src, dst, tk, ('F', s, i)))
+      lives['mail'][dst].append((2 * tk + 1, 2 * read, ('mail', 'F', s, i)))
+    if a.kind == 'I':
+      lives['weight'][src].append((2 * tk, 2 * at('W', s, i),
+                                   ('weight', s, i)))
+    if a.kind in 'BI' and s > 0:
+      dst = schedule.placement[s - 1]
+      messages.append((src, dst, tk, ('G', s, i)))
+      lives['mail'][dst].append((2 * tk + 1, 2 * done(s - 1, i),
+                                 ('mail', 'G', s, i)))
+  slots, peaks = {}, np.zeros((3, p), np.int32)
+  for k, name in enumerate(('stash', 'weight', 'mail')):
+    for r in range(p):
+      found, peaks[k, r] = _allocate(lives[name][r])
+      slots.update(found)
+  return slots, peaks, messages

@@ -1,0 +1,256 @@
+"""ZeRO-3's gathers at each param's first use: one layer at a time in a scan.
+
+``at_first_use(fn, slices, full, data_axis=...)`` runs ``fn(params, ...)``
+inside ``shard_map`` on this device's slices of the params (``_Slice``: the
+slice and the dim of the full value it splits). It traces ``fn`` on the full
+params' types and evaluates the jaxpr with each split param held as its
+slice, gathering it where it is used:
+
+* an elementwise operation of a slice alone (with scalars: a cast to the
+  compute dtype, a scale) runs on the slice, so ``compute_dtype=bfloat16``
+  gathers bf16;
+* a ``lax.scan`` that reads a slice as ``xs`` (a stacked ``[L, ...]`` leaf
+  split on a dim after the layer dim) takes it sliced, and each iteration
+  gathers its own layer inside the body: the forward holds one layer's
+  params at a time, and the gather's transpose (a reduce-scatter) runs per
+  layer in the backward's body. ``jit`` calls are inlined and
+  ``jax.checkpoint`` calls (``nnx.scan``'s, a remat policy's) keep their
+  policy, their bodies evaluated the same way;
+* any other use all-gathers there (``all_gather(..., to='varying')``: its
+  transpose sums the gradient over ``data`` and keeps this device's slice).
+  The use and its gathers run under ``jax.checkpoint`` with a policy that
+  keeps every residual but the gathered params (``_not_gathers``): the
+  backward pass gathers them again instead of holding them.
+
+A stacked leaf split over its layer dim (its layer count is its largest dim)
+is gathered whole where the scan reads it. A ``Padded`` leaf's gather is cut
+to its logical size; under a policy that keeps everything, the cut copy is
+what the backward keeps of it.
+
+Example (inside ``shard_map``, as ``data_parallel.gathered`` calls it):
+  >>> import jax, jax.numpy as jnp, jaxpar
+  >>> from jax.sharding import PartitionSpec as P
+  >>> from jaxpar.data_parallel import _layer_gather
+  >>> def loss(w, x):                       # w [L, d, d], scanned
+  ...   return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0].sum()
+  >>> def local(w, x):                      # w: this device's [L, d, d/2]
+  ...   run = lambda w, x: _layer_gather.at_first_use(
+  ...       loss, _layer_gather.Slice(w, dim=2), x, data_axis='data')
+  ...   return jax.grad(run)(w, x)
+  >>> mesh = jaxpar.make_mesh(data=2, devices=jax.devices()[:2])
+  >>> w, x = jnp.ones((3, 4, 4)) / 4, jnp.ones((2, 4))
+  >>> put = lambda a, *spec: jax.device_put(a, jax.NamedSharding(mesh, P(*spec)))
+  >>> grad = jax.jit(jax.shard_map(
+  ...     local, mesh=mesh, in_specs=(P(None, None, 'data'), P('data')),
+  ...     out_specs=P(None, None, 'data')))(put(w, None, None, 'data'),
+  ...                                       put(x, 'data'))
+  >>> bool(jnp.allclose(grad, jax.grad(loss)(w, x)))   # summed over data
+  True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+
+from jaxpar import vma
+from jaxpar._compat import is_pvary
+from jaxpar.pipeline.executor import _jaxpr
+
+# Elementwise primitives that run on a slice when their other operands are
+# scalars: the gather then moves their output (a cast: the compute dtype).
+_ON_SLICE = frozenset((
+    'abs', 'add', 'convert_element_type', 'copy', 'copy_p', 'div', 'exp',
+    'integer_pow', 'log', 'logistic', 'max', 'min', 'mul', 'neg',
+    'reduce_precision', 'rsqrt', 'sign', 'sqrt', 'square', 'sub', 'tanh'))
+
+# Calls whose body is evaluated in place (a ``jit`` boundary inside a traced
+# function changes nothing).
+_INLINED = ('pjit', 'jit', 'closed_call', 'core_call')
+
+
+class Slice(NamedTuple):
+  """A value this device holds a slice of: ``all_gather`` of ``value``
+  along ``dim`` (over the data axis), cut to ``size`` along it when the
+  leaf is stored padded (``None``: not padded)."""
+  value: jax.Array
+  dim: int
+  size: int | None = None
+
+
+def full_type(s: Slice, n: int) -> Any:
+  """The type of the gathered value (``n``: the data axis size)."""
+  aval = jax.typeof(s.value)
+  shape = list(aval.shape)
+  shape[s.dim] = s.size if s.size is not None else shape[s.dim] * n
+  return aval.update(shape=tuple(shape))
+
+
+def gather_slice(s: Slice, *, data_axis: str) -> jax.Array:
+  """The full value of ``s``, typed varying: the transpose of the gather is
+  a reduce-scatter, the sum over ``data_axis`` of this device's slice."""
+  full = jax.lax.all_gather(s.value, data_axis, axis=s.dim, tiled=True,
+                            to='varying')
+  if s.size is not None:
+    full = jax.lax.slice_in_dim(full, 0, s.size, axis=s.dim)
+  return full
+
+
+def at_first_use(fn: Callable[..., Any], params: Any, *args,
+                 data_axis: str, **kwargs) -> Any:
+  """``fn(params, *args, **kwargs)`` with each ``Slice`` leaf of ``params``
+  gathered at its first use (see the module doc); other leaves are used as
+  they are."""
+  leaves, treedef = jax.tree.flatten(
+      params, is_leaf=lambda x: isinstance(x, Slice))
+  n = jax.lax.axis_size(data_axis)
+  types = [full_type(x, n) if isinstance(x, Slice) else x for x in leaves]
+  rest, rest_def = jax.tree.flatten((args, kwargs))
+
+  def flat_fn(params, *rest):
+    args, kwargs = jax.tree.unflatten(rest_def, rest)
+    return fn(jax.tree.unflatten(treedef, params), *args, **kwargs)
+  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(types,
+                                                                 *rest)
+  run = _Gathering(data_axis, in_scan=False)
+  outs = run.evaluate(closed.jaxpr, closed.consts, [*leaves, *rest])
+  return jax.tree.unflatten(jax.tree.structure(out_shape),
+                            [run.whole(x) for x in outs])
+
+
+def _not_gathers(data_axis: str) -> Callable[..., bool]:
+  """A ``jax.checkpoint`` policy: keep every residual but a gather over
+  ``data_axis``."""
+  def policy(prim, *_, **params):
+    if prim.name != 'all_gather':
+      return True
+    names = params['axis_name']
+    return data_axis not in (names if isinstance(names, tuple) else (names,))
+  return policy
+
+
+def _is_scalar(x: Any) -> bool:
+  return not isinstance(x, Slice) and np.ndim(x) == 0
+
+
+class _Gathering:
+  """The evaluator: a jaxpr's values, ``Slice``s where the params are held
+  sliced; ``in_scan``: inside a scan body (no CSE to prevent across the
+  forward and backward bodies)."""
+
+  def __init__(self, data_axis: str, *, in_scan: bool):
+    self.data_axis, self.in_scan = data_axis, in_scan
+
+  def whole(self, x: Any) -> Any:
+    return gather_slice(x, data_axis=self.data_axis) if isinstance(
+        x, Slice) else x
+
+  def evaluate(self, jaxpr: jex.Jaxpr, consts: Sequence[Any],
+               args: Sequence[Any]) -> list:
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: env[v] if _jaxpr.is_var(v) else v.val
+    for eqn in jaxpr.eqns:
+      ins = [read(v) for v in eqn.invars]
+      with eqn.ctx.manager:
+        outs = self._eqn(eqn, ins)
+      env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+  def _eqn(self, eqn: jex.JaxprEqn, ins: list) -> list:
+    slices = [x for x in ins if isinstance(x, Slice)]
+    name = eqn.primitive.name
+    if not slices:
+      return _jaxpr.bind(eqn, ins)
+    if name in _INLINED:
+      inner = eqn.params.get('jaxpr', eqn.params.get('call_jaxpr'))
+      if isinstance(inner, jex.ClosedJaxpr):
+        return self.evaluate(inner.jaxpr, inner.consts, ins)
+      return self.evaluate(inner, (), ins)
+    if name == 'remat2':
+      return self._remat(eqn, ins)
+    if name == 'scan':
+      return self._scan(eqn, ins)
+    if is_pvary(eqn.primitive) and len(ins) == 1:
+      s = ins[0]
+      return [s._replace(value=vma.vary(s.value, eqn.params['axes']))]
+    if (name in _ON_SLICE and len(slices) == 1 and len(eqn.outvars) == 1
+        and all(isinstance(x, Slice) or _is_scalar(x) for x in ins)):
+      s = slices[0]
+      value, = _jaxpr.bind(eqn, [s.value if isinstance(x, Slice) else x
+                                 for x in ins])
+      return [s._replace(value=value)]
+    return self._use(eqn, ins)
+
+  def _use(self, eqn: jex.JaxprEqn, ins: list) -> list:
+    """``eqn`` on its operands gathered, gather and use in one
+    ``jax.checkpoint`` that keeps no gathered param for the backward."""
+    at = [k for k, x in enumerate(ins) if isinstance(x, Slice)]
+
+    def use(*values):
+      full = list(ins)
+      for k, value in zip(at, values):
+        full[k] = self.whole(ins[k]._replace(value=value))
+      return _jaxpr.bind(eqn, full)
+    return jax.checkpoint(use, policy=_not_gathers(self.data_axis),
+                          prevent_cse=not self.in_scan)(
+                              *[ins[k].value for k in at])
+
+  def _called(self, jaxpr: jex.Jaxpr, consts: Sequence[Any], ins: list, *,
+              in_scan: bool) -> tuple[Callable[..., list], list]:
+    """``(f, operands)``: ``f(*operands)`` evaluates ``jaxpr`` on ``ins``
+    (whose ``Slice``s pass as their values) and gathers any ``Slice`` it
+    returns."""
+    run = _Gathering(self.data_axis, in_scan=in_scan)
+
+    def f(*values):
+      args = [x._replace(value=v) if isinstance(x, Slice) else v
+              for x, v in zip(ins, values)]
+      return [run.whole(x) for x in run.evaluate(jaxpr, consts, args)]
+    return f, [x.value if isinstance(x, Slice) else x for x in ins]
+
+  def _remat(self, eqn: jex.JaxprEqn, ins: list) -> list:
+    """A ``jax.checkpoint`` call, kept with its policy."""
+    p = eqn.params
+    f, operands = self._called(p['jaxpr'], (), ins, in_scan=self.in_scan)
+    return jax.checkpoint(f, policy=p['policy'],
+                          prevent_cse=p['prevent_cse'])(*operands)
+
+  def _scan(self, eqn: jex.JaxprEqn, ins: list) -> list:
+    """The scan re-bound with ``lax.scan``: ``xs`` slices split after their
+    first dim stay sliced (each iteration gathers its layer), other slices
+    are gathered before it."""
+    p = eqn.params
+    body = p['jaxpr']
+    consts, carry, xs = _jaxpr.scan_parts(p, ins)
+    consts = [self.whole(x) for x in consts]
+    carry = [self.whole(x) for x in carry]
+    xs = [x if isinstance(x, Slice) and x.dim > 0 else self.whole(x)
+          for x in xs]
+    layer = [x._replace(dim=x.dim - 1) if isinstance(x, Slice) else x
+             for x in xs]
+    num_carry = len(carry)
+    ys_slices = []   # per ys output: its Slice in the body, or None
+
+    def step(carry, x_values):
+      args = [s._replace(value=v) if isinstance(s, Slice) else v
+              for s, v in zip(layer, x_values)]
+      run = _Gathering(self.data_axis, in_scan=True)
+      outs = run.evaluate(body.jaxpr, body.consts, [*consts, *carry, *args])
+      ys = outs[num_carry:]
+      ys_slices[:] = [y if isinstance(y, Slice) else None for y in ys]
+      return ([run.whole(c) for c in outs[:num_carry]],
+              [y.value if isinstance(y, Slice) else y for y in ys])
+    carry, ys = jax.lax.scan(
+        step, carry, [x.value if isinstance(x, Slice) else x for x in xs],
+        length=p['length'], reverse=p['reverse'], unroll=p['unroll'],
+        _split_transpose=p.get('_split_transpose', False))
+    # A body that returns its layer's slice (nnx.scan returns the params it
+    # scans over) stacks slices: the stack is a slice after its first dim.
+    ys = [y if s is None else s._replace(value=y, dim=s.dim + 1)
+          for y, s in zip(ys, ys_slices)]
+    return [*carry, *ys]
