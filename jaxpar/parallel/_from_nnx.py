@@ -54,8 +54,9 @@ Path = tuple[Any, ...]
 
 def _tensor_rules(rules: Mapping[str, Any] | None, names: dict[str, int],
                   metadata: dict[str, Any],
-                  tensor_axis: str) -> dict[str, tuple]:
-  """``{param name: spec of its trailing dims}`` for the split params
+                  tensor_axis: str) -> dict[str, tp.RuleMatch]:
+  """``{param name: RuleMatch(rule, spec of its trailing dims)}`` for the
+  split params
   (``tensor_parallel.match_rules``), every rule matching some param.
 
   ``names``: '/'-joined param names (block params by their path inside a
@@ -72,7 +73,7 @@ def _tensor_rules(rules: Mapping[str, Any] | None, names: dict[str, int],
           f'tensor_rules {unused} match no param. Block params match by '
           f"their path inside a block, the others by the model's own path; "
           f'the params are {sorted(names)}.')
-  return {name: match.spec for name, match in matches.items()}
+  return matches
 
 
 class PipelineModel(NamedTuple):
@@ -220,7 +221,7 @@ def from_nnx(model: nnx.Module, *, blocks: str | Sequence[str],
   return PipelineModel(
       from_state(cut, nnx.state(model, nnx.Param)),
       (functools.partial(embed_fn, cut, embed),
-       functools.partial(stage_fn, cut),
+       functools.partial(stage_fn, cut, rules),
        functools.partial(head_loss_fn, cut, head_loss)),
       cut.split.mask, functools.partial(from_state, cut),
       functools.partial(to_state, cut),
@@ -244,13 +245,14 @@ def _check_functions(model: Any, embed: Any, head_loss: Any) -> None:
 # ------------------------------------------------------------- tensor rules
 
 
-def _tensor_specs(rules: dict[str, tuple], kinds: bool, pp: PipelineParams,
+def _tensor_specs(rules: dict[str, tp.RuleMatch], kinds: bool,
+                  pp: PipelineParams,
                   size: int = 1) -> PipelineParams:
   """``PipelineModel.tensor_specs``: each leaf's spec from ``rules`` (a
   stage leaf of several ``kinds`` by its path after the kind's key)."""
   def one(key_path, leaf, stage=False):
     name = '/'.join(str(k.key) for k in key_path[int(stage and kinds):])
-    spec = rules.get(name, ())
+    spec = rules[name].spec if name in rules else ()
     dims = range(np.ndim(leaf) - len(spec), np.ndim(leaf))
     for dim, entry in zip(dims, spec):
       if entry is not None and np.shape(leaf)[dim] % size:

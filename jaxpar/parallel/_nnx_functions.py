@@ -18,13 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from jaxpar import tensor_parallel as tp
 from jaxpar.data_parallel.internal import reseeded
 from jaxpar.parallel._nnx_cut import Cut, path_name
 from jaxpar.parallel._params import PipelineParams
 from jaxpar.parallel._params import flat as _flat
 from jaxpar.parallel._params import nest as _nest
 from jaxpar.pipeline.executor.internal import is_jaxpr_var, jaxpr_needed
+from jaxpar.tensor_parallel.internal import resharding_permutes
 from jaxpar.vma import vary, varying_axes
 
 PyTree = Any
@@ -197,8 +200,84 @@ def _slot(cut: Cut, key: jax.Array | None, x: Any,
   return run(cut, key, x, slot_params, slot_state)
 
 
-def stage_fn(cut: Cut, stage_params: PyTree, x: jax.Array, *,
-             key: jax.Array | None = None, state: PyTree = None) -> Any:
+def _split_blocks(cut: Cut, rules: dict[str, tp.RuleMatch],
+                  stage_params: PyTree, x: Any, state: PyTree) -> None:
+  """``ValueError`` naming the block params whose tensor split XLA can
+  only undo with a ``collective-permute`` (a column-split fused projection
+  that the block ``jnp.split`` s: gate|up, k|v), when the stages run
+  pipelined over several ranks with ``tensor`` Auto (``from_nnx``'s
+  layout): XLA:CPU runs a ``collective-permute`` over every device, but in
+  a tick only one stage's devices run a block, so the step would wait in
+  XLA's rendezvous and abort the process. Compiles one block of each kind
+  on the tensor axes alone, once per signature; the params are named by
+  compiling with each split one alone."""
+  mesh = jax.sharding.get_abstract_mesh()
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  auto = {a: n for a, n in sizes.items()
+          if types[a] == jax.sharding.AxisType.Auto and n > 1}
+  manual = [n for a, n in sizes.items()
+            if types[a] == jax.sharding.AxisType.Manual and n > 1]
+  ranks = sizes.get('stage', max(manual, default=1))
+  if not auto or ranks < 2 or not any(
+      cut.kind_of(p)[1] and path_name(cut.kind_of(p)[1]) in rules
+      for p in _flat(stage_params)):
+    return
+  aval = lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], jax.typeof(a).dtype)
+  args = (jax.tree.map(aval, stage_params), jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.typeof(a).dtype), x),
+          jax.tree.map(aval, state))
+  memo = ('permutes', str(args), str(auto))
+  if memo not in cut.reads:
+    cut.reads[memo] = _permuting(cut, rules, args, auto)
+  if cut.reads[memo]:
+    names = cut.reads[memo]
+    split = {n: (rules[n].rule, rules[n].spec) for n in names}
+    raise ValueError(
+        f'tensor rules split block params {split} (name: (rule, spec)) over '
+        f'{auto} so that XLA must move pieces of a split dim between '
+        'devices with a collective-permute: typically a fused projection '
+        'column-split and then cut in pieces (jnp.split of gate|up or k|v; '
+        'splitting only the projection after it permutes its cotangent). '
+        'XLA:CPU runs a collective-permute over every device, but in a '
+        "pipeline tick only one stage's devices run a block: the step would "
+        'hang and abort. Make the fused param two params with a rule each '
+        '(gate, up), or leave it and the params after it unsplit.')
+
+
+def _permuting(cut: Cut, rules: dict[str, tp.RuleMatch], args: tuple,
+               auto: dict[str, int]) -> list[str]:
+  """The split block params whose split alone makes XLA insert a
+  ``collective-permute`` into a block or its VJP."""
+  def block(params, x, state):
+    params, state = _flat(params), _flat(state)
+    ys = []
+    for i, kind in enumerate(cut.kinds):
+      own = lambda tree: {cut.kind_of(p)[1]: v for p, v in tree.items()
+                          if cut.kind_of(p)[0] == i}
+      y, _ = _run(cut, i, own(params), own(state), x, None)
+      ys += [leaf for leaf in jax.tree.leaves(y)
+             if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    return ys
+  def specs(only):
+    def one(path, leaf):
+      name = path_name(cut.kind_of(tuple(k.key for k in path))[1])
+      if name != only or name not in rules:
+        return None
+      spec = rules[name].spec
+      return P(*(None,) * (len(leaf.shape) - len(spec)), *spec)
+    return (jax.tree_util.tree_map_with_path(one, args[0]),
+            jax.tree.map(lambda _: None, args[1]),
+            jax.tree.map(lambda _: None, args[2]))
+  names = sorted({path_name(cut.kind_of(p)[1]) for p in _flat(args[0])}
+                 & set(rules))
+  return [name for name in names if resharding_permutes(
+      block, args, specs(name), auto)]
+
+
+def stage_fn(cut: Cut, rules: dict[str, tp.RuleMatch], stage_params: PyTree,
+             x: Any, *, key: jax.Array | None = None,
+             state: PyTree = None) -> Any:
   """A stage: its ``slots`` blocks in one ``lax.scan``;
   ``stage_fn(params, x[, key=k])`` or, with ``nnx.BatchStat`` s,
   ``stage_fn(params, x, state=s[, key=k]) -> (y, new_state)`` (``state``
@@ -214,6 +293,8 @@ def stage_fn(cut: Cut, stage_params: PyTree, x: jax.Array, *,
         'pm.params, pm.model_state).')
   if not stateful:
     state = {}
+  if rules:
+    _split_blocks(cut, rules, stage_params, x, state)
   # The carry keeps its check_vma type: make x vary as the blocks' output
   # will (over the params', the state's and the key's axes).
   x = vary(x, varying_axes((stage_params, key, state)))

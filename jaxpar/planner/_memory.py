@@ -8,18 +8,33 @@ What one device holds during a ``parallel.trainer`` step (what its compiled
   over ``tensor`` and ``stage``; over ``data`` too with ZeRO-1/3) and the
   replica's batch; exact from the element counts;
 * **stash**: the schedule's stash slots (``TickTable.num_stash_slots``)
-  times one logical stage's stash for one microbatch (remat policy), its
-  weight-gradient slots and mailbox slots likewise;
+  times one logical stage's stash for one microbatch (remat policy, in the
+  compute dtype; with ``tensor`` > 1 split over it, as Megatron's sequence
+  parallelism stores it), its weight-gradient slots times what ``I``
+  keeps for ``W`` (none where the table runs fused ``B`` blocks, none with
+  ``w_recompute``) and its mailbox slots times an activation; one stage
+  rank (``stage=1``) runs its microbatches in turn: one stash, no slots;
 * **work**: the gradient accumulators (the params held; over ``data``
-  too with ZeRO-3), ZeRO-3's gathered params of one logical stage (in the
-  forward and again in the backward), the update's temporaries (the
-  per-layer view: ``UPDATE`` times its bytes, over ``data`` with ZeRO) and
-  one microbatch's logits and their gradient.
+  too with ZeRO-3) and one logical stage's gradient of one microbatch
+  before its add; ZeRO-3's gathered params (two layers in the compute
+  dtype -- the one in use and the next -- and the embedding or head); the
+  update's temporaries (the per-layer view: ``UPDATE`` times its bytes,
+  over ``data`` with ZeRO); one microbatch's logits, their float32 copy
+  and their gradient; and the **backward's recompute** (``recompute_bytes``):
+  the checkpointed stage's forward, re-run in the backward, keeps for every
+  layer of the logical stage what the policy did not stash (its ``lax.scan``
+  stacks them before the transposed scan runs), plus ``WORKING`` of one
+  layer's residuals for the layer the backward is in; with ``tensor`` > 1
+  the stage's stash re-gathered from its split.
 
-Where the devices are present the planner compiles one step per distinct
-stage shape and replaces ``work`` by what the compiler reports
-(``Memory.calibrated``); the schedule- and ZeRO-dependent parts stay
-analytic.
+``MARGIN`` covers what the compiled step holds beyond those (XLA's
+copies, the collectives' buffers): ``work`` is the sum above times ``1 +
+MARGIN``. On 8 simulated CPU devices no candidate is predicted more than
+5% under its compiled step (``tests/test_planner_memory.py``,
+``docs/planning.md``). Where the devices are present the planner compiles
+one step per distinct stage shape and replaces ``work`` by what the
+compiler reports (``Memory.calibrated``); the schedule- and
+ZeRO-dependent parts stay analytic.
 
 Example:
   >>> from jaxpar.models import gpt
@@ -42,6 +57,15 @@ from jaxpar.planner._model import ModelSpec, slots
 # gradients moved to the view and the updates (Adam's new moments are the
 # step's outputs).
 UPDATE = 2
+# ZeRO-3 gathers a scanned stack one layer at a time: the layer in use and
+# the next one (XLA overlaps the next gather with the layer's compute).
+GATHERED_LAYERS = 2
+# The backward's working set for the layer it is in, as a share of that
+# layer's 'everything' residuals (fitted to compiled CPU steps).
+WORKING = 0.3
+# What compiled steps hold beyond the parts modelled, as a share of them
+# (``docs/planning.md``, "Memory per device").
+MARGIN = 0.1
 
 
 class Memory(NamedTuple):
@@ -50,7 +74,8 @@ class Memory(NamedTuple):
   Attributes:
     params, opt_state, batch: the step's arguments.
     stash: activation stashes, weight-gradient stashes and messages.
-    work: gradients, the update's temporaries, gathered params, logits.
+    work: gradients, the update's temporaries, gathered params, logits,
+      the backward's recompute.
   """
   params: int
   opt_state: int
@@ -90,17 +115,74 @@ def shapes(spec: ModelSpec, layout: Layout, batch: int) -> Shapes:
                 n_slots)
 
 
+def _w_recompute(layout: Layout) -> bool:
+  """``layout.w_recompute`` (``False`` for a layout without the field)."""
+  return bool(getattr(layout, 'w_recompute', False))
+
+
 def stash_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
-  """Stash, weight-gradient stash and mailbox bytes of one rank."""
-  t = layout.tensor
+  """Stash, weight-gradient stash and mailbox bytes of one rank.
+
+  One stash slot: the logical stage's stash under the remat policy and its
+  input, split over ``tensor``; one weight slot: what ``I`` keeps for
+  ``W`` (nothing with ``w_recompute``); one mailbox slot: an activation.
+  With one stage rank the microbatches run in turn: one stash, no slots.
+  """
+  t, cb = layout.tensor, spec.act_bytes
+  act = shape.tokens * spec.d_model * cb
+  stash = (shape.slots * spec.stash_per_device(layout.remat_policy, t)
+           * shape.tokens * cb + act / t)
+  if layout.stage == 1:
+    return int(stash)
   table = tick_table(schedule_key(layout))
-  act = shape.tokens * spec.d_model * spec.act_bytes
-  per_layer = spec.stash_of(layout.remat_policy).per_device(t)
-  stash = shape.slots * per_layer * shape.tokens * spec.act_bytes + act
-  kept = (shape.slots * spec.kept.per_device(t) * shape.tokens
-          * spec.act_bytes)
+  kept = 0.0 if _w_recompute(layout) else (
+      shape.slots * spec.kept.per_device(t) * shape.tokens * cb)
   return int(table.num_stash_slots * stash + table.num_weight_slots * kept
              + (table.num_mailbox_slots + 1) * act)
+
+
+def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
+  """The backward's transient of one logical stage for one microbatch.
+
+  The checkpointed stage's forward, re-run in the backward, stacks for
+  each layer the residuals the policy did not stash, and under a policy
+  that stashes some (``'dots'``) copies the stashed ones into that stack
+  too: a layer's ``'everything'`` residuals. Measured on compiled CPU
+  steps: all the layers with one stage rank (``stage=1``, the whole model
+  in one ``jax.checkpoint``), all but one in the tick scan, whose last
+  layer XLA fuses into the transposed scan; plus ``WORKING`` of one
+  layer's residuals. With ``tensor`` > 1 the stash's replicated part is
+  gathered back from its split for the stage.
+  """
+  t, policy = layout.tensor, layout.remat_policy
+  everything = spec.stash_of('everything').per_device(t)
+  stashed = spec.stash_of(policy)
+  stacked = 0.0 if policy == 'everything' else everything
+  layers = shape.slots - (layout.stage > 1)
+  gathered = stashed.replicated * (1 - 1 / t)
+  per_token = (layers * stacked + WORKING * everything
+               + shape.slots * gathered)
+  return int(per_token * shape.tokens * spec.act_bytes)
+
+
+def work_bytes(spec: ModelSpec, layout: Layout,
+               shape: Shapes) -> dict[str, int]:
+  """The parts of ``Memory.work`` before ``MARGIN``, by name."""
+  pb, cb, d, zero = spec.param_bytes, spec.act_bytes, layout.data, (
+      layout.zero_stage)
+  t = layout.tensor
+  split3 = d if zero == 3 else 1
+  gathered = 0.0
+  if zero == 3:
+    sides = max(spec.embed.per_device(t), spec.head.per_device(t))
+    gathered = (GATHERED_LAYERS * spec.layer.per_device(t) + sides) * cb
+  return {
+      'grads': int(shape.held * pb / split3),
+      'stage_grads': int(shape.stage / layout.stages_per_rank * pb / split3),
+      'gathered': int(gathered),
+      'update': int(UPDATE * shape.view * pb / (d if zero else 1)),
+      'logits': int(shape.tokens * spec.vocab_size / t * (2 * cb + 4)),
+      'recompute': recompute_bytes(spec, layout, shape)}
 
 
 def memory(spec: ModelSpec, layout: Layout, *, batch: int,
@@ -118,11 +200,6 @@ def memory(spec: ModelSpec, layout: Layout, *, batch: int,
   params = shape.held * pb / (d if zero == 3 else 1)
   opt = opt_factor * shape.view * pb / (d if zero else 1)
   ids = 2 * (batch // d) * spec.seq_len * 4
-  logits = (3 * shape.tokens * spec.vocab_size / layout.tensor
-            * spec.act_bytes)
-  grads = shape.held * pb / (d if zero == 3 else 1)
-  gathered = 2 * shape.stage / layout.stages_per_rank * pb if zero == 3 else 0
-  update = UPDATE * shape.view * pb / (d if zero else 1)
-  work = grads + gathered + update + logits
-  return Memory(int(params), int(opt), ids,
-                stash_bytes(spec, layout, shape), int(work))
+  work = sum(work_bytes(spec, layout, shape).values())
+  return Memory(int(params), int(opt), ids, stash_bytes(spec, layout, shape),
+                int(work * (1 + MARGIN)))

@@ -143,6 +143,25 @@ class ModelSpec(NamedTuple):
         head_flops=Split(2 * d * v, 0), divisors=(num_kv_heads, f, v),
         param_bytes=param_bytes, act_bytes=act_bytes)
 
+  def stash_per_device(self, policy: str, tensor: int) -> float:
+    """Elements per token one device stashes for one block under ``policy``:
+    all of ``stash_of(policy)`` split over ``tensor`` (the executor stores
+    what the tensor-parallel layers replicate split over ``tensor`` too, as
+    Megatron's sequence parallelism does, and gathers it in the backward).
+
+    Example (Llama-3-405B, ``'dots'``, bf16, ``tensor=8``: bytes per token
+    and layer against Megatron's ``34 h / t`` with selective recompute and
+    sequence parallelism):
+      >>> from jaxpar.planner import ModelSpec
+      >>> spec = ModelSpec.llama(d_model=16384, num_layers=126,
+      ...                        num_heads=128, num_kv_heads=8, ffn=53248,
+      ...                        vocab_size=128256, seq_len=8192)
+      >>> spec.stash_per_device('dots', 8) * spec.act_bytes, 34 * 16384 // 8
+      (43520.0, 69632)
+    """
+    part = self.stash_of(policy)
+    return (part.split + part.replicated) / tensor
+
   def stash_of(self, policy: str) -> Split:
     """Elements per token one block stashes under ``policy``, a name of
     ``STASH_POLICIES``."""

@@ -11,6 +11,7 @@ from typing import Any
 
 from flax import nnx
 import jax
+import numpy as np
 
 from jaxpar.vma import varying_axes
 
@@ -86,3 +87,58 @@ def as_arrays(params: Params, fn: str) -> Params:
         f'{fn}: params must be a dict of arrays or an nnx.State (e.g. '
         f'nnx.split(module)[1]), got a {type(params).__name__}.')
   return params
+
+
+def resharding_permutes(fn: Any, args: tuple, specs: tuple,
+                        axes: Mapping[str, int]) -> int:
+  """How many ``collective-permute`` s XLA puts in ``fn`` and its VJP when
+  it partitions them over ``axes`` (Auto mesh axes, the first devices), the
+  arguments split as ``specs`` (a ``PartitionSpec`` per leaf, or ``None``:
+  replicated).
+
+  A ``collective-permute`` is how XLA reshards a dim split over an axis into
+  pieces that must be split over it too (``jnp.split`` of a column-split
+  fused projection: device 0 holds all of the gate, device 1 all of the up
+  half). Compiled only: abstract ``args`` (``jax.ShapeDtypeStruct`` s), no
+  data. ``fn(*args)`` must return arrays of floats.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from jaxpar.tensor_parallel._checks import resharding_permutes
+    >>> def glu(w, x):                    # fused gate|up, split in two
+    ...   gate, up = jnp.split(x @ w, 2, axis=-1)
+    ...   return jax.nn.silu(gate) * up
+    >>> args = (jax.ShapeDtypeStruct((8, 16), jnp.float32),
+    ...         jax.ShapeDtypeStruct((2, 8), jnp.float32))
+    >>> resharding_permutes(glu, args, (P(None, 'tensor'), None),
+    ...                     {'tensor': 2}) > 0
+    True
+    >>> resharding_permutes(glu, args, (None, None), {'tensor': 2})
+    0
+  """
+  from jaxpar import hlo
+  # Inside a trace (a shard_map's) the mesh keeps its size: take the
+  # enclosing mesh's axes too, all Auto, the arguments replicated over them.
+  outer = jax.sharding.get_abstract_mesh()
+  axes = {**dict(zip(outer.axis_names, outer.axis_sizes)), **axes}
+  size = int(np.prod(list(axes.values())))
+  mesh = jax.sharding.Mesh(
+      np.array(jax.devices()[:size]).reshape(tuple(axes.values())),
+      tuple(axes), axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+  def vjp(args, dy):
+    y, pull = jax.vjp(fn, *args)
+    return y, pull(dy)
+  placed = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(
+          a.shape, a.dtype, sharding=jax.sharding.NamedSharding(
+              mesh, s if s is not None else jax.sharding.PartitionSpec())),
+      args, specs, is_leaf=lambda s: s is None
+      or isinstance(s, jax.sharding.PartitionSpec))
+  dy = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=(
+          jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))),
+      jax.eval_shape(fn, *args))
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    program = jax.jit(vjp).lower(placed, dy).compile()
+  return sum(c.kind == 'collective-permute' for c in hlo.collectives(program))

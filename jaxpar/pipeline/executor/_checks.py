@@ -175,10 +175,19 @@ def check_stage_axis(stage_axis: str, schedule: Schedule) -> None:
 
 
 def check_table(table: Any) -> TickTable:
+  """``TypeError`` unless ``table`` is a ``TickTable``; ``ValueError`` if it
+  holds a block kind the executor does not run (``KIND_CODES``)."""
   if not isinstance(table, TickTable):
     raise TypeError(f'table must be a TickTable from '
                     f'jaxpar.pipeline.tick_table(schedule), got '
                     f'{type(table).__name__}.')
+  unknown = sorted(set(np.unique(table.kind).tolist())
+                   - {0, *KIND_CODES.values()})
+  if unknown:
+    raise ValueError(
+        f'table (schedule {table.schedule.name!r}) holds block kind codes '
+        f'{unknown}; the executor runs 0 (idle) and {KIND_CODES}. Build it '
+        'with jaxpar.pipeline.tick_table(schedule).')
   return table
 
 

@@ -65,14 +65,16 @@ class Programs(NamedTuple):
 
 
 def cut(closed: jex.ClosedJaxpr, num_params: int, *,
-        keep: bool = True) -> Programs:
-  """``closed: (params..., rest...) -> (dparams..., dx)`` cut into ``I`` and
+        keep: bool = True, num_dx: int = 1) -> Programs:
+  """``closed: (params..., rest...) -> (dparams..., dx...)`` (``num_dx``
+  leaves of ``dx``: an activation may be a pytree) cut into ``I`` and
   ``W``; ``keep=False``: ``kept`` is empty and ``W`` recomputes what it
   would read from it. See the module doc."""
   jaxpr = closed.jaxpr
-  *dparams, dx = jaxpr.outvars
+  dparams, dx = (jaxpr.outvars[:len(jaxpr.outvars) - num_dx],
+                 jaxpr.outvars[len(jaxpr.outvars) - num_dx:])
   level = _Level(jaxpr, jaxpr.invars[:num_params], jaxpr.invars)
-  input_items = level.input_pass([dx])
+  input_items = level.input_pass(dx)
   if keep:
     weight_items, kept = level.weight_pass(dparams)
   else:   # the whole backward of dparams, scans whole
@@ -83,7 +85,7 @@ def cut(closed: jex.ClosedJaxpr, num_params: int, *,
   def input_grad(*args):
     env = {**consts, **dict(zip(jaxpr.invars, args))}
     _run(input_items, env)
-    return [_read(env, v) for v in [dx, *kept]]
+    return [_read(env, v) for v in [*dx, *kept]]
 
   def weight_grad(*args):
     env = {**consts, **dict(zip([*jaxpr.invars, *kept], args))}

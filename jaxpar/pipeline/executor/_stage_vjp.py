@@ -44,6 +44,12 @@ into
   microbatch then holds its stash and ``dy`` only, so a V schedule's memory
   follows its activation count (``docs/executor.md``, "Stash policy").
 
+The activation ``x`` (so ``y``, ``dy`` and ``dx``) may be any pytree, of
+one structure in and out: values a stage only passes on (an encoder
+output) ride along, and their cotangents flow back. An integer leaf (token
+ids, positions) is not differentiated: the blocks take and return zeros of
+its dtype for its cotangent (``float0`` inside ``jax.vjp``).
+
 **Model state** that is not a parameter (BatchNorm's running statistics):
 with ``state=`` given to ``trace`` and every block,
 ``stage_fn(params, x, state=s) -> (y, new_state)`` and ``forward`` returns
@@ -155,10 +161,10 @@ class StageVJP:
   def trace(self, params: PyTree, x: jax.Array, key: Any = None,
             state: PyTree = None):
     """Records the residual structure; returns ``(y, stash)`` avals."""
-    self._x = jax.typeof(x)
+    self._x = jax.tree.map(jax.typeof, x)
     outputs = lambda p, x, k, s: (lambda y, leaves, _, new: (y, leaves, new))(
         *self._closure(p, x, k, s))
-    closed, (_, leaves, new_state) = jax.make_jaxpr(
+    closed, (y, leaves, new_state) = jax.make_jaxpr(
         outputs, return_shape=True)(params, x, key, state)
     if state is not None:
       _check_state(state, new_state)
@@ -167,12 +173,17 @@ class StageVJP:
     num_state = len(jax.tree.leaves(state))
     # The state counts as x: what depends on it is stashed (the backward of
     # microbatch i sees the state of i's forward, not the current one).
-    from_x = _jaxpr.depends_on(jaxpr, [jaxpr.invars[at]] + jaxpr.invars[
-        len(jaxpr.invars) - num_state:len(jaxpr.invars)])
+    num_x = len(jax.tree.leaves(x))
+    from_x = _jaxpr.depends_on(
+        jaxpr, jaxpr.invars[at:at + num_x] + jaxpr.invars[
+            len(jaxpr.invars) - num_state:len(jaxpr.invars)])
+    num_y = len(jax.tree.leaves(y))
+    residuals = slice(num_y, num_y + len(leaves))
     self._from_x = tuple(_jaxpr.is_var(v) and v in from_x
-                         for v in jaxpr.outvars[1:1 + len(leaves)])
-    return (closed.out_avals[0],
-            [a for a, keep in zip(closed.out_avals[1:1 + len(leaves)],
+                         for v in jaxpr.outvars[residuals])
+    return (jax.tree.unflatten(jax.tree.structure(y),
+                               closed.out_avals[:num_y]),
+            [a for a, keep in zip(closed.out_avals[residuals],
                                   self._from_x) if keep])
 
   def forward(self, params: PyTree, x: jax.Array, key: Any = None,
@@ -206,7 +217,10 @@ class StageVJP:
     stashed = iter(stash)
     leaves = [next(stashed) if keep else leaf
               for leaf, keep in zip(from_params, self._from_x)]
-    return jax.tree.unflatten(treedef, leaves)(dy)
+    # Integer leaves of x: float0 cotangents in the VJP, zeros outside.
+    dparams, dx = jax.tree.unflatten(treedef, leaves)(
+        _vma.cotangent(dy, self._x))
+    return dparams, _vma.stored(dx, self._x)
 
   def split(self, params: PyTree, stash: Any, dy: jax.Array,
             key: Any = None, state: PyTree = None) -> PyTree:
@@ -222,19 +236,23 @@ class StageVJP:
     def flat(*args):
       (params, key), stash, dy = jax.tree.unflatten(self._args_def, args)
       dparams, dx = self.backward(params, stash, dy, key, state)
-      return jax.tree.leaves(dparams) + [dx]
+      return jax.tree.leaves(dparams) + jax.tree.leaves(dx)
     # Every operation its own eqn; scans stay scans and are cut body by body.
+    num_dx = len(jax.tree.leaves(self._x))
     self._input, self._weight = _cut.cut(_jaxpr.flatten(flat, *args),
-                                         num_consts, keep=not self.w_recompute)
+                                         num_consts, keep=not self.w_recompute,
+                                         num_dx=num_dx)
     self._dparams_def = jax.tree.structure(params)
-    return jax.make_jaxpr(self._input)(*args).out_avals[1:]
+    return jax.make_jaxpr(self._input)(*args).out_avals[num_dx:]
 
   def input_grad(self, params: PyTree, stash: Any, dy: jax.Array,
                  key: Any = None, state: PyTree = None):
     """The ``I`` block: ``(dx, kept)`` (``state`` is not read)."""
     del state  # what depends on it is in the stash
-    dx, *kept = self._input(*jax.tree.leaves(((params, key), stash, dy)))
-    return dx, kept
+    out = self._input(*jax.tree.leaves(((params, key), stash, dy)))
+    num_dx = len(jax.tree.leaves(self._x))
+    return (jax.tree.unflatten(jax.tree.structure(self._x), out[:num_dx]),
+            out[num_dx:])
 
   def weight_grad(self, params: PyTree, stash: Any, dy: jax.Array,
                   kept: list, key: Any = None, state: PyTree = None

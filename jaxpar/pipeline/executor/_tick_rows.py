@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxpar.pipeline.schedules import KIND_CODES, TickTable
 
-F, I, W = (KIND_CODES[k] for k in 'FIW')   # the tick table's kind codes
+F, B, I, W = (KIND_CODES[k] for k in 'FBIW')   # the tick table's kind codes
 
 
 def blocks(table: TickTable, *, loss: bool, embed: bool
@@ -19,15 +19,16 @@ def blocks(table: TickTable, *, loss: bool, embed: bool
   """The block each rank runs at each tick, as a code into a list of kinds.
 
   A block is ``(kind, first, last)``: ``first`` is stage 0 with an
-  ``embed_fn`` (its ``F`` embeds the raw microbatch, its ``W`` adds the
-  embedding's gradient), ``last`` the last stage's ``F`` with the loss.
+  ``embed_fn`` (its ``F`` embeds the raw microbatch, its ``B`` or ``I``
+  adds the embedding's VJP of the input cotangent), ``last`` the last
+  stage's ``F`` with the loss.
 
   Returns:
     ``(code, kinds)``: int32 ``[T, p]`` (``-1`` idle) and the blocks present,
     ``kinds[code]``, in a fixed order.
   """
   kind, stage = table.kind, table.stage
-  first = embed & (stage == 0) & ((kind == F) | (kind == W))
+  first = embed & (stage == 0) & ((kind == F) | (kind == B) | (kind == I))
   last = loss & (stage == table.schedule.num_stages - 1) & (kind == F)
   keys = np.stack([kind, first, last], -1)
   present = sorted({tuple(int(v) for v in k) for k in keys.reshape(-1, 3)
@@ -64,8 +65,8 @@ def messages(table: TickTable, edge: bool
 def edge_rows(table: TickTable) -> tuple[np.ndarray, np.ndarray]:
   """When each row of the batch-sized result is done, and when it is summed.
 
-  A row (stage 0's input cotangent of a microbatch when training, else the
-  last stage's output) is done on one rank; it waits in one of
+  A row (stage 0's input cotangent of a microbatch when training, from its
+  ``B`` or ``I``, else the last stage's output) is done on one rank; it waits in one of
   ``K = num_ranks`` pending slots until ``K`` rows are done (or the last
   one is), then one ``psum`` over the pipeline axis brings them to every
   rank: ``ceil(m / K)`` collectives of ``K`` rows, not ``m`` of one.
@@ -77,8 +78,9 @@ def edge_rows(table: TickTable) -> tuple[np.ndarray, np.ndarray]:
     (``m``: none).
   """
   train = table.training
-  kind, stage = (I, 0) if train else (F, table.schedule.num_stages - 1)
-  at = (table.kind == kind) & (table.stage == stage)
+  kinds, stage = (((B, I), 0) if train else
+                  ((F,), table.schedule.num_stages - 1))
+  at = np.isin(table.kind, kinds) & (table.stage == stage)
   done = np.where(at.any(1), np.where(at, table.microbatch, -1).max(1), -1)
   k, m = table.schedule.num_ranks, table.schedule.num_microbatches
   slot = np.full(done.shape, k, np.int32)

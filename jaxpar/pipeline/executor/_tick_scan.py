@@ -102,7 +102,8 @@ from jaxpar.pipeline.executor._options import Embedding, StepOptions
 from jaxpar.pipeline.executor._sequential import sequential
 from jaxpar.pipeline.executor._stage_vjp import StageVJP
 from jaxpar.pipeline.executor._stamps import stamp
-from jaxpar.pipeline.executor._tick_rows import F, I, blocks, edge_rows, messages
+from jaxpar.pipeline.executor._tick_rows import (
+    B, F, I, W, blocks, edge_rows, messages)
 from jaxpar.pipeline.executor._tick_state import (
     Accumulators, Avals, BlockState, Carry, Edge, Rank, Result, ScanConfig,
     TickCell, TickRow)
@@ -152,7 +153,8 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, table: TickTable,
       index=jax.lax.axis_index(axis),
       # Forward-only: nothing is differentiated, so nothing is stashed.
       stage=StageVJP(stage_fn,
-                     options.remat_policy if training else 'nothing'),
+                     options.remat_policy if training else 'nothing',
+                     w_recompute=options.w_recompute),
       loss_fn=loss_fn,
       embedding=None if embedding is None else embedding._replace(
           params=vary(embedding.params, base)),
@@ -160,9 +162,9 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, table: TickTable,
       loss_params=vary(loss_params, base), inputs=inputs, targets=targets,
       options=options, num_microbatches=schedule.num_microbatches,
       num_stages=schedule.num_stages, state=vary(stage_state, base))
-  avals = _avals(rank, axis)
   config, rows = _scan_config(table, options, training,
                               embedding=embedding is not None)
+  avals = _avals(rank, axis, split=config.split)
   carry, _ = jax.lax.scan(functools.partial(_tick, rank, avals, config),
                           _init_carry(rank, avals, config), rows)
   return _result(config, carry)
@@ -172,11 +174,9 @@ def _scan_config(table: TickTable, options: StepOptions, training: bool, *,
                  embedding: bool) -> tuple[ScanConfig, TickRow]:
   """The blocks and message patterns present, and the scan's rows."""
   codes, kinds = blocks(table, loss=training, embed=embedding)
-  config = ScanConfig(
-      table, kinds, (), options.stage_axis, options.bubble_fill, training,
-      embedding, options.input_grads, embedding or any(
-          a is not None and a.kind == 'B'
-          for actions in table.schedule.actions for a in actions))
+  config = ScanConfig(table, kinds, (), options.stage_axis,
+                      options.bubble_fill, training, embedding,
+                      options.input_grads)
   message, patterns = messages(table, config.with_edge)
   pending_slot, summed_rows = edge_rows(table)
   ranks = TickCell(table.kind, codes, table.stage, table.microbatch,
@@ -186,9 +186,10 @@ def _scan_config(table: TickTable, options: StepOptions, training: bool, *,
           TickRow(ranks, message, pending_slot, summed_rows))
 
 
-def _avals(rank: Rank, axis: str) -> Avals:
-  """Types of everything the blocks produce; training also cuts the stage's
-  backward into ``I`` and ``W`` (``StageVJP.split``).
+def _avals(rank: Rank, axis: str, *, split: bool) -> Avals:
+  """Types of everything the blocks produce; with ``split`` (the table has
+  ``I`` and ``W`` blocks) also cuts the stage's backward into them
+  (``StageVJP.split``).
 
   The activations' varying axes are a fixed point of x -> y (-> loss
   cotangent -> dx) -> x. The key is built as in a tick (its microbatch
@@ -225,7 +226,8 @@ def _avals(rank: Rank, axis: str) -> Avals:
   act = jax.tree.map(jax.typeof, x)
   if not training:
     return Avals(act, act_vma, stash)
-  kept = rank.stage.split(one_params, full(stash, 0), dy, k0, state=state)
+  kept = (rank.stage.split(one_params, full(stash, 0), dy, k0, state=state)
+          if split else None)
   return Avals(act, act_vma, stash, kept, dstage, value, dhead)
 
 
@@ -242,8 +244,8 @@ def _init_carry(rank: Rank, avals: Avals, config: ScanConfig) -> Carry:
         vary(full(jax.eval_shape(lambda: _embed_params(rank)), 0),
              avals.act_vma))
     stash = full(avals.stash, fill, table.num_stash_slots)
-    wstash = full((avals.kept, avals.act if config.dx_at_w else None), fill,
-                  max(table.num_weight_slots, 1))
+    if config.split:
+      wstash = full(avals.kept, fill, max(table.num_weight_slots, 1))
   mailbox = full(avals.act, fill, table.num_mailbox_slots + 1)
   if config.with_edge:
     edge = Edge(full(avals.act, 0, p), vary(jax.tree.map(
@@ -325,26 +327,26 @@ def _block_input(rank: Rank, mailbox: PyTree, cell: TickCell) -> PyTree:
 
 
 def _run_blocks(rank: Rank, avals: Avals, config: ScanConfig,
-                cell: TickCell, x: jax.Array, target: PyTree,
+                cell: TickCell, x: PyTree, target: PyTree,
                 state: BlockState) -> BlockState:
   """Runs the action's block: each block present in its own ``when``."""
   for code, (kind, first, last) in enumerate(config.kinds):
-    if kind == F:   # F does not carry the weight stash
+    block = {F: functools.partial(_forward, rank, avals, first, last, cell,
+                                  x, target),
+             B: functools.partial(_backward, rank, avals, first, cell, x),
+             I: functools.partial(_input_grad, rank, avals, first, cell, x),
+             W: functools.partial(_weight_grad, rank, cell, x)}[kind]
+    if kind in (F, B):   # they do not carry the weight stash
       wstash = state.wstash
-      block = functools.partial(_forward, rank, avals, first, last, cell,
-                                x, target)
       state = when(cell.block == code, block,
                    state._replace(wstash=None))._replace(wstash=wstash)
     else:
-      block = (functools.partial(_input_grad, rank, avals, cell, x)
-               if kind == I else
-               functools.partial(_weight_grad, rank, avals, first, cell, x))
       state = when(cell.block == code, block, state)
   return state
 
 
 def _forward(rank: Rank, avals: Avals, first: bool, last: bool,
-             cell: TickCell, x: jax.Array, target: PyTree,
+             cell: TickCell, x: PyTree, target: PyTree,
              state: BlockState) -> BlockState:
   """The ``F`` block: the stage's forward (stage 0 with an embedding: of
   the embedded microbatch). Training stashes the residuals; the last stage
@@ -373,39 +375,61 @@ def _forward(rank: Rank, avals: Avals, first: bool, last: bool,
   return state._replace(payload=like(dy, avals.act), acc=acc)
 
 
-def _input_grad(rank: Rank, avals: Avals, cell: TickCell, dy: jax.Array,
-                state: BlockState) -> BlockState:
-  """The ``I`` block: the input cotangent (sent), and what ``W`` needs in
-  the weight stash (with the input cotangent if ``W`` sends it)."""
-  stashed = jax.tree.map(lambda b: b[cell.stash_slot], state.stash)
+def _backward(rank: Rank, avals: Avals, first: bool, cell: TickCell,
+              dy: PyTree, state: BlockState) -> BlockState:
+  """The ``B`` block: the stage's whole backward as one VJP, keeping
+  nothing: its parameter cotangent added to the gradient, its input
+  cotangent sent (stage 0 with an embedding: the embedding's VJP of it)."""
+  j = cell.local_stage
+  dstage, dx = rank.stage.backward(
+      _params_of(rank, j), row(state.stash, cell.stash_slot), dy,
+      _key(rank, cell.stage, cell.microbatch), state=row(state.state, j))
+  return _sent(rank, avals, first, cell, like(dx, avals.act), state._replace(
+      acc=_add_stage(state.acc, j, dstage)))
+
+
+def _input_grad(rank: Rank, avals: Avals, first: bool, cell: TickCell,
+                dy: PyTree, state: BlockState) -> BlockState:
+  """The ``I`` block: the input cotangent (sent; stage 0 with an
+  embedding: the embedding's VJP of it), and what ``W`` needs in the
+  weight stash."""
   dx, kept = rank.stage.input_grad(
-      _params_of(rank, cell.local_stage), stashed, dy,
-      _key(rank, cell.stage, cell.microbatch))
-  dx = like(dx, avals.act)
-  return state._replace(payload=dx, wstash=_put(
-      state.wstash, cell.weight_slot,
-      (kept, None if state.wstash[1] is None else dx)))
+      _params_of(rank, cell.local_stage), row(state.stash, cell.stash_slot),
+      dy, _key(rank, cell.stage, cell.microbatch))
+  return _sent(rank, avals, first, cell, like(dx, avals.act), state._replace(
+      wstash=_put(state.wstash, cell.weight_slot, kept)))
 
 
-def _weight_grad(rank: Rank, avals: Avals, first: bool, cell: TickCell,
-                 dy: jax.Array, state: BlockState) -> BlockState:
+def _weight_grad(rank: Rank, cell: TickCell, dy: PyTree,
+                 state: BlockState) -> BlockState:
   """The ``W`` block: the stage's parameter cotangent from what ``I``
-  kept, added to its gradient (stage 0 with an embedding: and the
-  embedding's VJP, recomputed); sends ``I``'s input cotangent if it was
-  a schedule's ``B`` (``ScanConfig.dx_at_w``)."""
-  j, mb = cell.local_stage, cell.microbatch
-  stashed = jax.tree.map(lambda b: b[cell.stash_slot], state.stash)
-  kept, dx = jax.tree.map(lambda b: b[cell.weight_slot], state.wstash)
-  dstage = rank.stage.weight_grad(_params_of(rank, j), stashed, dy, kept,
-                                  _key(rank, cell.stage, mb))
-  stages = jax.tree.map(lambda g, d: g.at[j].add(like(d, g[j])),
-                        state.acc.stages, dstage)
-  embed = state.acc.embed
-  if first:
-    _, vjp = jax.vjp(lambda ep: _embedded(rank, ep, mb), _embed_params(rank))
-    embed = _add(embed, vjp(cotangent(_cast(dx, avals.act), avals.act))[0])
-  return state._replace(payload=state.payload if dx is None else dx,
-                        acc=state.acc._replace(stages=stages, embed=embed))
+  kept, added to its gradient; it sends nothing."""
+  j = cell.local_stage
+  dstage = rank.stage.weight_grad(
+      _params_of(rank, j), row(state.stash, cell.stash_slot), dy,
+      row(state.wstash, cell.weight_slot),
+      _key(rank, cell.stage, cell.microbatch))
+  return state._replace(acc=_add_stage(state.acc, j, dstage))
+
+
+def _sent(rank: Rank, avals: Avals, first: bool, cell: TickCell, dx: PyTree,
+          state: BlockState) -> BlockState:
+  """``state`` sending the input cotangent ``dx``; on stage 0 with an
+  embedding (``first``) the embedding's VJP of it (recomputing the
+  embedding) is added to its gradient instead."""
+  if not first:
+    return state._replace(payload=dx)
+  _, vjp = jax.vjp(lambda ep: _embedded(rank, ep, cell.microbatch),
+                   _embed_params(rank))
+  embed = _add(state.acc.embed, vjp(cotangent(_cast(dx, avals.act),
+                                              avals.act))[0])
+  return state._replace(acc=state.acc._replace(embed=embed))
+
+
+def _add_stage(acc: Accumulators, j: Any, dstage: PyTree) -> Accumulators:
+  """``acc`` with ``dstage`` added to local stage ``j``'s gradient."""
+  return acc._replace(stages=jax.tree.map(
+      lambda g, d: g.at[j].add(like(d, g[j])), acc.stages, dstage))
 
 
 def _offsets(table: TickTable) -> tuple[list[int], list[int]]:
@@ -430,8 +454,10 @@ def _pend(config: ScanConfig, cell: TickCell, slot: jax.Array,
   the payload on the rank that did it, zeros elsewhere (summed later)."""
   schedule = config.table.schedule
   p = schedule.num_ranks
-  mine = (cell.kind == (I if config.training else F)) & (
-      cell.stage == (0 if config.training else schedule.num_stages - 1))
+  done = (((cell.kind == B) | (cell.kind == I)) if config.training else
+          (cell.kind == F))
+  mine = done & (cell.stage == (0 if config.training else
+                                schedule.num_stages - 1))
   k = jnp.minimum(slot, p - 1)
   return _put(pending, k, jax.tree.map(
       lambda new, old: jnp.where(slot < p, jnp.where(mine, new, 0), old),

@@ -17,7 +17,7 @@ import jax
 from jaxpar.pipeline.executor._microbatches import LossFn
 from jaxpar.pipeline.executor._options import Embedding, StepOptions
 from jaxpar.pipeline.executor._stage_vjp import StageVJP
-from jaxpar.pipeline.schedules import TickTable
+from jaxpar.pipeline.schedules import KIND_CODES, TickTable
 
 PyTree = Any
 
@@ -26,7 +26,7 @@ class TickCell(NamedTuple):
   """One rank's cell of a tick row of the tick table (in ``TickRow.ranks``
   each field is ``[p, ...]``, every rank's cell). ``-1`` means none: idle,
   no mailbox read (stage 0's batch), no message received over an offset."""
-  kind: Any          # F, I, W (the table's codes) or idle
+  kind: Any          # F, B, I, W (the table's codes) or idle
   block: Any         # index into ``ScanConfig.kinds`` (``blocks``), -1 idle
   stage: Any         # logical stage
   microbatch: Any
@@ -55,9 +55,12 @@ class ScanConfig(NamedTuple):
   training: bool
   embedding: bool   # stage 0 embeds the raw microbatch (an ``Embedding``)
   input_grads: bool = True   # training computes stage 0's input cotangents
-  # The weight stash holds ``I``'s input cotangent for ``W``: ``W`` sends it
-  # (a schedule's ``B``, run as ``I`` then ``W``) or embeds it (an embedding).
-  dx_at_w: bool = True
+
+  @property
+  def split(self) -> bool:
+    """The table has ``I`` (and ``W``) blocks: a weight stash is held.
+    Without, the backward runs as ``B`` blocks and there is none."""
+    return any(kind == KIND_CODES['I'] for kind, _, _ in self.kinds)
 
   @property
   def with_edge(self) -> bool:
@@ -89,10 +92,10 @@ class Rank(NamedTuple):
 
 class Avals(NamedTuple):
   """Types of what the blocks produce (``_avals``)."""
-  act: Any                # an activation or its cotangent, one microbatch
+  act: PyTree             # an activation or its cotangent, one microbatch
   act_vma: frozenset[str]   # the mesh axes activations vary over
   stash: Any              # one stash slot: ``F``'s residuals
-  kept: Any = None        # what ``I`` keeps for ``W`` (training)
+  kept: Any = None        # what ``I`` keeps for ``W`` (``ScanConfig.split``)
   dstage: Any = None      # one stage's parameter gradient
   value: Any = None       # ``(loss, aux)`` of one microbatch
   dhead: Any = None       # ``loss_params``' gradient
@@ -100,24 +103,25 @@ class Avals(NamedTuple):
 
 class Accumulators(NamedTuple):
   """What the training blocks add to, from zeros, over the ticks."""
-  stages: PyTree   # ``[v, ...]``: ``local_params``' gradient (``W``)
+  stages: PyTree   # ``[v, ...]``: ``local_params``' gradient (``B``, ``W``)
   value: PyTree    # ``(loss, aux)``: each microbatch's share, ``/ m``
   head: PyTree     # ``loss_params``' gradient (the last stage's ``F``)
-  embed: PyTree    # ``embed_params``' gradient (stage 0's ``W``)
+  embed: PyTree    # ``embed_params``' gradient (stage 0's ``B`` or ``I``)
 
 
 class Edge(NamedTuple):
-  """The batch-sized result being written (``ScanConfig.with_edge``)."""
-  pending: jax.Array   # ``[p, mb, ...]``: rows done, waiting for their psum
-  result: jax.Array    # ``[m, mb, ...]``: the output, written row by row
+  """The batch-sized result being written (``ScanConfig.with_edge``); each
+  leaf like the activation's."""
+  pending: PyTree   # ``[p, mb, ...]``: rows done, waiting for their psum
+  result: PyTree    # ``[m, mb, ...]``: the output, written row by row
 
 
 class Carry(NamedTuple):
   """The scan's carry: the rank's buffers, updated in place every tick."""
   mailbox: PyTree      # ``[num_mailbox_slots + 1, mb, ...]``; the last is spare
   stash: PyTree        # ``[num_stash_slots, ...]``: ``F``'s residuals
-  wstash: PyTree       # ``(kept, dx)`` ``[num_weight_slots, ...]``: I for W
-                       # (``dx`` ``None`` unless ``ScanConfig.dx_at_w``)
+  wstash: PyTree       # ``kept`` ``[num_weight_slots, ...]``: I for W
+                       # (``None`` unless ``ScanConfig.split``)
   acc: Accumulators | None   # training only
   edge: Edge | None
   state: PyTree = None   # ``[v, ...]``: each local stage's state so far
@@ -125,10 +129,10 @@ class Carry(NamedTuple):
 
 class BlockState(NamedTuple):
   """What a block reads and updates in place (the carry of its ``when``)."""
-  payload: jax.Array   # what the rank sends this tick (``bubble_fill``: none)
+  payload: PyTree      # what the rank sends this tick (``bubble_fill``: none)
   acc: Accumulators | None
   stash: PyTree
-  wstash: PyTree       # ``None`` in an ``F`` block, which does not carry it
+  wstash: PyTree       # ``None`` in ``F`` and ``B``, which do not carry it
   state: PyTree = None   # ``[v, ...]``: the stages' state (``F`` updates it)
 
 
@@ -138,6 +142,6 @@ class Result(NamedTuple):
   value: PyTree              # ``(loss, aux)``, ``aux`` ``()`` without has_aux
   stages: PyTree             # ``[v, ...]``: ``local_params``' gradient
   head: PyTree               # ``loss_params``' gradient
-  inputs: jax.Array | None   # ``[m, mb, ...]``: ``None`` with an embedding
+  inputs: PyTree             # ``[m, mb, ...]``: ``None`` with an embedding
   embed: PyTree              # ``embed_params``' gradient, ``None`` without
   state: PyTree = None       # ``[v, ...]``: the stages' state after the step

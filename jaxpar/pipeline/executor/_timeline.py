@@ -34,9 +34,9 @@ if TYPE_CHECKING:
   from matplotlib.figure import Figure
 
 KINDS = {code: kind for kind, code in KIND_CODES.items()}   # 1 -> 'F', ...
-# The colours of Schedule.plot (F blue, I orange, W purple) and the
-# exchange's parts.
-COLORS = {'F': '#4c72b0', 'I': '#dd8452', 'W': '#8172b3',
+# The colours of Schedule.plot (F blue, B green, I orange, W purple) and
+# the exchange's parts.
+COLORS = {'F': '#4c72b0', 'B': '#55a868', 'I': '#dd8452', 'W': '#8172b3',
           'messages': '#333333', 'waiting': '#c8c8c8',
           'overhead': '#e377c2', 'outside': '#7f7f7f'}
 PARTS = ('compute', 'messages', 'waiting', 'overhead', 'outside')
@@ -65,8 +65,9 @@ class Timeline(NamedTuple):
   Attributes:
     table: the ``TickTable`` the step scanned (``table.schedule``).
     actions: int32 ``[T, p, 3]``, ``(kind, stage, microbatch)`` each rank
-      reported running (kind ``0`` idle, else ``KIND_CODES``: F 1, I 3, W 4;
-      a schedule's ``B`` runs as an ``I`` and a ``W``).
+      reported running (kind ``0`` idle, else ``KIND_CODES``: F 1, B 2,
+      I 3, W 4; a schedule's ``B`` runs as one ``B`` block, or as an ``I``
+      and a ``W`` where the table splits it).
     start: float64 ``[n, T, p]``, the block's input read.
     computed: ``[n, T, p]``, the block done.
     received: ``[n, T, p]``, the tick's messages landed.
@@ -116,14 +117,15 @@ class Timeline(NamedTuple):
                  for r in range(self.actions.shape[1]))
 
   def costs(self) -> dict[str, float]:
-    """Mean seconds per block kind (``B = I + W``), over every rank."""
+    """Mean seconds per block kind, over every rank (``B = I + W`` when
+    the table runs no ``B`` block)."""
     compute = self.parts()['compute']
     out = {}
     for code, kind in KINDS.items():
       busy = self.actions[:, :, 0] == code
       if busy.any():
         out[kind] = float(compute[:, busy].mean())
-    if 'I' in out and 'W' in out:
+    if 'B' not in out and 'I' in out and 'W' in out:
       out['B'] = out['I'] + out['W']
     return out
 
@@ -232,7 +234,7 @@ class Timeline(NamedTuple):
         ax.broken_barh([(c[t, r] + wait[t, r], e[t, r] - c[t, r] - wait[
             t, r])], (r - 0.15, 0.3), facecolors=COLORS['messages'])
     kinds = sorted({KINDS[int(k)] for k in np.unique(self.actions[:, :, 0])
-                    if k}, key='FIW'.index)
+                    if k}, key='FBIW'.index)
     ax.legend(handles=[Patch(color=COLORS[k], label=k)
                        for k in (*kinds, 'waiting', 'messages')],
               loc='upper left', bbox_to_anchor=(1.0, 1.0), fontsize=8)

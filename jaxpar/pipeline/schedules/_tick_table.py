@@ -270,13 +270,17 @@ class _Blocks(NamedTuple):
   ``I(s, i)`` and ``W(s, i)``); ``rows[r]`` rank ``r``'s blocks in order;
   ``deps[b]`` the blocks whose results ``b`` reads (placed strictly
   earlier); ``cost[b]`` its time (``DEFAULT_COSTS``); ``sends[b]`` the
-  offset of its message to another rank, ``0`` if none.
+  offset of its message to another rank, ``0`` if none; ``before[b]`` the
+  block before it on its rank (``-1``: none) and ``after[b]`` the blocks
+  that wait for ``b`` (reading it, or next on its rank).
   """
   actions: list[Action]
   rows: list[list[int]]
   deps: list[tuple[int, ...]]
   cost: list[float]
   sends: list[int]
+  before: list[int]
+  after: list[list[int]]
 
 
 def _blocks(schedule: Schedule, *, fuse: bool) -> _Blocks:
@@ -311,8 +315,16 @@ def _blocks(schedule: Schedule, *, fuse: bool) -> _Blocks:
       if s > 0:
         offset = schedule.placement[s - 1] - schedule.placement[s]
     sends.append(offset % p)
-  return _Blocks(actions, rows, deps,
-                 [DEFAULT_COSTS[a.kind] for a in actions], sends)
+  before, after = [-1] * len(actions), [[] for _ in actions]
+  for b, inputs in enumerate(deps):
+    for d in inputs:
+      after[d].append(b)
+  for row in rows:
+    for b, c in zip(row, row[1:]):
+      before[c] = b
+      after[b].append(c)
+  return _Blocks(actions, rows, deps, [DEFAULT_COSTS[a.kind] for a in actions],
+                 sends, before, after)
 
 
 class _Packing:
@@ -359,29 +371,34 @@ class _Packing:
   def finish(self) -> int:
     """Places every block left at its earliest tick (after the rank's
     previous block and its inputs, from tick ``t`` on); returns how many."""
-    rows, deps, tick = self.blocks.rows, self.blocks.deps, self.tick
-    cost, offsets, placed = {}, {}, 0
-    while not self.done:
-      before = placed
-      for r, row in enumerate(rows):
-        k = self.pos[r]
-        at = tick[row[k - 1]] + 1 if k else 0
-        while k < len(row):
-          b = row[k]
-          if any(tick[d] < 0 for d in deps[b]):
-            break
-          at = max([at, self.t] + [tick[d] + 1 for d in deps[b]])
-          tick[b], k, at = at, k + 1, at + 1
-          cost[at - 1] = max(cost.get(at - 1, 0.0), self.blocks.cost[b])
-          offsets.setdefault(at - 1, set()).add(self.blocks.sends[b])
-        placed += k - self.pos[r]
-        self.pos[r] = k
-      if placed == before:   # validate() rules this out
-        raise RuntimeError(f'Deadlock at tick {self.t}.')
+    blocks, tick, waiting, ready = self.blocks, self.tick, {}, []
+    for r, row in enumerate(blocks.rows):
+      for k in range(self.pos[r], len(row)):
+        b = row[k]
+        waiting[b] = sum(tick[d] < 0 for d in blocks.deps[b]) + (
+            k > self.pos[r])
+        if not waiting[b]:
+          ready.append(b)
+    cost, offsets = {}, {}
+    while ready:
+      b = ready.pop()
+      at = max([self.t, tick[blocks.before[b]] + 1]
+               + [tick[d] + 1 for d in blocks.deps[b]])
+      tick[b] = at
+      cost[at] = max(cost.get(at, 0.0), blocks.cost[b])
+      offsets.setdefault(at, set()).add(blocks.sends[b])
+      for c in blocks.after[b]:
+        if c in waiting:
+          waiting[c] -= 1
+          if not waiting[c]:
+            ready.append(c)
+    if any(tick[b] < 0 for b in waiting):   # validate() rules this out
+      raise RuntimeError(f'Deadlock after tick {self.t}.')
+    self.pos = [len(row) for row in blocks.rows]
     self.time += sum(cost.values())
     self.messages += sum(len(o - {0}) for o in offsets.values())
     self.t = max(cost, default=self.t - 1) + 1
-    return placed
+    return len(waiting)
 
 
 def _choices(packing: _Packing, ranks: list[int], *, drops: bool
@@ -425,7 +442,8 @@ def _layout(schedule: Schedule) -> _Packing:
   """The packed blocks of ``schedule``: fused ``B``'s unless that is slower
   than the schedule as written, then split (module doc)."""
   fused = _pack(_blocks(schedule, fuse=True))
-  if fused.time <= schedule.simulate().makespan:
+  if (not any(a is not None and a.kind == 'B' for row in schedule.actions
+              for a in row) or fused.time <= schedule.simulate().makespan):
     return fused
   return _pack(_blocks(schedule, fuse=False))
 
