@@ -106,7 +106,7 @@ def test_linen_model_wrapped_by_to_nnx_float64(x64):
   by_path = jaxpar.parallel.from_nnx(
       model, blocks=['blocks_0', 'blocks_1', 'blocks_2'], num_stages=2,
       head=['out'], embed=embed, head_loss=head_loss)
-  tree_allclose(by_path.params, pm.params)
+  tree_allclose(by_path.params, pm.from_state(nnx.state(model, nnx.Param)))
 
 
 def test_blocks_not_found_lists_the_paths_that_work(x64):
@@ -357,3 +357,71 @@ def test_split_gate_and_up_train_exactly_over_tensor_float64(x64):
   got = pipelined_step(pm, model, (x, t), jaxpar.pipeline.one_f_one_b(2, 2),
                        mesh=dict(data=1, stage=2, tensor=2))
   tree_allclose(got, want)
+
+
+# ------------------------------------------------------------ pytree batches
+
+
+class TwoInputs(nnx.Module):
+  """A model of two inputs (``a [b, 3]``, ``b [b, 2]``) and a target."""
+
+  def __init__(self, rngs):
+    self.a = nnx.Linear(3, 4, rngs=rngs, **F64)
+    self.b = nnx.Linear(2, 4, rngs=rngs, **F64)
+    self.blocks = nnx.List([nnx.Linear(4, 4, rngs=rngs, **F64)
+                            for _ in range(2)])
+    self.out = nnx.Linear(4, 1, rngs=rngs, **F64)
+
+  def __call__(self, a, b):
+    x = self.a(a) + self.b(b)
+    for block in self.blocks:
+      x = x + jnp.tanh(block(x))
+    return self.out(x)
+
+
+def two_inputs(kind):
+  """``(inputs, targets, unpack)``: the inputs as a dict or a tuple."""
+  rng = np.random.default_rng(0)
+  a, b, t = (rng.normal(size=(8, n)) for n in (3, 2, 1))
+  if kind == 'dict':
+    return {'a': a, 'b': b}, t, lambda i: (i['a'], i['b'])
+  return (a, b), t, lambda i: i
+
+
+@pytest.mark.parametrize('kind', ['dict', 'tuple'])
+def test_pytree_inputs_in_both_trainers_float64(x64, kind):
+  inputs, t, unpack = two_inputs(kind)
+  mse = lambda y: jnp.mean((y - t) ** 2)
+  want = one_step(TwoInputs(nnx.Rngs(0)), lambda m: mse(m(*unpack(inputs))))
+  model = TwoInputs(nnx.Rngs(0))
+  dm = jaxpar.data_parallel.from_nnx(
+      model, loss=lambda m, batch: jnp.mean(
+          (m(*unpack(batch[0])) - batch[1]) ** 2))
+  trainer = jaxpar.data_parallel.model_trainer(
+      dm, optax.sgd(LR), mesh=mesh(data=2), num_microbatches=2)
+  state, stats = trainer.step(trainer.init(dm.params, dm.model_state),
+                              (inputs, t))
+  tree_allclose((stats.loss, trainer.params(state)), want)
+  pm = jaxpar.parallel.from_nnx(
+      model, blocks='blocks', num_stages=2,
+      embed=lambda m, i: m.a(unpack(i)[0]) + m.b(unpack(i)[1]),
+      block=lambda b, x: x + jnp.tanh(b(x)),
+      head_loss=lambda m, y, t: jnp.mean((m.out(y) - t) ** 2))
+  got = pipelined_step(pm, model, (inputs, t),
+                       jaxpar.pipeline.one_f_one_b(2, 2),
+                       mesh=dict(data=2, stage=2))
+  tree_allclose(got, want)
+
+
+def test_pytree_inputs_need_one_batch_axis(x64):
+  inputs = {'a': np.ones((8, 3)), 'b': np.ones((6, 2))}
+  model = TwoInputs(nnx.Rngs(0))
+  pm = jaxpar.parallel.from_nnx(
+      model, blocks='blocks', num_stages=2,
+      embed=lambda m, i: m.a(i['a']) + m.b(i['b']),
+      head_loss=lambda m, y, t: jnp.mean((m.out(y) - t) ** 2))
+  trainer = jaxpar.parallel.model_trainer(
+      pm, optax.sgd(LR), schedule=jaxpar.pipeline.one_f_one_b(2, 2),
+      mesh=mesh(data=2, stage=2))
+  with pytest.raises(ValueError, match=r"\['b'\]: 6.*share the batch axis"):
+    trainer.step(trainer.init(pm.params), (inputs, np.ones((8, 1))))

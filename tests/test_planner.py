@@ -72,6 +72,36 @@ def test_memory_within_15_percent_of_compiled(model, batch):
   np.testing.assert_allclose(stats.loss, want, rtol=1e-5)
 
 
+def test_compiled_memory_by_default_reranks(model, batch, monkeypatch):
+  """With the devices here ``plan`` compiles by default: the best
+  candidate's stage shape, then (ranked again) the best one's if it is not
+  compiled yet. A shape whose step needs more than the cap gives way to
+  the next, which is compiled in its turn; the plan's best is a compiled
+  figure. On paper nothing is compiled."""
+  from jaxpar.planner import _compile
+  calls = []
+
+  def step_bytes(src, devices, layout, optimizer, batch):
+    calls.append(layout)   # the first shape compiles 10x its prediction
+    return (10 if len(calls) == 1 else 1) * predicted[layout]
+  monkeypatch.setattr(_compile, 'step_bytes', step_bytes)
+  few = dict(batch=batch, devices=jax.devices()[:2], profile='H100-SXM',
+             zero_stages=(0,), remat_policies=('dots',), max_microbatches=2)
+  analytic = jaxpar.plan(model, **few, compile=0)
+  predicted = {c.layout: c.memory_bytes for c in analytic.candidates}
+  cap = 2 * analytic.best.memory_bytes
+  plan = jaxpar.plan(model, **few, memory_per_device=cap)
+  assert len(calls) == planner.DEFAULT_COMPILES == 2
+  assert calls[0] == analytic.best.layout
+  assert not next(c for c in plan.candidates
+                  if c.layout == calls[0]).fits     # 10x: over the cap
+  assert plan.best.compiled and plan.best.layout == calls[1]
+  assert plan.best.memory_bytes == predicted[calls[1]]
+  calls.clear()
+  jaxpar.plan(model, **{**few, 'devices': 2})
+  assert not calls
+
+
 def test_ranking_follows_the_time_model():
   """On paper (no devices): fewer bubbles rank first at equal work; the
   table names the layouts; the memory parts add up."""
@@ -301,7 +331,8 @@ def _plan_net(net, ids, **options):
   return jaxpar.plan(
       net, optax.sgd(0.1), profile='H100-SXM', blocks='layers',
       embed=lambda m, x: m.embed(x), head_loss=_head_loss,
-      **{'devices': jax.devices(), 'batch': (ids, ids), **options})
+      **{'devices': jax.devices(), 'batch': (ids, ids), 'compile': 0,
+         **options})
 
 
 def test_an_nnx_model_is_planned_through_from_nnx():
@@ -327,14 +358,15 @@ def test_a_pipeline_model_is_planned_for_its_own_cut():
                                 embed=lambda m, x: m.embed(x),
                                 head_loss=_head_loss)
   plan = jaxpar.plan(pm, optax.sgd(0.1), batch=(ids, ids),
-                     devices=jax.devices(), profile='H100-SXM')
+                     devices=jax.devices(), profile='H100-SXM', compile=0)
   assert {c.layout.num_stages for c in plan.candidates} == {2}
   assert plan.params() is pm.params
   with pytest.raises(ValueError, match='cut for 2 logical stages, not 4'):
     plan.source.pipeline(4)
   with pytest.raises(ValueError, match="PipelineModel's cut"):
     jaxpar.plan(pm, batch=(ids, ids), devices=jax.devices(),
-                profile='H100-SXM', where=lambda x: x.num_stages == 4)
+                profile='H100-SXM', where=lambda x: x.num_stages == 4,
+                compile=0)
 
 
 class _NormedBlock(nnx.Module):
@@ -372,7 +404,7 @@ def test_plan_gives_the_model_state_of_its_cut():
     np.testing.assert_allclose(mean[i // 2, i % 2], block.norm.mean.get_value(),
                                rtol=1e-5, atol=1e-7)
   assert jaxpar.plan(CONFIG, batch=BATCH, devices=jax.devices(),
-                     profile='H100-SXM').model_state() is None
+                     profile='H100-SXM', compile=0).model_state() is None
 
 
 def test_a_searched_schedule_is_a_candidate(model, batch):
@@ -388,7 +420,7 @@ def test_a_searched_schedule_is_a_candidate(model, batch):
       model, optax.sgd(1.0), batch=batch, devices=jax.devices(),
       profile=profile, remat_policies=('dots',), zero_stages=(0,),
       where=lambda x: (x.data, x.stage, x.tensor, x.num_microbatches) == (
-          4, 2, 1, 4), search=1)
+          4, 2, 1, 4), search=1, compile=0)
   best = plan.best
   assert best.layout.schedule().name.startswith('Search(memory=')
   assert best.predicted_s < min(c.predicted_s for c in plan.candidates

@@ -70,9 +70,9 @@ def test_end_to_end_two_pinned_processes():
         row['messages'] * message['median_ms'] / 33)
   # 1F1B and GPipe on 2 ranks: a message per tick that sends (the two
   # directions share one offset) and the final psum; no input cotangents,
-  # so no sums of their rows.
+  # so no sums of their rows. 1F1B's I sends when it ends, folded with an F.
   assert {r['step']: r['messages'] for r in rows
-          if r['step'] in ('GPipe', '1F1B')} == {'GPipe': 8 + 1, '1F1B': 6 + 1}
+          if r['step'] in ('GPipe', '1F1B')} == {'GPipe': 8 + 1, '1F1B': 5 + 1}
 
 
 def test_one_core_policies_and_stage1_rows():
@@ -94,6 +94,24 @@ def test_one_core_policies_and_stage1_rows():
     assert row['pinned'] is False
     base = next(r for r in rows if r['step'] == row['vs'])
     assert row['cpu_ratio'] == pytest.approx(row['cpu_ms'] / base['cpu_ms'])
+
+
+def test_targets_side_by_side():
+  """``real_parallel_targets``: a row per setting with the target measures."""
+  row = lambda step, **kw: {'step': step, **kw}
+  sections = {
+      'real_parallel': [row(worker.SEQUENTIAL, variant='tanh', pinned=True),
+                        row('GPipe', vs_1f1b=0.91), row('1F1B', vs_1f1b=1.0,
+                                                        eff_vs_dp=0.96),
+                        row('ZB-H1', vs_1f1b=0.96)],
+      'real_parallel_gelu_unpinned': [row('failed', note='timeout')]}
+  assert real_parallel.targets(sections) == [
+      {'section': 'real_parallel', 'variant': 'tanh', 'pinned': True,
+       'ZB-H1 vs_1f1b': 0.96, 'GPipe vs_1f1b': 0.91, '1F1B eff_vs_dp': 0.96,
+       'met': '2/3'},
+      {'section': 'real_parallel_gelu_unpinned', 'variant': None,
+       'pinned': None, 'ZB-H1 vs_1f1b': None, 'GPipe vs_1f1b': None,
+       '1F1B eff_vs_dp': None, 'met': '0/3'}]
 
 
 def test_fewer_cores_than_ranks_is_a_skip_row(monkeypatch):

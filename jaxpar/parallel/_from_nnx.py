@@ -1,12 +1,14 @@
 """``PipelineModel``: a user's own Flax NNX model cut into pipeline parts.
 
-``from_nnx`` reads a model that keeps its layers as a sequence of identical
-NNX modules (``nnx.List``, list, tuple) or as one module whose params are
-stacked over layers (``nnx.vmap``/``nnx.scan`` style), and gives what
+``from_nnx`` finds the layers where the model keeps them -- a sequence of
+NNX modules (``nnx.List``, list, tuple), numbered attributes ``blocks_0 ...
+blocks_N`` (a Linen model wrapped by ``nnx.bridge.ToNNX`` keeps its list so),
+a list of paths, or one module whose params are stacked over layers
+(``nnx.vmap``/``nnx.scan`` style) -- and gives what
 ``jaxpar.parallel.model_trainer`` takes::
 
   embed   attributes defined before ``blocks``   embed(m, inputs) -> x
-  stages  blocks stacked [num_stages, slots]     each block as written
+  stages  blocks stacked [num_stages, slots]     block(b, x) -> x, b as written
   head    attributes defined after ``blocks``    head_loss(m, y, targets)
 
 ``embed`` and ``head_loss`` are written against the model itself: jaxpar
@@ -22,11 +24,28 @@ the missing slots are identity: their params are zeros and the stage passes
 its input through (a slot whose params are all zero is skipped), and the
 ``stage_mask`` freezes them, so the maths is that of the ``L``-layer model.
 
+**Side inputs.** The activation carried from stage to stage is whatever
+``embed`` returns, any pytree (``x``, or ``{'x': h, 'mask': m}``); ``block``
+says how a block runs on it and returns it with the same structure, so a
+block may read values that are not the carried hidden state -- a padding
+mask, positions, an encoder's output -- which travel with the microbatch to
+every stage and get their exact cotangents back. **Encoder-decoder**: list
+both stacks (and what runs between them, e.g. the encoder's final norm) as
+``blocks``, each with its own ``block`` function; the encoder's layers fill
+the first stages, the decoder's the last ones, and the encoder output rides
+in the activation to every decoder stage. Pipeline stages stack one slot
+structure (one SPMD program), so with several kinds of block a slot holds
+the union of their params: its own kind's, the others zero (never read; a
+slot runs the kind whose params are not all zero). That costs memory for
+the other kinds' zeros (params and optimizer state), and keeps every stage
+busy with the model's own layers in model order: the cut that balances the
+stages by layer counts (``counts=``) like a decoder-only model.
+
 Variables other than ``nnx.Param`` (RNG state, constant tables) are not
 trained: each function sees the model's values, a block those of the first
-block. With a ``key`` (dropout) every RNG stream of the merged model is
-reseeded from it: ``embed`` and ``head_loss`` with the key the trainer gives,
-slot ``j`` of a stage with ``fold_in(key, j)``.
+block of its kind. With a ``key`` (dropout) every RNG stream of the merged
+model is reseeded from it: ``embed`` and ``head_loss`` with the key the
+trainer gives, slot ``j`` of a stage with ``fold_in(key, j)``.
 """
 
 from __future__ import annotations
@@ -145,14 +164,26 @@ def from_nnx(model: nnx.Module, *, blocks: str | Sequence[str],
   Args:
     model: a Flax NNX module; it is not changed (``PipelineModel.update``
       writes trained params back).
-    blocks: attribute path (``'blocks'``, ``'decoder.layers'``) of the
-      layers: a sequence of identical modules or one module with params
-      stacked over layers. Each layer maps ``x -> y`` of the same shape.
+    blocks: where the layers are, in model order: an attribute path
+      (``'blocks'``, ``'decoder.layers'``) of a sequence of modules, of one
+      module with params stacked over layers, or the ``base`` of numbered
+      attributes ``base_0 ... base_N`` (``'blocks'`` for a ``ToNNX``-wrapped
+      Linen model's ``blocks_0 ...``); or a list of paths, each of one layer
+      or of a sequence (``['encoder.layers', 'encoder.final_norm',
+      'decoder.layers']``). Layers of one structure stack as they are;
+      several structures are kinds of block (see Side inputs above).
     num_stages: logical pipeline stages, ``schedule.num_stages`` (``v * p``
       for interleaved and V-shaped schedules); ``1 <= num_stages <= L``.
-    embed: ``embed(m, inputs) -> x [b, ...]``: the model before the layers.
+    embed: ``embed(m, inputs) -> x``: the model before the layers; ``x``
+      any pytree of ``[b, ...]`` arrays (the carried activation).
     head_loss: ``head_loss(m, y, targets) -> loss`` (or ``(loss, aux)``,
-      with ``has_aux=True`` in the train step): the mean loss of a batch.
+      with ``has_aux=True`` in the train step): the mean loss of a batch;
+      ``y`` is the carried activation after the last block.
+    block: ``block(b, x) -> x``: how a block ``b`` (the model's module)
+      runs on the carried activation, returning it with the same
+      structure; default ``b(x)``. With side inputs, e.g. ``lambda b, a:
+      {**a, 'h': b(a['h'], a['mask'])}``. A dict gives one per ``blocks``
+      entry (``{'decoder.layers': lambda b, a: ...}``).
     counts: layers per stage (positive, summing to ``L``), e.g. from
       ``jaxpar.pipeline.balance``; default balanced.
     head: ``'/'``-joined paths of the non-block params ``head_loss`` uses
@@ -175,12 +206,19 @@ def from_nnx(model: nnx.Module, *, blocks: str | Sequence[str],
     tensor_specs)``.
 
   Raises:
-    TypeError: ``blocks`` is not a string, ``num_stages`` not an int.
-    ValueError: an unknown ``blocks`` path, blocks of different structure,
+    TypeError: ``blocks`` is not a string (or a list of them),
+      ``num_stages`` not an int, ``block`` not a function (or a dict of
+      one per ``blocks`` entry).
+    ValueError: an unknown ``blocks`` path (the message lists the paths
+      that name several layers), blocks of one entry of different structure,
       a block param shared with another block or with ``embed``/``head``
       (the same ``nnx.Param`` object), ``num_stages`` or ``counts`` that do
       not fit the layer count, a tensor rule that matches no param or has
-      more entries than its dims.
+      more entries than its dims. In a trainer's first step, with the
+      stages on several ranks: tensor rules under which XLA reshards a
+      block's values with a collective-permute (a fused gate|up or k|v
+      projection split over ``tensor`` and then cut in two), which would
+      hang XLA:CPU (the message names the rules and the fix).
 
   Example:
     >>> import numpy as np, optax, jaxpar

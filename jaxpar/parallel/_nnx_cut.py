@@ -181,14 +181,19 @@ def _block_fns(block: Any, entries: list[_Entry]) -> list[BlockFn]:
 def _kinds(model: nnx.Module, entries: list[_Entry], block: Any
            ) -> tuple[list[Kind], list[int]]:
   """The kinds of the layers, and each layer's kind, in model order."""
-  kinds, of, seen = [], [], {}
+  kinds, of, seen, lists = [], [], {}, {}
   for entry, call in zip(entries, _block_fns(block, entries)):
     first = None
     for i, (path, node) in enumerate(zip(entry.paths, entry.nodes)):
-      linen = not isinstance(node, nnx.Module)
-      module = node if not linen else _linen_block(
-          model, path, node, () if first is None else first[2])
-      at = module.to_nnx__path if linen else ()
+      module, at = node, ()
+      if not isinstance(node, nnx.Module):
+        # Layers of one Linen list (`blocks_0`, `blocks_1`, ...) all run
+        # as the first: one graphdef.
+        module = _linen_block(model, path, node)
+        at = lists.setdefault(_list_of(module.to_nnx__path),
+                              module.to_nnx__path)
+        if at != module.to_nnx__path:
+          module = _linen_block(model, path, node, at)
       shape = _structure(module)
       if first is None:
         first = (shape, type(node).__name__, at)
@@ -210,6 +215,12 @@ def _kinds(model: nnx.Module, entries: list[_Entry], block: Any
   if len(kinds) == 1:
     kinds = [kinds[0]._replace(key=None)]
   return kinds, of
+
+
+def _list_of(path: Path) -> Path:
+  """A Linen path with each ``base_i`` as ``base``: the list it is in."""
+  return tuple(m['base'] if (m := _NUMBERED.fullmatch(str(k))) else k
+               for k in path)
 
 
 def _stacked_kind(node: nnx.Module, blocks: str, call: BlockFn

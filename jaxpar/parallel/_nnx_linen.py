@@ -74,9 +74,10 @@ class LinenBlock(nnx.bridge.ToNNX):
 
 
 def linen_block(model: nnx.Module, path: Path, node: dict,
-                at: Path) -> LinenBlock:
+                at: Path = ()) -> LinenBlock:
   """``node`` (the variables of a ToNNX model's layer at ``path``) as a
-  ``LinenBlock`` running the submodule at the ToNNX-relative path ``at``."""
+  ``LinenBlock`` running the submodule at the ToNNX-relative path ``at``
+  (default: its own)."""
   owner, start = None, 0
   current = model
   for i, name in enumerate(path):

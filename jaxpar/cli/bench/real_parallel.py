@@ -22,6 +22,10 @@ Sections of ``python -m jaxpar bench --only real_parallel``:
   1F1B and ZB-H1 (``TARGETS``) also run under ``jaxpar.pipeline.timeline``;
 * ``real_parallel_unpinned`` and ``real_parallel_gelu_unpinned``: the same
   with the processes not pinned, for ``TARGETS`` only;
+* ``real_parallel_targets``: the four settings above side by side, one row
+  each, with the measures the targets are set on (``GOALS``): ZB-H1's and
+  GPipe's speed over 1F1B's (``vs_1f1b``) and 1F1B's efficiency over data
+  parallelism's (``eff_vs_dp``), and how many of them are met;
 * ``one_core``: the executor's own cost, no messages: one rank (``p = 1``)
   pinned to one core, 4 gelu layers (``D = 384``, microbatch 96, ``m = 8``),
   GPipe, 1F1B and ZB-H1 with each stash policy against the sequential
@@ -87,6 +91,9 @@ VARIANTS = ('tanh', 'gelu')   # the worker's layer kinds
 BENCH_REMAT_POLICIES = ('everything', 'dots', 'nothing')
 # The schedules with targets, run under a timeline and timed unpinned too.
 TARGETS = ('gpipe', 'one_f_one_b', 'zero_bubble_h1')
+# The targets (issue 43): (step, column of its row, least value) per setting.
+GOALS = (('ZB-H1', 'vs_1f1b', 0.97), ('GPipe', 'vs_1f1b', 0.9),
+         ('1F1B', 'eff_vs_dp', 0.95))
 # One compute thread per process: on a core of its own, XLA's intra-op pool
 # only adds threads that spin and switch on that core (a message between
 # pinned ranks took 1.7 ms with it, a fraction of that without).
@@ -206,8 +213,36 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
                   schedules=list(TARGETS), data_parallel=False, stage1=True)
   pinned = dict(timeline=list(TARGETS), xla_flags=ONE_THREAD, **times)
   unpinned = dict(pinned, schedules=list(TARGETS), pinned=False)
-  return {'real_parallel': measure(**tanh, **pinned),
-          'real_parallel_gelu': measure(**gelu, **pinned),
-          'real_parallel_unpinned': measure(**tanh, **unpinned),
-          'real_parallel_gelu_unpinned': measure(**gelu, **unpinned),
+  sections = {'real_parallel': measure(**tanh, **pinned),
+              'real_parallel_gelu': measure(**gelu, **pinned),
+              'real_parallel_unpinned': measure(**tanh, **unpinned),
+              'real_parallel_gelu_unpinned': measure(**gelu, **unpinned)}
+  return {**sections, 'real_parallel_targets': targets(sections),
           'one_core': measure(**one_core, xla_flags=ONE_THREAD, **times)}
+
+
+def targets(sections: dict[str, list[dict]]) -> list[dict]:
+  """One row per section of ``measure`` rows: each ``GOALS`` measure (``None``
+  where its row is missing, e.g. a failed run) and ``met``, how many reach
+  their least value.
+
+  Example:
+    >>> from jaxpar.cli.bench.real_parallel import targets
+    >>> rows = [{'step': 'ZB-H1', 'vs_1f1b': 0.98, 'variant': 'gelu',
+    ...          'pinned': True}, {'step': 'GPipe', 'vs_1f1b': 0.85},
+    ...         {'step': '1F1B', 'eff_vs_dp': 1.02}]
+    >>> targets({'real_parallel_gelu': rows})[0]['met']
+    '2/3'
+  """
+  out = []
+  for name, rows in sections.items():
+    by_step = {row['step']: row for row in rows}
+    row = {'section': name, 'variant': rows[0].get('variant'),
+           'pinned': rows[0].get('pinned')}
+    met = 0
+    for step, column, least in GOALS:
+      value = by_step.get(step, {}).get(column)
+      row[f'{step} {column}'] = value
+      met += value is not None and value >= least
+    out.append({**row, 'met': f'{met}/{len(GOALS)}'})
+  return out

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxpar.pipeline.executor._microbatches import (
     LossFn, StageFn, extras, row)
 from jaxpar.pipeline.executor._options import Embedding, StepOptions
+from jaxpar.pipeline.executor._remat import remat_layers
 from jaxpar.pipeline.executor._stage_vjp import stash_policy
 from jaxpar.pipeline.executor._tick_state import Result
 from jaxpar.pipeline.executor._vma import like, stored
@@ -36,7 +37,8 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
   stages' state (if any) from each microbatch to the next; the same keys,
   results and return values as ``run``. Plain autodiff (XLA fuses the
   backward) under ``remat_policy='everything'`` (or ``None``); under
-  another policy each stage is a ``jax.checkpoint`` with it.
+  another policy each stage runs ``remat_layers``: the policy per layer of
+  a scanned stack (each scan's body a ``jax.checkpoint``), else per stage.
   """
   m, num_stages = schedule.num_microbatches, schedule.num_stages
   train = loss_fn is not None
@@ -45,10 +47,10 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
   embed_params = None if embedding is None else embedding.params
   local_params, loss_params, embed_params, stage_state = vary(
       (local_params, loss_params, embed_params, stage_state), base)
-  layer = stage_fn
+  layer = lambda p, x, k, s: stage_fn(p, x, **extras(k, s))
   policy = stash_policy(options.remat_policy)
   if train and policy is not None:
-    layer = jax.checkpoint(stage_fn, policy=policy)
+    layer = remat_layers(layer, policy)
 
   def model(params, lp, ep, x, target, mb, states):
     """The microbatch's share of the mean loss and ``(aux, new states)``,
@@ -62,7 +64,7 @@ def sequential(stage_fn: StageFn, loss_fn: LossFn | None, schedule: Any,
     key_of = lambda k: None if key is None else jax.random.fold_in(keys, k)
     new = []
     for j in range(num_stages):
-      x = layer(row(params, j), x, **extras(key_of(j), row(states, j)))
+      x = layer(row(params, j), x, key_of(j), row(states, j))
       if states is not None:
         x, new_state = x
         new.append(new_state)

@@ -28,14 +28,21 @@ with the exchange), so a tick lasts as long as its slowest block::
 its schedule order; a block at the first tick at which its inputs exist)
 with a one-step lookahead: at each tick it also tries holding back the ready
 ``B``'s while other ranks run one-unit blocks (so that ``B``'s share ticks
-instead of stretching a tick of ``F``'s to two units) and holding back one
-rank (so that its messages later leave in the same tick as another rank's
-and share its ``ppermute``), finishes each try by plain list scheduling,
-and keeps the one with the shortest lock-step time, then the fewest ticks
-with messages. Interleaved 1F1B, p = 2, m = 4: ``B``'s face ``B``'s::
+instead of stretching a tick of ``F``'s to two units) and, in the first
+``3 p`` ticks, holding back one rank (so that its messages later leave in
+the same tick as another rank's and share its ``ppermute``); it finishes
+each try by plain list scheduling and keeps the one with the shortest
+lock-step time, then the fewest ticks with messages. Interleaved 1F1B,
+p = 2, m = 4 (plain list scheduling pairs ``B`` with ``F``: 32)::
 
-  rank 0: FFFFFF.BFBFBFB.B.BBB      (lock-step 27 = simulate's)
-  rank 1: .FFFFFBFBFBFBFB.B.BB.
+  rank 0: FFF.FFBFBFBFB.BBBB        lock-step 27 = simulate's
+  rank 1: .FFFBFBFBFBFBFBBB.        (one tick pairs B with F)
+
+and ZB-V, p = 2, m = 4, where rank 0 holds back a tick so that each of its
+sends travels with one of rank 1's (10 ticks with messages instead of 14)::
+
+  rank 0: FFFFI.WFIWFIWFIWIWFIWIWIW
+  rank 1: .FFFFIWFIWFIWFIWFIWIIIWWW
 
 **Fused or split.** A schedule with ``B`` actions is laid out twice: each
 ``B`` as one ``B`` block, and each ``B`` as an ``I`` and then a ``W``. The
@@ -43,13 +50,16 @@ fused table is kept when its lock-step time is at most
 ``Schedule.simulate``'s (costs ``F = 1, B = 2``: the schedule as written);
 else the split one, which never exceeds it (its ``I`` sends the cotangent
 when it ends, a tick before ``B`` would). GPipe and interleaved 1F1B run
-fused. 1F1B runs split: in its steady state rank ``r`` runs a backward
-while its neighbours run a forward (their order and the one-tick message
-delay fix that), so a fused ``B`` stretches every tick to two units (p = 4,
-m = 8: 39 against 33)::
+fused, 1F1B and DualPipeV split. In 1F1B's steady state rank ``r`` runs a
+backward while its neighbours run a forward (their order and the one-tick
+message delay fix that), so a fused ``B`` would stretch every tick to two
+units (p = 4, m = 8: 39 against 33); split, the early cotangent even beats
+the schedule as written (30)::
 
-  1F1B p=2 m=3, split:  rank 0: FF.IWFIWIW.IW      (lock-step 12)
-                        rank 1: .FIWFIWFIW...
+  GPipe p=2 m=3, fused:  rank 0: FFF..BBB       lock-step 12 = simulate's
+                         rank 1: .FFFBBB.
+  1F1B p=2 m=3, split:   rank 0: F.FIWFIW.IW    lock-step 11, simulate's 12
+                         rank 1: .FIWFIWFIW.
 
 The lookahead is bounded (``_LOOKAHEAD`` blocks placed by its tries per
 table): past it, each tick runs every ready block.
@@ -420,13 +430,14 @@ def _pack(blocks: _Blocks) -> _Packing:
   """The blocks in ticks by list scheduling with a one-step lookahead (the
   module doc): each tick takes the choice whose plain finish has the least
   lock-step time, then the fewest messages. Holding back one rank is tried
-  in the first ``3 p`` ticks (it sets the ranks' phases); all tries stop
-  after ``_LOOKAHEAD`` blocks placed."""
+  in the first ``3 p`` ticks (it sets the ranks' phases) with half of
+  ``_LOOKAHEAD`` (the blocks its tries may place), all tries with all of
+  it."""
   packing, budget = _Packing(blocks), _LOOKAHEAD
   while not packing.done:
     ready = packing.ready()
-    choices = (_choices(packing, ready, drops=packing.t < 3 * len(blocks.rows))
-               if budget > 0 else [ready])
+    drops = packing.t < 3 * len(blocks.rows) and budget > _LOOKAHEAD // 2
+    choices = _choices(packing, ready, drops=drops) if budget > 0 else [ready]
     best, best_score = ready, None
     for choice in choices[1:] and choices:
       trial = packing.copy()
