@@ -38,7 +38,7 @@ def mesh(**sizes):
 
 def one_step(model, loss):
   """The one-device reference: ``(loss, params after one SGD step)``."""
-  value, grads = nnx.value_and_grad(loss)(model)
+  value, grads = nnx.jit(nnx.value_and_grad(loss))(model)
   params = jax.tree.map(lambda p, g: p - LR * g, nnx.state(model, nnx.Param),
                         nnx.state(grads, nnx.Param))
   return value, nnx.to_pure_dict(params)
@@ -228,35 +228,32 @@ def t5_batch(size=8):
 
 
 def t5_reference(batch):
-  (inputs, targets) = batch
+  inputs, targets = batch
   return one_step(T5(nnx.Rngs(0)), lambda m: xent(
       m(inputs['src'], inputs['tgt']), targets))
 
 
-def test_encoder_decoder_cut_float64(x64):
-  """The three functions of the cut, composed on one device, are the model:
-  loss and gradients (the shared embedding tied: one param)."""
-  batch = t5_batch(4)
+@pytest.mark.parametrize('layout', ['zero_bubble_v', '3d-rules'])
+def test_encoder_decoder_pipelines_both_stacks_float64(x64, layout):
+  """5 layers (2 encoder, its final norm, 2 decoder) on the stages; the
+  decoder blocks read the encoder output and the padding mask from the
+  carried activation. ZB-V (4 stages on 2 ranks), and 1F1B over data x
+  stage x tensor with Megatron rules."""
+  batch = t5_batch()
   model = T5(nnx.Rngs(0))
-  pm = jaxpar.parallel.from_nnx(model, num_stages=2, **T5_CUT)
+  if layout == 'zero_bubble_v':
+    schedule, sizes, rules = (jaxpar.pipeline.zero_bubble_v(2, 2),
+                              dict(data=2, stage=2), None)
+  else:
+    schedule, sizes, rules = (jaxpar.pipeline.one_f_one_b(2, 2),
+                              dict(data=2, stage=2, tensor=2), T5_RULES)
+  pm = jaxpar.parallel.from_nnx(model, num_stages=schedule.num_stages,
+                                tensor_rules=rules, **T5_CUT)
   assert sorted(pm.params.stages) == ['decoder.layers', 'encoder.final_norm',
                                       'encoder.layers']
-  assert pm.stage_mask.tolist() == [[True] * 3, [True, True, False]]
-  tied = pm.tied(pm.params, *batch)
-  assert tied == (('shared', 'embedding'),)
-  embed_fn, stage_fn, head_loss_fn = pm.functions
-
-  def loss(pp):
-    a = embed_fn(pp.embed, batch[0])
-    for k in range(2):
-      a = stage_fn(jax.tree.map(lambda s: s[k], pp.stages), a)
-    head = {**pp.head, 'shared': pp.embed['shared']}
-    return head_loss_fn(head, a, batch[1])
-  value, grads = jax.value_and_grad(loss)(pm.params)
-  want, want_grads = nnx.value_and_grad(lambda m: xent(
-      m(batch[0]['src'], batch[0]['tgt']), batch[1]))(T5(nnx.Rngs(0)))
-  tree_allclose((value, grads),
-                (want, pm.from_state(nnx.state(want_grads, nnx.Param))))
+  assert pm.tied(pm.params, *batch) == (('shared', 'embedding'),)
+  got = pipelined_step(pm, model, batch, schedule, mesh=sizes)
+  tree_allclose(got, t5_reference(batch))
 
 
 # ----------------------------------------- a fused projection over `tensor`

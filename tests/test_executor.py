@@ -646,6 +646,42 @@ def test_one_rank_runs_no_ticks():
   assert data_dependent_control_flow(text) == {'while': 0, 'conditional': 0}
 
 
+def scanned_stage(w, x):
+  """A stage of stacked residual tanh layers run by one ``lax.scan``."""
+  return jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), x, w)[0]
+
+
+def matmul_loss(head, y, t):
+  return jnp.mean((y @ head - t) ** 2)
+
+
+def test_one_rank_remats_a_scanned_stage_layer_by_layer(x64):
+  """One rank: the stash policy applies per layer of a scanned stage (not
+  to the whole stage, whose backward would hold every layer's residuals
+  again), exactly; 'nothing' then holds under half the temp memory of
+  'everything'."""
+  rng = np.random.default_rng(0)
+  w = rng.normal(size=(1, 8, 32, 32)) / 8   # 1 stage of 8 layers
+  head, x, t = (rng.normal(size=(64 if k else 32, 32)) for k in range(3))
+
+  def reference(w, head, x):
+    split = lambda a: a.reshape((2, -1) + a.shape[1:])
+    return jnp.mean(jax.vmap(lambda x, t: matmul_loss(
+        head, scanned_stage(w[0], x), t))(split(x), split(t)))
+  want = jax.value_and_grad(reference, (0, 1, 2))(w, head, x)
+  temps = {}
+  for policy in ('everything', 'nothing'):
+    step = pipeline_value_and_grad(
+        scanned_stage, matmul_loss, schedule=sch.one_f_one_b(1, 2),
+        mesh=mesh_for(1), remat_policy=policy)
+    out = step(w, head, x, t)
+    tree_allclose((out.loss, out.grads[:3]), want, rtol=1e-12,
+                  atol_scale='leaf')
+    temps[policy] = step.lower(w, head, x, t).compile().memory_analysis(
+        ).temp_size_in_bytes
+  assert temps['nothing'] < temps['everything'] / 2, temps
+
+
 # -- model state that is not a parameter (BatchNorm statistics) ---------------
 
 

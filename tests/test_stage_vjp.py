@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar import pipeline as pp
@@ -360,3 +361,72 @@ def test_w_recompute_keeps_nothing_and_is_exact(x64, fn):
   want_dw, want_dx = jax.vjp(fn, w, x)[1](dy)
   assert kept == []
   tree_allclose((dx, dw), (want_dx, want_dw), rtol=1e-12, atol=1e-12)
+
+
+def tensor_mlp(w, x):
+  """Megatron's MLP over ``tensor`` (``a``'s and ``b``'s columns split):
+  the stage input and each layer's sum over devices are replicated."""
+  for k in range(w['a'].shape[0]):
+    x = x + jax.lax.psum(jnp.tanh(x @ w['a'][k]) @ w['b'][k].T, 'tensor')
+  return x
+
+
+def scanned_tensor_mlp(w, x):
+  return jax.lax.scan(lambda x, ab: (tensor_mlp(
+      {'a': ab[0][None], 'b': ab[1][None]}, x), None), x, (w['a'], w['b']))[0]
+
+
+@pytest.mark.parametrize('fn', [tensor_mlp, scanned_tensor_mlp])
+def test_stash_is_split_over_tensor_and_exact(x64, fn):
+  """On 2 devices of ``tensor``: the replicated stash leaves (the stage
+  input, the layers' sums; not the partial products) are stored halved
+  and gathered in the backward; I, W and the fused backward are exact."""
+  w, rng = params(), np.random.default_rng(5)
+  x, dy = rng.normal(size=(MB, D)), rng.normal(size=(MB, D))
+  mesh = jaxpar.make_mesh(tensor=2, devices=jax.devices()[:2])
+  split = P(None, None, 'tensor')
+  shapes = []
+
+  def body(w, x, dy):
+    stage, stash = split_blocks(fn, w, x, dy)
+    shapes.extend(a.shape for a in stash)
+    dx, kept = stage.input_grad(w, stash, dy)
+    return (dx, stage.weight_grad(w, stash, dy, kept),
+            stage.backward(w, stash, dy), jax.vjp(fn, w, x)[1](dy))
+  specs = {'a': split, 'b': split}   # dw is split as w is, dx replicated
+  run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P()),
+                              out_specs=(P(), specs, (specs, P()),
+                                         (specs, P()))))
+  w = jax.device_put(w, jax.NamedSharding(mesh, split))
+  dx, dw, (dw_b, dx_b), (want_dw, want_dx) = run(w, x, dy)
+  tree_allclose((dx, dw, dx_b, dw_b), (want_dx, want_dw, want_dx, want_dw),
+                rtol=1e-12, atol=1e-12)
+  # 'dots': the input and L - 1 sums (the last feeds y alone) halved, the
+  # L products x @ a whole (they differ per device)
+  halved, whole = (MB, D // 2), (MB, D)
+  if fn is scanned_tensor_mlp:
+    halved, whole = (L,) + halved, (L,) + whole
+    assert sorted(shapes) == sorted([(MB, D // 2), halved, whole]), shapes
+  else:
+    assert sorted(shapes) == sorted([halved] * L + [whole] * L), shapes
+
+
+def widening(w, x):
+  """A product summed in float32 from bfloat16 operands (attention logits)."""
+  logits = jnp.dot(x, w['a'][0], preferred_element_type=jnp.float32)
+  return x + jax.nn.softmax(logits).astype(x.dtype) @ w['b'][0].T
+
+
+def test_bf16_stash_holds_no_widened_product():
+  """'dots' recomputes a product wider than its operands from them: the
+  stash is bf16 (x and nothing else), the halves still the VJP."""
+  w = params(dtype=jnp.bfloat16)
+  rng = np.random.default_rng(6)
+  x, dy = (jnp.asarray(rng.normal(size=(MB, D)), jnp.bfloat16)
+           for _ in range(2))
+  stage, stash = split_blocks(widening, w, x, dy)
+  assert [(a.shape, a.dtype) for a in stash] == [((MB, D), jnp.bfloat16)]
+  dx, kept = jax.jit(stage.input_grad)(w, stash, dy)
+  dw = jax.jit(stage.weight_grad)(w, stash, dy, kept)
+  want_dw, want_dx = jax.vjp(widening, w, x)[1](dy)
+  tree_allclose((dx, dw), (want_dx, want_dw), rtol=1e-2, atol=1e-2)

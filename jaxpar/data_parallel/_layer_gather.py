@@ -7,8 +7,8 @@ params' types and evaluates the jaxpr with each split param held as its
 slice, gathering it where it is used:
 
 * an elementwise operation of a slice alone (with scalars: a cast to the
-  compute dtype, a scale) runs on the slice, so ``compute_dtype=bfloat16``
-  gathers bf16;
+  compute dtype, a scale) that does not widen its dtype runs on the slice,
+  so ``compute_dtype=bfloat16`` gathers bf16;
 * a ``lax.scan`` that reads a slice as ``xs`` (a stacked ``[L, ...]`` leaf
   split on a dim after the layer dim) takes it sliced, and each iteration
   gathers its own layer inside the body: the forward holds one layer's
@@ -133,6 +133,10 @@ def _not_gathers(data_axis: str) -> Callable[..., bool]:
   return policy
 
 
+def _itemsize(x: Any) -> int:
+  return np.dtype(x.aval.dtype if isinstance(x, jex.Var) else x.dtype).itemsize
+
+
 def _is_scalar(x: Any) -> bool:
   return not isinstance(x, Slice) and np.ndim(x) == 0
 
@@ -179,7 +183,8 @@ class _Gathering:
       s = ins[0]
       return [s._replace(value=vma.vary(s.value, eqn.params['axes']))]
     if (name in _ON_SLICE and len(slices) == 1 and len(eqn.outvars) == 1
-        and all(isinstance(x, Slice) or _is_scalar(x) for x in ins)):
+        and all(isinstance(x, Slice) or _is_scalar(x) for x in ins)
+        and _itemsize(eqn.outvars[0]) <= _itemsize(slices[0].value)):
       s = slices[0]
       value, = _jaxpr.bind(eqn, [s.value if isinstance(x, Slice) else x
                                  for x in ins])

@@ -5,7 +5,11 @@ reads too).
 ``embed`` and ``head_loss`` run on a copy of the whole model with their
 part's params (the others zero; ``_check_reads`` refuses a function that
 reads them, tied embed params aside); a stage runs its blocks, the user's
-own module, in one ``lax.scan``, threading their ``nnx.BatchStat`` s.
+own module called by the kind's ``block(b, x)`` on the carried activation
+(any pytree), in one ``lax.scan``, threading their ``nnx.BatchStat`` s;
+with several kinds a ``lax.switch`` runs the slot's own. Under tensor rules
+a stage first checks, once per signature, that XLA needs no
+``collective-permute`` to partition a block (``_split_blocks``).
 """
 
 from __future__ import annotations

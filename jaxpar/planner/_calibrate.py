@@ -64,6 +64,8 @@ from jaxpar.planner._profile import Profile
 _SIZES = (2**12, 2**20, 2**23)   # bytes of the collective buffers timed
 _ROWS = (1, 2, 4, 8, 16, 32)    # sequences per microbatch of the blocks timed
 _HBM_BYTES = 2**28              # the in-place add: 256 MiB
+# Sequences per microbatch at which the blocks are timed apart and the head.
+_FACTOR_ROWS = (_ROWS[0], _ROWS[4])
 
 
 def _rounds(calls: Sequence[tuple[Callable, int]], rounds: int
@@ -106,15 +108,24 @@ def _global(mesh, host: np.ndarray, spec: P = P()) -> jax.Array:
 
 
 class _Blocks(NamedTuple):
-  """One GPT block as the executor runs it (``pipeline.StageVJP``), jitted
-  over ``mesh`` (axis ``tensor``): ``run(params, x)`` its ``F``, ``I`` and
-  ``W`` in one program; ``kinds`` the three as separate programs, as the
+  """A stage of ``slots`` GPT blocks as the executor runs it, jitted over
+  ``mesh`` (axis ``tensor``): ``run(params, x)`` its ``F``, ``I`` and ``W``
+  in one program; ``kinds`` the four blocks as separate programs, as the
   tick scan runs them: ``F(params, x) -> (y, stash)``, ``I(params, x,
-  stash, dy) -> (dx, kept)``, ``W(params, x, stash, dy, kept) -> grads``."""
+  stash, dy) -> (dx, kept)``, ``W(params, x, stash, dy, kept) -> grads``,
+  ``B(params, x, stash, dy) -> (grads, dx)``; ``head(ends, ids)`` the
+  embedding, head and loss, forward and backward; on one device
+  ``plain(x)`` a call of the one-rank step's program on the host
+  microbatch ``x`` (the executor's one-rank path: ``jax.value_and_grad``
+  of the stage and a loss, one microbatch)."""
   run: Callable
-  kinds: tuple[Callable, Callable, Callable]
+  kinds: tuple[Callable, Callable, Callable, Callable]
+  head: Callable
+  plain: Callable[[np.ndarray], Callable] | None
   params: Any
+  ends: Any
   mesh: Any
+  slots: int
 
 
 def _varying(x: jax.Array) -> jax.Array:
@@ -124,7 +135,7 @@ def _varying(x: jax.Array) -> jax.Array:
 
 
 def _fresh(w, x) -> StageVJP:
-  """A ``StageVJP`` of one GPT block traced at ``x``."""
+  """A ``StageVJP`` of a GPT stage traced at ``x``."""
   vjp = StageVJP(gpt.stage_fn)
   vjp.trace(w, _varying(x))
   return vjp
@@ -146,6 +157,10 @@ def _weight_grad(w, x, stash, dy, kept):
   return vjp.weight_grad(w, stash, dy, kept)
 
 
+def _backward(w, x, stash, dy):
+  return _fresh(w, x).backward(w, stash, dy)
+
+
 def _all_blocks(w, x):
   vjp = StageVJP(gpt.stage_fn)
   vjp.trace(w, x)
@@ -155,18 +170,58 @@ def _all_blocks(w, x):
   return dx, vjp.weight_grad(w, stash, y, kept)
 
 
+def _plain(device, stage: Any) -> Callable[[np.ndarray], Callable]:
+  """``plain(x)``: a call of the executor's one-rank step of ``stage``
+  (host params ``[slots, ...]``) and a cheap loss on the host microbatch
+  ``x``, on ``device``: what a stage rank without a pipeline runs per
+  microbatch (``pipeline_value_and_grad_local``, as the trainers call it)."""
+  mesh = jax.sharding.Mesh(np.asarray([device]).reshape(1, 1),
+                           ('stage', 'tensor'))
+  specs = jax.tree.map(lambda spec: P('stage', *spec),
+                       tensor_parallel.param_specs(stage,
+                                                   rules=gpt.TENSOR_RULES),
+                       is_leaf=lambda x: isinstance(x, P))
+  table = pipeline.tick_table(pipeline.one_f_one_b(1, 1))
+
+  def local(w, x):
+    return pipeline.pipeline_value_and_grad_local(
+        gpt.stage_fn, lambda s, y, t: jnp.mean(y * t), w, (), x, x,
+        table=table, input_grads=False).grads.stages
+  step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P()),
+                               out_specs=specs))
+  params = jax.tree.map(lambda a, s: _global(mesh, a[None], s), stage, specs)
+  return lambda x: functools.partial(step, params, _global(mesh, x))
+
+
+def _head_program(mesh, ends: tuple) -> tuple[Callable, tuple]:
+  """The GPT's embedding, head and loss, forward and backward, jitted over
+  ``mesh``; and ``ends`` (host ``(embed, head)``) placed for it."""
+  def loss(ends, ids):
+    embed, head = ends
+    return gpt.head_loss_fn(head, gpt.embed_fn(embed, ids), ids)
+  specs = tuple(tensor_parallel.param_specs(part, rules=gpt.TENSOR_RULES)
+                for part in ends)
+  placed = jax.tree.map(lambda a, s: _global(mesh, a, s), ends, specs)
+  return jax.jit(jax.shard_map(jax.value_and_grad(loss), mesh=mesh,
+                               in_specs=(specs, P()),
+                               out_specs=(P(), specs))), placed
+
+
 @functools.lru_cache(maxsize=8)
 def _stage_blocks(spec: ModelSpec, devices: tuple) -> _Blocks:
-  """One GPT block of ``spec``'s width, heads and sequence, split over
+  """A stage of ``min(2, layers)`` GPT blocks of ``spec``'s width, heads
+  and sequence (a scan over its slots, as a step's stage is), split over
   ``devices`` as ``tensor`` (one device: not split); built once per
   ``devices``, compiled once per microbatch size."""
+  slots = min(2, spec.num_layers)
   config = gpt.GPTConfig(d_model=spec.d_model, num_heads=spec.num_heads,
-                         seq_len=spec.seq_len, num_layers=1, vocab_size=8)
+                         seq_len=spec.seq_len, num_layers=slots,
+                         vocab_size=max(spec.vocab_size, 8))
   shapes = gpt.gpt_params(nnx.eval_shape(
       lambda: gpt.GPT(config, rngs=nnx.Rngs(0))))
   host = jax.tree.map(lambda s: np.full(s.shape, 0.01, s.dtype), shapes)
-  stage = jax.tree.map(lambda a: np.asarray(a[0]), gpt.split_for_pipeline(
-      host, num_stages=1)[0].stages)
+  split = gpt.split_for_pipeline(host, num_stages=1)[0]
+  stage = jax.tree.map(lambda a: np.asarray(a[0]), split.stages)
   mesh = jax.sharding.Mesh(np.asarray(devices), ('tensor',))
   specs = tensor_parallel.param_specs(stage, rules=gpt.TENSOR_RULES)
   params = jax.tree.map(lambda a, s: _global(mesh, a, s), stage, specs)
@@ -176,9 +231,12 @@ def _stage_blocks(spec: ModelSpec, devices: tuple) -> _Blocks:
   t = P('tensor')
   kinds = (on(_forward, (specs, P()), (t, t)),
            on(_input_grad, (specs, P(), t, t), (t, t)),
-           on(_weight_grad, (specs, P(), t, t, t), t))
-  return _Blocks(on(_all_blocks, (specs, P()), (P(), specs)), kinds, params,
-                 mesh)
+           on(_weight_grad, (specs, P(), t, t, t), t),
+           on(_backward, (specs, P(), t, t), (specs, t)))
+  head, ends = _head_program(mesh, (split.embed, split.head))
+  plain = _plain(devices[0], stage) if len(devices) == 1 else None
+  return _Blocks(on(_all_blocks, (specs, P()), (P(), specs)), kinds, head,
+                 plain, params, ends, mesh, slots)
 
 
 def _block_seconds(spec: ModelSpec, devices: Sequence, rows: int,
@@ -190,61 +248,76 @@ def _block_seconds(spec: ModelSpec, devices: Sequence, rows: int,
   return _seconds(blocks.run, blocks.params, x, repeats=repeats)
 
 
+def _microbatch(spec: ModelSpec, rows: int) -> np.ndarray:
+  return np.ones((rows, spec.seq_len, spec.d_model), np.float32)
+
+
 def _block_rates(spec: ModelSpec, device,
                  repeats: int) -> tuple[tuple[float, float], ...]:
-  """``((tokens, FLOP/s), ...)`` of one block's F+I+W on ``device`` at each
-  of ``_ROWS`` sequences per microbatch: the median of ``2 * repeats``
-  rounds over the sizes (load that comes and goes falls on all of them
-  alike), each sample at least ``_ROWS[3]`` sequences of work (a small
-  microbatch's call is repeated: one call of 10 ms varies by +-20% with
-  another process on the cores)."""
+  """``((tokens, FLOP/s), ...)`` of a layer's forward and backward in the
+  one-rank step's program (a stage of ``slots`` layers) on ``device`` at
+  each of ``_ROWS`` sequences per microbatch: the median of ``2 *
+  repeats`` rounds over the sizes (load that comes and goes falls on all
+  of them alike), each sample at least ``_ROWS[3]`` sequences of work (a
+  small microbatch's call is repeated: one call of 10 ms varies by +-20%
+  with another process on the cores)."""
   blocks = _stage_blocks(spec, (device,))
-  calls = []
-  for r in _ROWS:
-    x = _global(blocks.mesh, np.ones((r, spec.seq_len, spec.d_model),
-                                     np.float32))
-    calls.append((functools.partial(blocks.run, blocks.params, x),
-                  max(1, _ROWS[3] // r)))
+  calls = [(blocks.plain(_microbatch(spec, r)), max(1, _ROWS[3] // r))
+           for r in _ROWS]
   seconds = _rounds(calls, 2 * repeats)
-  return tuple((float(r * spec.seq_len),
-                3 * spec.flops.per_device(1) * r * spec.seq_len / s)
+  return tuple((float(r * spec.seq_len), 3 * spec.flops.per_device(1) * r
+                * spec.seq_len * blocks.slots / s)
                for r, s in zip(_ROWS, seconds))
 
 
-def _block_shares(spec: ModelSpec, device,
-                  repeats: int) -> tuple[float, float, float]:
-  """The shares of ``F``, ``I`` and ``W`` in one block's ``F + I + W`` at
-  ``_ROWS[3]`` sequences, each run as its own program as the tick scan
-  runs it (``I`` holds the backward's non-matmul work: on a CPU ~40%)."""
+def _kinds_and_head(spec: ModelSpec, device, repeats: int
+                    ) -> tuple[tuple, tuple]:
+  """``(kind_factors, head_seconds)`` at ``_FACTOR_ROWS`` sequences: the
+  pipeline's ``F``, ``I``, ``W`` and fused ``B``, each its own program as
+  the tick scan runs it, in seconds per second of the one-rank program
+  (on a CPU ``I`` holds the backward's non-matmul work, and each block
+  pays its own program's fixed costs); the GPT's embedding, head and
+  loss, forward and backward, in seconds (none for a model that is not a
+  GPT). In rounds over all of them, as ``_block_rates``."""
   blocks = _stage_blocks(spec, (device,))
-  f, i, w = blocks.kinds
-  x = _global(blocks.mesh, np.ones((_ROWS[3], spec.seq_len, spec.d_model),
-                                   np.float32))
-  y, stash = f(blocks.params, x)
-  _, kept = i(blocks.params, x, stash, y)
-  seconds = _rounds([(functools.partial(f, blocks.params, x), 1),
-                     (functools.partial(i, blocks.params, x, stash, y), 1),
-                     (functools.partial(w, blocks.params, x, stash, y, kept),
-                      1)], 2 * repeats)
-  return tuple(float(s / sum(seconds)) for s in seconds)
+  f, i, w, b = blocks.kinds
+  calls = []
+  for r in _FACTOR_ROWS:
+    k = max(1, _ROWS[3] // r)
+    x = _global(blocks.mesh, _microbatch(spec, r))
+    y, stash = f(blocks.params, x)
+    _, kept = i(blocks.params, x, stash, y)
+    ids = _global(blocks.mesh, np.zeros((r, spec.seq_len), np.int32))
+    calls += [(blocks.plain(_microbatch(spec, r)), k)] + [
+        (functools.partial(fn, blocks.params, *args), k)
+        for fn, args in ((f, (x,)), (i, (x, stash, y)),
+                         (w, (x, stash, y, kept)), (b, (x, stash, y)))] + [
+        (functools.partial(blocks.head, blocks.ends, ids), k)]
+  seconds = np.reshape(_rounds(calls, 2 * repeats), (len(_FACTOR_ROWS), 6))
+  tokens = [float(r * spec.seq_len) for r in _FACTOR_ROWS]
+  factors = tuple((t, tuple(float(x / s[0]) for x in s[1:5]))
+                  for t, s in zip(tokens, seconds))
+  head = (tuple((t, float(s[5])) for t, s in zip(tokens, seconds))
+          if spec.vocab_size > 1 else ())
+  return factors, head
 
 
-def _tensor_efficiency(spec: ModelSpec, devices: Sequence, probe: Profile,
-                       repeats: int) -> float:
-  """The share of the ideal 2-fold speed-up of one block's FLOPs split over
-  2 devices as ``tensor`` (the middle of ``_ROWS``; its fixed costs and 4
-  activation all-reduces, costed by ``probe``, taken out); 1 without 2
-  devices or a 2-way split of the model."""
+def _tensor_efficiency(spec: ModelSpec, device, devices: Sequence,
+                       probe: Profile, repeats: int) -> float:
+  """The share of the ideal 2-fold speed-up of a stage's ``F + I + W``
+  split over 2 devices as ``tensor``, against the same program on
+  ``device`` alone (the middle of ``_ROWS``; its 4 activation all-reduces
+  per layer, costed by ``probe``, taken out); 1 without 2 devices or a
+  2-way split of the model."""
   if len(devices) < 2 or 2 not in spec.tensor_sizes(2):
     return 1.0
   rows = _ROWS[len(_ROWS) // 2]
-  tokens = rows * spec.seq_len
-  rate, per_block = probe.rate(tokens)
-  ideal = 3 * spec.flops.per_device(2) * tokens / rate
-  comm = 4 * probe.collective('all-reduce', tokens * spec.d_model * 4, 2)
-  seconds = (_block_seconds(spec, devices[:2], rows, repeats) - comm
-             - 3 * per_block)
-  return float(np.clip(ideal / max(seconds, 1e-9), 0.05, 1.0))
+  slots = _stage_blocks(spec, (device,)).slots
+  comm = 4 * slots * probe.collective(
+      'all-reduce', rows * spec.seq_len * spec.d_model * 4, 2)
+  one = _block_seconds(spec, [device], rows, repeats)
+  two = _block_seconds(spec, devices[:2], rows, repeats) - comm
+  return float(np.clip(one / 2 / max(two, 1e-9), 0.05, 1.0))
 
 
 def _tiny_step(mesh, m: int) -> tuple[Callable, tuple]:
@@ -362,7 +435,7 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   mine = [d for d in devices if d.process_index == jax.process_index()]
   device = (mine or jax.local_devices())[0]   # this process's first
   rates = _block_rates(spec, device, repeats)
-  shares = _block_shares(spec, device, repeats)
+  factors, head = _kinds_and_head(spec, device, repeats)
   alpha, beta = _links(devices, repeats) if len(devices) > 1 else (0.0, 1e30)
   hbm = _hbm_bandwidth(device, repeats)
   per_mb = _per_tick([device], 0.0, repeats)
@@ -370,23 +443,35 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   if len(devices) > 1:   # a tick of 2 ranks; one 32-byte message costs:
     tick = _per_tick(devices[:2], alpha + 32 / beta, repeats)
   alpha, beta, hbm, per_mb, tick, *flat = _shared(
-      [alpha, beta, hbm, per_mb, tick, *shares, *(r for _, r in rates)])
-  shares, flat = tuple(flat[:3]), flat[3:]
-  rates = tuple(zip((t for t, _ in rates), flat))
-  probe = Profile('probe', max(flat), 0.0, hbm, beta, alpha,
-                  block_rates=rates, block_shares=shares)
-  share = _shared([_tensor_efficiency(spec, devices, probe, repeats)])[0]
+      [alpha, beta, hbm, per_mb, tick, *(r for _, r in rates),
+       *(x for _, xs in factors for x in xs), *(s for _, s in head)])
+  rates = tuple(zip((t for t, _ in rates), flat[:len(rates)]))
+  flat = flat[len(rates):]
+  factors = tuple((t, tuple(flat[4 * k:4 * k + 4]))
+                  for k, (t, _) in enumerate(factors))
+  head = tuple(zip((t for t, _ in head), flat[4 * len(factors):]))
+  f, i, w, _ = factors[-1][1]
+  probe = Profile('probe', max(r for _, r in rates), 0.0, hbm, beta, alpha,
+                  block_rates=rates,
+                  block_shares=(f / (f + i + w), i / (f + i + w),
+                                w / (f + i + w)),
+                  kind_factors=factors, head_seconds=head)
+  share = _shared([_tensor_efficiency(spec, device, devices, probe,
+                                      repeats)])[0]
   return probe._replace(
       name=f'measured ({device.platform} x{len(devices)})',
       memory_bytes=_memory_bytes(device), node_devices=len(devices),
       tick_overhead=tick, microbatch_overhead=per_mb,
       tensor_efficiency=share,
       source=f'micro-benchmark on {len(devices)} {device.platform} devices: '
-      f"one GPT block's F, I, W at {', '.join(map(str, _ROWS))} sequences, "
-      f'each apart at {_ROWS[3]}, and split over 2 devices as tensor; psum, all_gather, psum_scatter, '
-      f'ppermute at {", ".join(map(str, _SIZES))} bytes; an in-place add '
-      f'of {_HBM_BYTES >> 20} MiB; a 1F1B step of an [8, 8] layer at 4 '
-      'and 16 microbatches on 1 and 2 ranks')
+      f"a stage of {_stage_blocks(spec, (device,)).slots} GPT blocks in the "
+      f"executor's one-rank step at {', '.join(map(str, _ROWS))} sequences; "
+      f'its F, I, W and B apart and the embedding, head and loss at '
+      f'{" and ".join(map(str, _FACTOR_ROWS))}; F+I+W split over 2 devices '
+      'as tensor; psum, all_gather, psum_scatter, ppermute at '
+      f'{", ".join(map(str, _SIZES))} bytes; an in-place add of '
+      f'{_HBM_BYTES >> 20} MiB; a 1F1B step of an [8, 8] layer at 4 and 16 '
+      'microbatches on 1 and 2 ranks')
 
 
 def measure_profile(spec: ModelSpec, devices: Sequence, *,

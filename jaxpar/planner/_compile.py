@@ -31,7 +31,8 @@ from jaxpar.planner._source import Source, build_trainer
 def shape_key(layout: Layout) -> tuple:
   """What fixes a step's buffers apart from the schedule's slots."""
   return (layout.data, layout.stage, layout.tensor, layout.num_stages,
-          layout.num_microbatches, layout.zero_stage, layout.remat_policy)
+          layout.num_microbatches, layout.zero_stage, layout.remat_policy,
+          layout.w_recompute)
 
 
 def step_bytes(src: Source, devices: Sequence, layout: Layout,

@@ -31,6 +31,10 @@ SCHEDULES = pipeline.STAGES_PER_RANK   # constructor -> stages per rank
 # trainers' ``train_state.REMAT_POLICIES``).
 CANDIDATE_REMAT_POLICIES = ('dots', 'nothing', 'everything')
 ZERO_STAGES = (0, 1, 3)
+# Interleaved 1F1B's chunks per rank tried by default: 2 up to this.
+MAX_VIRTUAL_STAGES = 8
+# ``TickTable.kind`` codes of the split backward's blocks (I = 3, W = 4).
+KIND_I = pipeline.KIND_CODES['I']
 
 
 class SearchArgs(NamedTuple):
@@ -68,6 +72,9 @@ class Layout(NamedTuple):
     remat_policy: what the backward keeps of each stage's forward: the
       trainers' ``remat_policy``, a name of ``STASH_POLICIES``.
     virtual_stages: chunks per rank of interleaved 1F1B (else 1).
+    w_recompute: the trainers' ``w_recompute``: ``I`` keeps nothing for
+      ``W``, which recomputes the input-gradient chain it needs (only for
+      schedules whose tick table has ``I``/``W`` cells).
     searched: with ``schedule_name='search'``, ``pipeline.search``'s
       arguments (``SearchArgs``); else ``None``.
   """
@@ -79,6 +86,7 @@ class Layout(NamedTuple):
   zero_stage: int = 0
   remat_policy: str = 'dots'
   virtual_stages: int = 1
+  w_recompute: bool = False
   searched: SearchArgs | None = None
 
   @property
@@ -109,10 +117,12 @@ class Layout(NamedTuple):
     return '-' if self.stage == 1 else self.schedule().name
 
   def describe(self) -> str:
-    """``'2x2x2 ZB-V m=4 ZeRO-1 dots'``: one line for tables."""
+    """``'2x2x2 ZB-V m=4 ZeRO-1 dots'`` (`` wrecompute`` appended with
+    ``w_recompute``): one line for tables."""
     return (f'{self.data}x{self.stage}x{self.tensor} '
             f'{self.schedule_label} m={self.num_microbatches} '
-            f'ZeRO-{self.zero_stage} {self.remat_policy}')
+            f'ZeRO-{self.zero_stage} {self.remat_policy}'
+            + (' wrecompute' if self.w_recompute else ''))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -135,7 +145,8 @@ def tick_table(layout_schedule: tuple) -> pipeline.TickTable:
 
 
 def schedule_key(layout: Layout) -> tuple:
-  """``(name, p, m, v, searched)``: what fixes a layout's schedule."""
+  """``(name, p, m, v, searched)``: what fixes a layout's schedule (and
+  its tick table: ``w_recompute`` changes the blocks, not the table)."""
   return (layout.schedule_name, layout.stage, layout.num_microbatches,
           layout.virtual_stages, layout.searched)
 
@@ -150,26 +161,40 @@ def factorisations(n: int) -> Iterator[tuple[int, int, int]]:
 
 
 def _schedules(p: int, m: int, num_layers: int,
-               virtual: Sequence[int]) -> Iterator[tuple[str, int]]:
-  """``(constructor, v)`` pairs that fit ``p`` ranks, ``m`` microbatches."""
+               virtual: Sequence[int] | None) -> Iterator[tuple[str, int]]:
+  """``(constructor, v)`` pairs that fit ``p`` ranks, ``m`` microbatches
+  (``virtual`` ``None``: every ``v`` from 2 to ``MAX_VIRTUAL_STAGES``)."""
   if p == 1:
     yield 'one_f_one_b', 1
     return
   for name, per_rank in SCHEDULES.items():
     if per_rank is None:
-      for v in virtual:
+      for v in virtual or range(2, MAX_VIRTUAL_STAGES + 1):
         if m % p == 0 and p * v <= num_layers:
           yield name, v
     elif p * per_rank <= num_layers:
       yield name, 1
 
 
+def has_weight_blocks(layout: Layout) -> bool:
+  """Whether the layout's tick table has ``I``/``W`` cells (a split
+  backward: what ``w_recompute`` changes)."""
+  return layout.stage > 1 and bool(
+      (tick_table(schedule_key(layout)).kind >= KIND_I).any())
+
+
 def layouts(spec: ModelSpec, *, devices: int, batch: int,
             zero_stages: Sequence[int] = ZERO_STAGES,
             remat_policies: Sequence[str] = CANDIDATE_REMAT_POLICIES,
             max_microbatches: int = 64,
-            virtual_stages: Sequence[int] = (2,)) -> list[Layout]:
+            virtual_stages: Sequence[int] | None = None,
+            w_recompute: Sequence[bool] = (False, True)) -> list[Layout]:
   """Every layout of ``spec`` on ``devices`` devices for a ``batch``.
+
+  ``virtual_stages``: interleaved 1F1B's chunks per rank to try (default
+  every ``v`` from 2 to ``MAX_VIRTUAL_STAGES`` with ``p * v`` no more than
+  the layers); ``w_recompute``: the values to try for layouts whose tick
+  table has ``I``/``W`` cells (the others: ``False``).
 
   Example:
     >>> from jaxpar.models import gpt
@@ -188,7 +213,9 @@ def layouts(spec: ModelSpec, *, devices: int, batch: int,
       if (batch // d) % m:
         continue
       for name, v in _schedules(s, m, spec.num_layers, virtual_stages):
+        split = has_weight_blocks(Layout(d, s, t, name, m, virtual_stages=v))
         for zero in (zero_stages if d > 1 else (0,)):
-          found += [Layout(d, s, t, name, m, zero, r, v)
-                    for r in remat_policies]
+          found += [Layout(d, s, t, name, m, zero, r, v, w)
+                    for r in remat_policies
+                    for w in (w_recompute if split else (False,))]
   return found

@@ -160,7 +160,13 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   stacked = 0.0 if policy == 'everything' else everything
   layers = shape.slots - (layout.stage > 1)
   gathered = stashed.replicated * (1 - 1 / t)
-  per_token = (layers * stacked + WORKING * everything
+  # With tensor > 1 the layer the backward is in holds its activations
+  # whole on every tensor rank (the all-reduced and all-gathered copies).
+  whole = 0.0
+  if t > 1:
+    full = spec.stash_of('everything')
+    whole = full.split + full.replicated
+  per_token = (layers * stacked + WORKING * everything + whole
                + shape.slots * gathered)
   return int(per_token * shape.tokens * spec.act_bytes)
 

@@ -74,6 +74,14 @@ class Profile(NamedTuple):
       1 on paper; measured on two devices (on a CPU, elementwise work that
       tensor parallelism repeats keeps it well below 1).
     source: where the numbers come from.
+    kind_factors: ``((tokens, (F, I, W, B)), ...)`` measured: each pipeline
+      block, run as its own program as the tick scan runs it, in seconds
+      per second of the one-rank program (``block_rates``) at that many
+      tokens per microbatch; empty: ``block_shares`` (``block_factors``).
+    head_seconds: ``((tokens, seconds), ...)`` measured: the embedding,
+      head and loss, forward and backward, for one microbatch of that many
+      tokens; a line through them (a fixed cost and one per token) gives
+      ``head``. Empty: the head's FLOPs at the block rate.
   """
   name: str
   flops: float
@@ -91,6 +99,44 @@ class Profile(NamedTuple):
   block_shares: tuple[float, float, float] = (1 / 3, 1 / 3, 1 / 3)
   tensor_efficiency: float = 1.0
   source: str = ''
+  kind_factors: tuple[tuple[float, tuple[float, ...]], ...] = ()
+  head_seconds: tuple[tuple[float, float], ...] = ()
+
+  def block_factors(self, tokens: float) -> dict[str, float]:
+    """``{'F', 'I', 'W', 'B'}``: each pipeline block's seconds per second of
+    the one-rank program at ``tokens`` per microbatch: ``kind_factors``
+    interpolated in log tokens (held at its ends), else ``block_shares``
+    (``B = I + W``).
+
+    Example:
+      >>> p = Profile('p', 1e9, 1, 1, 1, 1, kind_factors=(
+      ...     (64, (0.4, 0.6, 0.4, 0.8)), (256, (0.3, 0.4, 0.3, 0.6))))
+      >>> [round(v, 2) for v in p.block_factors(128).values()]
+      [0.35, 0.5, 0.35, 0.7]
+    """
+    if not self.kind_factors:
+      f, i, w = self.block_shares
+      return {'F': f, 'I': i, 'W': w, 'B': i + w}
+    at, values = zip(*self.kind_factors)
+    return {k: float(np.interp(np.log(tokens), np.log(at), column))
+            for k, column in zip('FIWB', zip(*values))}
+
+  def head(self, tokens: float) -> float | None:
+    """Seconds of the embedding, head and loss (forward and backward) of
+    one microbatch of ``tokens``: the line through ``head_seconds``
+    (``None`` without).
+
+    Example:
+      >>> p = Profile('p', 1e9, 1, 1, 1, 1, head_seconds=((64, 2e-3),
+      ...                                                  (1024, 5e-3)))
+      >>> round(p.head(2048), 6)
+      0.0082
+    """
+    if not self.head_seconds:
+      return None
+    (t0, s0), (t1, s1) = self.head_seconds[0], self.head_seconds[-1]
+    slope = (s1 - s0) / (t1 - t0) if t1 != t0 else 0.0
+    return max(s0 + slope * (tokens - t0), 0.0)
 
   def rate(self, tokens: float) -> tuple[float, float]:
     """``(FLOP/s, seconds of fixed cost per layer-block)`` of a block at

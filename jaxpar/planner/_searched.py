@@ -110,8 +110,9 @@ def _search(spec: ModelSpec, candidate: Any, args: SearchArgs,
              2 * x.stage: (True,)}.get(num_stages, ())
   for v_shape in options:
     layout = Layout(x.data, x.stage, x.tensor, 'search', x.num_microbatches,
-                    x.zero_stage, x.remat_policy, 1,
-                    args._replace(v_shape=v_shape))
+                    x.zero_stage, x.remat_policy,
+                    w_recompute=x.w_recompute,
+                    searched=args._replace(v_shape=v_shape))
     found = layout.schedule()
     if found.num_stages <= spec.num_layers and num_stages in (
         None, found.num_stages):

@@ -188,7 +188,8 @@ def build_trainer(src: Source, devices: Sequence, layout: Layout,
                    devices=list(devices)[:layout.devices])
   common = dict(schedule=layout.schedule(), mesh=mesh,
                 zero_stage=layout.zero_stage,
-                remat_policy=layout.remat_policy, **options)
+                remat_policy=layout.remat_policy,
+                w_recompute=layout.w_recompute, **options)
   if isinstance(functions, parallel.PipelineModel):
     return parallel.model_trainer(functions, optimizer, **common)
   return parallel.trainer(*functions, optimizer, stage_mask=mask,

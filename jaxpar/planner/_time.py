@@ -41,6 +41,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
+from jaxpar.pipeline import KIND_CODES
 from jaxpar.planner._layout import Layout, schedule_key, tick_table
 from jaxpar.planner._memory import shapes
 from jaxpar.planner._model import ModelSpec
@@ -52,6 +55,10 @@ RECOMPUTE = {'dots': 0.0, 'dots_no_batch': 0.15, 'nothing': 1.0,
 # Bytes the update streams per param element of the view: params read and
 # written, gradient read, two Adam moments read and written.
 UPDATE_PASSES = 7
+# One stage rank runs each microbatch's forward and backward as one
+# program (``value_and_grad``): its blocks split the plain time, whichever
+# way its table cuts the backward.
+ONE_RANK = {'F': 1 / 3, 'I': 1 / 3, 'W': 1 / 3, 'B': 2 / 3}
 
 
 class StepTime(NamedTuple):
@@ -79,20 +86,33 @@ class StepTime(NamedTuple):
 
 def block_costs(spec: ModelSpec, layout: Layout, profile: Profile,
                 tokens: int, n_slots: int) -> dict[str, float]:
-  """Seconds of one logical stage's ``F``, ``I``, ``W`` for one microbatch."""
+  """Seconds of one logical stage's ``F``, ``I``, ``W`` and fused ``B`` for
+  one microbatch.
+
+  ``plain``: the stage's forward and backward as the one-rank step runs
+  them (``Profile.rate``); one stage rank splits it as ``F + I + W`` or
+  ``F + B`` alike, a pipeline's blocks each cost their own program's share
+  of it (``Profile.block_factors``: measured, their sum above 1 on a CPU).
+  """
   t = layout.tensor
   rate, per_block = profile.rate(tokens)
   share = profile.tensor_efficiency if t > 1 else 1.0
-  three = 3 * n_slots * spec.flops.per_device(t) * tokens / rate / share
-  f, i, w = (three * s for s in profile.block_shares)
+  plain = 3 * n_slots * spec.flops.per_device(t) * tokens / rate / share
+  factors = (ONE_RANK if layout.stage == 1 else
+             profile.block_factors(tokens))
+  f, i, w, b = (plain * factors[k] for k in 'FIWB')
   act = tokens * spec.d_model * spec.act_bytes
   tp = n_slots * 2 * profile.collective('all-reduce', act, t, span=t)
   over = n_slots * per_block
   recompute = RECOMPUTE[layout.remat_policy] * f
+  backward_tp = tp + (tp if recompute else 0.0)
   grads = n_slots * spec.layer.per_device(t) * spec.param_bytes
+  add = 3 * grads / profile.hbm_bandwidth
+  again = f + tp if layout.w_recompute else 0.0   # W re-runs I's chain
   return {'F': f + tp + over,
-          'I': i + recompute + tp + over + (tp if recompute else 0.0),
-          'W': w + over + 3 * grads / profile.hbm_bandwidth}
+          'I': i + recompute + backward_tp + over,
+          'W': w + over + add + again,
+          'B': b + recompute + backward_tp + over + add}
 
 
 def _data_time(spec: ModelSpec, layout: Layout, profile: Profile,
@@ -122,6 +142,20 @@ def message_seconds(spec: ModelSpec, layout: Layout, profile: Profile,
                             2, span=layout.stage * layout.tensor)
 
 
+def head_seconds(spec: ModelSpec, layout: Layout, profile: Profile,
+                 tokens: int) -> float:
+  """Seconds of the embedding, head and loss, forward and backward, for
+  one microbatch: measured (``Profile.head``, its vocabulary split over
+  ``tensor``) or from the head's FLOPs at the block rate."""
+  measured = profile.head(tokens)
+  if measured is not None:
+    return measured * (spec.head_flops.per_device(layout.tensor)
+                       / spec.head_flops.per_device(1))
+  rate, per_block = profile.rate(tokens)
+  return (3 * spec.head_flops.per_device(layout.tensor) * tokens / rate
+          + per_block)
+
+
 def step_time(spec: ModelSpec, layout: Layout, *, batch: int,
               profile: Profile) -> StepTime:
   """Predicted seconds of ``layout``'s step on ``profile`` (module doc)."""
@@ -130,14 +164,14 @@ def step_time(spec: ModelSpec, layout: Layout, *, batch: int,
   table = tick_table(schedule_key(layout))
   comm = message_seconds(spec, layout, profile, shape.tokens)
   makespan = table.makespan(blocks, comm if layout.stage > 1 else 0.0)
-  rate, per_block = profile.rate(shape.tokens)
-  head = (3 * spec.head_flops.per_device(layout.tensor) * shape.tokens
-          / rate + per_block)
-  busy = (layout.stages_per_rank * layout.num_microbatches
-          * sum(blocks.values()))
+  cost = np.zeros(max(KIND_CODES.values()) + 1)
+  for kind, code in KIND_CODES.items():
+    cost[code] = blocks[kind]
+  busy = float(cost[table.kind].sum()) / layout.stage
   bubble = 1.0 - busy / makespan if layout.stage > 1 else 0.0
   fixed = (table.num_ticks * profile.tick_overhead if layout.stage > 1
            else layout.num_microbatches * profile.microbatch_overhead)
+  head = head_seconds(spec, layout, profile, shape.tokens)
   pipeline = makespan + layout.num_microbatches * head + fixed
   held = shape.held * spec.param_bytes
   data = _data_time(spec, layout, profile, held)

@@ -107,6 +107,11 @@ _ELEMENTWISE = frozenset((
     'squeeze', 'sub', 'tan', 'tanh', 'transpose', 'xor'))
 
 
+# Gathers over devices: ``W`` re-gathers a value (a stash leaf stored
+# split) rather than keep it whole for a deferred ``W``.
+_GATHERS = frozenset(('all_gather', 'all_gather_invariant'))
+
+
 # An item of a program: an eqn of the jaxpr, or one half of a cut scan.
 Item = Any
 
@@ -162,7 +167,8 @@ class _Level:
         self.cheap.update(eqn.outvars)
       elif eqn.primitive.name == 'scan':
         self._body(eqn)
-      elif (eqn.primitive.name in _ELEMENTWISE
+      elif ((eqn.primitive.name in _ELEMENTWISE
+             or eqn.primitive.name in _GATHERS)
             and all(v in self.cheap for v in ins)):
         self.cheap.update(eqn.outvars)
 
@@ -340,16 +346,40 @@ class _ScanHalf:
       outs = [_literal(v) if not is_var(v) else inner[v] for v in targets]
       return outs[:num_carry], outs[num_carry:]
     params, xs = scan.eqn.params, [_read(env, o) for _, o in self.xs]
-    if not self.carry and not self.stack and xs:
+    if not self.carry and not self.stack and xs and not _communicates(
+        self.items):
       # W of independent layers is a map: batched, it reads the kept stacks
       # in place (a loop's operands would be copies) and runs one batched
-      # matmul per weight instead of a loop of small ones.
+      # matmul per weight instead of a loop of small ones. Not with a
+      # collective (ZeRO-3's per-layer gather and reduce-scatter): batched,
+      # it would gather every layer's weights at once.
       env.update(zip(self.outvars, jax.vmap(lambda *x: step([], x)[1])(*xs)))
       return
     carry, ys = jax.lax.scan(
         step, [_read(env, o) for o in self.init], xs, length=params['length'],
         reverse=params['reverse'], unroll=params['unroll'])
     env.update(zip(self.outvars, [*carry, *ys]))
+
+
+# Primitives that communicate over mesh axes.
+_COLLECTIVES = frozenset((
+    'all_gather', 'all_gather_invariant', 'all_to_all', 'ppermute', 'psum',
+    'psum_invariant', 'reduce_scatter'))
+
+
+def _communicates(items: Sequence[Item]) -> bool:
+  """Whether ``items`` (their scan bodies too) hold a collective."""
+  for item in items:
+    if isinstance(item, _ScanHalf):
+      found = _communicates(item.items)
+    else:
+      inner = item.params.get('jaxpr')
+      found = item.primitive.name in _COLLECTIVES or (
+          inner is not None and _communicates(getattr(inner, 'eqns', None)
+                                              or inner.jaxpr.eqns))
+    if found:
+      return True
+  return False
 
 
 def _literal(v: jex.Literal) -> jax.Array:

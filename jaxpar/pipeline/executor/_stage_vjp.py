@@ -91,7 +91,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpar.pipeline.executor import _cut, _jaxpr, _vma
+from jaxpar.pipeline.executor import _cut, _jaxpr, _stash, _vma
 from jaxpar.pipeline.executor._microbatches import extras
 from jaxpar.train_state import check_remat_policy
 
@@ -136,6 +136,7 @@ class StageVJP:
     self.policy = stash_policy(remat_policy)
     self.w_recompute = w_recompute
     self._from_x = None      # per closure leaf: depends on x (is stashed)
+    self._splits = None      # per stash leaf: stored whole or split
     self._x = None           # aval of x
     self._input = self._weight = None
     self._args_def = None
@@ -147,7 +148,8 @@ class StageVJP:
     fn = self.stage_fn
     if self.policy is not None:
       # The blocks are separate programs: no CSE across them to prevent.
-      fn = jax.checkpoint(fn, policy=self.policy, prevent_cse=False)
+      fn = jax.checkpoint(fn, policy=_stash.rule(self.policy),
+                          prevent_cse=False)
     kwargs = extras(key, state)
     if state is None:
       return lambda params, x: (fn(params, x, **kwargs), None)
@@ -181,10 +183,12 @@ class StageVJP:
     residuals = slice(num_y, num_y + len(leaves))
     self._from_x = tuple(_jaxpr.is_var(v) and v in from_x
                          for v in jaxpr.outvars[residuals])
+    stash = [a for a, keep in zip(closed.out_avals[residuals], self._from_x)
+             if keep]
+    self._splits = _stash.plan(stash, params)
     return (jax.tree.unflatten(jax.tree.structure(y),
                                closed.out_avals[:num_y]),
-            [a for a, keep in zip(closed.out_avals[residuals],
-                                  self._from_x) if keep])
+            jax.eval_shape(lambda s: _stash.store(s, self._splits), stash))
 
   def forward(self, params: PyTree, x: jax.Array, key: Any = None,
               state: PyTree = None):
@@ -194,7 +198,8 @@ class StageVJP:
     if len(leaves) != len(self._from_x):
       raise RuntimeError('stage_fn traced to a different VJP structure twice; '
                          'it must be a pure function of (params, x).')
-    stash = [a for a, keep in zip(leaves, self._from_x) if keep]
+    stash = _stash.store([a for a, keep in zip(leaves, self._from_x) if keep],
+                         self._splits)
     return (y, stash) if state is None else (y, stash, new_state)
 
   def backward(self, params: PyTree, stash: Any, dy: jax.Array,
@@ -214,7 +219,7 @@ class StageVJP:
     if len(from_params) != len(self._from_x):
       raise RuntimeError('stage_fn traced to a different VJP structure twice; '
                          'call the blocks under jit, as the executor does.')
-    stashed = iter(stash)
+    stashed = iter(_stash.gather(stash, self._splits))
     leaves = [next(stashed) if keep else leaf
               for leaf, keep in zip(from_params, self._from_x)]
     # Integer leaves of x: float0 cotangents in the VJP, zeros outside.
