@@ -178,10 +178,10 @@ class Stack(nnx.Module):
 
 
 class T5(nnx.Module):
-  def __init__(self, rngs, layers=2):
+  def __init__(self, rngs, encoder=2, decoder=1):
     self.shared = nnx.Embed(VOCAB, D, rngs=rngs, **F64)
-    self.encoder = Stack(EncoderBlock, layers, rngs)
-    self.decoder = Stack(DecoderBlock, layers, rngs)
+    self.encoder = Stack(EncoderBlock, encoder, rngs)
+    self.decoder = Stack(DecoderBlock, decoder, rngs)
 
   def __call__(self, src, tgt):
     pad = src != 0
@@ -235,7 +235,7 @@ def t5_reference(batch):
 
 @pytest.mark.parametrize('layout', ['zero_bubble_v', '3d-rules'])
 def test_encoder_decoder_pipelines_both_stacks_float64(x64, layout):
-  """5 layers (2 encoder, its final norm, 2 decoder) on the stages; the
+  """4 layers (2 encoder, its final norm, 1 decoder) on the stages; the
   decoder blocks read the encoder output and the padding mask from the
   carried activation. ZB-V (4 stages on 2 ranks), and 1F1B over data x
   stage x tensor with Megatron rules."""

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import jaxpar
 import jaxpar.hlo
 from jaxpar import data_parallel as dp
+from jaxpar.cli.bench import memory as memory_bench
 from jaxpar.cli.bench import zero as zero_bench
 from jaxpar.data_parallel import internal as dp_internal
 from jaxpar.train_state import internal as ts_internal
@@ -473,6 +474,86 @@ def test_masked_state_specs_follow_the_params():
     adam = specs.opt_state.inner_states['train'].inner_state[0]
     assert adam.mu == adam.nu == {'w': want['w'], 'b': optax.MaskedNode()}
     assert adam.count == P()
+
+
+# -- ZeRO-3 gathers one layer at a time ---------------------------------------
+
+
+def layer_params(layers=3, width=6, dtype=np.float64):
+  """``memory_bench.stacked_params``: ``[L, ...]`` leaves; on data=8 the
+  ``[L, 6]`` bias is stored padded to ``[L, 8]``, split on its second dim."""
+  return jax.tree.map(lambda a: a.astype(dtype),
+                      memory_bench.stacked_params(layers, width))
+
+
+def layer_batches(num, size, width=6, dtype=np.float64):
+  rng = np.random.default_rng(2)
+  return [tuple(rng.standard_normal((size, width)).astype(dtype)
+                for _ in range(2)) for _ in range(num)]
+
+
+@pytest.mark.parametrize('written', ['scanned', 'unrolled'])
+def test_zero3_per_layer_matches_single_device_float64(x64, written):
+  """The layers in one ``lax.scan`` over stacked leaves (gathered per
+  iteration, a padded leaf too) or a Python loop over ``w[j]`` of the same
+  stacked leaves: the one-device numbers, with clipping."""
+  loss = {'scanned': memory_bench.scanned_loss,
+          'unrolled': lambda p, b: memory_bench.unrolled_loss(
+              [jax.tree.map(lambda a: a[j], p) for j in range(3)], b)}[written]
+  params, batches = layer_params(), layer_batches(2, 16)
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  trainer = dp.trainer(loss, optimizer, mesh=jaxpar.make_mesh(data=8),
+                       zero_stage=3, num_microbatches=2, max_grad_norm=0.5)
+  state = trainer.init(params)
+  assert spec_of(state.params['w1']) == P(None, None, 'data')
+  assert isinstance(state.params['b2'], dp.Padded)
+  _, got = zero_run(trainer, state, batches)
+  want = reference_run(params, batches, optimizer, 0.5, loss_of=loss)
+  tree_allclose(got, want, rtol=1e-10)
+  assert min(float(norm) for _, norm, _ in got) > 0.5   # clipped
+
+
+def gathers(text, kind='all-gather'):
+  """Output bytes of each ``kind`` collective in compiled HLO text."""
+  sizes = {'f32': 4, 'bf16': 2, 'f64': 8}
+  return [sizes[dtype] * math.prod(int(d) for d in dims.split(',') if d)
+          for dtype, dims in re.findall(
+              r'= (\w+)\[([\d,]*)\]\S* ' + kind + r'\(', text)]
+
+
+def test_zero3_scanned_memory_at_most_fsdp_and_zero1():
+  """Compiled, per device: ZeRO-3 on a scanned stack takes no more memory
+  (arguments + temp) than GSPMD's FSDP or ZeRO-1, gathers one layer at a
+  time and reduce-scatters each layer's gradient in the loop; with
+  ``compute_dtype=bfloat16`` it gathers bfloat16 and reduce-scatters the
+  float32 gradients (the lowered program: XLA:CPU runs bfloat16
+  collectives in float32)."""
+  layers, width = 8, 32
+  params, batch = layer_params(layers, width, np.float32), layer_batches(
+      1, 16, width, np.float32)[0]
+  fsdp = memory_bench.gspmd_fsdp(memory_bench.scanned_loss, params, batch,
+                                 stacked=True)
+  zero1, zero3 = (memory_bench.jaxpar_step(
+      memory_bench.scanned_loss, params, batch, zero_stage=stage)
+                  for stage in (1, 3))
+  total = lambda c: (c.memory_analysis().argument_size_in_bytes
+                     + c.memory_analysis().temp_size_in_bytes)
+  assert total(zero3) <= total(fsdp)
+  assert total(zero3) <= total(zero1)
+  assert (zero3.memory_analysis().temp_size_in_bytes
+          <= fsdp.memory_analysis().temp_size_in_bytes)
+  layer = 4 * width * 4 * width      # one layer's w1, the largest leaf
+  text = zero3.as_text()
+  assert max(gathers(text)) == layer
+  assert max(gathers(text, 'reduce-scatter')) == layer
+  trainer = dp.trainer(memory_bench.scanned_loss, optax.adam(0.1),
+                       mesh=jaxpar.make_mesh(data=8), zero_stage=3,
+                       compute_dtype=jnp.bfloat16)
+  lowered = trainer.step.lower(trainer.init(params), batch).as_text()
+  types = lambda op: set(re.findall(
+      r'stablehlo\.' + op + r'.*?-> tensor<[\dx]*(\w+)>', lowered, re.S))
+  assert types('all_gather') == {'bf16'}
+  assert types('reduce_scatter') == {'f32'}
 
 
 class TestErrors:

@@ -658,7 +658,7 @@ def matmul_loss(head, y, t):
 def test_one_rank_remats_a_scanned_stage_layer_by_layer(x64):
   """One rank: the stash policy applies per layer of a scanned stage (not
   to the whole stage, whose backward would hold every layer's residuals
-  again), exactly; 'nothing' then holds under half the temp memory of
+  again), exactly; 'nothing' then holds under 0.7x the temp memory of
   'everything'."""
   rng = np.random.default_rng(0)
   w = rng.normal(size=(1, 8, 32, 32)) / 8   # 1 stage of 8 layers
@@ -679,7 +679,7 @@ def test_one_rank_remats_a_scanned_stage_layer_by_layer(x64):
                   atol_scale='leaf')
     temps[policy] = step.lower(w, head, x, t).compile().memory_analysis(
         ).temp_size_in_bytes
-  assert temps['nothing'] < temps['everything'] / 2, temps
+  assert temps['nothing'] < 0.7 * temps['everything'], temps
 
 
 # -- model state that is not a parameter (BatchNorm statistics) ---------------

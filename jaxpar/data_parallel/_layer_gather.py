@@ -1,20 +1,23 @@
 """ZeRO-3's gathers at each param's first use: one layer at a time in a scan.
 
-``at_first_use(fn, slices, full, data_axis=...)`` runs ``fn(params, ...)``
-inside ``shard_map`` on this device's slices of the params (``_Slice``: the
-slice and the dim of the full value it splits). It traces ``fn`` on the full
-params' types and evaluates the jaxpr with each split param held as its
-slice, gathering it where it is used:
+``at_first_use(fn, params, *args, data_axis=...)`` runs ``fn(params,
+*args)`` inside ``shard_map`` with the split params held as this device's
+slices (``Slice``: the slice and the dim of the full value it splits). It
+traces ``fn`` on the full params' types and evaluates the jaxpr with each
+split param held as its slice, gathering it where it is used:
 
 * an elementwise operation of a slice alone (with scalars: a cast to the
   compute dtype, a scale) that does not widen its dtype runs on the slice,
   so ``compute_dtype=bfloat16`` gathers bf16;
+* a ``slice`` / ``squeeze`` / ``transpose`` that keeps the split dim whole
+  (``w[j]``: layer ``j`` of a stacked leaf, in an unrolled loop) runs on the
+  slice too;
 * a ``lax.scan`` that reads a slice as ``xs`` (a stacked ``[L, ...]`` leaf
   split on a dim after the layer dim) takes it sliced, and each iteration
   gathers its own layer inside the body: the forward holds one layer's
   params at a time, and the gather's transpose (a reduce-scatter) runs per
-  layer in the backward's body. ``jit`` calls are inlined and
-  ``jax.checkpoint`` calls (``nnx.scan``'s, a remat policy's) keep their
+  layer in the backward's body (``nnx.scan`` binds one too). ``jit`` calls
+  are inlined and ``jax.checkpoint`` calls (a remat policy's) keep their
   policy, their bodies evaluated the same way;
 * any other use all-gathers there (``all_gather(..., to='varying')``: its
   transpose sums the gradient over ``data`` and keeps this device's slice).
@@ -50,11 +53,13 @@ Example (inside ``shard_map``, as ``data_parallel.gathered`` calls it):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex
+import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import vma
@@ -68,6 +73,9 @@ _ON_SLICE = frozenset((
     'integer_pow', 'log', 'logistic', 'max', 'min', 'mul', 'neg',
     'reduce_precision', 'rsqrt', 'sign', 'sqrt', 'square', 'sub', 'tanh'))
 
+# Layout primitives that run on a slice when they keep its split dim whole.
+_LAYOUT = frozenset(('dynamic_slice', 'slice', 'squeeze', 'transpose'))
+
 # Calls whose body is evaluated in place (a ``jit`` boundary inside a traced
 # function changes nothing).
 _INLINED = ('pjit', 'jit', 'closed_call', 'core_call')
@@ -76,10 +84,18 @@ _INLINED = ('pjit', 'jit', 'closed_call', 'core_call')
 class Slice(NamedTuple):
   """A value this device holds a slice of: ``all_gather`` of ``value``
   along ``dim`` (over the data axis), cut to ``size`` along it when the
-  leaf is stored padded (``None``: not padded)."""
+  leaf is stored padded (``None``: not padded), cast to ``dtype`` first
+  (``None``: no cast)."""
   value: jax.Array
   dim: int
   size: int | None = None
+  dtype: np.dtype | None = None
+
+  def cast(self) -> Slice:
+    """The cast applied to the slice's value."""
+    if self.dtype is None:
+      return self
+    return self._replace(value=self.value.astype(self.dtype), dtype=None)
 
 
 def full_type(s: Slice, n: int) -> Any:
@@ -92,12 +108,40 @@ def full_type(s: Slice, n: int) -> Any:
 
 def gather_slice(s: Slice, *, data_axis: str) -> jax.Array:
   """The full value of ``s``, typed varying: the transpose of the gather is
-  a reduce-scatter, the sum over ``data_axis`` of this device's slice."""
-  full = jax.lax.all_gather(s.value, data_axis, axis=s.dim, tiled=True,
-                            to='varying')
+  a reduce-scatter, the sum over ``data_axis`` of this device's slice (in
+  the slice's own dtype when the gather casts: float32 gradients of
+  bfloat16 gathers are summed in float32)."""
+  if s.dtype is None:
+    full = jax.lax.all_gather(s.value, data_axis, axis=s.dim, tiled=True,
+                              to='varying')
+  else:
+    full = _cast_gather(s.value, s.dtype, s.dim, data_axis)
   if s.size is not None:
     full = jax.lax.slice_in_dim(full, 0, s.size, axis=s.dim)
   return full
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _cast_gather(x: jax.Array, dtype: np.dtype, dim: int,
+                 data_axis: str) -> jax.Array:
+  """``all_gather(x.astype(dtype))`` whose transpose reduce-scatters in
+  ``x``'s dtype."""
+  return jax.lax.all_gather(x.astype(dtype), data_axis, axis=dim, tiled=True,
+                            to='varying')
+
+
+def _cast_gather_fwd(x, dtype, dim, data_axis):
+  # The residual: a scalar of x's dtype (the cotangent's dtype).
+  return _cast_gather(x, dtype, dim, data_axis), jnp.zeros((), x.dtype)
+
+
+def _cast_gather_bwd(dtype, dim, data_axis, like, ct):
+  del dtype
+  return (jax.lax.psum_scatter(ct.astype(like.dtype), data_axis,
+                               scatter_dimension=dim, tiled=True),)
+
+
+_cast_gather.defvjp(_cast_gather_fwd, _cast_gather_bwd)
 
 
 def at_first_use(fn: Callable[..., Any], params: Any, *args,
@@ -124,17 +168,23 @@ def at_first_use(fn: Callable[..., Any], params: Any, *args,
 
 def _not_gathers(data_axis: str) -> Callable[..., bool]:
   """A ``jax.checkpoint`` policy: keep every residual but a gather over
-  ``data_axis``."""
-  def policy(prim, *_, **params):
-    if prim.name != 'all_gather':
-      return True
-    names = params['axis_name']
-    return data_axis not in (names if isinstance(names, tuple) else (names,))
-  return policy
+  ``data_axis`` (an ``all_gather``, or a custom-VJP call whose primal is one:
+  ``_cast_gather``)."""
+  def gathers(prim, params) -> bool:
+    if prim.name == 'all_gather':
+      names = params['axis_name']
+      return data_axis in (names if isinstance(names, tuple) else (names,))
+    if prim.name == 'custom_vjp_call':
+      inner = params['call_jaxpr']
+      return any(gathers(e.primitive, e.params) for e in inner.jaxpr.eqns)
+    return False
+  return lambda prim, *_, **params: not gathers(prim, params)
 
 
 def _itemsize(x: Any) -> int:
-  return np.dtype(x.aval.dtype if isinstance(x, jex.Var) else x.dtype).itemsize
+  if isinstance(x, Slice):
+    return np.dtype(x.dtype or x.value.dtype).itemsize
+  return np.dtype(x.aval.dtype).itemsize
 
 
 def _is_scalar(x: Any) -> bool:
@@ -184,12 +234,49 @@ class _Gathering:
       return [s._replace(value=vma.vary(s.value, eqn.params['axes']))]
     if (name in _ON_SLICE and len(slices) == 1 and len(eqn.outvars) == 1
         and all(isinstance(x, Slice) or _is_scalar(x) for x in ins)
-        and _itemsize(eqn.outvars[0]) <= _itemsize(slices[0].value)):
+        and _itemsize(eqn.outvars[0]) <= _itemsize(slices[0])):
       s = slices[0]
+      if name == 'convert_element_type' and s.dtype is None:
+        return [s._replace(dtype=eqn.params['new_dtype'])]
+      s = s.cast()
       value, = _jaxpr.bind(eqn, [s.value if isinstance(x, Slice) else x
                                  for x in ins])
       return [s._replace(value=value)]
+    if name in _LAYOUT and isinstance(ins[0], Slice) and len(slices) == 1:
+      moved = self._layout(eqn, ins)
+      if moved is not None:
+        return [moved]
     return self._use(eqn, ins)
+
+  def _layout(self, eqn: jex.JaxprEqn, ins: list) -> Slice | None:
+    """A ``slice``, ``dynamic_slice``, ``squeeze`` or ``transpose`` of a
+    slice that keeps its split dim whole (a layer indexed out of a stacked
+    leaf), run on the slice; ``None`` for one that cuts it."""
+    s, p, name = ins[0], eqn.params, eqn.primitive.name
+    local = s.value.shape[s.dim]
+    full = eqn.invars[0].aval.shape[s.dim]
+    if name == 'transpose':
+      perm = p['permutation']
+      return s._replace(value=jax.lax.transpose(s.value, perm),
+                        dim=perm.index(s.dim))
+    if name == 'squeeze':
+      dims = p['dimensions']
+      return s._replace(value=jax.lax.squeeze(s.value, dims),
+                        dim=s.dim - sum(d < s.dim for d in dims))
+    if name == 'slice':
+      start, limit, strides = p['start_indices'], p['limit_indices'], (
+          p['strides'] or (1,) * len(p['start_indices']))
+      if (start[s.dim], limit[s.dim], strides[s.dim]) != (0, full, 1):
+        return None
+      limit = list(limit)
+      limit[s.dim] = local
+      return s._replace(value=jax.lax.slice(s.value, start, limit,
+                                            p['strides']))
+    sizes = list(p['slice_sizes'])   # dynamic_slice
+    if sizes[s.dim] != full:
+      return None
+    sizes[s.dim] = local
+    return s._replace(value=jax.lax.dynamic_slice(s.value, ins[1:], sizes))
 
   def _use(self, eqn: jex.JaxprEqn, ins: list) -> list:
     """``eqn`` on its operands gathered, gather and use in one

@@ -188,10 +188,12 @@ def _kinds(cut: Cut, key: jax.Array | None, x: Any, slot_params: PyTree,
                     _flat(state.get(key_i, {})), x, key)
       return y, {**state, **({key_i: _nest(new)} if new else {})}
     return run
-  flags = [_nonzero(params[k.key]) for k in cut.kinds] + [jnp.bool_(True)]
-  return jax.lax.switch(jnp.argmax(jnp.stack(flags)),
-                        [branch(i) for i in range(len(cut.kinds))]
-                        + [lambda operands: (operands[0], operands[2])],
+  branches = [branch(i) for i in range(len(cut.kinds))]
+  flags = [_nonzero(params[k.key]) for k in cut.kinds]
+  if not cut.split.mask.all():   # identity slots
+    branches.append(lambda operands: (operands[0], operands[2]))
+    flags.append(jnp.bool_(True))
+  return jax.lax.switch(jnp.argmax(jnp.stack(flags)), branches,
                         (x, params, state))
 
 

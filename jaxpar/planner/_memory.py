@@ -20,12 +20,10 @@ What one device holds during a ``parallel.trainer`` step (what its compiled
   dtype -- the one in use and the next -- and the embedding or head); the
   update's temporaries (the per-layer view: ``UPDATE`` times its bytes,
   over ``data`` with ZeRO); one microbatch's logits, their float32 copy
-  and their gradient; and the **backward's recompute** (``recompute_bytes``):
-  the checkpointed stage's forward, re-run in the backward, keeps for every
-  layer of the logical stage what the policy did not stash (its ``lax.scan``
-  stacks them before the transposed scan runs), plus ``WORKING`` of one
-  layer's residuals for the layer the backward is in; with ``tensor`` > 1
-  the stage's stash re-gathered from its split.
+  and their gradient; and the **backward's recompute**
+  (``recompute_bytes``): one layer's where the policy is applied layer by
+  layer (``layered``), every layer's of a logical stage checkpointed as a
+  whole (its ``lax.scan`` stacks them before the transposed scan runs).
 
 ``MARGIN`` covers what the compiled step holds beyond those (XLA's
 copies, the collectives' buffers): ``work`` is the sum above times ``1 +
@@ -115,27 +113,32 @@ def shapes(spec: ModelSpec, layout: Layout, batch: int) -> Shapes:
                 n_slots)
 
 
-def _w_recompute(layout: Layout) -> bool:
-  """``layout.w_recompute`` (``False`` for a layout without the field)."""
-  return bool(getattr(layout, 'w_recompute', False))
+def layered(layout: Layout) -> bool:
+  """Whether the step applies the remat policy layer by layer
+  (``executor._remat.remat_layers``: the one-rank path, ``stage=1``) rather
+  than to each logical stage as a whole (the tick scan's ``StageVJP``)."""
+  return layout.stage == 1
 
 
 def stash_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   """Stash, weight-gradient stash and mailbox bytes of one rank.
 
   One stash slot: the logical stage's stash under the remat policy and its
-  input, split over ``tensor``; one weight slot: what ``I`` keeps for
-  ``W`` (nothing with ``w_recompute``); one mailbox slot: an activation.
-  With one stage rank the microbatches run in turn: one stash, no slots.
+  input, split over ``tensor``; layer by layer (``layered``) each layer's
+  input too. One weight slot: what ``I`` keeps for ``W`` (nothing with
+  ``w_recompute``); one mailbox slot: an activation. With one stage rank
+  the microbatches run in turn: one stash, no slots.
   """
-  t, cb = layout.tensor, spec.act_bytes
+  t, cb, policy = layout.tensor, spec.act_bytes, layout.remat_policy
   act = shape.tokens * spec.d_model * cb
-  stash = (shape.slots * spec.stash_per_device(layout.remat_policy, t)
-           * shape.tokens * cb + act / t)
+  per_layer = spec.stash_per_device(policy, t)
+  if layered(layout) and policy != 'everything':
+    per_layer += spec.d_model / t
+  stash = shape.slots * per_layer * shape.tokens * cb + act / t
   if layout.stage == 1:
     return int(stash)
   table = tick_table(schedule_key(layout))
-  kept = 0.0 if _w_recompute(layout) else (
+  kept = 0.0 if layout.w_recompute else (
       shape.slots * spec.kept.per_device(t) * shape.tokens * cb)
   return int(table.num_stash_slots * stash + table.num_weight_slots * kept
              + (table.num_mailbox_slots + 1) * act)
@@ -144,30 +147,23 @@ def stash_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
 def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   """The backward's transient of one logical stage for one microbatch.
 
-  The checkpointed stage's forward, re-run in the backward, stacks for
-  each layer the residuals the policy did not stash, and under a policy
-  that stashes some (``'dots'``) copies the stashed ones into that stack
-  too: a layer's ``'everything'`` residuals. Measured on compiled CPU
-  steps: all the layers with one stage rank (``stage=1``, the whole model
-  in one ``jax.checkpoint``), all but one in the tick scan, whose last
-  layer XLA fuses into the transposed scan; plus ``WORKING`` of one
-  layer's residuals. With ``tensor`` > 1 the stash's replicated part is
-  gathered back from its split for the stage.
+  A stage checkpointed as a whole re-runs its forward in the backward, and
+  its ``lax.scan`` stacks each layer's residuals -- what the policy did not
+  stash and, under ``'dots'``, a copy of what it did: a layer's
+  ``'everything'`` -- for every layer but the last (measured on compiled
+  CPU steps: XLA fuses that one into the transposed scan). Layer by layer
+  (``layered``) only the layer being differentiated recomputes. Either
+  way ``WORKING`` of one layer's residuals; in the tick scan with
+  ``tensor`` > 1 that layer's residuals whole on every tensor rank (the
+  all-reduced and re-gathered activations).
   """
-  t, policy = layout.tensor, layout.remat_policy
-  everything = spec.stash_of('everything').per_device(t)
-  stashed = spec.stash_of(policy)
-  stacked = 0.0 if policy == 'everything' else everything
-  layers = shape.slots - (layout.stage > 1)
-  gathered = stashed.replicated * (1 - 1 / t)
-  # With tensor > 1 the layer the backward is in holds its activations
-  # whole on every tensor rank (the all-reduced and all-gathered copies).
-  whole = 0.0
-  if t > 1:
-    full = spec.stash_of('everything')
-    whole = full.split + full.replicated
-  per_token = (layers * stacked + WORKING * everything + whole
-               + shape.slots * gathered)
+  t, everything = layout.tensor, spec.stash_of('everything')
+  per_layer = everything.per_device(t)
+  stacked = 0 if layered(layout) or layout.remat_policy == 'everything' else (
+      shape.slots - 1)
+  whole = everything.split + everything.replicated if (
+      t > 1 and layout.stage > 1) else 0.0
+  per_token = (stacked + WORKING) * per_layer + whole
   return int(per_token * shape.tokens * spec.act_bytes)
 
 

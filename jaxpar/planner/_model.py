@@ -13,12 +13,20 @@ split over ``tensor``)::
 
   params   split 12 d^2 + 7 d (q, k, v, out, fc_in, fc_out + their biases)
            replicated 6 d (two layer norms, the out and fc_out biases)
-  stash    'dots' (matmul outputs: q, k, v, scores, attention, fc_in split;
-           out, fc_out replicated)        (8 d + H S) / t + 2 d per token
-           'dots_no_batch' (no scores)    7 d / t + 2 d
-           'nothing' (the stage input)    0 (+ d per token per stage)
-           'everything'                   (20 d + 2 H S) / t + 5 d
+  stash    'dots' (matmul outputs: q, k, v, scores, attention, fc_in, out,
+           fc_out)                        (10 d + H S) / t per token
+           'dots_no_batch' (no scores)    9 d / t
+           'nothing' (the stage input)    0 (+ d / t per token per stage)
+           'everything' (f = 4 d)         (13.5 d + 5 f + 2 H S + 2 H + 4) / t
+                                          + 4 d
   kept     (I -> W)                       (13 d + H S) / t + 8 d + 2
+
+The stash is stored split over ``tensor`` (the executor splits what the
+tensor-parallel layers replicate, as Megatron's sequence parallelism
+does): ``replicated`` there is what stays whole on every tensor rank. The
+counts are ``StageVJP``'s traced stash for the GPT at ``t`` = 1 and 2
+(``'everything'`` fitted over widths 32-64, 4-8 heads, sequences 16-32 at
+``mlp_ratio`` 4: the MLP's share of its ``37.5 d`` is a guess).
   FLOPs    forward 24 d^2 / t + 4 S d / t per token (matmuls, causal mask
            not exploited); backward twice that.
 
@@ -64,7 +72,8 @@ class ModelSpec(NamedTuple):
       part before the blocks and of the part after them.
     stash: ``((policy, Split), ...)``, activation elements per token one
       block stashes for its backward under each remat policy
-      (``stash_of``).
+      (``stash_of``): ``split`` stored split over ``tensor``,
+      ``replicated`` stored whole on every tensor rank.
     kept: elements per token one block keeps from its input-gradient half
       for its weight-gradient half (matmul and norm inputs, the cotangents
       at their outputs, the attention probabilities).
@@ -97,10 +106,11 @@ class ModelSpec(NamedTuple):
     """The spec of ``gpt.GPT(config)`` (split by ``gpt.TENSOR_RULES``)."""
     d, h, s = config.d_model, config.num_heads, config.seq_len
     f, v = config.mlp_ratio * d, config.vocab_size
-    stash = (('dots', Split(8 * d + h * s, 2 * d)),
-             ('dots_no_batch', Split(7 * d, 2 * d)),
+    stash = (('dots', Split(10 * d + h * s, 0)),
+             ('dots_no_batch', Split(9 * d, 0)),
              ('nothing', Split(0, 0)),
-             ('everything', Split(20 * d + 2 * h * s, 5 * d)))
+             ('everything', Split(13.5 * d + 5 * f + 2 * h * s + 2 * h + 4,
+                                  4 * d)))
     return cls(
         name=name or f'GPT d={d} L={config.num_layers}',
         num_layers=config.num_layers, d_model=d, num_heads=h, seq_len=s,
@@ -118,7 +128,9 @@ class ModelSpec(NamedTuple):
             act_bytes: int = 2) -> 'ModelSpec':
     """A Llama-style decoder on paper: grouped-query attention (flash: no
     ``S x S`` scores stashed), SwiGLU MLP of width ``ffn``, RMSNorm, untied
-    head; float32 params and optimizer state, bf16 activations.
+    head; float32 params and optimizer state, bf16 activations. The stash
+    is split over ``tensor`` as the GPT's is (``'everything'`` keeps four
+    ``d``-wide residuals whole, as the GPT's measured ones do).
 
     Example:
       >>> from jaxpar.planner import ModelSpec
@@ -130,10 +142,10 @@ class ModelSpec(NamedTuple):
     """
     d, f, v, s = d_model, ffn, vocab_size, seq_len
     kv = 2 * d * num_kv_heads // num_heads    # k and v widths together
-    stash = (('dots', Split(2 * d + kv + 2 * f, 2 * d)),
-             ('dots_no_batch', Split(2 * d + kv + 2 * f, 2 * d)),
+    stash = (('dots', Split(4 * d + kv + 2 * f, 0)),
+             ('dots_no_batch', Split(4 * d + kv + 2 * f, 0)),
              ('nothing', Split(0, 0)),
-             ('everything', Split(2 * d + kv + 5 * f, 6 * d)))
+             ('everything', Split(4 * d + kv + 5 * f, 4 * d)))
     return cls(
         name=name, num_layers=num_layers, d_model=d, num_heads=num_heads,
         seq_len=s, vocab_size=v, layer=Split(2 * d * d + d * kv + 3 * d * f,
@@ -144,10 +156,11 @@ class ModelSpec(NamedTuple):
         param_bytes=param_bytes, act_bytes=act_bytes)
 
   def stash_per_device(self, policy: str, tensor: int) -> float:
-    """Elements per token one device stashes for one block under ``policy``:
-    all of ``stash_of(policy)`` split over ``tensor`` (the executor stores
-    what the tensor-parallel layers replicate split over ``tensor`` too, as
-    Megatron's sequence parallelism does, and gathers it in the backward).
+    """Elements per token one device stashes for one block under ``policy``
+    on a ``tensor``-wide axis (``stash_of(policy).per_device(tensor)``: the
+    executor stores what the tensor-parallel layers replicate split over
+    ``tensor`` too, as Megatron's sequence parallelism does, and gathers it
+    in the backward).
 
     Example (Llama-3-405B, ``'dots'``, bf16, ``tensor=8``: bytes per token
     and layer against Megatron's ``34 h / t`` with selective recompute and
@@ -159,8 +172,7 @@ class ModelSpec(NamedTuple):
       >>> spec.stash_per_device('dots', 8) * spec.act_bytes, 34 * 16384 // 8
       (43520.0, 69632)
     """
-    part = self.stash_of(policy)
-    return (part.split + part.replicated) / tensor
+    return self.stash_of(policy).per_device(tensor)
 
   def stash_of(self, policy: str) -> Split:
     """Elements per token one block stashes under ``policy``, a name of

@@ -301,8 +301,9 @@ def _blocks(schedule: Schedule, *, fuse: bool) -> _Blocks:
   for acts in schedule.actions:
     rows.append([])
     for a in acts:
-      split = (a.kind == 'B' and not fuse) if a is not None else False
-      for kind in ('IW' if split else (a.kind,) if a is not None else ()):
+      if a is None:
+        continue
+      for kind in ('I', 'W') if a.kind == 'B' and not fuse else (a.kind,):
         where[a._replace(kind=kind)] = len(actions)
         rows[-1].append(len(actions))
         actions.append(a._replace(kind=kind))
@@ -392,7 +393,8 @@ class _Packing:
     cost, offsets = {}, {}
     while ready:
       b = ready.pop()
-      at = max([self.t, tick[blocks.before[b]] + 1]
+      prev = blocks.before[b]
+      at = max([self.t, tick[prev] + 1 if prev >= 0 else 0]
                + [tick[d] + 1 for d in blocks.deps[b]])
       tick[b] = at
       cost[at] = max(cost.get(at, 0.0), blocks.cost[b])
@@ -436,10 +438,12 @@ def _pack(blocks: _Blocks) -> _Packing:
   packing, budget = _Packing(blocks), _LOOKAHEAD
   while not packing.done:
     ready = packing.ready()
+    if not ready:   # validate() rules this out
+      raise RuntimeError(f'Deadlock at tick {packing.t}.')
     drops = packing.t < 3 * len(blocks.rows) and budget > _LOOKAHEAD // 2
     choices = _choices(packing, ready, drops=drops) if budget > 0 else [ready]
     best, best_score = ready, None
-    for choice in choices[1:] and choices:
+    for choice in choices if len(choices) > 1 else ():
       trial = packing.copy()
       trial.place(choice)
       budget -= trial.finish()
