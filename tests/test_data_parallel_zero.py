@@ -514,7 +514,8 @@ def test_zero3_per_layer_matches_single_device_float64(x64, written):
 
 
 def gathers(text, kind='all-gather'):
-  """Output bytes of each ``kind`` collective in compiled HLO text."""
+  """Output bytes of each ``kind`` collective in compiled HLO text (of a
+  loop body's once)."""
   sizes = {'f32': 4, 'bf16': 2, 'f64': 8}
   return [sizes[dtype] * math.prod(int(d) for d in dims.split(',') if d)
           for dtype, dims in re.findall(
@@ -545,7 +546,7 @@ def test_zero3_scanned_memory_at_most_fsdp_and_zero1():
   layer = 4 * width * 4 * width      # one layer's w1, the largest leaf
   text = zero3.as_text()
   assert max(gathers(text)) == layer
-  assert max(gathers(text, 'reduce-scatter')) == layer
+  assert max(gathers(text, 'reduce-scatter')) == layer // 8   # its slice
   trainer = dp.trainer(memory_bench.scanned_loss, optax.adam(0.1),
                        mesh=jaxpar.make_mesh(data=8), zero_stage=3,
                        compute_dtype=jnp.bfloat16)

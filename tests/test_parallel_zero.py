@@ -1,5 +1,8 @@
 """ZeRO-1/3 in the 3D train step: exact, ~1/N state per device, checkpointable."""
 
+import math
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -9,7 +12,6 @@ import pytest
 from flax import nnx
 
 import jaxpar
-import jaxpar.hlo
 from jaxpar.data_parallel import internal as dp_internal
 from jaxpar.models import gpt
 from helpers import (FLOAT64_OPTIMIZER, assert_round_trip, dense_of,
@@ -42,7 +44,8 @@ def param_bytes(state):
              for x in jax.tree.leaves(state.params))
 
 
-# ZeRO-3 in float64 against the one-device run of test_parallel.py
+# ZeRO-3 in float64 against the one-device run of test_parallel.py (the
+# stage's layers in gpt.stage_fn's lax.scan: gathered one per iteration)
 # (helpers.float64_reference: 3 steps of sgd+momentum clipped at 0.5, linear
 # in the gradient, see helpers.FLOAT64_OPTIMIZER on adam). Each case saves a checkpoint after 2 steps and checks the
 # restored state's next step against the reference's third; ``onto``: the
@@ -188,8 +191,20 @@ def test_masked_states_are_split_like_the_params(zero_stage):
     assert 1 / split <= ratio < 1.1 / split, ratio
 
 
-def test_zero3_memory_and_collectives():
-  """Compiled: 1/N argument bytes for params; exact gather/scatter bytes.
+def collective_bytes(text, kind):
+  """Output bytes of each ``kind`` collective in compiled HLO text (a loop
+  body's once)."""
+  return [4 * math.prod(int(d) for d in dims.split(',') if d)
+          for dims in re.findall(r'= f32\[([\d,]*)\]\S* ' + kind + r'\(',
+                                 text)]
+
+
+def test_zero3_gathers_per_layer_and_takes_no_more_memory():
+  """Compiled, data=4 x stage=2, 1F1B: ZeRO-3's arguments are 1/N of the
+  params; it gathers a stage's params one layer at a time inside the
+  stage's scan (the forward, the backward's I and W each gather again) and
+  reduce-scatters each layer's gradients in the backward's loop; its temp
+  is at most ZeRO-1's.
 
   The ZeRO-3 step is given the ZeRO-1 state: a state of another zero stage
   is placed (ZeRO storage keeps the shapes), so its arguments are ZeRO-3's.
@@ -204,50 +219,51 @@ def test_zero3_memory_and_collectives():
                               zero_stage=zero_stage)
     state = trainer.init(pp)
     given = out[1][0] if zero_stage == 3 else state
-    assert 'data' not in str(given.params.stages['mlp']['fc_in'][
-        'kernel'].sharding.spec)
     compiled = trainer.step.lower(given, batch).compile()
-    out[zero_stage] = (state, compiled.memory_analysis(),
-                       jaxpar.hlo.collective_bytes(compiled))
-  (state1, mem1, moved1), (state3, mem3, moved3) = out[1], out[3]
+    out[zero_stage] = (state, compiled.memory_analysis(), compiled.as_text())
+  (state1, mem1, _), (state3, mem3, text3) = out[1], out[3]
   p1, p3 = param_bytes(state1), param_bytes(state3)
   # sgd has no state: the arguments are the params (and the batch).
   assert mem1.argument_size_in_bytes - mem3.argument_size_in_bytes == p1 - p3
   assert p3 < 0.3 * p1
+  assert mem3.temp_size_in_bytes <= mem1.temp_size_in_bytes
+  # The largest stage leaf, fc_in's kernel [p, v, slots, d, 4d]: one slot
+  # of it is the largest gather (embed and head are smaller, whole), its
+  # 1/N the largest scatter; the stage is never gathered whole.
+  kernel = state1.params.stages['mlp']['fc_in']['kernel']
+  layer = 4 * math.prod(kernel.shape[3:])
+  assert kernel.shape[2] == 2 and max(collective_bytes(
+      text3, 'all-gather')) == layer
+  assert max(collective_bytes(text3, 'reduce-scatter')) == layer // 4
 
-  def local(part):
-    """Bytes of the ZeRO-split leaves of ``part`` one device computes with
-    (its stage's rows, whole over data)."""
-    return sum(x.addressable_shards[0].data.nbytes for x, y in zip(
-        jax.tree.leaves(getattr(state1.params, part)),
-        jax.tree.leaves(getattr(state3.params, part)))
-               if jaxpar.data_parallel.data_dim(y.sharding.spec) is not None)
-  embed, stages, head = local('embed'), local('stages'), local('head')
-  assert embed + stages + head == p1     # every leaf splits 4 ways here
-  # Both: each device's gradients reduce-scattered once. ZeRO-1: the
-  # updated params all-gathered once. ZeRO-3: embed and head gathered once
-  # (XLA reuses the forward gather in the backward); the stage at each of
-  # the executor's three stage_fn sites -- the F block, the last stage's F
-  # (with the loss) and the backward, which re-gathers (the params-only
-  # residuals are recomputed, not stashed). W re-gathers the few params it
-  # needs to recompute the activations of its weight gradients (LayerNorm
-  # scales and the biases inside elementwise chains here) rather than keep
-  # them from I: measured 3.4% of this tiny stage per copy of W.
-  # The update runs on the per-layer view, split over stage too: embed and head
-  # updates are gathered over stage (their 1/N data slices), and the stage
-  # gradients and updates move between the rank order and the view by
-  # all-to-all over stage (at most twice the stage bytes).
-  # Counted in the program text, where stage 0's W (which also adds the
-  # embedding's VJP, run per microbatch inside stage 0) is a second copy of
-  # the W block: its stage scatter and its few re-gathers count twice,
-  # though each tick runs one of the two.
-  n = sizes['data']
-  assert moved1['reduce-scatter'] == p1
-  assert moved3['reduce-scatter'] == p1 + stages
-  assert moved1['all-gather'] == p1 + (embed + head) // n
-  gathered3 = moved3['all-gather'] - embed - head - (embed + head) // n
-  assert 3 * stages <= gathered3 <= 3.08 * stages
-  assert 0 < moved1['all-to-all'] == moved3['all-to-all'] <= 2 * stages
+
+def unrolled_stage_fn(params, x, *, key=None):
+  """``gpt.stage_fn`` as a Python loop over the slots (``params[j]``)."""
+  del key
+  for j in range(jax.tree.leaves(params)[0].shape[0]):
+    x = jaxpar.tensor_parallel.transformer_block(
+        jax.tree.map(lambda a: a[j], params), x, causal=True)
+  return x
+
+
+def test_zero3_unrolled_stage_matches_single_device_float64(x64):
+  """A stage whose layers are a Python loop over ``params[j]`` (the scanned
+  ``gpt.stage_fn`` is CASES'): each layer gathered where the loop slices it
+  out; the one-device numbers, with clipping."""
+  mesh = jaxpar.make_mesh(data=4, stage=2)
+  params = dense_params(jnp.float64)
+  pp, split = gpt.split_for_pipeline(params, num_stages=2)
+  trainer = jaxpar.parallel.trainer(
+      gpt.embed_fn, unrolled_stage_fn, gpt.head_loss_fn, FLOAT64_OPTIMIZER,
+      schedule=jaxpar.pipeline.gpipe(2, 2), mesh=mesh, stage_mask=split.mask,
+      tensor_rules=gpt.TENSOR_RULES, max_grad_norm=0.5, zero_stage=3)
+  state = trainer.init(pp)
+  for batch, (loss, norm, want) in zip(gpt_batches(2), float64_reference()):
+    state, stats = trainer.step(state, batch)
+    np.testing.assert_allclose(stats.loss, loss, rtol=1e-10)
+    np.testing.assert_allclose(stats.grad_norm, norm, rtol=1e-10)
+  assert float(norm) > 0.5
+  tree_allclose(dense_of(trainer, state, split), want, rtol=1e-9, atol=1e-11)
 
 
 class TestErrors:

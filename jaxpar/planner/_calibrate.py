@@ -213,7 +213,7 @@ def _stage_blocks(spec: ModelSpec, devices: tuple) -> _Blocks:
   and sequence (a scan over its slots, as a step's stage is), split over
   ``devices`` as ``tensor`` (one device: not split); built once per
   ``devices``, compiled once per microbatch size."""
-  slots = min(2, spec.num_layers)
+  slots = min(1, spec.num_layers)
   config = gpt.GPTConfig(d_model=spec.d_model, num_heads=spec.num_heads,
                          seq_len=spec.seq_len, num_layers=slots,
                          vocab_size=max(spec.vocab_size, 8))

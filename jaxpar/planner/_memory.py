@@ -15,15 +15,14 @@ What one device holds during a ``parallel.trainer`` step (what its compiled
   ``w_recompute``) and its mailbox slots times an activation; one stage
   rank (``stage=1``) runs its microbatches in turn: one stash, no slots;
 * **work**: the gradient accumulators (the params held; over ``data``
-  too with ZeRO-3) and one logical stage's gradient of one microbatch
-  before its add; ZeRO-3's gathered params (two layers in the compute
+  too with ZeRO-3; each microbatch's gradient is added in place); ZeRO-3's gathered params (two layers in the compute
   dtype -- the one in use and the next -- and the embedding or head); the
   update's temporaries (the per-layer view: ``UPDATE`` times its bytes,
   over ``data`` with ZeRO); one microbatch's logits, their float32 copy
   and their gradient; and the **backward's recompute**
-  (``recompute_bytes``): one layer's where the policy is applied layer by
-  layer (``layered``), every layer's of a logical stage checkpointed as a
-  whole (its ``lax.scan`` stacks them before the transposed scan runs).
+  (``recompute_bytes``): the policy applies layer by layer, so one
+  layer's residuals, and in the tick scan each layer's input and saves
+  rebuilt for the stage.
 
 ``MARGIN`` covers what the compiled step holds beyond those (XLA's
 copies, the collectives' buffers): ``work`` is the sum above times ``1 +
@@ -113,30 +112,22 @@ def shapes(spec: ModelSpec, layout: Layout, batch: int) -> Shapes:
                 n_slots)
 
 
-def layered(layout: Layout) -> bool:
-  """Whether the step applies the remat policy layer by layer
-  (``executor._remat.remat_layers``: the one-rank path, ``stage=1``) rather
-  than to each logical stage as a whole (the tick scan's ``StageVJP``)."""
-  return layout.stage == 1
-
-
 def stash_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   """Stash, weight-gradient stash and mailbox bytes of one rank.
 
   One stash slot: the logical stage's stash under the remat policy and its
-  input, split over ``tensor``; layer by layer (``layered``) each layer's
-  input too. One weight slot: what ``I`` keeps for ``W`` (nothing with
-  ``w_recompute``); one mailbox slot: an activation. With one stage rank
-  the microbatches run in turn: one stash, no slots.
+  input, split over ``tensor``; one weight slot: what ``I`` keeps for
+  ``W`` (nothing with ``w_recompute``); one mailbox slot: an activation.
+  With one stage rank the microbatches run in turn: one stash, no slots,
+  and the policy applied layer by layer stashes each layer's input too.
   """
   t, cb, policy = layout.tensor, spec.act_bytes, layout.remat_policy
   act = shape.tokens * spec.d_model * cb
   per_layer = spec.stash_per_device(policy, t)
-  if layered(layout) and policy != 'everything':
-    per_layer += spec.d_model / t
-  stash = shape.slots * per_layer * shape.tokens * cb + act / t
   if layout.stage == 1:
-    return int(stash)
+    inputs = spec.d_model if policy != 'everything' else 0
+    return int(shape.slots * (per_layer + inputs) * shape.tokens * cb + act)
+  stash = shape.slots * per_layer * shape.tokens * cb + act / t
   table = tick_table(schedule_key(layout))
   kept = 0.0 if layout.w_recompute else (
       shape.slots * spec.kept.per_device(t) * shape.tokens * cb)
@@ -147,23 +138,25 @@ def stash_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
 def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   """The backward's transient of one logical stage for one microbatch.
 
-  A stage checkpointed as a whole re-runs its forward in the backward, and
-  its ``lax.scan`` stacks each layer's residuals -- what the policy did not
-  stash and, under ``'dots'``, a copy of what it did: a layer's
-  ``'everything'`` -- for every layer but the last (measured on compiled
-  CPU steps: XLA fuses that one into the transposed scan). Layer by layer
-  (``layered``) only the layer being differentiated recomputes. Either
-  way ``WORKING`` of one layer's residuals; in the tick scan with
-  ``tensor`` > 1 that layer's residuals whole on every tensor rank (the
-  all-reduced and re-gathered activations).
+  The policy applies layer by layer (``executor._remat.remat_layers``):
+  the backward recomputes one layer at a time, holding ``WORKING`` of that
+  layer's ``'everything'`` residuals. In the tick scan the stage is also
+  checkpointed as a whole (its stash is the policy's saves of the stage),
+  so its backward first rebuilds each layer's input and saves, stacked
+  over the stage's layers; with ``tensor`` > 1 it holds the layer's
+  residuals whole on every tensor rank too (the all-reduced and gathered
+  activations; measured on XLA:CPU).
   """
-  t, everything = layout.tensor, spec.stash_of('everything')
-  per_layer = everything.per_device(t)
-  stacked = 0 if layered(layout) or layout.remat_policy == 'everything' else (
-      shape.slots - 1)
-  whole = everything.split + everything.replicated if (
-      t > 1 and layout.stage > 1) else 0.0
-  per_token = (stacked + WORKING) * per_layer + whole
+  t, policy = layout.tensor, layout.remat_policy
+  everything = spec.stash_of('everything')
+  restacked = whole = 0.0
+  if layout.stage > 1:
+    if policy != 'everything':
+      restacked = shape.slots * (spec.stash_per_device(policy, t)
+                                 + spec.d_model)
+    if t > 1:
+      whole = everything.split + everything.replicated
+  per_token = restacked + WORKING * everything.per_device(t) + whole
   return int(per_token * shape.tokens * spec.act_bytes)
 
 
@@ -180,7 +173,6 @@ def work_bytes(spec: ModelSpec, layout: Layout,
     gathered = (GATHERED_LAYERS * spec.layer.per_device(t) + sides) * cb
   return {
       'grads': int(shape.held * pb / split3),
-      'stage_grads': int(shape.stage / layout.stages_per_rank * pb / split3),
       'gathered': int(gathered),
       'update': int(UPDATE * shape.view * pb / (d if zero else 1)),
       'logits': int(shape.tokens * spec.vocab_size / t * (2 * cb + 4)),

@@ -13,8 +13,8 @@ split over ``tensor``)::
 
   params   split 12 d^2 + 7 d (q, k, v, out, fc_in, fc_out + their biases)
            replicated 6 d (two layer norms, the out and fc_out biases)
-  stash    'dots' (matmul outputs: q, k, v, scores, attention, fc_in, out,
-           fc_out)                        (10 d + H S) / t per token
+  stash    'dots' (matmul outputs: q, k, v, attention, fc_in, out, fc_out;
+           the scores in float32 only)    (10 d + H S) / t per token
            'dots_no_batch' (no scores)    9 d / t
            'nothing' (the stage input)    0 (+ d / t per token per stage)
            'everything' (f = 4 d)         (13.5 d + 5 f + 2 H S + 2 H + 4) / t
@@ -106,7 +106,8 @@ class ModelSpec(NamedTuple):
     """The spec of ``gpt.GPT(config)`` (split by ``gpt.TENSOR_RULES``)."""
     d, h, s = config.d_model, config.num_heads, config.seq_len
     f, v = config.mlp_ratio * d, config.vocab_size
-    stash = (('dots', Split(10 * d + h * s, 0)),
+    scores = h * s if act_bytes >= 4 else 0   # not stashed wider than q, k
+    stash = (('dots', Split(10 * d + scores, 0)),
              ('dots_no_batch', Split(9 * d, 0)),
              ('nothing', Split(0, 0)),
              ('everything', Split(13.5 * d + 5 * f + 2 * h * s + 2 * h + 4,

@@ -18,7 +18,14 @@ into
   forward's jaxpr and recomputed from the parameters in the backward, where
   XLA keeps only the (cheap) operations that produce them. The ``key``
   counts as a parameter: a dropout mask, drawn from the key alone, is
-  recomputed in the backward (the forward's mask), not stashed.
+  recomputed in the backward (the forward's mask), not stashed. The
+  ``'dots'`` policies are refined so that the stash is in the compute dtype
+  and replicated activations are stored split over ``tensor`` (``_stash``:
+  a product wider than its operands is recomputed; the sum after a
+  tensor-parallel product is stashed, not the partial products). The
+  policy decides the stash of the whole stage; the backward recomputes
+  what it dropped one layer at a time (``_remat.remat_layers``: each
+  ``lax.scan`` body checkpointed), not every layer's residuals at once.
 * ``input_grad(params, stash, dy) -> (dx, kept)`` and
   ``weight_grad(params, stash, dy, kept) -> dparams``: the backward's jaxpr
   (``(dparams, dx)`` from ``(params, stash, dy)``, with the policy's
@@ -93,6 +100,7 @@ import jax.numpy as jnp
 
 from jaxpar.pipeline.executor import _cut, _jaxpr, _stash, _vma
 from jaxpar.pipeline.executor._microbatches import extras
+from jaxpar.pipeline.executor._remat import remat_layers
 from jaxpar.train_state import check_remat_policy
 
 PyTree = Any
@@ -145,15 +153,18 @@ class StageVJP:
     """``stage_fn`` of ``(params, x)`` under the policy, ``key`` and
     ``state`` bound; returns ``(y, new_state)`` (``new_state`` None
     without a state)."""
-    fn = self.stage_fn
-    if self.policy is not None:
-      # The blocks are separate programs: no CSE across them to prevent.
-      fn = jax.checkpoint(fn, policy=_stash.rule(self.policy),
-                          prevent_cse=False)
     kwargs = extras(key, state)
+    fn = lambda params, x: self.stage_fn(params, x, **kwargs)
+    if self.policy is not None:
+      # The stash is what the policy saves of the whole stage; the backward
+      # recomputes the rest one layer at a time (``remat_layers``). The
+      # blocks are separate programs: no CSE across them to prevent.
+      policy = _stash.rule(self.policy)
+      fn = jax.checkpoint(remat_layers(fn, policy), policy=policy,
+                          prevent_cse=False)
     if state is None:
-      return lambda params, x: (fn(params, x, **kwargs), None)
-    return lambda params, x: tuple(fn(params, x, **kwargs))
+      return lambda params, x: (fn(params, x), None)
+    return lambda params, x: tuple(fn(params, x))
 
   def _closure(self, params, x, key, state=None):
     y, vjp, new_state = jax.vjp(self._fn(key, state), params, x, has_aux=True)

@@ -10,13 +10,17 @@ buffers (``_init_carry``), the scan of ``_tick``, the sums (``_result``).
 The scan's carry is a ``Carry`` (mailbox, stash, weight stash,
 ``Accumulators``, the pending and result rows as an ``Edge``, the stages'
 state); its ``xs`` are ``TickRow``s, each rank's part a ``TickCell``; a
-block reads and updates a ``BlockState``. Per tick (``_tick``), every rank
+block reads and updates a ``BlockState``. An activation (so a mailbox
+slot, a message, a row of the result) may be any pytree: values a stage
+only passes on (an encoder output, a mask) ride with it, and integer
+leaves get zero cotangents (``_vma.cotangent``). Per tick (``_tick``),
+every rank
 
-1. reads its row of the tick table (action kind, stage, microbatch, slots);
-2. reads the action's input: the batch for stage 0's ``F`` (with an
+1. reads its row of the tick table (block kind, stage, microbatch, slots);
+2. reads the block's input: the batch for stage 0's ``F`` (with an
    embedding: the embedded raw microbatch), else a mailbox slot (the
-   activation for ``F``, the output cotangent for ``I`` and ``W``);
-3. runs the block of its action kind and no other (``StageVJP``):
+   activation for ``F``, the output cotangent for ``B``, ``I`` and ``W``);
+3. runs its block and no other (``StageVJP``):
 
    * ``F``: ``stage_fn`` forward, writing the activations its backward needs
      (never the parameters or values computed from them alone) to its stash
@@ -24,46 +28,54 @@ block reads and updates a ``BlockState``. Per tick (``_tick``), every rank
      cotangent. A stateful stage (``stage_state``) reads its state and
      writes the new one in its place, so each microbatch's ``F`` sees the
      state the previous one left (what depends on it is stashed);
-   * ``I``: the input cotangent, keeping what ``W`` needs (the cotangents at
-     the parameter-consuming operations; the input cotangent too when ``W``
-     sends it) in a weight-stash slot;
+   * ``B``: a schedule's backward as one VJP (``StageVJP.backward``): the
+     parameter cotangent added to the gradient accumulator in place, the
+     input cotangent sent; it keeps nothing;
+   * ``I``: the input cotangent (sent), keeping what ``W`` needs (the
+     cotangents at the parameter-consuming operations) in a weight-stash
+     slot;
    * ``W``: the parameter cotangent from what ``I`` kept, added to the
-     gradient accumulator in place. ``I`` and ``W`` together do the FLOPs of
-     one backward; a schedule's ``B`` runs as an ``I`` and the ``W`` after it.
+     gradient accumulator in place; it sends nothing. ``I`` and ``W``
+     together do the FLOPs of one backward. The table runs a schedule's
+     ``B`` as a ``B`` block, or as an ``I`` and a later ``W`` where that
+     packs its ticks better (``tick_table``); its ``I`` and ``W`` actions
+     stay ``I`` and ``W``.
 
    An idle rank computes nothing;
-4. sends the block's output (``W`` sends the input cotangent its ``I``
-   computed, as a ``B`` would when it ends) with one ``ppermute`` per distinct
-   nonzero rank offset of the schedule that carries a message this tick
-   (every rank takes part; which offsets do is in the table, the same on
-   every rank); receivers store it in the mailbox slot the table names. The
-   batch-sized result (stage 0's input cotangents; forward only: the last
-   stage's outputs) is written into the output itself, ``p`` rows at a
-   time: the row stage 0's ``I`` of microbatch ``i`` ends waits in one of
-   ``p`` pending slots (the cotangent on stage 0's rank, zeros elsewhere);
-   when ``p`` rows wait (or the last is done) one ``psum`` over the pipeline
-   axis lands them in their rows on every rank (``edge_rows``). No
-   batch-sized buffer is held besides the output (``grads.inputs`` costs
-   ``2p`` rows of scratch), and the result costs ``ceil(m / p)`` collectives
-   (one per row costs 1F1B 15% of its step on two pinned cores over gloo).
-   With an embedding stage 0's ``F`` embeds the raw microbatch and its ``W``
-   adds the embedding's VJP (recomputing the embedding) to its gradient, and
+4. sends the block's output at the end of the tick with one ``ppermute``
+   per distinct nonzero rank offset of the schedule that carries a message
+   this tick (every rank takes part; which offsets do is in the table, the
+   same on every rank); receivers store it in the mailbox slot the table
+   names. The batch-sized result (stage 0's input cotangents; forward only:
+   the last stage's outputs) is written into the output itself, ``p`` rows
+   at a time: the row stage 0's ``B`` or ``I`` of microbatch ``i`` ends
+   waits in one of ``p`` pending slots (the cotangent on stage 0's rank,
+   zeros elsewhere); when ``p`` rows wait (or the last is done) one
+   ``psum`` over the pipeline axis lands them in their rows on every rank
+   (``edge_rows``). No batch-sized buffer is held besides the output
+   (``grads.inputs`` costs ``2p`` rows of scratch), and the result costs
+   ``ceil(m / p)`` collectives (one per row costs 1F1B 15% of its step on
+   two pinned cores over gloo). With an embedding stage 0's ``F`` embeds
+   the raw microbatch and its ``B`` or ``I`` adds the embedding's VJP of
+   the input cotangent (recomputing the embedding) to its gradient, and
    there is no batch-sized result at all.
 
 **Dispatch: per tick, one zero-or-one-trip ``while_loop`` per block and one
-``lax.switch`` over the messages.** The blocks are ``F``, the last stage's
-``F`` (with the loss), ``I`` and ``W`` (with an embedding also stage 0's
-``F`` and ``W``: 6); ``blocks`` codes them per (tick, rank) from the table.
-Each runs in a ``when`` (a while loop whose carries, the stash, weight
-stash and gradient accumulators, XLA updates in place). The messages of a
-tick -- which offsets send, whether a row of the result is summed -- are
-one of a few patterns, the same on every rank (``messages``): one
-``lax.switch`` on the pattern runs its ``ppermute``s and ``psum``; its
-operands are read and its results are one activation each, so it copies
-nothing else. A local hand-off (the loss cotangent) and the write of a
-result row are selects, no branch. On XLA:GPU each of these 5 (7 with an
-embedding) ops reads its predicate back to the host. Fewer would need the
-blocks in one
+``lax.switch`` over the messages.** A block is a kind with its stage's
+part: ``F``, the last stage's ``F`` (with the loss), ``B``, ``I``, ``W``,
+and with an embedding stage 0's ``F``, ``B`` and ``I``; ``blocks`` codes
+the ones the table holds per (tick, rank) (1F1B: ``F``, the last ``F``,
+``I``, ``W``; GPipe: ``F``, the last ``F``, ``B``). Each runs in a
+``when`` (a while loop whose carries, the stash, weight stash and gradient
+accumulators, XLA updates in place; ``F`` and ``B`` do not carry the
+weight stash). The messages of a tick -- which offsets send, whether a row
+of the result is summed -- are one of a few patterns, the same on every
+rank (``messages``): one ``lax.switch`` on the pattern runs its
+``ppermute``s and ``psum``; its operands are read and its results are one
+activation each, so it copies nothing else. A local hand-off (the loss
+cotangent) and the write of a result row are selects, no branch. On
+XLA:GPU each of these ops (one per block present, plus the switch) reads
+its predicate back to the host. Fewer would need the blocks in one
 ``lax.switch``, which copies every buffer a branch passes through unchanged
 on every tick (XLA 0.10: a scan of 64 ticks over a 384x384 accumulator and
 8 activation slots holds 4.2x the temp memory and takes 1.5-1.8x the CPU
@@ -75,13 +87,14 @@ microbatches run in turn (``sequential``), as data parallelism runs them.
 Buffer updates are selects or writes to a spare slot, never masks multiplied
 in, so whatever a bubble produces (``bubble_fill``, NaN in the tests) never
 reaches the results. Memory is the schedule's: ``num_stash_slots`` stashes,
-``num_weight_slots`` weight stashes and ``num_mailbox_slots + 1`` activations
+``num_weight_slots`` weight stashes (none is allocated when the table has
+no ``I``: a ``B`` keeps nothing) and ``num_mailbox_slots + 1`` activations
 per rank (``O(p)`` for 1F1B whatever the number of microbatches ``m``), plus
 the parameters, their gradients, the batch and the output.
 
 **Randomness.** With a key, stage ``k`` on microbatch ``i`` runs with
-``fold_in(fold_in(key, microbatch_offset + i), k)`` in its ``F``, ``I`` and
-``W`` (and a remat recompute), the loss with ``k = num_stages``:
+``fold_in(fold_in(key, microbatch_offset + i), k)`` in its ``F``, ``B``,
+``I`` and ``W`` (and a remat recompute), the loss with ``k = num_stages``:
 ``StageVJP`` treats the key like the parameters, so a dropout mask is
 recomputed from it in the backward, never stashed, and is the forward's
 mask.
@@ -121,7 +134,7 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, table: TickTable,
         local_params: PyTree, loss_params: PyTree, inputs: PyTree,
         targets: PyTree, *, options: StepOptions,
         embedding: Embedding | None = None,
-        stage_state: PyTree = None) -> Result | jax.Array:
+        stage_state: PyTree = None) -> Result | PyTree:
   """The scan over ticks on one rank (inside ``shard_map``); see module doc.
 
   Args are one rank's view: ``local_params`` ``[v, ...]``, ``inputs``
@@ -289,7 +302,7 @@ def _tick(rank: Rank, avals: Avals, config: ScanConfig, carry: Carry,
                state.state), None
 
 
-def _result(config: ScanConfig, carry: Carry) -> Result | jax.Array:
+def _result(config: ScanConfig, carry: Carry) -> Result | PyTree:
   """The scan's outputs; the sums over the pipeline axis in one collective."""
   result = carry.edge.result if config.with_edge else None
   if not config.training:
@@ -439,7 +452,7 @@ def _offsets(table: TickTable) -> tuple[list[int], list[int]]:
 
 
 def _deliver(mailbox: PyTree, recv_slot: jax.Array, offsets: list[int],
-             msgs: list[jax.Array], spare: int) -> PyTree:
+             msgs: list[PyTree], spare: int) -> PyTree:
   """Each message into the slot ``recv_slot`` names for its offset (the
   ``spare`` slot, never read, if none)."""
   for k, msg in zip(offsets, msgs):
@@ -449,7 +462,7 @@ def _deliver(mailbox: PyTree, recv_slot: jax.Array, offsets: list[int],
 
 
 def _pend(config: ScanConfig, cell: TickCell, slot: jax.Array,
-          payload: jax.Array, pending: jax.Array) -> jax.Array:
+          payload: PyTree, pending: PyTree) -> PyTree:
   """``pending`` with the result row done this tick, if any, in ``slot``:
   the payload on the rank that did it, zeros elsewhere (summed later)."""
   schedule = config.table.schedule
@@ -465,7 +478,7 @@ def _pend(config: ScanConfig, cell: TickCell, slot: jax.Array,
 
 
 def _exchange(config: ScanConfig, avals: Avals, message: jax.Array,
-              payload: jax.Array, pending: jax.Array | None) -> list:
+              payload: PyTree, pending: PyTree | None) -> list:
   """The tick's messages: one ``lax.switch`` on its pattern, the same on
   every rank (none when there is one pattern)."""
   if len(config.patterns) == 1:
@@ -476,7 +489,7 @@ def _exchange(config: ScanConfig, avals: Avals, message: jax.Array,
 
 
 def _send(config: ScanConfig, avals: Avals, pattern: tuple[bool, ...],
-          payload: jax.Array, pending: jax.Array | None) -> list:
+          payload: PyTree, pending: PyTree | None) -> list:
   """One pattern: a ``ppermute`` of the payload per remote offset that
   sends (a fill for the others) and, with ``ScanConfig.with_edge``, the ``psum``
   of the pending rows (zeros when they are not summed this tick)."""
@@ -515,7 +528,7 @@ def _params_of(rank: Rank, j: Any) -> PyTree:
   return row(rank.local_params, j)
 
 
-def _new_state(rank: Rank, params: PyTree, x: jax.Array, key: Any,
+def _new_state(rank: Rank, params: PyTree, x: PyTree, key: Any,
                state: PyTree) -> PyTree:
   """The aval of a stateful stage's new state (``None``: stateless)."""
   if state is None:
@@ -541,7 +554,7 @@ def _embed_params(rank: Rank) -> PyTree:
   return None if rank.embedding is None else rank.embedding.params
 
 
-def _embedded(rank: Rank, embed_params: PyTree, microbatch: Any) -> jax.Array:
+def _embedded(rank: Rank, embed_params: PyTree, microbatch: Any) -> PyTree:
   """Stage 0's input for ``microbatch``: the embedding of its raw rows."""
   embedding = rank.embedding
   raw = jax.tree.map(lambda a: a[microbatch], rank.inputs)
@@ -550,7 +563,7 @@ def _embedded(rank: Rank, embed_params: PyTree, microbatch: Any) -> jax.Array:
   return embedding.fn(embed_params, raw, **extras(key))
 
 
-def _seed(rank: Rank, loss_params: PyTree, y: jax.Array, target: PyTree,
+def _seed(rank: Rank, loss_params: PyTree, y: PyTree, target: PyTree,
           key: jax.Array | None):
   """``((loss, aux), (dloss_params, dy))``: this microbatch's share of the
   mean loss (and aux, at least float32) and its gradient."""

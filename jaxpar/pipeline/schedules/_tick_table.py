@@ -100,7 +100,8 @@ from jaxpar.pipeline.schedules._simulate import (DEFAULT_COSTS, check_comm,
 IDLE, F, B, I, W = 0, 1, 2, 3, 4
 KIND_CODES = {'F': F, 'B': B, 'I': I, 'W': W}
 KIND_NAMES = '.FBIW'
-# Blocks placed by the lookahead's tries, per table, before it stops trying.
+# Blocks placed by the lookahead's tries, per table, before it stops trying:
+# interleaved 1F1B at p = 8, m = 64 (2048 blocks) takes 0.4 s of CPU.
 _LOOKAHEAD = 100_000
 
 
