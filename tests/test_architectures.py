@@ -422,3 +422,82 @@ def test_pytree_inputs_need_one_batch_axis(x64):
       mesh=mesh(data=2, stage=2))
   with pytest.raises(ValueError, match=r"\['b'\]: 6.*share the batch axis"):
     trainer.step(trainer.init(pm.params), (inputs, np.ones((8, 1))))
+
+
+# --------------------------------------------- a ResNet with a BatchNorm stem
+
+C = 4
+
+
+def batch_norm(axis_name, rngs):
+  bn = nnx.BatchNorm(C, momentum=0.8, axis_name=axis_name, rngs=rngs, **F64)
+  # Flax keeps running statistics in float32; float64 for the 1e-10 check.
+  bn.mean, bn.var = (nnx.BatchStat(jnp.zeros(C, jnp.float64)),
+                     nnx.BatchStat(jnp.ones(C, jnp.float64)))
+  return bn
+
+
+class ResBlock(nnx.Module):
+  def __init__(self, rngs, axis_name=None):
+    self.conv1 = nnx.Conv(C, C, (3, 3), rngs=rngs, **F64)
+    self.bn1 = batch_norm(axis_name, rngs)
+    self.conv2 = nnx.Conv(C, C, (3, 3), rngs=rngs, **F64)
+    self.bn2 = batch_norm(axis_name, rngs)
+
+  def __call__(self, x):
+    y = jax.nn.relu(self.bn1(self.conv1(x)))
+    return jax.nn.relu(x + self.bn2(self.conv2(y)))
+
+
+class ResNet(nnx.Module):
+  def __init__(self, rngs, axis_name=None):
+    self.stem_conv = nnx.Conv(3, C, (3, 3), rngs=rngs, **F64)
+    self.stem_bn = batch_norm(axis_name, rngs)
+    self.blocks = nnx.List([ResBlock(rngs, axis_name) for _ in range(2)])
+    self.head = nnx.Linear(C, 4, rngs=rngs, **F64)
+
+  def __call__(self, x):
+    h = jax.nn.relu(self.stem_bn(self.stem_conv(x)))
+    for block in self.blocks:
+      h = block(h)
+    return self.head(h.mean((1, 2)))
+
+
+def test_resnet_with_a_batch_norm_stem_float64(x64):
+  """The stem's BatchNorm is a blocks entry of its own (the refusal of
+  statistics outside the blocks says so): it runs in stage 0 and its
+  running statistics are carried like the blocks'. SyncBatchNorm over
+  data=2 x 1F1B: the model as written on one device, run on the global
+  microbatches in turn: loss, params and running statistics."""
+  rng = np.random.default_rng(0)
+  x, t = rng.normal(size=(8, 4, 4, 3)), rng.integers(0, 4, 8)
+  with pytest.raises(ValueError, match=r"List the modules.*blocks="
+                     r"\['stem_bn', 'blocks'\]"):
+    jaxpar.parallel.from_nnx(ResNet(nnx.Rngs(0)), blocks='blocks',
+                             num_stages=2, embed=lambda m, x: x,
+                             head_loss=lambda m, y, t: y)
+  model = ResNet(nnx.Rngs(0), axis_name='data')
+  pm = jaxpar.parallel.from_nnx(
+      model, blocks=['stem_bn', 'blocks'], num_stages=2,
+      embed=lambda m, x: m.stem_conv(x),
+      block={'stem_bn': lambda b, h: jax.nn.relu(b(h)),
+             'blocks': lambda b, h: b(h)},
+      head_loss=lambda m, h, t: xent(m.head(h.mean((1, 2))), t))
+  trainer = jaxpar.parallel.model_trainer(
+      pm, optax.sgd(LR), schedule=jaxpar.pipeline.one_f_one_b(2, 2),
+      mesh=mesh(data=2, stage=2))
+  state, stats = trainer.step(trainer.init(pm.params, pm.model_state), (x, t))
+  pm.update(model, jax.device_get(trainer.params(state)),
+            jax.device_get(state.model_state))
+
+  one = ResNet(nnx.Rngs(0))                      # one device: nothing to sync
+  rows = np.arange(8).reshape(2, 2, 2)           # [data, microbatch, row]
+  loss = lambda m: sum(xent(m(x[rows[:, i].ravel()]), t[rows[:, i].ravel()])
+                       for i in range(2)) / 2
+  want, grads = nnx.jit(nnx.value_and_grad(loss))(one)
+  nnx.update(one, jax.tree.map(lambda p, g: p - LR * g,
+                               nnx.state(one, nnx.Param),
+                               nnx.state(grads, nnx.Param)))
+  of = lambda m: nnx.to_pure_dict(nnx.state(m, nnx.Any(nnx.Param,
+                                                       nnx.BatchStat)))
+  tree_allclose((stats.loss, of(model)), (want, of(one)))

@@ -291,8 +291,8 @@ class TestErrors:
     model = NormNet(nnx.Rngs(0))
     model.inp_norm = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"nnx.BatchStat \['inp_norm/mean', "
-                       r"'inp_norm/var'\] outside blocks='blocks'.*Move the "
-                       r"normalisation into the blocks"):
+                       r"'inp_norm/var'\] outside blocks='blocks'.*List the "
+                       r"modules.*blocks=\['inp_norm', 'blocks'\]"):
       self.from_nnx(model)
 
   def test_block_param_shared_with_another_part(self):

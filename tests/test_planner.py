@@ -111,7 +111,7 @@ def test_ranking_follows_the_time_model():
                      remat_policies=('dots',), max_microbatches=8)
   times = {(c.layout.schedule_name): c.predicted_s for c in plan.candidates
            if c.layout[:3] == (2, 4, 1) and c.layout.num_microbatches == 8
-           and c.layout.zero_stage == 0}
+           and c.layout.zero_stage == 0 and not c.layout.w_recompute}
   # The executor runs in lock step: a tick lasts its slowest action, so
   # 1F1B's mixed ticks can cost more than GPipe's; ZB-H1 beats both.
   assert times['zero_bubble_h1'] < min(times['one_f_one_b'], times['gpipe'])
@@ -162,10 +162,24 @@ def test_fixed_costs_per_layer_tick_and_microbatch():
   tp = 2 * 2 * zero.collective('all-reduce', act, 2)   # 2 layers, 2 each
   assert slow.blocks['F'] - fast.blocks['F'] == pytest.approx(
       fast.blocks['F'] - tp)                     # the FLOPs' time doubles
-  shared = planner.step_time(spec, single, batch=BATCH, profile=curve._replace(
-      block_shares=(0.2, 0.5, 0.3)))            # I the longest, as on a CPU
-  assert [shared.blocks[k] for k in 'FI'] == pytest.approx(
-      [0.6 * measured.blocks['F'], 1.5 * measured.blocks['F']])
+  pipelined = lambda **kw: planner.step_time(
+      spec, piped, batch=BATCH, profile=curve._replace(**kw)).blocks
+  equal, shared = pipelined(), pipelined(block_shares=(0.2, 0.5, 0.3))
+  assert [shared[k] for k in 'FIWB'] == pytest.approx(   # I the longest,
+      [x * equal['F'] for x in (0.6, 1.5, 0.9, 2.4)], rel=1e-3)  # as here
+  factors = pipelined(kind_factors=((tokens, (0.4, 0.7, 0.5, 0.9)),))
+  assert [factors[k] for k in 'FIWB'] == pytest.approx(  # measured apart:
+      [x * 3 * equal['F'] for x in (0.4, 0.7, 0.5, 0.9)], rel=1e-3)
+  one = planner.step_time(spec, single, batch=BATCH, profile=curve._replace(
+      kind_factors=((tokens, (0.4, 0.7, 0.5, 0.9)),))).blocks
+  assert one['F'] + one['B'] == pytest.approx(   # one rank: the plain
+      one['F'] + one['I'] + one['W'])             # program, however cut
+  assert one['F'] == pytest.approx(measured.blocks['F'])
+  head = lambda **kw: planner.step_time(spec, single, batch=BATCH,
+                                        profile=curve._replace(**kw))
+  line = head(head_seconds=((tokens / 2, 1e-3), (tokens * 2, 4e-3)))
+  assert line.pipeline - head().pipeline == pytest.approx(  # 4 microbatches
+      4 * (2e-3 - 3 * spec.head_flops.per_device(1) * tokens / 2e9))
   lock = lambda shares: planner.step_time(spec, piped, batch=BATCH,
                                           profile=zero._replace(
                                               block_shares=shares)).pipeline
@@ -173,24 +187,21 @@ def test_fixed_costs_per_layer_tick_and_microbatch():
 
 
 def test_tensor_efficiency_is_the_share_of_the_ideal_speed_up(monkeypatch):
-  """``measure_profile``'s tensor efficiency: a block split over 2 devices
-  that takes twice the ideal time at the rate measured for its size (its
-  all-reduces taken out) reaches 0.5 of the speed-up; one device measures
-  nothing."""
+  """``measure_profile``'s tensor efficiency: a stage split over 2 devices
+  that takes as long as on one device (its all-reduces taken out) reaches
+  0.5 of the ideal speed-up; one device measures nothing."""
   from jaxpar.planner import _calibrate
   spec = planner.ModelSpec.from_gpt(CONFIG)
   rows = _calibrate._ROWS[len(_calibrate._ROWS) // 2]
-  tokens = rows * CONFIG.seq_len
-  probe = planner.Profile('probe', 1e9, 1.0, 1e9, 1e9, 1e-5,
-                          block_rates=((tokens / 2, 1e9), (tokens * 2, 4e9)))
-  ideal = 3 * spec.flops.per_device(2) * tokens / 2.5e9
-  comm = 4 * probe.collective('all-reduce', tokens * CONFIG.d_model * 4, 2)
-  monkeypatch.setattr(_calibrate, '_block_seconds', lambda *a: (
-      2 * ideal + comm))
+  probe = planner.Profile('probe', 1e9, 1.0, 1e9, 1e9, 1e-5)
+  comm = 4 * 2 * probe.collective(          # 2 layers, 4 per layer
+      'all-reduce', rows * CONFIG.seq_len * CONFIG.d_model * 4, 2)
+  monkeypatch.setattr(_calibrate, '_block_seconds', lambda spec, devices, *a:
+                      0.1 + (comm if len(devices) == 2 else 0.0))
   two = jax.devices()[:2]
-  assert _calibrate._tensor_efficiency(spec, two, probe, 1) == (
+  assert _calibrate._tensor_efficiency(spec, two[0], two, probe, 1) == (
       pytest.approx(0.5))
-  assert _calibrate._tensor_efficiency(spec, two[:1], probe, 1) == 1.0
+  assert _calibrate._tensor_efficiency(spec, two[0], two[:1], probe, 1) == 1.0
 
 
 def test_nothing_fits_names_the_smallest_need_and_the_fixes():

@@ -65,11 +65,15 @@ bytes (``P`` = params bytes): stage 1 reduce-scatters ``P`` and all-gathers
 the forward pass (and again in the backward, where XLA does not reuse it)
 and reduce-scatters ``P``; the norms add a few scalars.
 
-**Stage 3 gathering.** ``gathered`` all-gathers each leaf just before the
-function that uses it and wraps gather + function in ``jax.checkpoint`` with
-the ``dots_saveable`` policy: matmul outputs are kept for the backward pass,
-the gathered params are not (they are re-gathered), so only the ``1/N``
-slices stay alive between forward and backward.
+**Stage 3 gathering.** ``gathered`` runs the loss on the slices and
+gathers each param where the loss first uses it. A cast to the compute
+dtype runs on the slice (bfloat16 is gathered, its gradient reduce-scattered
+in float32); a ``lax.scan`` over stacked ``[L, ...]`` leaves (``nnx.scan``
+too) gathers one layer per iteration inside its body and reduce-scatters
+that layer's gradient in the backward's body; every gather sits in a
+``jax.checkpoint`` that keeps no gathered param for the backward pass, which
+gathers again. Between forward and backward only the ``1/N`` slices stay
+alive, and in a scan one layer's full params at a time.
 
 Example:
   >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxpar

@@ -252,6 +252,25 @@ def from_nnx(model: nnx.Module, *, blocks: str | Sequence[str],
     >>> pm.update(net, trainer.params(state))        # trained params -> net
     >>> int(state.step), net.layers[2].mlp.kernel.shape
     (1, (8, 8))
+
+    A side input rides in the carried activation (here a padding mask
+    ``[b, s]`` the blocks read; ``y`` is the activation after the last
+    block):
+
+    >>> import jax, jax.numpy as jnp
+    >>> pm = jaxpar.parallel.from_nnx(
+    ...     net, blocks='layers', num_stages=2,
+    ...     embed=lambda m, ids: {'h': m.embed(ids), 'pad': ids != 0},
+    ...     block=lambda b, a: {**a, 'h': jnp.where(a['pad'][..., None],
+    ...                                             b(a['h']), a['h'])},
+    ...     head_loss=lambda m, y, t: optax.losses.
+    ...         softmax_cross_entropy_with_integer_labels(m.out(y['h']),
+    ...                                                   t).mean())
+    >>> embed_fn, stage_fn, _ = pm.functions
+    >>> a = embed_fn(pm.params.embed, ids)
+    >>> y = stage_fn(jax.tree.map(lambda s: s[0], pm.params.stages), a)
+    >>> y['h'].shape, y['pad'].dtype
+    ((8, 4, 8), dtype('bool'))
   """
   _check_functions(model, embed, head_loss)
   cut = read_cut(model, blocks, num_stages, counts, head, block)

@@ -2,10 +2,12 @@
 pipeline executor (``gradient_program``).
 
 Per device: the embedding, the stages and the head through
-``pipeline_value_and_grad_local`` (ZeRO-3: each function gathers its params
-just in time), tied params' gradients summed (``untied``), the loss and the
-gradients averaged or reduce-scattered over ``data``, and the stages' model
-state (BatchNorm statistics) back in model order, averaged over ``data``.
+``pipeline_value_and_grad_local`` (ZeRO-3: each function gathers each param
+at its first use, a scanned stage one layer per iteration:
+``data_parallel.gathered``), tied params' gradients summed (``untied``),
+the loss and the gradients averaged or reduce-scattered over ``data``, and
+the stages' model state (BatchNorm statistics) back in model order,
+averaged over ``data``.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ def _masked(config: TrainerConfig, stage_grads: PyTree) -> PyTree:
 def _functions(config: TrainerConfig, split: PipelineParams,
                tied: tuple) -> tuple:
   """embed/stage/loss functions of local params (ZeRO-3: of slices that
-  each call gathers over ``data`` just in time); the loss function's params
-  are ``with_tied(head, embed, tied)``."""
+  each call gathers over ``data`` where it uses them, inside the stage's
+  scan one layer at a time); the loss function's params are
+  ``with_tied(head, embed, tied)``."""
   if config.zero_stage != 3:
     return config.functions
   embed_fn, stage_fn, loss_fn = config.functions

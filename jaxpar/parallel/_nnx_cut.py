@@ -398,12 +398,20 @@ def read_cut(model: nnx.Module, blocks: Any, num_stages: Any,
             embed_paths=frozenset(), head_paths=frozenset(), reads={})
   outside = sorted(path_name(p) for p in cut.stats if not cut.in_blocks(p))
   if outside:
+    owners = sorted({'.'.join(map(str, p[:-1])) for p in cut.stats
+                     if not cut.in_blocks(p)})
+    listed = owners[:1] + ([blocks] if isinstance(blocks, str)
+                           else list(blocks))
     raise ValueError(
-        f'nnx.BatchStat {outside[:4]} outside blocks={blocks!r}: from_nnx '
-        'carries the statistics of the blocks through the pipeline '
-        '(PipelineModel.model_state), not those of embed or head_loss. '
-        'Move the normalisation into the blocks, or use a norm without '
-        'running statistics there (nnx.LayerNorm, nnx.RMSNorm).')
+        f'nnx.BatchStat {outside[:4]} outside blocks={blocks!r}: the '
+        'pipeline carries the statistics of blocks, per microbatch in order '
+        '(PipelineModel.model_state), not of embed or head_loss. List the '
+        'modules holding them as blocks entries of their own, in model '
+        f'order, e.g. blocks={listed} '
+        'with block={...} saying how each runs on the carried activation '
+        "(a ResNet's stem norm: lambda b, h: jax.nn.relu(b(h))): they then "
+        'run in the first (or last) stage and their statistics are carried '
+        'like the blocks\'.')
   rest = [p for p in cut.params if not cut.in_blocks(p)]
   last = prefixes[-1]   # a sequence's last item: the sequence
   embed_paths, head_paths = _sides(

@@ -214,9 +214,9 @@ def _split_blocks(cut: Cut, rules: dict[str, tp.RuleMatch],
   pipelined over several ranks with ``tensor`` Auto (``from_nnx``'s
   layout): XLA:CPU runs a ``collective-permute`` over every device, but in
   a tick only one stage's devices run a block, so the step would wait in
-  XLA's rendezvous and abort the process. Compiles one block of each kind
-  on the tensor axes alone, once per signature; the params are named by
-  compiling with each split one alone."""
+  XLA's rendezvous and abort the process. Compiles a block of each kind
+  and its VJP, partitioned as the step partitions them, once per signature
+  (and, to name the params, once per split param when it finds one)."""
   mesh = jax.sharding.get_abstract_mesh()
   types = dict(zip(mesh.axis_names, mesh.axis_types))
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
@@ -254,7 +254,8 @@ def _split_blocks(cut: Cut, rules: dict[str, tp.RuleMatch],
 def _permuting(cut: Cut, rules: dict[str, tp.RuleMatch], args: tuple,
                auto: dict[str, int]) -> list[str]:
   """The split block params whose split alone makes XLA insert a
-  ``collective-permute`` into a block or its VJP."""
+  ``collective-permute`` into a block or its VJP (none: one compile with
+  every split; else one more per split param)."""
   def block(params, x, state):
     params, state = _flat(params), _flat(state)
     ys = []
@@ -268,17 +269,19 @@ def _permuting(cut: Cut, rules: dict[str, tp.RuleMatch], args: tuple,
   def specs(only):
     def one(path, leaf):
       name = path_name(cut.kind_of(tuple(k.key for k in path))[1])
-      if name != only or name not in rules:
+      if name not in rules or only not in (None, name):
         return None
       spec = rules[name].spec
       return P(*(None,) * (len(leaf.shape) - len(spec)), *spec)
     return (jax.tree_util.tree_map_with_path(one, args[0]),
             jax.tree.map(lambda _: None, args[1]),
             jax.tree.map(lambda _: None, args[2]))
+  if not resharding_permutes(block, args, specs(None), auto):
+    return []
   names = sorted({path_name(cut.kind_of(p)[1]) for p in _flat(args[0])}
                  & set(rules))
   return [name for name in names if resharding_permutes(
-      block, args, specs(name), auto)]
+      block, args, specs(name), auto)] or names
 
 
 def stage_fn(cut: Cut, rules: dict[str, tp.RuleMatch], stage_params: PyTree,

@@ -207,13 +207,20 @@ def _head_program(mesh, ends: tuple) -> tuple[Callable, tuple]:
                                out_specs=(P(), specs))), placed
 
 
+def _slots(spec: ModelSpec) -> int:
+  """Layers of the stage timed: two where the model has them (a step's
+  stage is a scan over its layers, each reading its slice of the stacked
+  params), else one."""
+  return min(2, spec.num_layers)
+
+
 @functools.lru_cache(maxsize=8)
 def _stage_blocks(spec: ModelSpec, devices: tuple) -> _Blocks:
   """A stage of ``min(2, layers)`` GPT blocks of ``spec``'s width, heads
   and sequence (a scan over its slots, as a step's stage is), split over
   ``devices`` as ``tensor`` (one device: not split); built once per
   ``devices``, compiled once per microbatch size."""
-  slots = min(1, spec.num_layers)
+  slots = _slots(spec)
   config = gpt.GPTConfig(d_model=spec.d_model, num_heads=spec.num_heads,
                          seq_len=spec.seq_len, num_layers=slots,
                          vocab_size=max(spec.vocab_size, 8))
@@ -312,8 +319,7 @@ def _tensor_efficiency(spec: ModelSpec, device, devices: Sequence,
   if len(devices) < 2 or 2 not in spec.tensor_sizes(2):
     return 1.0
   rows = _ROWS[len(_ROWS) // 2]
-  slots = _stage_blocks(spec, (device,)).slots
-  comm = 4 * slots * probe.collective(
+  comm = 4 * _slots(spec) * probe.collective(
       'all-reduce', rows * spec.seq_len * spec.d_model * 4, 2)
   one = _block_seconds(spec, [device], rows, repeats)
   two = _block_seconds(spec, devices[:2], rows, repeats) - comm
@@ -464,7 +470,7 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
       tick_overhead=tick, microbatch_overhead=per_mb,
       tensor_efficiency=share,
       source=f'micro-benchmark on {len(devices)} {device.platform} devices: '
-      f"a stage of {_stage_blocks(spec, (device,)).slots} GPT blocks in the "
+      f"a stage of {_slots(spec)} GPT blocks in the "
       f"executor's one-rank step at {', '.join(map(str, _ROWS))} sequences; "
       f'its F, I, W and B apart and the embedding, head and loss at '
       f'{" and ".join(map(str, _FACTOR_ROWS))}; F+I+W split over 2 devices '

@@ -143,20 +143,14 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   layer's ``'everything'`` residuals. In the tick scan the stage is also
   checkpointed as a whole (its stash is the policy's saves of the stage),
   so its backward first rebuilds each layer's input and saves, stacked
-  over the stage's layers; with ``tensor`` > 1 it holds the layer's
-  residuals whole on every tensor rank too (the all-reduced and gathered
-  activations; measured on XLA:CPU).
+  over the stage's layers.
   """
   t, policy = layout.tensor, layout.remat_policy
-  everything = spec.stash_of('everything')
-  restacked = whole = 0.0
-  if layout.stage > 1:
-    if policy != 'everything':
-      restacked = shape.slots * (spec.stash_per_device(policy, t)
-                                 + spec.d_model)
-    if t > 1:
-      whole = everything.split + everything.replicated
-  per_token = restacked + WORKING * everything.per_device(t) + whole
+  restacked = 0.0
+  if layout.stage > 1 and policy != 'everything':
+    restacked = shape.slots * (spec.stash_per_device(policy, t)
+                               + spec.d_model)
+  per_token = restacked + WORKING * spec.stash_of('everything').per_device(t)
   return int(per_token * shape.tokens * spec.act_bytes)
 
 
@@ -170,7 +164,8 @@ def work_bytes(spec: ModelSpec, layout: Layout,
   gathered = 0.0
   if zero == 3:
     sides = max(spec.embed.per_device(t), spec.head.per_device(t))
-    gathered = (GATHERED_LAYERS * spec.layer.per_device(t) + sides) * cb
+    layers = min(GATHERED_LAYERS, shape.slots)
+    gathered = (layers * spec.layer.per_device(t) + sides) * cb
   return {
       'grads': int(shape.held * pb / split3),
       'gathered': int(gathered),

@@ -29,6 +29,10 @@ Sections:
   ``temp_size_in_bytes`` of 1F1B and GPipe steps (``p = 2``, ``m = 8``) with
   it. The executor's default, ``'dots'``, is the fastest one on
   ``one_core``.
+* ``gpt_stash``: what jaxpar's GPT stage stashes per token per layer, as
+  the 3D trainer runs it (``tensor`` a manual axis, params cast to the
+  compute dtype inside the stage): bytes, in units of ``h / t`` next to
+  Megatron's ``34 h / t`` (selective recompute, sequence parallelism, bf16).
 
 The model is ``LAYERS`` residual tanh layers sliced from a stacked leaf.
 Parallel speed is not measured here (simulated devices share the cores): see
@@ -41,13 +45,16 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import tensor_parallel as tp
 from jaxpar.cli.bench._timing import compile_stats, wall_and_cpu_seconds
 from jaxpar.mesh import axis_size, make_mesh
 from jaxpar.pipeline import schedules as sched
 from jaxpar.hlo import collective_bytes
+from jaxpar.models import gpt
 from jaxpar.pipeline.executor import (LossFn, StageFn,
                                      pipeline_value_and_grad)
 from jaxpar.pipeline.schedules import tick_table
@@ -333,6 +340,39 @@ def _stash_policies(quick: bool) -> list[dict]:
   return rows
 
 
+def _gpt_stash(quick: bool) -> list[dict]:
+  """Stash bytes per token per layer of a GPT stage (module doc)."""
+  config = gpt.GPTConfig(vocab_size=64, seq_len=32 if quick else 128,
+                         d_model=64 if quick else 256, num_heads=4,
+                         num_layers=2)
+  stages = gpt.split_for_pipeline(gpt.gpt_params(gpt.GPT(
+      config, rngs=nnx.Rngs(0))), num_stages=1)[0].stages
+  one = jax.tree.map(lambda a: a[0], stages)
+  h, mb = config.d_model, 2
+  rows = []
+  for name, dtype in (('float32', jnp.float32), ('bfloat16', jnp.bfloat16)):
+    for t in (1, 2):
+      mesh = make_mesh(tensor=t, devices=jax.devices()[:t])
+      specs = tp.param_specs(one, rules=gpt.TENSOR_RULES)
+      for policy in ('dots', 'nothing', 'everything'):
+        stage = StageVJP(cast_params(gpt.functions(config)[1], dtype),
+                         remat_policy=policy)
+        found = []
+        jax.eval_shape(jax.shard_map(
+            lambda w, x: found.append(stage.trace(w, x)[1]) or x, mesh=mesh,
+            in_specs=(specs, P()), out_specs=P()),
+            tp.shard_params(one, mesh=mesh, rules=gpt.TENSOR_RULES),
+            jnp.zeros((mb, config.seq_len, h), dtype))
+        per = sum(a.size * a.dtype.itemsize for a in found[0]) / (
+            mb * config.seq_len * config.num_layers)
+        rows.append({'compute': name, 'tensor': t, 'policy': policy,
+                     'h': h, 'seq': config.seq_len,
+                     'layers': config.num_layers, 'arrays': len(found[0]),
+                     'bytes_per_token_layer': per,
+                     'in_h_over_t': per * t / h, 'megatron_h_over_t': 34})
+  return rows
+
+
 def run(*, quick: bool) -> dict[str, list[dict]]:
   """The memory, compile-time, CPU-overhead and block-FLOPs sections."""
   memory, compile_time = _memory_and_compile(quick)
@@ -340,4 +380,5 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
           'mixed_precision_memory': _mixed_precision(quick),
           'cpu_overhead': _cpu_overhead(quick),
           'zero_bubble_blocks': _block_flops(quick),
-          'stash_policy': _stash_policies(quick)}
+          'stash_policy': _stash_policies(quick),
+          'gpt_stash': _gpt_stash(quick)}

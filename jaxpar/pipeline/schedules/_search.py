@@ -10,9 +10,9 @@ is never slower than any of them that fits.
 
 "Fastest" is by the time the executor takes: the lock-step time of its tick
 table (``tick_table(s).makespan``), where every tick lasts as long as its
-slowest action. With ``F = I = W`` that is ``simulate``'s event-driven time;
-with kinds of unequal cost it can be longer, and the search ranks the candidates
-by what really runs.
+slowest action. With ``F = I = W`` that is at most ``simulate``'s event-driven
+time; with kinds of unequal cost it can be longer, and the search ranks the
+candidates by what really runs.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ def makespan(schedule: Schedule,
   The lock-step time of its tick table, ``tick_table(schedule).makespan(
   action_costs(schedule, costs), comm)``: a tick lasts as long as its slowest
   action, plus ``comm`` if it sends a message between ranks. Comparable
-  across placements (1F1B and ZB-V of the same model, e.g.); equal to
-  ``schedule.simulate`` time for ``F = I = W`` and ``comm = 0``.
+  across placements (1F1B and ZB-V of the same model, e.g.); at most
+  ``schedule.simulate``'s time for ``F = I = W`` and ``comm = 0`` (less
+  where the table splits a ``B`` and its ``I`` sends early: 1F1B).
 
   Example:
     >>> import jaxpar
@@ -76,11 +77,11 @@ def makespan(schedule: Schedule,
     >>> from jaxpar.pipeline.schedules._search import action_costs
     >>> pp = jaxpar.pipeline
     >>> makespan(pp.one_f_one_b(4, 8)), makespan(pp.zero_bubble_v(4, 8))
-    (33.0, 25.5)
+    (30.0, 25.5)
     >>> s = pp.one_f_one_b(4, 8)
     >>> costs = {'F': 1, 'I': 1.5, 'W': 0.5}   # a tick waits for its I
     >>> makespan(s, costs), s.simulate(action_costs(s, costs)).makespan
-    (44.5, 33.0)
+    (38.5, 33.0)
   """
   return _tick_table.tick_table(schedule).makespan(
       action_costs(schedule, costs), comm)

@@ -31,8 +31,9 @@ with a one-step lookahead: at each tick it also tries holding back the ready
 instead of stretching a tick of ``F``'s to two units) and, in the first
 ``3 p`` ticks, holding back one rank (so that its messages later leave in
 the same tick as another rank's and share its ``ppermute``); it finishes
-each try by plain list scheduling and keeps the one with the shortest
-lock-step time, then the fewest ticks with messages. Interleaved 1F1B,
+each try by plain list scheduling and keeps the one with the least
+lock-step time plus ``message_cost`` (``tick_table``'s keyword, in ``F``'s)
+per tick with messages. Interleaved 1F1B,
 p = 2, m = 4 (plain list scheduling pairs ``B`` with ``F``: 32)::
 
   rank 0: FFF.FFBFBFBFB.BBBB        lock-step 27 = simulate's
@@ -87,6 +88,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
@@ -100,6 +102,10 @@ from jaxpar.pipeline.schedules._simulate import (DEFAULT_COSTS, check_comm,
 IDLE, F, B, I, W = 0, 1, 2, 3, 4
 KIND_CODES = {'F': F, 'B': B, 'I': I, 'W': W}
 KIND_NAMES = '.FBIW'
+# What a tick with messages costs the packing, in forwards (``F = 1``): on 2
+# CPU processes over gloo one message took 0.1-0.2 F unpinned and 0.8-1.3 F
+# pinned (a 4-layer gelu stage's F: 1.96 ms; docs/benchmarks.md).
+MESSAGE_COST = 0.5
 # Blocks placed by the lookahead's tries, per table, before it stops trying:
 # interleaved 1F1B at p = 8, m = 64 (2048 blocks) takes 0.4 s of CPU.
 _LOOKAHEAD = 100_000
@@ -429,13 +435,28 @@ def _choices(packing: _Packing, ranks: list[int], *, drops: bool
   return [c for k, c in enumerate(out) if c not in out[:k]]
 
 
-def _pack(blocks: _Blocks) -> _Packing:
-  """The blocks in ticks by list scheduling with a one-step lookahead (the
-  module doc): each tick takes the choice whose plain finish has the least
-  lock-step time, then the fewest messages. Holding back one rank is tried
-  in the first ``3 p`` ticks (it sets the ranks' phases) with half of
-  ``_LOOKAHEAD`` (the blocks its tries may place), all tries with all of
-  it."""
+def _score(packing: _Packing, message_cost: float) -> tuple[float, float]:
+  """What the packing minimises: lock-step time plus ``message_cost`` per
+  tick with messages, then the time."""
+  return packing.time + message_cost * packing.messages, packing.time
+
+
+def _pack(blocks: _Blocks, message_cost: float) -> _Packing:
+  """The blocks in ticks with the least ``_score`` of two greedy packings:
+  one scoring each tick's choices by ``_score``, one by the lock-step time
+  and then the messages (the one-step lookahead is short-sighted either
+  way)."""
+  scores = (lambda k: _score(k, message_cost), lambda k: (k.time, k.messages))
+  return min((_greedy(blocks, score) for score in scores),
+             key=lambda k: _score(k, message_cost))
+
+
+def _greedy(blocks: _Blocks, score) -> _Packing:
+  """List scheduling with a one-step lookahead (the module doc): each tick
+  takes the choice whose plain finish has the least ``score``. Holding back
+  one rank is tried in the first ``3 p`` ticks (it sets the ranks' phases)
+  with half of ``_LOOKAHEAD`` (the blocks its tries may place), all tries
+  with all of it."""
   packing, budget = _Packing(blocks), _LOOKAHEAD
   while not packing.done:
     ready = packing.ready()
@@ -448,41 +469,49 @@ def _pack(blocks: _Blocks) -> _Packing:
       trial = packing.copy()
       trial.place(choice)
       budget -= trial.finish()
-      if best_score is None or (trial.time, trial.messages) < best_score:
-        best, best_score = choice, (trial.time, trial.messages)
+      if best_score is None or score(trial) < best_score:
+        best, best_score = choice, score(trial)
     packing.place(best)
   return packing
 
 
-def _layout(schedule: Schedule) -> _Packing:
+def _layout(schedule: Schedule, message_cost: float) -> _Packing:
   """The packed blocks of ``schedule``: fused ``B``'s unless that is slower
   than the schedule as written, then split (module doc)."""
-  fused = _pack(_blocks(schedule, fuse=True))
+  fused = _pack(_blocks(schedule, fuse=True), message_cost)
   if (not any(a is not None and a.kind == 'B' for row in schedule.actions
               for a in row) or fused.time <= schedule.simulate().makespan):
     return fused
-  return _pack(_blocks(schedule, fuse=False))
+  return _pack(_blocks(schedule, fuse=False), message_cost)
 
 
-def tick_table(schedule: Schedule, *, forward_only: bool = False) -> TickTable:
+def tick_table(schedule: Schedule, *, forward_only: bool = False,
+               message_cost: float = MESSAGE_COST) -> TickTable:
   """The tick table of ``schedule``: what the pipeline executor runs.
 
   Args:
     schedule: a ``Schedule``; it is validated first (``Schedule.validate``).
     forward_only: keep only the ``F`` actions (inference with
       ``pipeline_apply``); their order is the schedule's.
+    message_cost: what a tick with messages between ranks costs the packing,
+      in forwards (``F = 1, B = 2``), ``>= 0``; ``MESSAGE_COST`` (0.5) is
+      between what a message took on two CPU processes over gloo unpinned
+      (0.1-0.2) and pinned (0.8-1.3). ``0``: the shortest lock-step time.
 
   Returns:
     A ``TickTable``: int32 ``[ticks, ranks]`` tables of blocks and
     buffer slots plus the buffer sizes. The stash and mailbox sizes follow
-    the schedule: ``O(p)`` for 1F1B, ``O(m)`` for GPipe. Its lock-step time
-    ``makespan()`` is at most ``schedule.simulate().makespan`` (default
-    costs).
+    the schedule: ``O(p)`` for 1F1B, ``O(m)`` for GPipe. Its
+    ``makespan(comm=message_cost)`` is at most that of the table before
+    like-with-like packing (every ``B`` as ``I`` then ``W``, plain list
+    scheduling), and with ``message_cost=0`` its ``makespan()`` is at most
+    ``schedule.simulate().makespan`` (default costs).
 
   Raises:
     TypeError: if ``schedule`` is not a ``Schedule``.
     ScheduleError: (a ``ValueError``) if the schedule is invalid.
-    ValueError: if the ranks hold different numbers of stages.
+    ValueError: if the ranks hold different numbers of stages, or for a
+      bad ``message_cost``.
 
   Example:
     >>> import jaxpar
@@ -498,8 +527,14 @@ def tick_table(schedule: Schedule, *, forward_only: bool = False) -> TickTable:
     schedule = dataclasses.replace(schedule, actions=tuple(
         tuple(a for a in acts if a is not None and a.kind == 'F')
         for acts in schedule.actions))
+  if (isinstance(message_cost, bool)
+      or not isinstance(message_cost, (int, float))
+      or not math.isfinite(message_cost) or message_cost < 0):
+    raise ValueError(f'tick_table: message_cost={message_cost!r} must be a '
+                     'finite number >= 0 (what a tick with messages costs, '
+                     'in forwards; 0: messages are free).')
   stages_of = local_stages(schedule)
-  packing = _layout(schedule)
+  packing = _layout(schedule, float(message_cost))
   blocks, ticks = packing.blocks, packing.tick
   slots, peaks, messages = _slots(schedule, blocks, ticks, not forward_only)
   offsets = tuple(sorted({(dst - src) % schedule.num_ranks
