@@ -120,6 +120,39 @@ def test_nan_fill_exposes_a_bad_table(x64):
     assert bool(np.isfinite(loss)) == finite
 
 
+def fused(table, microbatches):
+  """``table`` with the ``I`` and ``W`` of ``microbatches`` run as one ``B``
+  at the ``I``'s tick (the ``W``'s tick left idle): a valid table that
+  mixes ``B`` blocks with ``I`` and ``W``."""
+  t = {k: np.copy(getattr(table, k)) for k in (
+      'kind', 'stage', 'microbatch', 'local_stage', 'read_slot',
+      'stash_slot', 'weight_slot')}
+  for tick, rank in zip(*np.nonzero(table.kind == _tick_rows.W)):
+    if table.microbatch[tick, rank] in microbatches:
+      i = np.flatnonzero((table.kind[:, rank] == _tick_rows.I) & (
+          table.stage[:, rank] == table.stage[tick, rank]) & (
+              table.microbatch[:, rank] == table.microbatch[tick, rank]))[0]
+      t['kind'][i, rank], t['weight_slot'][i, rank] = _tick_rows.B, -1
+      for k in t:
+        t[k][tick, rank] = 0 if k == 'kind' else -1
+  return table._replace(**t)
+
+
+def test_a_table_mixing_b_with_i_and_w_is_exact(x64):
+  """``B`` blocks beside ``I`` and ``W`` ones (a schedule's ``B`` fused, its
+  ``I``/``W`` pairs apart), NaN in every bubble: the sequential model."""
+  schedule = sch.one_f_one_b(2, 4)
+  table = fused(tick_table(schedule), (0, 2))
+  kinds = set(np.unique(table.kind)) - {0}
+  assert kinds == {_tick_rows.F, _tick_rows.B, _tick_rows.I, _tick_rows.W}
+  args = model(2, 4 * MB)
+  loss, grads = local_step(table, mesh_for(2), bubble_fill=NAN)(*args)
+  grads = grads._replace(stages=jax.tree.map(lambda a: a[:, 0],
+                                             grads.stages))   # v = 1
+  tree_allclose((loss, grads[:3]), reference(*args, 4), rtol=1e-10,
+                atol_scale='leaf')
+
+
 def tp_stage_fn(params, x):
   """Megatron MLP: hidden units split over 'tensor', one psum per stage."""
   h = jnp.tanh(x @ params['w1'])

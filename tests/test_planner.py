@@ -269,6 +269,30 @@ def test_bad_input_of_the_model_names_the_layers():
              if c.layout.stage == 1)
 
 
+def test_measure_spreads_over_the_predicted_range():
+  """``measure`` times the best, then evenly spaced places of the ranking
+  up to ``SPREAD`` x the best's time, one per mesh, schedule and
+  microbatch count where it can; ``summary`` gives the mean absolute
+  error and Spearman."""
+  from jaxpar.planner import _measure
+  spec = planner.ModelSpec.from_gpt(CONFIG)
+  plan = jaxpar.plan(spec, batch=BATCH, devices=8, profile='H100-SXM',
+                     remat_policies=('dots', 'nothing'), compile=0)
+  fits = [c for c in plan.candidates if c.fits]
+  top = min(c.predicted_s for c in fits)
+  chosen = _measure._spread(plan.candidates, 6)
+  assert len(chosen) == 6 and chosen[0].predicted_s == top
+  assert len({c.layout[:5] for c in chosen}) == 6
+  inside = [c.predicted_s for c in fits
+            if c.predicted_s <= _measure.SPREAD * top]
+  assert chosen[-1].predicted_s > np.quantile(inside, 0.9)  # the far end
+  rows = [planner.Measured(c, 2 * c.predicted_s, 1) for c in chosen]
+  out = planner.summary(rows)
+  assert out['mean_abs_error'] == pytest.approx(0.5)
+  assert out['spearman'] == pytest.approx(1.0)
+  assert out['best_vs_fastest'] == 0.0
+
+
 def test_spearman():
   assert planner.spearman([1, 2, 3], [5, 6, 7]) == pytest.approx(1.0)
   assert planner.spearman([1, 2, 3], [7, 6, 5]) == pytest.approx(-1.0)

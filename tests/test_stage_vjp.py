@@ -2,12 +2,14 @@
 
 Every stash policy, as the ``I``/``W`` blocks and through the executor
 (ZB-H1, dropout keys), and ``w_recompute`` (V-Half), against ``jax.vjp`` /
-``jax.value_and_grad``.
+``jax.value_and_grad``; the stash in the compute dtype and split over
+``tensor``.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -348,7 +350,7 @@ def test_scanned_layers_are_cut_once_not_per_layer(x64, fn):
              for a in kept), kept
 
 
-@pytest.mark.parametrize('fn', [stacked, shared_b, nested])
+@pytest.mark.parametrize('fn', [stacked, shared_b])
 def test_w_recompute_keeps_nothing_and_is_exact(x64, fn):
   """``w_recompute``: ``I`` keeps nothing, ``W`` recomputes the cotangent
   chain from (params, stash, dy); the halves are still the VJP."""
@@ -430,3 +432,12 @@ def test_bf16_stash_holds_no_widened_product():
   dw = jax.jit(stage.weight_grad)(w, stash, dy, kept)
   want_dw, want_dx = jax.vjp(widening, w, x)[1](dy)
   tree_allclose((dx, dw), (want_dx, want_dw), rtol=1e-2, atol=1e-2)
+
+
+def test_trainer_checks_w_recompute_when_built():
+  with pytest.raises(TypeError, match='w_recompute=.yes. must be True'):
+    jaxpar.parallel.trainer(
+        lambda e, ids: ids, stacked, lambda h, y, t: jnp.mean(y),
+        optax.sgd(0.1), schedule=pp.one_f_one_b(2, 2),
+        mesh=jaxpar.make_mesh(stage=2, devices=jax.devices()[:2]),
+        w_recompute='yes')

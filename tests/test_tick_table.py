@@ -231,7 +231,7 @@ def test_messages_fold():
   low = tick_table(sch.one_f_one_b(2, 12))
   assert low.message_ticks == 13
   assert low.makespan(comm=0.5) == low.makespan() + 0.5 * 13
-  # ZB-H1 trades a tick for 11 fewer ticks with messages (priced at half a
+  # ZB-H1 trades a tick for 10 fewer ticks with messages (priced at half a
   # forward): 1F1B's 38 and 13; with messages free, 37 and 23.
   zb = sch.zero_bubble_h1(2, 12)
   assert (tick_table(zb).makespan(), tick_table(zb).message_ticks) == (38, 13)

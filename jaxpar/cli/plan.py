@@ -180,7 +180,8 @@ def _print_measured(found: dict) -> None:
   print(f"  {len(found['rows'])} candidates: mean absolute time error "
         f"{found['mean_abs_error']:.1%}, Spearman rank correlation "
         f"{found['spearman']:.2f}; the predicted best is "
-        f"{found['best_vs_fastest']:+.1%} from the fastest measured")
+        f"{found['best_vs_fastest']:+.1%} from the fastest measured; load "
+        f"average {', '.join(f'{x:.1f}' for x in found['load_average'])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
   if args.measure:
     out['measured'] = planner.summary(planner.measure(
         plan, args.measure, kw['optimizer'], kw['batch']))
+    # The machine's load (1, 5, 15 minutes) as the timing ended.
+    out['measured']['load_average'] = os.getloadavg()
   if jaxpar.distributed.is_main_process():
     print(plan.table(args.rows))
     if args.measure:

@@ -100,7 +100,7 @@ def _local_grads(config: TrainerConfig, specs: Specs, tied: tuple,
                          * config.schedule.num_microbatches),
       has_aux=config.has_aux, compute_dtype=config.compute_dtype,
       embed_fn=embed, embed_params=params.embed, embed_key=embed_key,
-      remat_policy=config.remat_policy,
+      remat_policy=config.remat_policy, w_recompute=config.w_recompute,
       stage_state=_rank_state(config, model_state), input_grads=False)
   grads = untied(PipelineParams(
       result.grads.embed,

@@ -1,15 +1,24 @@
 """A ``Profile`` of the devices at hand, from a micro-benchmark of a few seconds.
 
-* **blocks**: one GPT block's ``F``, ``I`` and ``W`` as the pipeline
-  executor runs them (``pipeline.StageVJP``; ``spec``'s width, heads,
-  sequence) on one device at 1 to 32 sequences per microbatch: the
-  FLOP/s reached at each (``Profile.block_rates``; on a CPU small
-  microbatches run far below the rate of large ones, and large ones fall
-  out of cache); at 8, ``F``, ``I`` and ``W`` each as its own program, as
-  the tick scan runs them: their shares of the three
-  (``Profile.block_shares``); and at 8, split over two devices as
-  ``tensor``: the share of the ideal speed-up its FLOPs reach
-  (``tensor_efficiency``);
+What a step runs, timed at plan time on the devices (calibrated on the
+machine, no constants fitted to another):
+
+* **the one-rank program**: a stage of two GPT blocks of ``spec``'s width,
+  heads and sequence (a scan over its layers, as a step's stage is) in the
+  executor's one-rank step (``pipeline_value_and_grad_local``: one
+  ``value_and_grad`` program), on one device at 1 to 32 sequences per
+  microbatch: the FLOP/s reached at each (``Profile.block_rates``; on a
+  CPU small microbatches run far below the rate of large ones, and large
+  ones fall out of cache);
+* **the pipeline's blocks**: the same stage's ``F``, ``I``, ``W`` and fused
+  ``B`` (``pipeline.StageVJP``), each its own program as the tick scan
+  runs it, at 1 and 16 sequences, in seconds per second of the one-rank
+  program (``Profile.kind_factors``: each block pays its own program's
+  fixed costs, and split apart ``I`` and ``W`` cost more than the fused
+  backward); and split over two devices as ``tensor``: the share of the
+  ideal speed-up its FLOPs reach against one device (``tensor_efficiency``);
+* **the ends**: the GPT's embedding, head and loss, forward and backward,
+  at 1 and 16 sequences (``Profile.head_seconds``);
 * **ticks**: the executor itself, on a stage whose blocks cost nothing (a
   ``[8, 8]`` layer, one row per microbatch), at two microbatch counts: a
   2-rank 1F1B step gives the cost of one tick (its while loops, message
@@ -33,6 +42,8 @@ Example:
   [8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
   >>> round(sum(profile.block_shares), 6)            # F, I, W
   1.0
+  >>> [t for t, _ in profile.kind_factors], len(profile.head_seconds)
+  ([8.0, 128.0], 2)
   >>> profile.tensor_efficiency     # one device: not measured
   1.0
   >>> profile.tick_overhead, profile.microbatch_overhead >= 0   # no pipeline

@@ -64,14 +64,22 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
   return float(np.corrcoef(ra, rb)[0, 1])
 
 
+# The slowest candidate ``measure`` times, in predicted times of the best
+# (a tensor-parallel step of 64 one-sequence microbatches over gloo takes
+# minutes, and tells no more about the ranking than one at 3x).
+SPREAD = 3.0
+
+
 def _spread(candidates: Sequence, n: int) -> list:
   """``n`` fitting candidates spread over the predicted range: the best,
   then the one at each of ``n - 1`` evenly spaced places of the ranking by
-  predicted time (the slowest last), each the nearest there of a mesh,
+  predicted time up to ``SPREAD`` times the best's (the slowest there
+  last), each the nearest there of a mesh,
   schedule and microbatch count not taken yet (ZeRO and remat variants of
   one are near ties on a loaded machine), in rank order."""
   fits = sorted((c for c in candidates if c.fits),
                 key=lambda c: c.predicted_s)
+  fits = [c for c in fits if c.predicted_s <= SPREAD * fits[0].predicted_s]
   if len(fits) <= n:
     return fits
   key = lambda c: c.layout[:5]

@@ -2,19 +2,26 @@
 
 The step is its pipeline plus what runs around it, on a ``Profile``:
 
-* **blocks** -- one logical stage's ``F``, ``I`` and ``W`` for one
-  microbatch: three times its forward FLOPs over the FLOP/s the profile
-  reaches at that many tokens (``Profile.rate``: measured, or the peak
-  share plus the block overhead of each of its layers), over
-  ``tensor_efficiency`` too when split over ``tensor``, split by
-  ``block_shares``, the tensor-parallel all-reduces inside (two per
-  block forward, two in ``I``), the forward again in ``I`` under
-  ``remat_policy='nothing'``, and in ``W`` the gradient's add into its
-  accumulator (a read of both and a write, at the memory bandwidth);
+* **blocks** -- one logical stage's ``F``, ``I``, ``W`` and fused ``B``
+  for one microbatch. ``plain``, the stage's forward and backward as the
+  one-rank step runs them (one ``value_and_grad`` program): three times
+  its forward FLOPs over the FLOP/s the profile reaches at that many
+  tokens (``Profile.rate``: measured in that program, or the peak share
+  plus the block overhead of each of its layers), over
+  ``tensor_efficiency`` too when split over ``tensor``. One stage rank
+  splits ``plain`` among its blocks; a pipeline rank runs each block as its
+  own program, which costs its own share (``Profile.block_factors``:
+  measured apart, ``F + I + W`` 1.2-1.7x ``plain`` on a CPU, more at small
+  microbatches; on paper ``block_shares``). Added: the tensor-parallel
+  all-reduces (two per block forward, two in the backward), the forward
+  again in the backward under ``remat_policy='nothing'`` (and in ``W``
+  under ``w_recompute``), and the gradient's add into its accumulator in
+  ``W`` and ``B`` (a read of both and a write, at the memory bandwidth);
 * **pipeline** -- the executor's lock-step time of the schedule's tick
   table with those costs (``TickTable.makespan``; equal to
   ``Schedule.simulate``'s for ``F = I = W``) and one ``ppermute`` of an
-  activation per tick that sends, plus the head on the last rank, plus the
+  activation per tick that sends, plus per microbatch the embedding, head
+  and loss (``head_seconds``: measured, or the head's FLOPs), plus the
   profile's fixed cost per tick (one stage rank: per microbatch of its
   plain scan);
 * **data** -- the gradients' all-reduce over ``data`` (ZeRO-1:

@@ -56,7 +56,9 @@ def published() -> tuple[Published, ...]:
                for name, v in (('one_f_one_b', 1),
                                ('interleaved_one_f_one_b', 2),
                                ('interleaved_one_f_one_b', 4))
-               for r in ('nothing', 'dots', 'everything'))
+               for r in ('nothing', 'dots', 'everything')) + (
+                   Layout(64, 16, 8, 'one_f_one_b', 32, 1, 'dots',
+                          w_recompute=True),)
   return (
       Published(llama('8B'), 8, 32, 'torchtitan FSDP 8 (ZeRO-3)', fsdp8,
                 '5,762 tokens/s/GPU (local batch 2, 96 GB H100s)'),

@@ -45,6 +45,9 @@ sends travels with one of rank 1's (10 ticks with messages instead of 14)::
   rank 0: FFFFI.WFIWFIWFIWIWFIWIWIW
   rank 1: .FFFFIWFIWFIWFIWFIWIIIWWW
 
+ZB-H1, p = 2, m = 12, takes one tick more than with messages free (38, not
+37) for 10 fewer ticks with messages (13, not 23): 1F1B's layout.
+
 **Fused or split.** A schedule with ``B`` actions is laid out twice: each
 ``B`` as one ``B`` block, and each ``B`` as an ``I`` and then a ``W``. The
 fused table is kept when its lock-step time is at most
@@ -199,8 +202,10 @@ class TickTable(NamedTuple):
       at the end of each tick, to compare with
       ``schedule.simulate(costs).makespan`` (the schedule's event-driven time,
       where nothing waits for a tick to end): never longer with the default
-      costs and ``comm = 0`` (module doc); with kinds of unequal cost a tick
-      waits for its slowest block.
+      costs and ``comm = 0`` for a table built with ``message_cost=0``
+      (module doc; the default may trade a tick for fewer ticks with
+      messages); with kinds of unequal cost a tick waits for its slowest
+      block.
 
     Example:
       >>> import jaxpar
@@ -435,10 +440,11 @@ def _choices(packing: _Packing, ranks: list[int], *, drops: bool
   return [c for k, c in enumerate(out) if c not in out[:k]]
 
 
-def _score(packing: _Packing, message_cost: float) -> tuple[float, float]:
+def _score(packing: _Packing, message_cost: float) -> tuple[float, ...]:
   """What the packing minimises: lock-step time plus ``message_cost`` per
-  tick with messages, then the time."""
-  return packing.time + message_cost * packing.messages, packing.time
+  tick with messages, then the time, then the messages."""
+  return (packing.time + message_cost * packing.messages, packing.time,
+          packing.messages)
 
 
 def _pack(blocks: _Blocks, message_cost: float) -> _Packing:
