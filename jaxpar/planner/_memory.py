@@ -143,13 +143,16 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   layer's ``'everything'`` residuals. In the tick scan the stage is also
   checkpointed as a whole (its stash is the policy's saves of the stage),
   so its backward first rebuilds each layer's input and saves, stacked
-  over the stage's layers.
+  over the stage's layers. With ``w_recompute`` a ``W`` rebuilds what
+  ``I`` would have kept for it, for one stage and microbatch.
   """
   t, policy = layout.tensor, layout.remat_policy
   restacked = 0.0
   if layout.stage > 1 and policy != 'everything':
     restacked = shape.slots * (spec.stash_per_device(policy, t)
                                + spec.d_model)
+  if layout.w_recompute:   # W rebuilds what I would have kept, for a stage
+    restacked += shape.slots * spec.kept.per_device(t)
   per_token = restacked + WORKING * spec.stash_of('everything').per_device(t)
   return int(per_token * shape.tokens * spec.act_bytes)
 

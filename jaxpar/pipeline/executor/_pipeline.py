@@ -51,14 +51,15 @@ class PipelineGrads(NamedTuple):
       from ``pipeline_value_and_grad``, one rank's ``[v, ...]`` in rank
       order from ``pipeline_value_and_grad_local``.
     head: like ``loss_params``, the parameters ``loss_fn`` takes.
-    inputs: like ``inputs``, ``[batch, ...]``: chain it with the VJP of a
+    inputs: like ``inputs`` (the same pytree of ``[batch, ...]`` leaves,
+      ``float0`` zeros for an integer leaf): chain it with the VJP of a
       layer in front of the pipeline (``None`` with ``embed_fn``, which
       runs that layer inside the step, or with ``input_grads=False``).
     embed: like ``embed_params`` (``None`` without ``embed_fn``).
   """
   stages: PyTree
   head: PyTree
-  inputs: jax.Array | None
+  inputs: PyTree
   embed: PyTree = None
 
 
@@ -84,7 +85,7 @@ class PipelineResult(NamedTuple):
 
 def pipeline_value_and_grad_local(
     stage_fn: StageFn, loss_fn: LossFn, local_params: PyTree,
-    loss_params: PyTree, inputs: jax.Array, targets: PyTree, *,
+    loss_params: PyTree, inputs: PyTree, targets: PyTree, *,
     table: TickTable, stage_axis: str = 'stage', bubble_fill: float = 0.0,
     key: jax.Array | None = None, microbatch_offset: Any = 0,
     has_aux: bool = False, compute_dtype: Any = None,
@@ -114,7 +115,8 @@ def pipeline_value_and_grad_local(
     local_params: this rank's stages, ``[v, ...]`` in rank order
       (``stages_to_ranks(params, schedule)[rank]``).
     loss_params: ``loss_fn``'s parameters, the same on every rank.
-    inputs: ``[batch, ...]``, the same on every rank of ``stage_axis``.
+    inputs: ``[batch, ...]``, or any pytree of such leaves (split leaf by
+      leaf into microbatches), the same on every rank of ``stage_axis``.
     targets: a pytree of ``[batch, ...]`` leaves.
     table: ``tick_table(schedule)``.
     stage_axis: the pipeline's mesh axis, of size ``schedule.num_ranks``.
@@ -185,7 +187,7 @@ def pipeline_value_and_grad_local(
 
 
 def _local_step(stage_fn: StageFn, loss_fn: LossFn, local_params: PyTree,
-                loss_params: PyTree, inputs: jax.Array, targets: PyTree, *,
+                loss_params: PyTree, inputs: PyTree, targets: PyTree, *,
                 table: TickTable, options: StepOptions,
                 embedding: Embedding | None,
                 stage_state: PyTree) -> PipelineResult:
@@ -319,7 +321,9 @@ def pipeline_value_and_grad(
 
   Args:
     stage_fn: ``stage_fn(params, x) -> y``: one stage on one microbatch
-      ``[batch / m, ...]``, ``y`` of ``x``'s shape and dtype. Called with
+      ``[batch / m, ...]``, ``y`` of ``x``'s shape and dtype (``x`` may be
+      a pytree, e.g. ``(h, encoder_output)``: ``y`` of its structure,
+      shapes and dtypes; what a stage only reads it passes on unchanged). Called with
       ``key=k`` when the step gets a key, and with ``state=s``, returning
       ``(y, new_state)``, when it gets a ``stage_state``.
     loss_fn: ``loss_fn(loss_params, y, target) -> loss``, one microbatch's
@@ -346,8 +350,9 @@ def pipeline_value_and_grad(
     ``step(stage_params, loss_params, inputs, targets, key=None,
     stage_state=None) -> PipelineResult(loss, aux, grads, state)``, jitted.
     ``stage_params``, ``stage_state`` and ``state`` are stacked
-    ``[num_stages, ...]`` in model order; ``inputs`` is ``[batch, ...]``,
-    ``targets`` a pytree of ``[batch, ...]`` leaves, ``key`` a PRNG key.
+    ``[num_stages, ...]`` in model order; ``inputs`` is ``[batch, ...]``
+    (or a pytree of such leaves, the activations' structure), ``targets`` a
+    pytree of ``[batch, ...]`` leaves, ``key`` a PRNG key.
     Shapes and signatures are checked when ``step`` is traced.
 
   Raises:
@@ -439,7 +444,7 @@ def pipeline_value_and_grad(
 
 
 def pipeline_apply_local(
-    stage_fn: StageFn, local_params: PyTree, inputs: jax.Array, *,
+    stage_fn: StageFn, local_params: PyTree, inputs: PyTree, *,
     table: TickTable, stage_axis: str = 'stage',
     bubble_fill: float = 0.0) -> jax.Array:
   """Runs one rank's share of ``pipeline_apply``; call it in ``jax.shard_map``.
@@ -447,7 +452,8 @@ def pipeline_apply_local(
   Args:
     stage_fn: ``stage_fn(params, x) -> y``, ``y`` like ``x``.
     local_params: this rank's stages, ``[v, ...]`` in rank order.
-    inputs: ``[batch, ...]``, the same on every rank of ``stage_axis``.
+    inputs: ``[batch, ...]`` (or a pytree of such leaves), the same on
+      every rank of ``stage_axis``.
     table: ``tick_table(schedule, forward_only=True)``.
     stage_axis: the pipeline's mesh axis, of size ``schedule.num_ranks``.
     bubble_fill: the value of unwritten buffer slots and of what idle ranks

@@ -66,10 +66,11 @@ def edge_rows(table: TickTable) -> tuple[np.ndarray, np.ndarray]:
   """When each row of the batch-sized result is done, and when it is summed.
 
   A row (stage 0's input cotangent of a microbatch when training, from its
-  ``B`` or ``I``, else the last stage's output) is done on one rank; it waits in one of
-  ``K = num_ranks`` pending slots until ``K`` rows are done (or the last
-  one is), then one ``psum`` over the pipeline axis brings them to every
-  rank: ``ceil(m / K)`` collectives of ``K`` rows, not ``m`` of one.
+  ``B`` or ``I``, else the last stage's output) is done on one rank; it
+  waits in one of ``K = num_ranks`` pending slots until ``K`` rows are done
+  (or the last one is), then one ``psum`` over the pipeline axis brings them
+  to every rank: ``ceil(m / K)`` collectives of ``K`` rows, not ``m`` of
+  one.
 
   Returns:
     ``(slot, rows)``: int32 ``[T]``, the pending slot the row done at tick

@@ -261,9 +261,10 @@ def _init_carry(rank: Rank, avals: Avals, config: ScanConfig) -> Carry:
       wstash = full(avals.kept, fill, max(table.num_weight_slots, 1))
   mailbox = full(avals.act, fill, table.num_mailbox_slots + 1)
   if config.with_edge:
-    edge = Edge(full(avals.act, 0, p), vary(jax.tree.map(
-        lambda a: jnp.zeros((m,) + a.shape, a.dtype), avals.act),
-                                            avals.act_vma - {config.stage_axis}))
+    result = jax.tree.map(lambda a: jnp.zeros((m,) + a.shape, a.dtype),
+                          avals.act)
+    edge = Edge(full(avals.act, 0, p),
+                vary(result, avals.act_vma - {config.stage_axis}))
   return Carry(mailbox, stash, wstash, acc, edge,
                vary(rank.state, avals.act_vma))
 

@@ -64,7 +64,8 @@ def makespan(schedule: Schedule,
              ) -> float:
   """The executor's time for ``schedule``, with costs per 1F1B stage.
 
-  The lock-step time of its tick table, ``tick_table(schedule).makespan(
+  The lock-step time of its tick table packed for ``comm``,
+  ``tick_table(schedule, message_cost=comm / F).makespan(
   action_costs(schedule, costs), comm)``: a tick lasts as long as its slowest
   action, plus ``comm`` if it sends a message between ranks. Comparable
   across placements (1F1B and ZB-V of the same model, e.g.); at most
@@ -83,8 +84,11 @@ def makespan(schedule: Schedule,
     >>> makespan(s, costs), s.simulate(action_costs(s, costs)).makespan
     (38.5, 33.0)
   """
-  return _tick_table.tick_table(schedule).makespan(
-      action_costs(schedule, costs), comm)
+  per_action = action_costs(schedule, costs)
+  # The table is packed for this comm: a message priced in the action's F.
+  price = comm / per_action['F'] if per_action['F'] > 0 else comm
+  return _tick_table.tick_table(schedule, message_cost=price).makespan(
+      per_action, comm)
 
 
 def search(num_ranks: int, num_microbatches: int, *, memory_limit: float,
