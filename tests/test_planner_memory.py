@@ -69,8 +69,7 @@ def test_zero3_gathers_two_layers_and_the_stash_splits_over_tensor():
 def test_memory_never_more_than_5_percent_under_compiled():
   """One candidate of each mechanism -- one stage rank (remat layer by
   layer), ZeRO-3 with a fused ``B`` (GPipe), tensor 2 with 1F1B's
-  ``I``/``W``, ZB-H1's weight slots with and without ``w_recompute``,
-  interleaved 1F1B --
+  ``I``/``W``, ZB-H1's weight slots with and without ``w_recompute`` --
   predicted at least 0.95x the bytes its compiled step reports (arguments
   + temporaries), and at most 1.5x."""
   chosen = {
@@ -78,8 +77,7 @@ def test_memory_never_more_than_5_percent_under_compiled():
       (2, 4, 1, 'gpipe', 3, 'dots', False),
       (2, 2, 2, 'one_f_one_b', 1, 'dots', False),
       (4, 2, 1, 'zero_bubble_h1', 0, 'everything', False),
-      (4, 2, 1, 'zero_bubble_h1', 0, 'everything', True),
-      (4, 2, 1, 'interleaved_one_f_one_b', 1, 'dots', False)}
+      (4, 2, 1, 'zero_bubble_h1', 0, 'everything', True)}
   key = lambda x: (x.data, x.stage, x.tensor, x.schedule_name,
                    x.zero_stage, x.remat_policy, x.w_recompute)
   plan = jaxpar.plan(CONFIG, batch=BATCH, devices=jax.devices(),
@@ -92,5 +90,4 @@ def test_memory_never_more_than_5_percent_under_compiled():
     got = _compile.step_bytes(plan.source, jax.devices(), c.layout,
                               optax.adam(1e-3), (ids, ids))
     ratios[c.layout.describe()] = c.memory_bytes / got
-  print(ratios)
   assert all(0.95 <= r <= 1.5 for r in ratios.values()), ratios

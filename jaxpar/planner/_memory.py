@@ -15,9 +15,10 @@ What one device holds during a ``parallel.trainer`` step (what its compiled
   ``w_recompute``) and its mailbox slots times an activation; one stage
   rank (``stage=1``) runs its microbatches in turn: one stash, no slots;
 * **work**: the gradient accumulators (the params held; over ``data``
-  too with ZeRO-3; each microbatch's gradient is added in place); ZeRO-3's gathered params (two layers in the compute
-  dtype -- the one in use and the next -- and the embedding or head); the
-  update's temporaries (the per-layer view: ``UPDATE`` times its bytes,
+  too with ZeRO-3; each microbatch's gradient is added in place);
+  ZeRO-3's gathered params (two layers in the compute dtype -- the one in
+  use and the next -- and the embedding or head); the update's
+  temporaries (the per-layer view: ``UPDATE`` times its bytes,
   over ``data`` with ZeRO); one microbatch's logits, their float32 copy
   and their gradient; and the **backward's recompute**
   (``recompute_bytes``): the policy applies layer by layer, so one
@@ -26,12 +27,12 @@ What one device holds during a ``parallel.trainer`` step (what its compiled
 
 ``MARGIN`` covers what the compiled step holds beyond those (XLA's
 copies, the collectives' buffers): ``work`` is the sum above times ``1 +
-MARGIN``. On 8 simulated CPU devices no candidate is predicted more than
-5% under its compiled step (``tests/test_planner_memory.py``,
-``docs/planning.md``). Where the devices are present the planner compiles
-one step per distinct stage shape and replaces ``work`` by what the
-compiler reports (``Memory.calibrated``); the schedule- and
-ZeRO-dependent parts stay analytic.
+MARGIN``. On 8 simulated CPU devices one candidate of each mechanism is
+predicted 1.05-1.29x its compiled step, never more than 5% under
+(``tests/test_planner_memory.py``, ``docs/planning.md``). Where the
+devices are present the planner compiles one step per distinct stage shape
+and replaces ``work`` by what the compiler reports (``Memory.calibrated``);
+the schedule- and ZeRO-dependent parts stay analytic.
 
 Example:
   >>> from jaxpar.models import gpt

@@ -1,15 +1,16 @@
-"""Section ``paper``: published Llama 3 layouts on paper beside the planner's picks.
+"""Section ``paper``: published Llama 3 layouts beside the planner's picks.
 
-``python -m jaxpar bench --only paper`` (nothing compiled, nothing run: a
-few seconds to a minute of planning). For each published run -- torchtitan's
-Llama-3-8B FSDP 8 and Llama-3-70B FSDP 32 x TP 8, Meta's Llama-3-405B
-TP 8 x PP 16 x DP 64 -- the rows give the planner's prediction of that
-layout (``planner.memory``, ``planner.step_time`` on ``'H100-SXM'``, 80 GiB)
-at each remat policy and microbatch count it allows, the lightest first,
-and the planner's own pick (``jaxpar.plan``) for the same model, devices
-and batch. ``tokens/s/GPU`` and ``TFLOP/s/GPU`` (model FLOPs: 3 x the
-forward's matmuls and attention) are the predicted step's;
-``published`` is the run's own figure. ``docs/planning.md`` ("On paper")
+``python -m jaxpar bench --only paper`` (nothing compiled, nothing run:
+minutes of planning, most of them the 8,192-GPU plan). For each published
+run -- torchtitan's Llama-3-8B FSDP 8 and Llama-3-70B FSDP 32 x TP 8,
+Meta's Llama-3-405B TP 8 x PP 16 x DP 64 -- the rows give the planner's
+prediction of that layout (``planner.memory``, ``planner.step_time`` on
+``'H100-SXM'``, 80 GiB) at the remat policies and microbatch counts it
+allows, those that fit first, the fastest first, and the planner's own
+pick (``jaxpar.plan``) for the same model, devices and batch.
+``tokens/s/GPU`` and ``TFLOP/s/GPU`` (model FLOPs: 3 x the forward's
+matmuls and attention) are the predicted step's; ``published`` is the
+run's own figure. ``docs/planning.md`` ("On paper")
 explains where they differ.
 """
 
@@ -77,9 +78,7 @@ def _row(run: Published, who: str, layout: Layout) -> dict:
   mem = planner.memory(spec, layout, batch=run.batch)
   time = planner.step_time(spec, layout, batch=run.batch, profile=profile)
   tokens = run.batch * spec.seq_len / time.total / layout.devices
-  return {'model': spec.name, 'who': who, 'layout': layout.describe()
-          + (f' v={layout.virtual_stages}' if layout.virtual_stages > 1
-             else ''),
+  return {'model': spec.name, 'who': who, 'layout': layout.describe(),
           'GiB/GPU': mem.total / GIB, 'fits': mem.total <= profile.memory_bytes,
           'stash GiB': mem.stash / GIB, 'work GiB': mem.work / GIB,
           'step s': time.total, 'bubble': time.bubble,
