@@ -313,7 +313,7 @@ def test_cli_plan_writes_the_table_and_json(capfd, tmp_path):
   code = plan_command.main([*small, '--memory', '1KiB'])
   assert code == 2 and 'smallest' in capfd.readouterr().err
   wide = ['--devices', '4', '--layers', '8', '--d-model', '1024', '--heads',
-          '16', '--seq-len', '1024', '--batch', '64', '--profile', 'H100-SXM']
+          '16', '--seq-len', '1024', '--batch', '16', '--profile', 'H100-SXM']
   searched = []
   for k in (0, 1):
     assert plan_command.main([*wide, '--search', str(k), '--json',

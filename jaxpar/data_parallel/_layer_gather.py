@@ -42,7 +42,7 @@ Example (inside ``shard_map``, as ``data_parallel.gathered`` calls it):
   ...   return jax.grad(run)(w, x)
   >>> mesh = jaxpar.make_mesh(data=2, devices=jax.devices()[:2])
   >>> w, x = jnp.ones((3, 4, 4)) / 4, jnp.ones((2, 4))
-  >>> put = lambda a, *spec: jax.device_put(a, jax.NamedSharding(mesh, P(*spec)))
+  >>> put = lambda a, *s: jax.device_put(a, jax.NamedSharding(mesh, P(*s)))
   >>> grad = jax.jit(jax.shard_map(
   ...     local, mesh=mesh, in_specs=(P(None, None, 'data'), P('data')),
   ...     out_specs=P(None, None, 'data')))(put(w, None, None, 'data'),
@@ -64,7 +64,8 @@ import numpy as np
 
 from jaxpar import vma
 from jaxpar._compat import is_pvary
-from jaxpar.pipeline.executor import _jaxpr
+from jaxpar.pipeline.executor.internal import (bind_eqn, is_jaxpr_var,
+                                                scan_parts)
 
 # Elementwise primitives that run on a slice when their other operands are
 # scalars: the gather then moves their output (a cast: the compute dtype).
@@ -207,7 +208,7 @@ class _Gathering:
                args: Sequence[Any]) -> list:
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
-    read = lambda v: env[v] if _jaxpr.is_var(v) else v.val
+    read = lambda v: env[v] if is_jaxpr_var(v) else v.val
     for eqn in jaxpr.eqns:
       ins = [read(v) for v in eqn.invars]
       with eqn.ctx.manager:
@@ -219,7 +220,7 @@ class _Gathering:
     slices = [x for x in ins if isinstance(x, Slice)]
     name = eqn.primitive.name
     if not slices:
-      return _jaxpr.bind(eqn, ins)
+      return bind_eqn(eqn, ins)
     if name in _INLINED:
       inner = eqn.params.get('jaxpr', eqn.params.get('call_jaxpr'))
       if isinstance(inner, jex.ClosedJaxpr):
@@ -239,8 +240,8 @@ class _Gathering:
       if name == 'convert_element_type' and s.dtype is None:
         return [s._replace(dtype=eqn.params['new_dtype'])]
       s = s.cast()
-      value, = _jaxpr.bind(eqn, [s.value if isinstance(x, Slice) else x
-                                 for x in ins])
+      value, = bind_eqn(eqn, [s.value if isinstance(x, Slice) else x
+                              for x in ins])
       return [s._replace(value=value)]
     if name in _LAYOUT and isinstance(ins[0], Slice) and len(slices) == 1:
       moved = self._layout(eqn, ins)
@@ -287,30 +288,26 @@ class _Gathering:
       full = list(ins)
       for k, value in zip(at, values):
         full[k] = self.whole(ins[k]._replace(value=value))
-      return _jaxpr.bind(eqn, full)
+      return bind_eqn(eqn, full)
     return jax.checkpoint(use, policy=_not_gathers(self.data_axis),
                           prevent_cse=not self.in_scan)(
                               *[ins[k].value for k in at])
 
-  def _called(self, jaxpr: jex.Jaxpr, consts: Sequence[Any], ins: list, *,
-              in_scan: bool) -> tuple[Callable[..., list], list]:
-    """``(f, operands)``: ``f(*operands)`` evaluates ``jaxpr`` on ``ins``
-    (whose ``Slice``s pass as their values) and gathers any ``Slice`` it
-    returns."""
-    run = _Gathering(self.data_axis, in_scan=in_scan)
+  def _remat(self, eqn: jex.JaxprEqn, ins: list) -> list:
+    """A ``jax.checkpoint`` call, kept with its policy: its body evaluated
+    on ``ins`` (``Slice``s passed as their values), any ``Slice`` it
+    returns gathered."""
+    p = eqn.params
+    run = _Gathering(self.data_axis, in_scan=self.in_scan)
 
-    def f(*values):
+    def body(*values):
       args = [x._replace(value=v) if isinstance(x, Slice) else v
               for x, v in zip(ins, values)]
-      return [run.whole(x) for x in run.evaluate(jaxpr, consts, args)]
-    return f, [x.value if isinstance(x, Slice) else x for x in ins]
-
-  def _remat(self, eqn: jex.JaxprEqn, ins: list) -> list:
-    """A ``jax.checkpoint`` call, kept with its policy."""
-    p = eqn.params
-    f, operands = self._called(p['jaxpr'], (), ins, in_scan=self.in_scan)
-    return jax.checkpoint(f, policy=p['policy'],
-                          prevent_cse=p['prevent_cse'])(*operands)
+      return [run.whole(x) for x in run.evaluate(p['jaxpr'], (), args)]
+    return jax.checkpoint(body, policy=p['policy'],
+                          prevent_cse=p['prevent_cse'])(
+                              *[x.value if isinstance(x, Slice) else x
+                                for x in ins])
 
   def _scan(self, eqn: jex.JaxprEqn, ins: list) -> list:
     """The scan re-bound with ``lax.scan``: ``xs`` slices split after their
@@ -318,7 +315,7 @@ class _Gathering:
     are gathered before it."""
     p = eqn.params
     body = p['jaxpr']
-    consts, carry, xs = _jaxpr.scan_parts(p, ins)
+    consts, carry, xs = scan_parts(p, ins)
     consts = [self.whole(x) for x in consts]
     carry = [self.whole(x) for x in carry]
     xs = [x if isinstance(x, Slice) and x.dim > 0 else self.whole(x)

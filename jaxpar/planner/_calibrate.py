@@ -71,6 +71,7 @@ from jaxpar.models import gpt
 from jaxpar.pipeline import StageVJP
 from jaxpar.planner._model import ModelSpec
 from jaxpar.planner._profile import Profile
+from jaxpar.vma import varying_axes
 
 _SIZES = (2**12, 2**20, 2**23)   # bytes of the collective buffers timed
 _ROWS = (1, 2, 4, 8, 16, 32)    # sequences per microbatch of the blocks timed
@@ -139,21 +140,16 @@ class _Blocks(NamedTuple):
   slots: int
 
 
-def _varying(x: jax.Array) -> jax.Array:
-  """``x`` (replicated) as varying over ``tensor``, as the executor's
-  activations are: the blocks' inputs and outputs then all vary alike."""
-  return jax.lax.pcast(x, ('tensor',), to='varying')
-
-
 def _fresh(w, x) -> StageVJP:
-  """A ``StageVJP`` of a GPT stage traced at ``x``."""
+  """A ``StageVJP`` of a GPT stage traced at ``x`` (replicated over
+  ``tensor``, as the 3D trainer's activations are)."""
   vjp = StageVJP(gpt.stage_fn)
-  vjp.trace(w, _varying(x))
+  vjp.trace(w, x)
   return vjp
 
 
 def _forward(w, x):
-  return _fresh(w, x).forward(w, _varying(x))
+  return _fresh(w, x).forward(w, x)
 
 
 def _input_grad(w, x, stash, dy):
@@ -170,6 +166,24 @@ def _weight_grad(w, x, stash, dy, kept):
 
 def _backward(w, x, stash, dy):
   return _fresh(w, x).backward(w, stash, dy)
+
+
+def _on(mesh, fn: Callable, in_specs: tuple, *args) -> tuple[Callable, Any]:
+  """``(program, out_specs)``: ``fn`` jitted in a ``shard_map`` over
+  ``mesh``, each output ``P('tensor')`` where it varies over ``tensor``,
+  else ``P()`` (read off a trace at ``args``): one block hands the next
+  what the trainer's tick scan carries, of the same type."""
+  found = []
+
+  def probe(*a):
+    out = fn(*a)
+    found.append(jax.tree.map(lambda v: P('tensor') if 'tensor' in
+                              varying_axes(v) else P(), out))
+    return out
+  jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=in_specs,
+                               out_specs=P('tensor')), *args)
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
+                               out_specs=found[0])), found[0]
 
 
 def _all_blocks(w, x):
@@ -243,18 +257,20 @@ def _stage_blocks(spec: ModelSpec, devices: tuple) -> _Blocks:
   mesh = jax.sharding.Mesh(np.asarray(devices), ('tensor',))
   specs = tensor_parallel.param_specs(stage, rules=gpt.TENSOR_RULES)
   params = jax.tree.map(lambda a, s: _global(mesh, a, s), stage, specs)
-  # What a block hands on varies over tensor: P('tensor') on one device.
-  on = lambda fn, ins, outs: jax.jit(jax.shard_map(
-      fn, mesh=mesh, in_specs=ins, out_specs=outs))
-  t = P('tensor')
-  kinds = (on(_forward, (specs, P()), (t, t)),
-           on(_input_grad, (specs, P(), t, t), (t, t)),
-           on(_weight_grad, (specs, P(), t, t, t), t),
-           on(_backward, (specs, P(), t, t), (specs, t)))
+  x = jax.ShapeDtypeStruct((1, spec.seq_len, spec.d_model), jnp.float32)
+  f, (ys, ss) = _on(mesh, _forward, (specs, P()), params, x)
+  y, stash = jax.eval_shape(f, params, x)
+  i, (_, ks) = _on(mesh, _input_grad, (specs, P(), ss, ys), params, x,
+                   stash, y)
+  kept = jax.eval_shape(i, params, x, stash, y)[1]
+  kinds = (f, i, _on(mesh, _weight_grad, (specs, P(), ss, ys, ks), params,
+                     x, stash, y, kept)[0],
+           _on(mesh, _backward, (specs, P(), ss, ys), params, x, stash,
+               y)[0])
+  run = _on(mesh, _all_blocks, (specs, P()), params, x)[0]
   head, ends = _head_program(mesh, (split.embed, split.head))
   plain = _plain(devices[0], stage) if len(devices) == 1 else None
-  return _Blocks(on(_all_blocks, (specs, P()), (P(), specs)), kinds, head,
-                 plain, params, ends, mesh, slots)
+  return _Blocks(run, kinds, head, plain, params, ends, mesh, slots)
 
 
 def _block_seconds(spec: ModelSpec, devices: Sequence, rows: int,

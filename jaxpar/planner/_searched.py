@@ -28,7 +28,7 @@ Example (a CPU's block shares, on paper for 4 H100s):
   >>> built_in = next(c for c in plan.candidates
   ...                 if c.layout.schedule_name != 'search')
   >>> built_in.layout.describe(), built_in.predicted_s > plan.best.predicted_s
-  ('1x4x1 DualPipeV m=8 ZeRO-0 dots', True)
+  ('1x4x1 Interleaved 1F1B (v=2) m=8 ZeRO-0 dots', True)
 """
 
 from __future__ import annotations

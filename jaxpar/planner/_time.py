@@ -36,10 +36,10 @@ Example:
   >>> from jaxpar.planner import Layout, ModelSpec, PROFILES, step_time
   >>> spec = ModelSpec.from_gpt(gpt.GPTConfig(d_model=1024, num_layers=8,
   ...                                         seq_len=1024, num_heads=16))
-  >>> fast = step_time(spec, Layout(4, 2, 1, 'zero_bubble_h1', 8), batch=64,
-  ...                  profile=PROFILES['H100-SXM'])
-  >>> slow = step_time(spec, Layout(4, 2, 1, 'gpipe', 8), batch=64,
-  ...                  profile=PROFILES['H100-SXM'])
+  >>> fast = step_time(spec, Layout(4, 2, 1, 'gpipe', 4), batch=64,
+  ...                  profile=PROFILES['H100-SXM'])   # more microbatches:
+  >>> slow = step_time(spec, Layout(4, 2, 1, 'gpipe', 2), batch=64,
+  ...                  profile=PROFILES['H100-SXM'])   # a smaller bubble
   >>> fast.total < slow.total, round(fast.bubble, 2) < round(slow.bubble, 2)
   (True, True)
 """

@@ -1,4 +1,4 @@
-"""Sections ``memory_data_parallel`` and ``memory_3d``: compiled memory per device.
+"""Sections ``memory_data_parallel``, ``memory_3d``: compiled memory per device.
 
 Every figure is the compiled step's ``memory_analysis()`` on one device, in
 MiB: ``argument`` (the state and batch going in), ``temp`` (scratch: the
@@ -102,16 +102,13 @@ def gspmd_fsdp(loss_fn: Callable, params: Any, batch: tuple, *,
   n = jax.device_count()
   mesh = jax.make_mesh((n,), ('data',), axis_types=(AxisType.Auto,))
   optimizer = optax.adam(1e-3)
-  specs = _gspmd_specs(params, stacked, mesh)
   state = jaxpar.TrainState.create(jax.tree.map(jnp.asarray, params),
                                    optimizer)
-  shard = lambda s: NamedSharding(mesh, s)
-  state_sh = jaxpar.TrainState(
-      shard(P()), jax.tree.map(shard, specs),
-      jax.tree.map(lambda _: shard(P()), state.opt_state), shard(P()))
-  state_sh = state_sh._replace(opt_state=(
-      optax.ScaleByAdamState(shard(P()), state_sh.params, state_sh.params),
-      optax.EmptyState()))
+  specs = jaxpar.data_parallel.state_specs(
+      state, zero_stage=3, param_specs=jax.tree.map(lambda _: P(), params),
+      zero_specs=_gspmd_specs(params, stacked, mesh))
+  state_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                          is_leaf=lambda x: isinstance(x, P))
 
   def step(state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
@@ -120,10 +117,8 @@ def gspmd_fsdp(loss_fn: Callable, params: Any, batch: tuple, *,
     return state._replace(params=optax.apply_updates(state.params, updates),
                           opt_state=opt_state, step=state.step + 1), loss
   batch_sh = NamedSharding(mesh, P('data'))
-  compiled = jax.jit(step, in_shardings=(state_sh, batch_sh),
-                     out_shardings=(state_sh, None)).lower(
-                         state, batch).compile()
-  return compiled
+  return jax.jit(step, in_shardings=(state_sh, batch_sh),
+                 out_shardings=(state_sh, None)).lower(state, batch).compile()
 
 
 def jaxpar_step(loss_fn: Callable, params: Any, batch: tuple, *,

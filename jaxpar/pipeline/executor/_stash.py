@@ -13,8 +13,8 @@ stash applies it, two refinements that change no value:
   not recomputed by a second all-reduce, and, replicated over ``tensor``,
   it is stored split over it (below).
 
-``Split``: inside ``jax.shard_map``, a stashed activation that does not vary
-over a mesh axis that the stage's parameters vary over (``tensor``: the
+``StashSplit``: inside ``jax.shard_map``, a stashed activation that does not
+vary over a mesh axis that the stage's parameters vary over (``tensor``: the
 stage input, the summed outputs above) holds the same values on every
 device of that axis. ``plan`` splits such a leaf along its largest dim that
 the axes' sizes divide; ``store`` keeps this device's slice (``1/t`` of the
@@ -84,16 +84,17 @@ def _widens(avals: Sequence[Any], params: dict) -> bool:
       jnp.dtype(a.dtype).itemsize for a in avals)
 
 
-class Split(NamedTuple):
+class StashSplit(NamedTuple):
   """A stash leaf stored split: its ``dim`` over ``axes``, in turn."""
   dim: int
   axes: tuple[str, ...]
 
 
-def plan(stash: Sequence[Any], params: PyTree) -> tuple[Split | None, ...]:
+def plan(stash: Sequence[Any],
+         params: PyTree) -> tuple[StashSplit | None, ...]:
   """Per stash leaf (array or aval): how it is stored (``None``: whole).
 
-  Split over the axes (of size > 1) that ``params`` vary over and the leaf
+  StashSplit over the axes (of size > 1) that ``params`` vary over and the leaf
   does not, along the leaf's largest dim their sizes divide.
   """
   over = varying_axes(params)
@@ -105,12 +106,12 @@ def plan(stash: Sequence[Any], params: PyTree) -> tuple[Split | None, ...]:
     dims = [d for d, size in enumerate(leaf.shape) if size % n == 0]
     if not axes or not dims:
       return None
-    return Split(max(dims, key=lambda d: leaf.shape[d]), axes)
+    return StashSplit(max(dims, key=lambda d: leaf.shape[d]), axes)
   return tuple(one(leaf) for leaf in stash)
 
 
 def store(stash: Sequence[jax.Array],
-          splits: Sequence[Split | None]) -> list[jax.Array]:
+          splits: Sequence[StashSplit | None]) -> list[jax.Array]:
   """Each leaf, or this device's slice of it (``F``)."""
   def one(leaf, split):
     for axis in split.axes if split else ():
@@ -122,7 +123,7 @@ def store(stash: Sequence[jax.Array],
 
 
 def gather(stash: Sequence[jax.Array],
-           splits: Sequence[Split | None]) -> list[jax.Array]:
+           splits: Sequence[StashSplit | None]) -> list[jax.Array]:
   """The stashed leaves whole again (the backward), replicated as they
   were."""
   def one(leaf, split):

@@ -120,7 +120,9 @@ from jaxpar.pipeline.executor._tick_rows import (
 from jaxpar.pipeline.executor._tick_state import (
     Accumulators, Avals, BlockState, Carry, Edge, Rank, Result, ScanConfig,
     TickCell, TickRow)
-from jaxpar.pipeline.executor._vma import cotangent, full, like, stored
+from jaxpar.pipeline.executor._tick_messages import (
+    deliver, exchange, offsets, pend, write_rows)
+from jaxpar.pipeline.executor._vma import cotangent, full, like, put, stored
 from jaxpar.pipeline.schedules import TickTable
 from jaxpar.vma import vary, varying_axes
 
@@ -284,20 +286,20 @@ def _tick(rank: Rank, avals: Avals, config: ScanConfig, carry: Carry,
       full(avals.act, config.bubble_fill), carry.acc, carry.stash,
       carry.wstash, carry.state))
   state = stamp(config, 'computed', state)
-  local, remote = _offsets(config.table)
+  local, remote = offsets(config.table)
   spare = config.table.num_mailbox_slots
   # A local hand-off (the loss cotangent): no message.
-  mailbox = _deliver(carry.mailbox, cell.recv_slot, local,
+  mailbox = deliver(carry.mailbox, cell.recv_slot, local,
                      [state.payload] * len(local), spare)
   pending = edge = None
   if config.with_edge:
-    pending = _pend(config, cell, row.pending_slot, state.payload,
+    pending = pend(config, cell, row.pending_slot, state.payload,
                     carry.edge.pending)
   got = stamp(config, 'received',
-              _exchange(config, avals, row.message, state.payload, pending))
-  mailbox = _deliver(mailbox, cell.recv_slot, remote, got, spare)
+              exchange(config, avals, row.message, state.payload, pending))
+  mailbox = deliver(mailbox, cell.recv_slot, remote, got, spare)
   if config.with_edge:
-    edge = Edge(pending, _write_rows(carry.edge.result, row.summed_rows,
+    edge = Edge(pending, write_rows(carry.edge.result, row.summed_rows,
                                      got[-1]))
   return Carry(mailbox, state.stash, state.wstash, state.acc, edge,
                state.state), None
@@ -376,9 +378,9 @@ def _forward(rank: Rank, avals: Avals, first: bool, last: bool,
   y, residuals, *new_state = rank.stage.forward(
       params, x, _key(rank, cell.stage, cell.microbatch),
       state=row(state.state, cell.local_stage))
-  state = state._replace(stash=_put(state.stash, cell.stash_slot,
+  state = state._replace(stash=put(state.stash, cell.stash_slot,
                                     residuals),
-                         state=_put(state.state, cell.local_stage,
+                         state=put(state.state, cell.local_stage,
                                     new_state[0] if new_state else None))
   if not last:
     return state._replace(payload=like(y, avals.act))
@@ -411,7 +413,7 @@ def _input_grad(rank: Rank, avals: Avals, first: bool, cell: TickCell,
       _params_of(rank, cell.local_stage), row(state.stash, cell.stash_slot),
       dy, _key(rank, cell.stage, cell.microbatch))
   return _sent(rank, avals, first, cell, like(dx, avals.act), state._replace(
-      wstash=_put(state.wstash, cell.weight_slot, kept)))
+      wstash=put(state.wstash, cell.weight_slot, kept)))
 
 
 def _weight_grad(rank: Rank, cell: TickCell, dy: PyTree,
@@ -444,81 +446,6 @@ def _add_stage(acc: Accumulators, j: Any, dstage: PyTree) -> Accumulators:
   """``acc`` with ``dstage`` added to local stage ``j``'s gradient."""
   return acc._replace(stages=jax.tree.map(
       lambda g, d: g.at[j].add(like(d, g[j])), acc.stages, dstage))
-
-
-def _offsets(table: TickTable) -> tuple[list[int], list[int]]:
-  """Indices into ``table.offsets``: ``(local, remote)``, zero or not."""
-  return ([k for k, o in enumerate(table.offsets) if not o],
-          [k for k, o in enumerate(table.offsets) if o])
-
-
-def _deliver(mailbox: PyTree, recv_slot: jax.Array, offsets: list[int],
-             msgs: list[PyTree], spare: int) -> PyTree:
-  """Each message into the slot ``recv_slot`` names for its offset (the
-  ``spare`` slot, never read, if none)."""
-  for k, msg in zip(offsets, msgs):
-    mailbox = _put(mailbox, jnp.where(recv_slot[k] >= 0, recv_slot[k], spare),
-                   msg)
-  return mailbox
-
-
-def _pend(config: ScanConfig, cell: TickCell, slot: jax.Array,
-          payload: PyTree, pending: PyTree) -> PyTree:
-  """``pending`` with the result row done this tick, if any, in ``slot``:
-  the payload on the rank that did it, zeros elsewhere (summed later)."""
-  schedule = config.table.schedule
-  p = schedule.num_ranks
-  done = (((cell.kind == B) | (cell.kind == I)) if config.training else
-          (cell.kind == F))
-  mine = done & (cell.stage == (0 if config.training else
-                                schedule.num_stages - 1))
-  k = jnp.minimum(slot, p - 1)
-  return _put(pending, k, jax.tree.map(
-      lambda new, old: jnp.where(slot < p, jnp.where(mine, new, 0), old),
-      payload, row(pending, k)))
-
-
-def _exchange(config: ScanConfig, avals: Avals, message: jax.Array,
-              payload: PyTree, pending: PyTree | None) -> list:
-  """The tick's messages: one ``lax.switch`` on its pattern, the same on
-  every rank (none when there is one pattern)."""
-  if len(config.patterns) == 1:
-    return _send(config, avals, config.patterns[0], payload, pending)
-  return jax.lax.switch(message, [
-      functools.partial(_send, config, avals, pattern)
-      for pattern in config.patterns], payload, pending)
-
-
-def _send(config: ScanConfig, avals: Avals, pattern: tuple[bool, ...],
-          payload: PyTree, pending: PyTree | None) -> list:
-  """One pattern: a ``ppermute`` of the payload per remote offset that
-  sends (a fill for the others) and, with ``ScanConfig.with_edge``, the ``psum``
-  of the pending rows (zeros when they are not summed this tick)."""
-  table, axis = config.table, config.stage_axis
-  p = table.schedule.num_ranks
-  _, remote = _offsets(table)
-  msgs = [like(jax.lax.ppermute(payload, axis, [
-      (r, (r + table.offsets[k]) % p) for r in range(p)]), avals.act)
-          if send else full(avals.act, config.bubble_fill)
-          for k, send in zip(remote, pattern)]
-  if config.with_edge:
-    msgs.append(jax.lax.psum(pending, axis) if pattern[-1] else
-                vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                                  pending), avals.act_vma - {axis}))
-  return msgs
-
-
-def _write_rows(result: PyTree, summed_rows: jax.Array,
-                summed: PyTree) -> PyTree:
-  """The rows summed this tick into ``result``, if any: one in-place row
-  write per pending slot (a select keeps the row otherwise)."""
-  m = jax.tree.leaves(result)[0].shape[0]
-  for k in range(summed_rows.shape[0]):
-    i = jnp.minimum(summed_rows[k], m - 1)
-    result = _put(result, i, jax.tree.map(
-        lambda new, old: jnp.where(summed_rows[k] < m, new, old),
-        row(summed, k), row(result, i)))
-  return result
 
 
 # ------------------------------------------------------------ the blocks' maths
@@ -585,12 +512,6 @@ def _zeros_like(tree: PyTree) -> PyTree:
 def _cast(tree: PyTree, avals: PyTree) -> PyTree:
   """Each leaf of ``tree`` in the dtype of the matching aval."""
   return jax.tree.map(lambda a, t: a.astype(t.dtype), tree, avals)
-
-
-def _put(buf: PyTree, index: Any, value: PyTree) -> PyTree:
-  """``buf[index] = value`` (in place), cast to the buffer's varying axes."""
-  return jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(
-      b, like(v, b[0]), index, 0), buf, value)
 
 
 def _add(acc: PyTree, d: PyTree) -> PyTree:

@@ -59,3 +59,9 @@ def stored(tree: PyTree, avals: PyTree) -> PyTree:
   of integer avals (``float0`` from ``jax.vjp``) as zeros of their dtype."""
   return jax.tree.map(lambda d, a: d if is_float(a) else jnp.zeros(
       a.shape, a.dtype), tree, avals)
+
+
+def put(buf: PyTree, index: Any, value: PyTree) -> PyTree:
+  """``buf[index] = value`` (in place), cast to the buffer's varying axes."""
+  return jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(
+      b, like(v, b[0]), index, 0), buf, value)
