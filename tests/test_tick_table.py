@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxpar import pipeline as sch
+from jaxpar.pipeline.schedules import _simulate as simulate_module
 from jaxpar.pipeline.schedules._tick_table import (
     B, F, I, IDLE, KIND_CODES, KIND_NAMES, MESSAGE_COST, W, local_stages,
     tick_table)
@@ -97,17 +98,6 @@ def expected(sched, fused):
   return want
 
 
-def live_peak(row, plus, minus):
-  """Most entries live at once in a rank's order: ``plus`` adds, ``minus``
-  frees."""
-  live = peak = 0
-  for a in row:
-    if a is not None:
-      live += (a.kind == plus) - (a.kind in minus)
-      peak = max(peak, live)
-  return peak
-
-
 @pytest.mark.parametrize('name,p,m', CASES)
 def test_table_replays(name, p, m):
   sched = BUILT[name](p, m)
@@ -133,7 +123,7 @@ def test_table_replays(name, p, m):
     assert ticks == sorted(ticks), (r, ticks)
   # The stash is the schedule's: live from F to its last backward block.
   np.testing.assert_array_equal(low.peak_stash, [
-      live_peak(row, 'F', ('B', 'W')) for row in sched.actions])
+      simulate_module._peak(row, 'F', ('B', 'W')) for row in sched.actions])
   if not (low.kind == I).any():
     assert low.num_weight_slots == 0
   for field in (low.kind, low.stage, low.microbatch, low.local_stage,
