@@ -281,16 +281,8 @@ def test_3d_2x2x2(x64, zero_stage, max_grad_norm, num_layers, tmp_path):
 
 
 def assert_collectives_ordered(compiled):
-  """No collective runs beside a loop of collectives (XLA:CPU hangs).
-
-  Known regression in 0.5.0 (the session note, first open item): a tick's
-  message ``conditional`` and a later block's ``while`` in the same tick body
-  are unordered with tensor=2; the numbers above are checked first, so the
-  expected failure hides nothing else. Remove the xfail when it is fixed.
-  """
-  unordered = jaxpar.hlo.unordered_collectives(compiled)
-  if unordered:
-    pytest.xfail(f'0.5.0 regression, collectives unordered: {unordered}')
+  """No collective runs beside a loop of collectives (XLA:CPU hangs)."""
+  assert jaxpar.hlo.unordered_collectives(compiled) == []
 
 
 # -- 3D with LAMB on every layer: no collective runs beside the pipeline ---

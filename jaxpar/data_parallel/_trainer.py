@@ -59,6 +59,7 @@ from jaxpar.data_parallel._padding import (logical_shapes, pad,
 from jaxpar.data_parallel._specs import (check_zero_stage, data_specs,
                                          state_specs)
 from jaxpar.mesh import axis_size
+from jaxpar.pipeline.executor.internal import remat_layers
 from jaxpar.train_state import (StepStats, Trainer, TrainState,
                                 apply_gradients, cast_params,
                                 check_remat_policy, check_update_args,
@@ -142,15 +143,18 @@ def _differentiated(loss_fn: Callable[..., Any], options: _Options, *,
 
   With ``compute_dtype`` it runs on the params cast to it, inside the
   function (``cast_params``: the cast's transpose gives float32 gradients),
-  and its loss and aux come back at least float32; with a remat policy the
-  whole of it runs under ``jax.checkpoint(policy=...)``.
+  and its loss and aux come back at least float32. With a remat policy it
+  runs under ``jax.checkpoint(policy=...)`` and each of its ``lax.scan``
+  bodies (a scanned stack's layer) under one too (``remat_layers``): the
+  backward recomputes one layer at a time, not the whole forward scan with
+  every layer's residuals at once.
   """
   fn = vma.lift(stateful(loss_fn, has_aux=options.has_aux,
                          carries_state=options.carries_state), axes=lifted)
   if options.compute_dtype is not None:
     fn = _at_least_float32(cast_params(fn, options.compute_dtype))
   if options.remat is not None:
-    fn = jax.checkpoint(fn, policy=options.remat)
+    fn = jax.checkpoint(remat_layers(fn, options.remat), policy=options.remat)
   return fn
 
 

@@ -282,10 +282,14 @@ def _tick(rank: Rank, avals: Avals, config: ScanConfig, carry: Carry,
   # its values and adds nothing to the program.
   x = stamp(config, 'start', x, cell)
   target = jax.tree.map(lambda t: t[cell.microbatch], rank.targets)
-  state = _run_blocks(rank, avals, config, cell, x, target, BlockState(
+  state, ran = _run_blocks(rank, avals, config, cell, x, target, BlockState(
       full(avals.act, config.bubble_fill), carry.acc, carry.stash,
       carry.wstash, carry.state))
   state = stamp(config, 'computed', state)
+  # The messages run after every block: their switch index reads the last
+  # block's loop (``ran`` is always False; XLA cannot know it), so no
+  # block's collectives (a W, which sends nothing) run beside them.
+  message = jnp.where(ran, 0, row.message)
   local, remote = offsets(config.table)
   spare = config.table.num_mailbox_slots
   # A local hand-off (the loss cotangent): no message.
@@ -296,7 +300,7 @@ def _tick(rank: Rank, avals: Avals, config: ScanConfig, carry: Carry,
     pending = pend(config, cell, row.pending_slot, state.payload,
                     carry.edge.pending)
   got = stamp(config, 'received',
-              exchange(config, avals, row.message, state.payload, pending))
+              exchange(config, avals, message, state.payload, pending))
   mailbox = deliver(mailbox, cell.recv_slot, remote, got, spare)
   if config.with_edge:
     edge = Edge(pending, write_rows(carry.edge.result, row.summed_rows,
@@ -344,21 +348,29 @@ def _block_input(rank: Rank, mailbox: PyTree, cell: TickCell) -> PyTree:
 
 def _run_blocks(rank: Rank, avals: Avals, config: ScanConfig,
                 cell: TickCell, x: PyTree, target: PyTree,
-                state: BlockState) -> BlockState:
-  """Runs the action's block: each block present in its own ``when``."""
+                state: BlockState) -> tuple[BlockState, jax.Array]:
+  """Runs the action's block: each block present in its own ``when``.
+
+  The whiles run in a chain: each one's predicate reads the one before's
+  (always False after it), so XLA keeps them in order even where a block
+  passes every buffer it does not write through unchanged. Returns the
+  state and the last predicate (False), for what must run after them.
+  """
+  ran = jnp.zeros((), bool)
   for code, (kind, first, last) in enumerate(config.kinds):
     block = {F: functools.partial(_forward, rank, avals, first, last, cell,
                                   x, target),
              B: functools.partial(_backward, rank, avals, first, cell, x),
              I: functools.partial(_input_grad, rank, avals, first, cell, x),
              W: functools.partial(_weight_grad, rank, cell, x)}[kind]
+    pred = (cell.block == code) & ~ran
     if kind in (F, B):   # they do not carry the weight stash
       wstash = state.wstash
-      state = when(cell.block == code, block,
-                   state._replace(wstash=None))._replace(wstash=wstash)
+      state, ran = when(pred, block, state._replace(wstash=None))
+      state = state._replace(wstash=wstash)
     else:
-      state = when(cell.block == code, block, state)
-  return state
+      state, ran = when(pred, block, state)
+  return state, ran
 
 
 def _forward(rank: Rank, avals: Avals, first: bool, last: bool,
@@ -519,13 +531,16 @@ def _add(acc: PyTree, d: PyTree) -> PyTree:
 
 
 def when(pred: jax.Array, fn: Callable[[PyTree], PyTree],
-         state: PyTree) -> PyTree:
-  """``fn(state)`` if ``pred`` else ``state``, updating buffers in place.
+         state: PyTree) -> tuple[PyTree, jax.Array]:
+  """``(fn(state) if pred else state, False)``, updating buffers in place.
 
   A ``while_loop`` of zero or one trip. XLA keeps while-loop carries in
   place, whereas a ``lax.cond``/``lax.switch`` copies every buffer that a
   branch passes through unchanged: with a branch per action kind that would
-  copy the gradient accumulators and stash on every tick.
+  copy the gradient accumulators and stash on every tick. The loop's final
+  predicate (always False) is returned so that later work can read it and
+  stay ordered after the loop.
   """
-  return jax.lax.while_loop(
-      lambda c: c[0], lambda c: (c[0] & False, fn(c[1])), (pred, state))[1]
+  done, state = jax.lax.while_loop(
+      lambda c: c[0], lambda c: (c[0] & False, fn(c[1])), (pred, state))
+  return state, done
