@@ -5,13 +5,24 @@ on one device, float64: ``jax.value_and_grad`` of the model and one SGD step.
 
 - a Linen MLP wrapped whole by ``nnx.bridge.ToNNX`` (blocks ``blocks_0 ...``);
 - a T5-style encoder-decoder (shared embedding, cross-attention): both
-  stacks pipelined, the encoder output a side input of every decoder block;
+  stacks pipelined, the encoder output a side input of every decoder block,
+  in 1F1B and in ZB-V over data x stage x tensor with tensor rules;
 - pytree batches (dict and tuple inputs) in both trainers;
 - a fused gate|up projection split over ``tensor`` on ``stage`` x ``tensor``:
   refused with a ``ValueError`` naming the rule, never an abort (in a
-  subprocess with a timeout, in case a regression hangs XLA:CPU).
+  subprocess with a timeout, in case a regression hangs XLA:CPU);
+- the refusal of BatchNorm statistics outside the blocks, naming the
+  ``from_nnx`` arguments that run the model unchanged;
+- a ResNet with a BatchNorm stem, ``data=1`` and ``data=2`` synced.
+
+Each case is a ``*_case`` function giving ``(got, want)``: the tests assert
+them equal, and the measured errors of the issue's note come from the same
+functions. The one-device references are computed once per run
+(``functools.cache``); the models are a few units wide and each layout
+compiles one step.
 """
 
+import functools
 import subprocess
 import sys
 import textwrap
@@ -54,6 +65,11 @@ def pipelined_step(pm, model, batch, schedule, **options):
   return stats.loss, nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
+def xent(logits, targets):
+  return optax.losses.softmax_cross_entropy_with_integer_labels(
+      logits, targets).mean()
+
+
 # ------------------------------------------------- a Linen model, ToNNX-wrapped
 
 
@@ -90,23 +106,27 @@ def linen_functions():
   return embed, head_loss
 
 
-def test_linen_model_wrapped_by_to_nnx_float64(x64):
+def linen_case():
+  """The wrapped MLP in 1F1B over ``data=2 x stage=2``; also the same
+  layers named one by one."""
   rng = np.random.default_rng(0)
-  x, t = rng.normal(size=(8, 3)), rng.normal(size=(8, 1))
+  x, t = rng.normal(size=(4, 3)), rng.normal(size=(4, 1))
   want = one_step(wrapped_mlp(x), lambda m: jnp.mean((m(x) - t) ** 2))
   model = wrapped_mlp(x)
   embed, head_loss = linen_functions()
   pm = jaxpar.parallel.from_nnx(model, blocks='blocks', num_stages=2,
                                 head=['out'], embed=embed, head_loss=head_loss)
   assert pm.params.stages['Dense_0']['kernel'].shape == (2, 2, 4, 4)
-  got = pipelined_step(pm, model, (x, t), jaxpar.pipeline.one_f_one_b(2, 2),
-                       mesh=dict(data=2, stage=2))
-  tree_allclose(got, want)
-  # The same layers named one by one: the same cut.
   by_path = jaxpar.parallel.from_nnx(
       model, blocks=['blocks_0', 'blocks_1', 'blocks_2'], num_stages=2,
       head=['out'], embed=embed, head_loss=head_loss)
-  tree_allclose(by_path.params, pm.from_state(nnx.state(model, nnx.Param)))
+  tree_allclose(by_path.params, pm.params)
+  return pipelined_step(pm, model, (x, t), jaxpar.pipeline.one_f_one_b(2, 2),
+                        mesh=dict(data=2, stage=2)), want
+
+
+def test_linen_model_wrapped_by_to_nnx_float64(x64):
+  tree_allclose(*linen_case())
 
 
 def test_blocks_not_found_lists_the_paths_that_work(x64):
@@ -195,11 +215,6 @@ class T5(nnx.Module):
     return self.shared.attend(self.decoder.final_norm(dec))
 
 
-def xent(logits, targets):
-  return optax.losses.softmax_cross_entropy_with_integer_labels(
-      logits, targets).mean()
-
-
 # The cut: both stacks (and the encoder's final norm between them) are
 # blocks; the carried activation is a dict, the decoder's blocks read the
 # encoder output and the padding mask from it.
@@ -217,43 +232,48 @@ T5_RULES = {r'(self_|cross_)?attn/[qkv]/kernel': (None, 'tensor'),
             r'(self_|cross_)?attn/o/kernel': ('tensor', None),
             r'mlp/wi/kernel': (None, 'tensor'),
             r'mlp/wo/kernel': ('tensor', None)}
+# layout: (schedule, mesh sizes, tensor rules). The V schedule runs in 3D
+# with Megatron rules: one compile for both.
+T5_LAYOUTS = {
+    '1f1b': (jaxpar.pipeline.one_f_one_b(2, 2), dict(stage=2), None),
+    'zero_bubble_v-3d-rules': (jaxpar.pipeline.zero_bubble_v(2, 2),
+                               dict(data=2, stage=2, tensor=2), T5_RULES)}
 
 
-def t5_batch(size=8):
+def t5_batch():
   rng = np.random.default_rng(0)
-  src = rng.integers(1, VOCAB, (size, 5))
+  src = rng.integers(1, VOCAB, (4, 5))
   src[::2, -2:] = 0                                   # padding
-  return ({'src': src, 'tgt': rng.integers(1, VOCAB, (size, 4))},
-          rng.integers(0, VOCAB, (size, 4)))
+  return ({'src': src, 'tgt': rng.integers(1, VOCAB, (4, 4))},
+          rng.integers(0, VOCAB, (4, 4)))
 
 
-def t5_reference(batch):
-  inputs, targets = batch
+@functools.cache
+def t5_reference():
+  inputs, targets = t5_batch()
   return one_step(T5(nnx.Rngs(0)), lambda m: xent(
       m(inputs['src'], inputs['tgt']), targets))
 
 
-@pytest.mark.parametrize('layout', ['zero_bubble_v', '3d-rules'])
-def test_encoder_decoder_pipelines_both_stacks_float64(x64, layout):
-  """4 layers (2 encoder, its final norm, 1 decoder) on the stages; the
-  decoder blocks read the encoder output and the padding mask from the
-  carried activation. ZB-V (4 stages on 2 ranks), and 1F1B over data x
-  stage x tensor with Megatron rules."""
-  batch = t5_batch()
-  model = T5(nnx.Rngs(0))
-  if layout == 'zero_bubble_v':
-    schedule, sizes, rules = (jaxpar.pipeline.zero_bubble_v(2, 2),
-                              dict(data=2, stage=2), None)
-  else:
-    schedule, sizes, rules = (jaxpar.pipeline.one_f_one_b(2, 2),
-                              dict(data=2, stage=2, tensor=2), T5_RULES)
+def t5_case(layout):
+  """4 layers (2 encoder, its final norm, 1 decoder) on the stages: 1F1B
+  (2 stages), and ZB-V (4 stages on 2 ranks) over data x stage x tensor
+  with Megatron rules."""
+  schedule, sizes, rules = T5_LAYOUTS[layout]
+  batch, model = t5_batch(), T5(nnx.Rngs(0))
   pm = jaxpar.parallel.from_nnx(model, num_stages=schedule.num_stages,
                                 tensor_rules=rules, **T5_CUT)
   assert sorted(pm.params.stages) == ['decoder.layers', 'encoder.final_norm',
                                       'encoder.layers']
   assert pm.tied(pm.params, *batch) == (('shared', 'embedding'),)
-  got = pipelined_step(pm, model, batch, schedule, mesh=sizes)
-  tree_allclose(got, t5_reference(batch))
+  return pipelined_step(pm, model, batch, schedule, mesh=sizes), t5_reference()
+
+
+@pytest.mark.parametrize('layout', list(T5_LAYOUTS))
+def test_encoder_decoder_pipelines_both_stacks_float64(x64, layout):
+  """The decoder blocks read the encoder output and the padding mask from
+  the carried activation; the shared embedding is one param."""
+  tree_allclose(*t5_case(layout))
 
 
 # ----------------------------------------- a fused projection over `tensor`
@@ -304,7 +324,9 @@ def test_fused_projection_split_over_tensor_is_refused_not_aborted():
   """XLA reshards the halves of a column-split fused projection with a
   collective-permute; XLA:CPU runs it over every device while one stage
   runs the block: it would hang 40 s and abort. The first step refuses it
-  with the rule named (ZeRO 0 and 3), before compiling the step."""
+  with the rule named (ZeRO 0 and 3), before compiling the step. The fix
+  it names, gate and up as two params with a column rule each, is the
+  Llama of ``tests/test_from_nnx.py`` (``2x2x2-1f1b-rules``)."""
   out = subprocess.run([sys.executable, '-c', FUSED], capture_output=True,
                        text=True, timeout=240)
   assert out.returncode == 0, out.stderr[-2000:]
@@ -313,47 +335,6 @@ def test_fused_projection_split_over_tensor_is_refused_not_aborted():
   for line in lines:
     assert "'gate_up/kernel': ('gate_up/kernel', (None, 'tensor'))" in line
     assert 'Make the fused param two params' in line
-
-
-class SplitGLU(nnx.Module):
-  """The same block with the gate and up projections as two params."""
-
-  def __init__(self, rngs):
-    self.gate = nnx.Linear(8, 16, use_bias=False, rngs=rngs, **F64)
-    self.up = nnx.Linear(8, 16, use_bias=False, rngs=rngs, **F64)
-    self.down = nnx.Linear(16, 8, use_bias=False, rngs=rngs, **F64)
-
-  def __call__(self, x):
-    return x + self.down(jax.nn.silu(self.gate(x)) * self.up(x))
-
-
-class GLUNet(nnx.Module):
-  def __init__(self, rngs):
-    self.inp = nnx.Linear(4, 8, rngs=rngs, **F64)
-    self.blocks = nnx.List([SplitGLU(rngs) for _ in range(2)])
-    self.out = nnx.Linear(8, 1, rngs=rngs, **F64)
-
-  def __call__(self, x):
-    x = self.inp(x)
-    for block in self.blocks:
-      x = block(x)
-    return self.out(x)
-
-
-def test_split_gate_and_up_train_exactly_over_tensor_float64(x64):
-  """The fix the refusal names: two params, a column rule each."""
-  rng = np.random.default_rng(0)
-  x, t = rng.normal(size=(8, 4)), rng.normal(size=(8, 1))
-  want = one_step(GLUNet(nnx.Rngs(0)), lambda m: jnp.mean((m(x) - t) ** 2))
-  model = GLUNet(nnx.Rngs(0))
-  pm = jaxpar.parallel.from_nnx(
-      model, blocks='blocks', num_stages=2, embed=lambda m, x: m.inp(x),
-      head_loss=lambda m, y, t: jnp.mean((m.out(y) - t) ** 2),
-      tensor_rules={'(gate|up)/kernel': (None, 'tensor'),
-                    'down/kernel': ('tensor', None)})
-  got = pipelined_step(pm, model, (x, t), jaxpar.pipeline.one_f_one_b(2, 2),
-                       mesh=dict(data=1, stage=2, tensor=2))
-  tree_allclose(got, want)
 
 
 # ------------------------------------------------------------ pytree batches
@@ -379,17 +360,23 @@ class TwoInputs(nnx.Module):
 def two_inputs(kind):
   """``(inputs, targets, unpack)``: the inputs as a dict or a tuple."""
   rng = np.random.default_rng(0)
-  a, b, t = (rng.normal(size=(8, n)) for n in (3, 2, 1))
+  a, b, t = (rng.normal(size=(4, n)) for n in (3, 2, 1))
   if kind == 'dict':
     return {'a': a, 'b': b}, t, lambda i: (i['a'], i['b'])
   return (a, b), t, lambda i: i
 
 
-@pytest.mark.parametrize('kind', ['dict', 'tuple'])
-def test_pytree_inputs_in_both_trainers_float64(x64, kind):
+@functools.cache
+def two_inputs_reference():
+  inputs, t, _ = two_inputs('tuple')
+  return one_step(TwoInputs(nnx.Rngs(0)),
+                  lambda m: jnp.mean((m(*inputs) - t) ** 2))
+
+
+def pytree_case(kind):
+  """``((DP got, pipeline got), (want, want))``: the data-parallel
+  trainer (``data=2``, 2 microbatches) and 1F1B over ``data=2 x stage=2``."""
   inputs, t, unpack = two_inputs(kind)
-  mse = lambda y: jnp.mean((y - t) ** 2)
-  want = one_step(TwoInputs(nnx.Rngs(0)), lambda m: mse(m(*unpack(inputs))))
   model = TwoInputs(nnx.Rngs(0))
   dm = jaxpar.data_parallel.from_nnx(
       model, loss=lambda m, batch: jnp.mean(
@@ -398,16 +385,21 @@ def test_pytree_inputs_in_both_trainers_float64(x64, kind):
       dm, optax.sgd(LR), mesh=mesh(data=2), num_microbatches=2)
   state, stats = trainer.step(trainer.init(dm.params, dm.model_state),
                               (inputs, t))
-  tree_allclose((stats.loss, trainer.params(state)), want)
+  dp = stats.loss, trainer.params(state)
   pm = jaxpar.parallel.from_nnx(
       model, blocks='blocks', num_stages=2,
       embed=lambda m, i: m.a(unpack(i)[0]) + m.b(unpack(i)[1]),
       block=lambda b, x: x + jnp.tanh(b(x)),
       head_loss=lambda m, y, t: jnp.mean((m.out(y) - t) ** 2))
-  got = pipelined_step(pm, model, (inputs, t),
-                       jaxpar.pipeline.one_f_one_b(2, 2),
-                       mesh=dict(data=2, stage=2))
-  tree_allclose(got, want)
+  pipe = pipelined_step(pm, model, (inputs, t),
+                        jaxpar.pipeline.one_f_one_b(2, 2),
+                        mesh=dict(data=2, stage=2))
+  return (dp, pipe), (two_inputs_reference(),) * 2
+
+
+@pytest.mark.parametrize('kind', ['dict', 'tuple'])
+def test_pytree_inputs_in_both_trainers_float64(x64, kind):
+  tree_allclose(*pytree_case(kind))
 
 
 def test_pytree_inputs_need_one_batch_axis(x64):
@@ -463,20 +455,43 @@ class ResNet(nnx.Module):
     return self.head(h.mean((1, 2)))
 
 
-def test_resnet_with_a_batch_norm_stem_float64(x64):
-  """The stem's BatchNorm is a blocks entry of its own (the refusal of
-  statistics outside the blocks says so): it runs in stage 0 and its
-  running statistics are carried like the blocks'. SyncBatchNorm over
-  data=2 x 1F1B: the model as written on one device, run on the global
-  microbatches in turn: loss, params and running statistics."""
+def resnet_batch():
   rng = np.random.default_rng(0)
-  x, t = rng.normal(size=(8, 4, 4, 3)), rng.integers(0, 4, 8)
-  with pytest.raises(ValueError, match=r"List the modules.*blocks="
-                     r"\['stem_bn', 'blocks'\]"):
-    jaxpar.parallel.from_nnx(ResNet(nnx.Rngs(0)), blocks='blocks',
-                             num_stages=2, embed=lambda m, x: x,
-                             head_loss=lambda m, y, t: y)
-  model = ResNet(nnx.Rngs(0), axis_name='data')
+  return rng.normal(size=(8, 4, 4, 3)), rng.integers(0, 4, 8)
+
+
+# The rows of global microbatch i at data=2 x 2 microbatches: data shard d
+# holds rows 4d..4d+3, its microbatch i two of them.
+MICROBATCHES = np.arange(8).reshape(2, 2, 2).transpose(1, 0, 2).reshape(2, 4)
+
+
+def params_and_stats(model):
+  return nnx.to_pure_dict(nnx.state(model, nnx.Any(nnx.Param, nnx.BatchStat)))
+
+
+@functools.cache
+def resnet_reference():
+  """The model as written on one device, run on the global microbatches in
+  turn: ``(mean loss, params after one SGD step and running statistics)``."""
+  x, t = resnet_batch()
+  one = ResNet(nnx.Rngs(0))
+  loss = lambda m: sum(xent(m(x[rows]), t[rows]) for rows in MICROBATCHES) / 2
+  value, grads = nnx.jit(nnx.value_and_grad(loss))(one)
+  nnx.update(one, jax.tree.map(lambda p, g: p - LR * g,
+                               nnx.state(one, nnx.Param),
+                               nnx.state(grads, nnx.Param)))
+  return value, params_and_stats(one)
+
+
+def resnet_case(data):
+  """1F1B over ``data x stage=2``. At ``data=2`` SyncBatchNorm
+  (``axis_name='data'``) normalises the shards' microbatch ``i`` together;
+  at ``data=1`` plain BatchNorm gets the same global microbatches (the
+  batch in ``MICROBATCHES`` order)."""
+  x, t = resnet_batch()
+  if data == 1:
+    x, t = x[MICROBATCHES.ravel()], t[MICROBATCHES.ravel()]
+  model = ResNet(nnx.Rngs(0), axis_name='data' if data > 1 else None)
   pm = jaxpar.parallel.from_nnx(
       model, blocks=['stem_bn', 'blocks'], num_stages=2,
       embed=lambda m, x: m.stem_conv(x),
@@ -485,19 +500,32 @@ def test_resnet_with_a_batch_norm_stem_float64(x64):
       head_loss=lambda m, h, t: xent(m.head(h.mean((1, 2))), t))
   trainer = jaxpar.parallel.model_trainer(
       pm, optax.sgd(LR), schedule=jaxpar.pipeline.one_f_one_b(2, 2),
-      mesh=mesh(data=2, stage=2))
+      mesh=mesh(data=2, stage=2) if data > 1 else mesh(stage=2))
   state, stats = trainer.step(trainer.init(pm.params, pm.model_state), (x, t))
   pm.update(model, jax.device_get(trainer.params(state)),
             jax.device_get(state.model_state))
+  return (stats.loss, params_and_stats(model)), resnet_reference()
 
-  one = ResNet(nnx.Rngs(0))                      # one device: nothing to sync
-  rows = np.arange(8).reshape(2, 2, 2)           # [data, microbatch, row]
-  loss = lambda m: sum(xent(m(x[rows[:, i].ravel()]), t[rows[:, i].ravel()])
-                       for i in range(2)) / 2
-  want, grads = nnx.jit(nnx.value_and_grad(loss))(one)
-  nnx.update(one, jax.tree.map(lambda p, g: p - LR * g,
-                               nnx.state(one, nnx.Param),
-                               nnx.state(grads, nnx.Param)))
-  of = lambda m: nnx.to_pure_dict(nnx.state(m, nnx.Any(nnx.Param,
-                                                       nnx.BatchStat)))
-  tree_allclose((stats.loss, of(model)), (want, of(one)))
+
+@pytest.mark.parametrize('data', [1, 2])
+def test_resnet_with_a_batch_norm_stem_float64(x64, data):
+  """The stem's BatchNorm is a blocks entry of its own, the model
+  unchanged: it runs in stage 0 and its running statistics are carried like
+  the blocks'. Loss, params and running statistics."""
+  tree_allclose(*resnet_case(data))
+
+
+def test_batch_stats_outside_the_blocks_name_the_arguments_that_work(x64):
+  """The plain call, the stem norm run by ``embed``, is refused before any
+  work, naming the ``from_nnx`` arguments that run the model unchanged."""
+  with pytest.raises(ValueError) as refused:
+    jaxpar.parallel.from_nnx(
+        ResNet(nnx.Rngs(0)), blocks='blocks', num_stages=2,
+        embed=lambda m, x: jax.nn.relu(m.stem_bn(m.stem_conv(x))),
+        head_loss=lambda m, h, t: xent(m.head(h.mean((1, 2))), t))
+  message = str(refused.value)
+  for fix in ("blocks=['stem_bn', 'blocks']",
+              "block={'stem_bn': ", "'blocks': lambda b, x: b(x)}",
+              "embed=<your embed up to the input of 'stem_bn'>",
+              "blocks=['blocks', 'stem_bn'] if head_loss runs 'stem_bn'"):
+    assert fix in message, message

@@ -76,8 +76,7 @@ def spec_tree(tree):
 
 
 @pytest.mark.parametrize('stage,mesh_name', [
-    (1, 'data8'), (3, 'data8'), (1, 'data4'), (3, 'data4'),
-    (3, 'data2_stage2_tensor2')])
+    (1, 'data8'), (3, 'data8'), (3, 'data2_stage2_tensor2')])
 def test_matches_single_device_float64(x64, stage, mesh_name):
   mesh = mesh_of(mesh_name)
   params = wide_params(dtype=jnp.float64)
@@ -103,7 +102,7 @@ def test_matches_single_device_float64(x64, stage, mesh_name):
 @functools.cache
 def adamw_reference():
   """The float64 reference of ``test_matches_single_device_float64`` (call
-  it under x64): computed once for its 5 cases."""
+  it under x64): computed once for its 3 cases."""
   return reference_run(wide_params(dtype=jnp.float64),
                        make_batches(3, 16, dtype=np.float64),
                        optax.adamw(0.05, weight_decay=0.1), 0.5,
@@ -492,18 +491,21 @@ def layer_batches(num, size, width=6, dtype=np.float64):
                 for _ in range(2)) for _ in range(num)]
 
 
-@pytest.mark.parametrize('written', ['scanned', 'unrolled'])
-def test_zero3_per_layer_matches_single_device_float64(x64, written):
+@pytest.mark.parametrize('written,remat', [('scanned', 'dots'),
+                                           ('unrolled', 'everything')])
+def test_zero3_per_layer_matches_single_device_float64(x64, written, remat):
   """The layers in one ``lax.scan`` over stacked leaves (gathered per
-  iteration, a padded leaf too) or a Python loop over ``w[j]`` of the same
-  stacked leaves: the one-device numbers, with clipping."""
+  iteration, a padded leaf too; the remat policy per layer) or a Python
+  loop over ``w[j]`` of the same stacked leaves: the one-device numbers,
+  with clipping."""
   loss = {'scanned': memory_bench.scanned_loss,
           'unrolled': lambda p, b: memory_bench.unrolled_loss(
               [jax.tree.map(lambda a: a[j], p) for j in range(3)], b)}[written]
   params, batches = layer_params(), layer_batches(2, 16)
   optimizer = optax.sgd(0.1, momentum=0.9)
   trainer = dp.trainer(loss, optimizer, mesh=jaxpar.make_mesh(data=8),
-                       zero_stage=3, num_microbatches=2, max_grad_norm=0.5)
+                       zero_stage=3, num_microbatches=2, max_grad_norm=0.5,
+                       remat_policy=remat)
   state = trainer.init(params)
   assert spec_of(state.params['w1']) == P(None, None, 'data')
   assert isinstance(state.params['b2'], dp.Padded)
@@ -557,6 +559,19 @@ def test_zero3_scanned_memory_at_most_fsdp_and_zero1():
   assert types('reduce_scatter') == {'f32'}
 
 
+def test_remat_policies_order_the_memory_of_a_scanned_stack():
+  """Compiled temp of a scanned pre-norm stack, the policy applied per
+  layer: ``'nothing'`` < ``'dots'`` < ``'everything'`` (checkpointed whole,
+  ``'dots'`` took more than ``'everything'``: 2.00 against 1.70 MiB)."""
+  params, batch = layer_params(8, 32, np.float32), layer_batches(
+      1, 512, 32, np.float32)[0]
+  temp = {policy: memory_bench.jaxpar_step(
+      memory_bench.normed_scanned_loss, params, batch, zero_stage=1,
+      remat_policy=policy).memory_analysis().temp_size_in_bytes
+          for policy in ('everything', 'dots', 'nothing')}
+  assert temp['nothing'] < temp['dots'] < temp['everything'], temp
+
+
 class TestErrors:
 
   def test_shard_state_arguments(self):
@@ -588,3 +603,25 @@ class TestErrors:
     with pytest.raises(ValueError, match="zero_stage=3 needs backend='shard_map'"):
       dp.trainer(mlp_loss, optax.sgd(0.1), zero_stage=3,
                  mesh=jaxpar.make_mesh(data=8), backend='pmap').step
+
+
+def test_padded_gradient_of_a_leaf_xla_also_splits():
+  """ZeRO padding inside a ``shard_map`` manual over ``data`` only, of a leaf
+  that an axis XLA partitions also splits (an NNX model's ``'tensor'``
+  annotations): the logical shape is the global one (was ``NameError:
+  unbound axis name: tensor`` while lowering the planner's 3x1x2 layout)."""
+  mesh = jaxpar.make_mesh(data=3, tensor=2, devices=jax.devices()[:6])
+  spec, shapes = P('data', 'tensor'), []
+
+  def local(g):
+    out = dp.reduce_gradients({'w': g}, {'w': spec}, data_axis='data')['w']
+    shapes.append(out.shape)
+    return out.value
+
+  g = jnp.arange(40.0).reshape(5, 8)
+  out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P('data'),
+                              out_specs=P('data'),
+                              axis_names=frozenset({'data'})))(
+      jnp.tile(g, (3, 1)))
+  assert shapes == [(5, 8)]
+  np.testing.assert_allclose(np.asarray(out)[:5], g)   # mean of 3 equal ones

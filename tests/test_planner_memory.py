@@ -1,15 +1,33 @@
-"""The planner's analytic memory model (``planner.memory``): what it counts
-follows what the executor does (fused ``B`` keeps nothing for ``W``,
-``w_recompute`` keeps nothing, ZeRO-3 gathers a layer at a time, the stash
-is split over ``tensor``), and no candidate is predicted more than 5% under
-its compiled step on 8 simulated CPU devices."""
+"""The planner's memory model (``planner.memory``) against compiled steps.
+
+What it counts follows what the executor does (fused ``B`` keeps nothing
+for ``W``, ``w_recompute`` keeps nothing, ZeRO-3 gathers a layer at a
+time, the stash is split over ``tensor``). With default arguments, on 6, 8
+and 12 simulated CPU devices, an NNX Llama (``tests/llama.py``), the same
+with its head tied to the embedding and a BatchNorm model, each planned
+among three layouts of different mechanisms (``CHOSEN``): no returned
+candidate's memory is more than 5% under its compiled step (arguments +
+temporaries) nor more than 15% over.
+
+Run as a script (``python tests/test_planner_memory.py 12``) it prints the
+ratios on 12 devices as JSON: the test starts it for 12, since the suite's
+process has 8.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from unittest import mock
 
 import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import jaxpar
+import llama
 from jaxpar import planner
 from jaxpar.models import gpt
 from jaxpar.planner import Layout, _compile, _memory
@@ -50,7 +68,8 @@ def test_a_fused_backward_keeps_nothing_for_w():
 
 def test_zero3_gathers_two_layers_and_the_stash_splits_over_tensor():
   """ZeRO-3's gathered params do not grow with the layers of a stage (two
-  layers in the compute dtype); with ``tensor`` = 8 the stash per token and
+  layers in the compute dtype, and one layer's gradient before its
+  reduce-scatter); with ``tensor`` = 8 the stash per token and
   layer is an eighth of ``tensor`` = 1's (Llama-3-8B, ``'dots'``: 92 KiB at
   ``t`` = 1, 11.5 KiB at ``t`` = 8, under Megatron's ``34 h / t``: 17 KiB)."""
   gathered = [_memory.work_bytes(LLAMA, Layout(8, s, 1, 'gpipe', 8, 3),
@@ -58,7 +77,7 @@ def test_zero3_gathers_two_layers_and_the_stash_splits_over_tensor():
                                      8, s, 1, 'gpipe', 8, 3), 64))['gathered']
               for s in (1, 2, 4)]
   assert len(set(gathered)) == 1
-  assert gathered[0] == (2 * LLAMA.layer.per_device(1) + max(
+  assert gathered[0] == (3 * LLAMA.layer.per_device(1) + max(
       LLAMA.embed.per_device(1), LLAMA.head.per_device(1))) * 2
   per_token = [LLAMA.stash_per_device('dots', t) * LLAMA.act_bytes
                for t in (1, 8)]
@@ -66,28 +85,117 @@ def test_zero3_gathers_two_layers_and_the_stash_splits_over_tensor():
   assert per_token[1] < 34 * 4096 / 8
 
 
-def test_memory_never_more_than_5_percent_under_compiled():
-  """One candidate of each mechanism -- one stage rank (remat layer by
-  layer), ZeRO-3 with a fused ``B`` (GPipe), tensor 2 with 1F1B's
-  ``I``/``W``, ZB-H1's weight slots with and without ``w_recompute`` --
-  predicted at least 0.95x the bytes its compiled step reports (arguments
-  + temporaries), and at most 1.5x."""
-  chosen = {
-      (8, 1, 1, 'one_f_one_b', 1, 'nothing', False),
-      (2, 4, 1, 'gpipe', 3, 'dots', False),
-      (2, 2, 2, 'one_f_one_b', 1, 'dots', False),
-      (4, 2, 1, 'zero_bubble_h1', 0, 'everything', False),
-      (4, 2, 1, 'zero_bubble_h1', 0, 'everything', True)}
-  key = lambda x: (x.data, x.stage, x.tensor, x.schedule_name,
-                   x.zero_stage, x.remat_policy, x.w_recompute)
-  plan = jaxpar.plan(CONFIG, batch=BATCH, devices=jax.devices(),
-                     profile='H100-SXM', compile=0, where=lambda x: (
-                         x.num_microbatches == 2 and key(x) in chosen))
-  assert {key(c.layout) for c in plan.candidates} == chosen
-  ids = np.zeros((BATCH, CONFIG.seq_len), np.int32)
-  ratios = {}
-  for c in plan.candidates:
-    got = _compile.step_bytes(plan.source, jax.devices(), c.layout,
-                              optax.adam(1e-3), (ids, ids))
-    ratios[c.layout.describe()] = c.memory_bytes / got
-  assert all(0.95 <= r <= 1.5 for r in ratios.values()), ratios
+# -------------------------------------------- against compiled steps
+
+SEQ, ROWS = 16, 24     # 24 sequences: 6, 8 and 12 replicas divide them
+LLAMA_CONFIG = llama.Config(vocab=64, dim=32, heads=4, hidden=64, layers=4,
+                            annotate=True)
+
+
+class _NormedBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.norm = nnx.BatchNorm(32, use_running_average=False, rngs=rngs)
+    self.up = nnx.Linear(32, 64, rngs=rngs)
+    self.down = nnx.Linear(64, 32, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+
+class _NormedNet(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(64, 32, rngs=rngs)
+    self.layers = nnx.List([_NormedBlock(nnx.Rngs(i)) for i in range(4)])
+    self.head = nnx.Linear(32, 64, rngs=rngs)
+
+
+def _model(name: str) -> dict:
+  """``plan`` keywords of one of the three models."""
+  embed = lambda m, x: m.embed(x)
+  if name == 'batchnorm':
+    return dict(model=_NormedNet(nnx.Rngs(2)), blocks='layers', embed=embed,
+                head_loss=lambda m, y, t: llama.xent(m.head(y), t))
+  with nnx.use_eager_sharding(False):
+    model = llama.Llama(LLAMA_CONFIG, nnx.Rngs(0))
+  if name == 'llama':
+    return dict(model=model, blocks='blocks', embed=embed,
+                head_loss=lambda m, y, t: llama.xent(
+                    m.head(m.final_norm(y)), t))
+  del model.head    # the logits are the embedding's transpose
+  return dict(model=model, blocks='blocks', embed=embed,
+              head_loss=lambda m, y, t: llama.xent(
+                  m.embed.attend(m.final_norm(y)), t))
+
+
+# Per device count, a model and the layouts its plan may return (data,
+# stage, tensor, schedule, microbatches, ZeRO, remat policy, w_recompute):
+# one stage rank (one and two microbatches), 1F1B's and ZB-H1's I/W apart,
+# fused B (GPipe, interleaved), ZeRO-3's per-layer gathers (padded where 6
+# or 12 do not divide a leaf), 4 layers on 3 ranks. The plan compiles the
+# stage shapes of its best two; the third is analytic. (An NNX model's
+# tensor split is XLA's: its stash is counted whole, up to 1.7x over;
+# ``docs/planning.md``, Limits.)
+CHOSEN = {
+    6: ('batchnorm', {(6, 1, 1, 'one_f_one_b', 1, 0, 'everything', False),
+                      (6, 1, 1, 'one_f_one_b', 2, 3, 'dots', False),
+                      (3, 2, 1, 'one_f_one_b', 2, 0, 'dots', False)}),
+    8: ('llama', {(8, 1, 1, 'one_f_one_b', 1, 1, 'dots', False),
+                  (4, 2, 1, 'gpipe', 2, 3, 'dots', False),
+                  (4, 2, 1, 'zero_bubble_h1', 3, 0, 'dots', False)}),
+    12: ('tied', {(12, 1, 1, 'one_f_one_b', 2, 0, 'dots', False),
+                  (6, 2, 1, 'interleaved_one_f_one_b', 2, 0, 'dots', False),
+                  (4, 3, 1, 'gpipe', 2, 3, 'dots', False)}),
+}
+
+
+def _key(x: Layout) -> tuple:
+  return (x.data, x.stage, x.tensor, x.schedule_name, x.num_microbatches,
+          x.zero_stage, x.remat_policy, x.w_recompute)
+
+
+def ratios(n: int) -> dict[str, float]:
+  """Predicted over compiled bytes (arguments + temporaries) of every
+  candidate that ``plan`` returns with default arguments (its compiles
+  included) for ``CHOSEN[n]`` on ``n`` devices; each step compiled once."""
+  ids = np.random.default_rng(0).integers(0, 64, (ROWS, SEQ + 1))
+  batch = (ids[:, :-1].astype(np.int32), ids[:, 1:].astype(np.int32))
+  compiled, step_bytes = {}, _compile.step_bytes
+
+  def once(src, devices, layout, optimizer, batch):
+    if layout not in compiled:
+      compiled[layout] = step_bytes(src, devices, layout, optimizer, batch)
+    return compiled[layout]
+  name, chosen = CHOSEN[n]
+  with mock.patch.object(_compile, 'step_bytes', once):
+    plan = jaxpar.plan(**_model(name), optimizer=optax.adam(1e-3),
+                       batch=batch, devices=jax.devices()[:n],
+                       profile='H100-SXM', where=lambda x: _key(x) in chosen)
+    assert {_key(c.layout) for c in plan.candidates} == chosen
+    return {f'{name} {c.layout.describe()}': c.memory_bytes / once(
+        plan.source, plan.devices, c.layout, optax.adam(1e-3), batch)
+            for c in plan.candidates}
+
+
+def test_memory_within_5_percent_under_and_15_over_on_6_8_and_12_devices():
+  """Every candidate ``plan`` returns for the three models on 6, 8 and 12
+  devices (12 in a process of its own) is predicted at 0.95-1.15x its
+  compiled step."""
+  env = {**os.environ, 'PYTHONPATH': os.pathsep.join(
+      [os.path.dirname(os.path.dirname(__file__)), os.path.dirname(__file__),
+       os.environ.get('PYTHONPATH', '')])}
+  twelve = subprocess.Popen([sys.executable, __file__, '12'], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+  got = {n: ratios(n) for n in (6, 8)}
+  out, err = twelve.communicate(timeout=600)
+  assert twelve.returncode == 0, err[-3000:]
+  got[12] = json.loads(out.splitlines()[-1])
+  bad = {(n, k): round(r, 3) for n, rs in got.items() for k, r in rs.items()
+         if not 0.95 <= r <= 1.15}
+  assert all(got.values()) and not bad, bad
+
+
+if __name__ == '__main__':
+  jax.config.update('jax_num_cpu_devices', int(sys.argv[1]))
+  jax.config.update('jax_platforms', 'cpu')
+  print(json.dumps(ratios(int(sys.argv[1]))))

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import jaxpar
 from jaxpar import pipeline as pp
 from jaxpar.pipeline import StageVJP, stash_policy
+from jaxpar.pipeline.executor._microbatches import rows
 from jaxpar.train_state import REMAT_POLICIES
 from helpers import (dropout_loss, dropout_reference, dropout_stage, loss_fn,
                      model, reference, stage_fn, tree_allclose)
@@ -73,8 +74,9 @@ def split_blocks(fn, w, x, dy, policy='dots', w_recompute=False):
   return stage, stash
 
 
-@pytest.mark.parametrize('fn', [stacked, jitted, scanned])
-@pytest.mark.parametrize('policy', ALL_POLICIES)
+@pytest.mark.parametrize('fn,policy', [
+    *((scanned, policy) for policy in ALL_POLICIES),   # every policy
+    (stacked, 'dots'), (jitted, 'nothing')])            # every way of writing
 def test_input_and_weight_halves_are_the_vjp(x64, fn, policy):
   w, rng = params(), np.random.default_rng(1)
   x, dy = rng.normal(size=(MB, D)), rng.normal(size=(MB, D))
@@ -348,6 +350,16 @@ def test_scanned_layers_are_cut_once_not_per_layer(x64, fn):
   # per layer, stacked ([groups,] layers, ...): activations, no weights
   assert all(a.shape[-2] == MB and np.prod(a.shape[:-2]) == layers
              for a in kept), kept
+  # The stash and kept as rows of slot buffers, as the tick scan hands them
+  # (a scan reads one layer of a row per iteration): the same numbers.
+  slot = lambda tree: rows(jax.tree.map(lambda a: jnp.stack([a * 0, a]),
+                                        tree), 1)
+  dx_rows, kept_rows = jax.jit(lambda w, s, dy: stage.input_grad(
+      w, slot(s), dy))(w, stash, dy)
+  dw_rows = jax.jit(lambda w, s, dy, k: stage.weight_grad(
+      w, slot(s), dy, slot(k)))(w, stash, dy, kept)
+  tree_allclose((dx_rows, kept_rows, dw_rows), (dx, kept, dw), rtol=0,
+                atol=0)
 
 
 @pytest.mark.parametrize('fn', [stacked, shared_b])
@@ -411,6 +423,39 @@ def test_stash_is_split_over_tensor_and_exact(x64, fn):
     assert sorted(shapes) == sorted([(MB, D // 2), halved, whole]), shapes
   else:
     assert sorted(shapes) == sorted([halved] * L + [whole] * L), shapes
+
+
+def test_stash_passed_between_programs_keeps_its_types(x64):
+  """``x`` varying over ``tensor`` (of one device: nothing is split), the
+  forward and the blocks in two ``shard_map``s: the stash's sums, replicated
+  over ``tensor``, come back typed varying (``P('tensor')``); the blocks
+  take them, and are exact."""
+  w, rng = params(), np.random.default_rng(7)
+  x, dy = rng.normal(size=(MB, D)), rng.normal(size=(MB, D))
+  mesh = jaxpar.make_mesh(tensor=1, devices=jax.devices()[:1])
+  t, specs = P('tensor'), {'a': P(None, None, 'tensor'),
+                           'b': P(None, None, 'tensor')}
+  w = jax.device_put(w, jax.NamedSharding(mesh, specs['a']))
+  vary = lambda x: jax.lax.pcast(x, 'tensor', to='varying')
+  on = lambda fn, ins, outs: jax.jit(jax.shard_map(
+      fn, mesh=mesh, in_specs=ins, out_specs=outs))
+
+  def traced(w, x):
+    stage = StageVJP(tensor_mlp)
+    stage.trace(w, vary(x))
+    return stage
+  _, stash = on(lambda w, x: traced(w, x).forward(w, vary(x)),
+                (specs, P()), (t, t))(w, x)
+
+  def blocks(w, x, stash, dy):
+    stage, dy = traced(w, x), vary(dy)
+    stage.split(w, stash, dy)
+    dx, kept = stage.input_grad(w, stash, dy)
+    return dx, stage.weight_grad(w, stash, dy, kept), jax.vjp(
+        tensor_mlp, w, vary(x))[1](dy)
+  dx, dw, (want_dw, want_dx) = on(blocks, (specs, P(), t, P()),
+                                  (t, specs, (specs, t)))(w, x, stash, dy)
+  tree_allclose((dx, dw), (want_dx, want_dw), rtol=1e-12, atol=1e-12)
 
 
 def widening(w, x):

@@ -8,7 +8,8 @@ step time and memory per device (``--memory`` caps it; ``compiled``: the
 figure of a compiled step). Times come from a micro-benchmark of the
 devices here, or from ``--profile NAME`` (a datasheet profile, for devices
 that are not here). ``--measure N`` also trains N candidates spread over
-the predicted range for a few steps and prints predicted against measured
+the predicted range and the best's runners-up (``planner.measure``) for a
+few steps and prints predicted against measured
 time and memory, the mean absolute time error and the rank correlation.
 Under ``python -m jaxpar launch -n P`` every process takes part.
 
@@ -81,7 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  f'{planner.DEFAULT_COMPILES} with the devices here)')
   p.add_argument('--measure', type=int, default=0, metavar='N',
                  help='also time N candidates spread over the predicted '
-                 'range for real')
+                 "range, and the best's runners-up, for real")
   p.add_argument('--search', type=int, default=0, metavar='K',
                  help='add pipeline.search schedules for the K best '
                  'pipelined meshes and microbatch counts (default 0: none)')

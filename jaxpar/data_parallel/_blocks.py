@@ -163,7 +163,10 @@ def _scatter(g: jax.Array, spec: P, dim: int, *, data_axis: str,
   if not short:
     return value
   entries = list(spec) + [None] * (g.ndim - len(spec))
+  # Only this shard_map's other manual axes shrink a local dim; an axis XLA
+  # partitions itself (an NNX model's 'tensor') leaves it whole here.
+  manual = set(jax.sharding.get_abstract_mesh().manual_axes) - {data_axis}
   shape = tuple(s * math.prod(jax.lax.axis_size(a) for a in entry_axes(e)
-                              if a != data_axis)
+                              if a in manual)
                 for s, e in zip(g.shape, entries))
   return Padded(value, shape)

@@ -64,7 +64,7 @@ import numpy as np
 
 from jaxpar import vma
 from jaxpar._compat import is_pvary
-from jaxpar.pipeline.executor.internal import (bind_eqn, is_jaxpr_var,
+from jaxpar.pipeline.executor.internal import (bind_eqn, evaluate_jaxpr,
                                                 scan_parts)
 
 # Elementwise primitives that run on a slice when their other operands are
@@ -206,15 +206,7 @@ class _Gathering:
 
   def evaluate(self, jaxpr: jex.Jaxpr, consts: Sequence[Any],
                args: Sequence[Any]) -> list:
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    read = lambda v: env[v] if is_jaxpr_var(v) else v.val
-    for eqn in jaxpr.eqns:
-      ins = [read(v) for v in eqn.invars]
-      with eqn.ctx.manager:
-        outs = self._eqn(eqn, ins)
-      env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+    return evaluate_jaxpr(jaxpr, consts, args, self._eqn)
 
   def _eqn(self, eqn: jex.JaxprEqn, ins: list) -> list:
     slices = [x for x in ins if isinstance(x, Slice)]

@@ -459,11 +459,12 @@ def trainer(
       being recomputed: ``'everything'`` (the default: no recompute),
       ``'dots'``, ``'dots_no_batch'``, ``'nothing'`` or a
       ``jax.checkpoint_policies`` policy (``train_state.REMAT_POLICIES``).
-      ``None`` is ``'everything'``. A microbatch's backward runs right
-      after its forward here, so a policy adds recompute but saves little
-      memory (in ``parallel.trainer`` the stash keeps forwards while other
-      microbatches run); ``jax.checkpoint`` layers inside ``loss_fn`` for
-      that.
+      ``None`` is ``'everything'``. The policy applies to each iteration
+      of a ``lax.scan`` in ``loss_fn`` (a scanned stack of layers), so the
+      backward recomputes one layer at a time: on a scanned GPT (8 layers
+      of width 256, 2 sequences of 128 per device, ZeRO-1) the compiled
+      temp is 84.3 MiB with ``'everything'``, 27.8 with ``'dots'`` and
+      24.3 with ``'nothing'``. Code outside any scan is checkpointed whole.
 
   Returns:
     ``Trainer(init, step, params, opt_state)``: ``init(params)`` places a

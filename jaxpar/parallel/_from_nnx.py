@@ -214,7 +214,11 @@ def from_nnx(model: nnx.Module, *, blocks: str | Sequence[str],
       a block param shared with another block or with ``embed``/``head``
       (the same ``nnx.Param`` object), ``num_stages`` or ``counts`` that do
       not fit the layer count, a tensor rule that matches no param or has
-      more entries than its dims. In a trainer's first step, with the
+      more entries than its dims, ``nnx.BatchStat`` s outside the blocks
+      (a ResNet's stem norm run by ``embed``: the message names the
+      ``blocks=[...]``, ``block={...}`` and ``embed`` that run its module as
+      a blocks entry of its own, the model unchanged). In a trainer's
+      first step, with the
       stages on several ranks: tensor rules under which XLA reshards a
       block's values with a collective-permute (a fused gate|up or k|v
       projection split over ``tensor`` and then cut in two), which would

@@ -367,6 +367,45 @@ def _sides(model: nnx.Module, anchor: Path, head: Sequence[str] | None,
   return set(rest) - heads, heads
 
 
+def _check_stats_in_blocks(model: nnx.Module, cut: Cut, anchor: Path,
+                           head: Sequence[str] | None, block: Any) -> None:
+  """``ValueError`` for ``nnx.BatchStat`` s outside the blocks, naming the
+  ``from_nnx`` arguments that run their modules as blocks entries of their
+  own, the model unchanged: an ``embed``-side module (a ResNet's stem norm,
+  defined before the blocks) first, a ``head``-side one last."""
+  outside = sorted((p for p in cut.stats if not cut.in_blocks(p)),
+                   key=path_name)
+  if not outside:
+    return
+  owners = lambda paths: sorted({'.'.join(map(str, p[:-1])) for p in paths})
+  before, after = map(owners, _sides(model, anchor, head, outside))
+  listed = [cut.blocks] if isinstance(cut.blocks, str) else list(cut.blocks)
+  if block is None:
+    theirs = ', '.join(f'{e!r}: lambda b, x: b(x)' for e in listed)
+  else:
+    theirs = ', '.join(f'{e!r}: <your block>' for e in listed)
+  own = ', '.join(f'{o!r}: <how it runs on the carried activation, e.g. '
+                  'lambda b, h: jax.nn.relu(b(h))>' for o in before + after)
+  ends = ', '.join(
+      [f'embed=<your embed up to the input of {o!r}>' for o in before[:1]]
+      + [f'head_loss=<your head_loss from the output of {o!r}>'
+         for o in after[-1:]])
+  fix = (f'from_nnx(model, blocks={before + listed + after}, '
+         f'block={{{own}, {theirs}}}, {ends}, ...)')
+  if not (before and after):
+    other, runs = (after, 'embed') if after else (before, 'head_loss')
+    fix += (f' (the entries in model order: blocks={after + listed + before}'
+            f' if {runs} runs {other[0]!r})')
+  raise ValueError(
+      f'nnx.BatchStat {list(map(path_name, outside))[:4]} outside '
+      f'blocks={cut.blocks!r}: the pipeline carries the running statistics '
+      'of blocks, per microbatch in order (PipelineModel.model_state), not '
+      'of embed or head_loss. List the modules holding them as blocks '
+      f'entries of their own; the model stays as written: {fix}. They then '
+      'run in the first (or last) stage, their statistics carried like the '
+      "blocks'.")
+
+
 def read_cut(model: nnx.Module, blocks: Any, num_stages: Any,
              counts: Sequence[int] | None, head: Sequence[str] | None,
              block: Any = None) -> Cut:
@@ -396,26 +435,11 @@ def read_cut(model: nnx.Module, blocks: Any, num_stages: Any,
             blocks=blocks, prefixes=prefixes, stacked=stacked,
             kinds=tuple(kinds), layer_kinds=tuple(layer_kinds), split=split,
             embed_paths=frozenset(), head_paths=frozenset(), reads={})
-  outside = sorted(path_name(p) for p in cut.stats if not cut.in_blocks(p))
-  if outside:
-    owners = sorted({'.'.join(map(str, p[:-1])) for p in cut.stats
-                     if not cut.in_blocks(p)})
-    listed = owners[:1] + ([blocks] if isinstance(blocks, str)
-                           else list(blocks))
-    raise ValueError(
-        f'nnx.BatchStat {outside[:4]} outside blocks={blocks!r}: the '
-        'pipeline carries the statistics of blocks, per microbatch in order '
-        '(PipelineModel.model_state), not of embed or head_loss. List the '
-        'modules holding them as blocks entries of their own, in model '
-        f'order, e.g. blocks={listed} '
-        'with block={...} saying how each runs on the carried activation '
-        "(a ResNet's stem norm: lambda b, h: jax.nn.relu(b(h))): they then "
-        'run in the first (or last) stage and their statistics are carried '
-        'like the blocks\'.')
-  rest = [p for p in cut.params if not cut.in_blocks(p)]
   last = prefixes[-1]   # a sequence's last item: the sequence
-  embed_paths, head_paths = _sides(
-      model, last[:-1] if isinstance(last[-1], int) else last, head, rest)
+  anchor = last[:-1] if isinstance(last[-1], int) else last
+  _check_stats_in_blocks(model, cut, anchor, head, block)
+  rest = [p for p in cut.params if not cut.in_blocks(p)]
+  embed_paths, head_paths = _sides(model, anchor, head, rest)
   if head is not None:
     unknown = [h for h in head if not any(
         path_name(p).startswith(h) for p in head_paths)]

@@ -26,9 +26,16 @@ machine, no constants fitted to another):
   1-rank step the cost of one microbatch of the plain scan one stage rank
   runs;
 * **links**: ``psum``, ``all_gather``, ``psum_scatter`` and ``ppermute``
-  over all devices in a ``shard_map`` at 4 KiB, 1 MiB and 8 MiB; alpha and
-  beta fitted to the ring formulas of ``Profile.collective`` (least
+  over all devices in a ``shard_map`` at 4 KiB, 1 MiB and 8 MiB, 8 in a
+  row in one program (as a step runs them, not one per dispatch); alpha
+  and beta fitted to the ring formulas of ``Profile.collective`` (least
   squares of the relative error);
+* **alone**: the one-rank program in process 0 while the others wait, over
+  the same with all running it (``Profile.alone_speedup``);
+* **ZeRO-3**: ``data_parallel.gathered`` on the same stage over 2 devices
+  as ``data``, under ``jax.grad`` (each param array gathered, gathered
+  again in the backward, its gradient reduce-scattered, one at a time):
+  seconds per layer and microbatch (``Profile.zero3_layer_seconds``);
 * **memory bandwidth**: an in-place add of a large buffer.
 
 Example:
@@ -65,15 +72,18 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import pipeline, tensor_parallel
+from jaxpar import data_parallel, pipeline, tensor_parallel
 from jaxpar.mesh import make_mesh
 from jaxpar.models import gpt
 from jaxpar.pipeline import StageVJP
+from jaxpar.pipeline.executor import stash_policy
+from jaxpar.pipeline.executor.internal import remat_layers
 from jaxpar.planner._model import ModelSpec
 from jaxpar.planner._profile import Profile
 from jaxpar.vma import varying_axes
 
 _SIZES = (2**12, 2**20, 2**23)   # bytes of the collective buffers timed
+_CHAIN = 8                       # collectives per timed program, in a row
 _ROWS = (1, 2, 4, 8, 16, 32)    # sequences per microbatch of the blocks timed
 _HBM_BYTES = 2**28              # the in-place add: 256 MiB
 # Sequences per microbatch at which the blocks are timed apart and the head.
@@ -239,6 +249,20 @@ def _slots(spec: ModelSpec) -> int:
   return min(2, spec.num_layers)
 
 
+def _host_stage(spec: ModelSpec) -> tuple[Any, Any]:
+  """``(split, stage)``: host params of a GPT of ``spec``'s width, heads and
+  sequence with ``_slots`` layers (``split_for_pipeline``'s one stage) and
+  its stage's ``[slots, ...]`` leaves."""
+  config = gpt.GPTConfig(d_model=spec.d_model, num_heads=spec.num_heads,
+                         seq_len=spec.seq_len, num_layers=_slots(spec),
+                         vocab_size=max(spec.vocab_size, 8))
+  shapes = gpt.gpt_params(nnx.eval_shape(
+      lambda: gpt.GPT(config, rngs=nnx.Rngs(0))))
+  host = jax.tree.map(lambda s: np.full(s.shape, 0.01, s.dtype), shapes)
+  split = gpt.split_for_pipeline(host, num_stages=1)[0]
+  return split, jax.tree.map(lambda a: np.asarray(a[0]), split.stages)
+
+
 @functools.lru_cache(maxsize=8)
 def _stage_blocks(spec: ModelSpec, devices: tuple) -> _Blocks:
   """A stage of ``min(2, layers)`` GPT blocks of ``spec``'s width, heads
@@ -246,14 +270,7 @@ def _stage_blocks(spec: ModelSpec, devices: tuple) -> _Blocks:
   ``devices`` as ``tensor`` (one device: not split); built once per
   ``devices``, compiled once per microbatch size."""
   slots = _slots(spec)
-  config = gpt.GPTConfig(d_model=spec.d_model, num_heads=spec.num_heads,
-                         seq_len=spec.seq_len, num_layers=slots,
-                         vocab_size=max(spec.vocab_size, 8))
-  shapes = gpt.gpt_params(nnx.eval_shape(
-      lambda: gpt.GPT(config, rngs=nnx.Rngs(0))))
-  host = jax.tree.map(lambda s: np.full(s.shape, 0.01, s.dtype), shapes)
-  split = gpt.split_for_pipeline(host, num_stages=1)[0]
-  stage = jax.tree.map(lambda a: np.asarray(a[0]), split.stages)
+  split, stage = _host_stage(spec)
   mesh = jax.sharding.Mesh(np.asarray(devices), ('tensor',))
   specs = tensor_parallel.param_specs(stage, rules=gpt.TENSOR_RULES)
   params = jax.tree.map(lambda a, s: _global(mesh, a, s), stage, specs)
@@ -336,6 +353,32 @@ def _kinds_and_head(spec: ModelSpec, device, repeats: int
   return factors, head
 
 
+def _alone_speedup(spec: ModelSpec, device, repeats: int) -> float:
+  """How much faster process 0 runs the one-rank program (``_FACTOR_ROWS[-1]``
+  sequences) while the others wait in a collective, as a pipeline rank
+  runs a block while its neighbour idles, than with all of them running it
+  (on a shared CPU host the waiting processes' cores join in; on 2 cores
+  the ticks with an idle rank ran ~1.45x faster than predicted without);
+  1 with one process."""
+  if jax.process_count() == 1:
+    return 1.0
+  call = _stage_blocks(spec, (device,)).plain(
+      _microbatch(spec, _FACTOR_ROWS[-1]))
+  together = _seconds(call, repeats=3 * repeats)   # short calls: noisy
+  alone = []
+  for _ in range(3 * repeats):
+    multihost_utils.sync_global_devices('jaxpar.planner.alone')
+    if jax.process_index() == 0:
+      start = time.perf_counter()
+      jax.block_until_ready(call())
+      alone.append(time.perf_counter() - start)
+    multihost_utils.sync_global_devices('jaxpar.planner.alone')
+  # The median, as _rounds's together; at most one core per process joins
+  # in: between 1 and the processes.
+  return float(np.clip(together / np.median(alone), 1.0,
+                       jax.process_count())) if alone else 1.0
+
+
 def _tensor_efficiency(spec: ModelSpec, device, devices: Sequence,
                        probe: Profile, repeats: int) -> float:
   """The share of the ideal 2-fold speed-up of a stage's ``F + I + W``
@@ -351,6 +394,32 @@ def _tensor_efficiency(spec: ModelSpec, device, devices: Sequence,
   one = _block_seconds(spec, [device], rows, repeats)
   two = _block_seconds(spec, devices[:2], rows, repeats) - comm
   return float(np.clip(one / 2 / max(two, 1e-9), 0.05, 1.0))
+
+
+def _zero3_program(spec: ModelSpec, devices: Sequence
+                   ) -> tuple[Callable, tuple]:
+  """``(program, args)``: the gradient of a stage of ``_slots`` GPT layers
+  of ``spec``'s width on one token, its params ZeRO-3 slices over
+  ``devices[:2]`` as ``data`` (``data_parallel.gathered``, as the trainers
+  run it) and each layer under ``'dots'`` (``remat_layers``, as the step
+  runs it): what a ZeRO-3 step runs per microbatch besides its FLOPs, each
+  param array gathered in the forward, again in the backward, and its
+  gradient reduce-scattered, one at a time in its layer's iteration (on
+  two CPU processes over gloo ~1 ms each: 3x a lone collective's)."""
+  mesh = jax.sharding.Mesh(np.asarray(devices[:2]).reshape(2, 1),
+                           ('data', 'tensor'))
+  stage = _host_stage(spec)[1]
+  specs = data_parallel.data_specs(  # as the trainers split a stage's
+      stage, tensor_parallel.param_specs(stage, rules=gpt.TENSOR_RULES),
+      mesh=mesh, skip=1)              # leaves: never the layer dim
+  params = jax.tree.map(lambda a, s: _global(mesh, a, s), stage, specs)
+  stage_fn = remat_layers(gpt.stage_fn, stash_policy('dots'))  # per layer
+  loss = lambda p, x: stage_fn(p, x).sum()
+  grad = jax.jit(jax.shard_map(
+      jax.grad(data_parallel.gathered(loss, specs, data_axis='data')),
+      mesh=mesh, in_specs=(specs, P('data')), out_specs=specs))
+  x = np.ones((2, 1, spec.d_model), np.float32)   # one token per device
+  return grad, (params, _global(mesh, x, P('data')))
 
 
 def _tiny_step(mesh, m: int) -> tuple[Callable, tuple]:
@@ -388,21 +457,24 @@ def _per_tick(devices: Sequence, message: float,
 
 
 def _collective_fns(mesh) -> dict[str, Callable]:
-  """The four kinds, as jitted functions of a ``[n, k]`` float32 buffer."""
+  """The four kinds as jitted functions of a ``[n, k]`` float32 buffer,
+  each ``_CHAIN`` in a row in a scan (on the last one's output cut or tiled
+  back), as a step runs them: alone, each pays a dispatch and a wake-up."""
   n = mesh.devices.size
-  spec = P('x')
-  # Timing only: the gathered value is the same on every device.
-  wrap = lambda body, out=spec: jax.jit(jax.shard_map(
-      body, mesh=mesh, in_specs=spec, out_specs=out, check_vma=False))
-  return {
-      'all-reduce': wrap(lambda x: jax.lax.psum(x, 'x')),
-      'all-gather': wrap(lambda x: jax.lax.all_gather(x, 'x', tiled=True),
-                         P()),
-      'reduce-scatter': wrap(lambda x: jax.lax.psum_scatter(
-          x, 'x', scatter_dimension=1, tiled=True)),
-      'ppermute': wrap(lambda x: jax.lax.ppermute(
-          x, 'x', [(i, (i + 1) % n) for i in range(n)])),
+  ops = {
+      'all-reduce': lambda x: jax.lax.psum(x, 'x'),
+      'all-gather': lambda x: jax.lax.all_gather(x, 'x', tiled=True)[:1],
+      'reduce-scatter': lambda x: jnp.tile(jax.lax.psum_scatter(
+          x, 'x', scatter_dimension=1, tiled=True), (1, n)),
+      'ppermute': lambda x: jax.lax.ppermute(
+          x, 'x', [(i, (i + 1) % n) for i in range(n)]),
   }
+  # Timing only: the gathered value is the same on every device.
+  chain = lambda op: jax.jit(jax.shard_map(
+      lambda x: jax.lax.scan(lambda y, _: (op(y), None), x, None,
+                             length=_CHAIN)[0],
+      mesh=mesh, in_specs=P('x'), out_specs=P('x'), check_vma=False))
+  return {kind: chain(op) for kind, op in ops.items()}
 
 
 def _links(devices: Sequence, repeats: int) -> tuple[float, float]:
@@ -421,7 +493,7 @@ def _links(devices: Sequence, repeats: int) -> tuple[float, float]:
       a = probe._replace(link_bandwidth=1e30).collective(kind, nbytes, n)
       b = probe._replace(link_latency=0.0).collective(kind, nbytes, n)
       rows.append((a, b))
-      times.append(_seconds(fn, x, repeats=repeats))
+      times.append(_seconds(fn, x, repeats=repeats) / _CHAIN)
   # Least squares of the relative error: the small sizes fix alpha as
   # much as the large ones fix beta.
   weight = 1.0 / np.asarray(times)[:, None]
@@ -475,8 +547,13 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   tick = 0.0
   if len(devices) > 1:   # a tick of 2 ranks; one 32-byte message costs:
     tick = _per_tick(devices[:2], alpha + 32 / beta, repeats)
-  alpha, beta, hbm, per_mb, tick, *flat = _shared(
-      [alpha, beta, hbm, per_mb, tick, *(r for _, r in rates),
+  zero3 = 0.0
+  if len(devices) > 1:   # ZeRO-3's collectives, per layer and microbatch
+    program, args = _zero3_program(spec, devices)
+    zero3 = _seconds(program, *args, repeats=repeats) / _slots(spec)
+  alone = _alone_speedup(spec, device, repeats)
+  alpha, beta, hbm, per_mb, tick, zero3, alone, *flat = _shared(
+      [alpha, beta, hbm, per_mb, tick, zero3, alone, *(r for _, r in rates),
        *(x for _, xs in factors for x in xs), *(s for _, s in head)])
   rates = tuple(zip((t for t, _ in rates), flat[:len(rates)]))
   flat = flat[len(rates):]
@@ -495,16 +572,19 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
       name=f'measured ({device.platform} x{len(devices)})',
       memory_bytes=_memory_bytes(device), node_devices=len(devices),
       tick_overhead=tick, microbatch_overhead=per_mb,
-      tensor_efficiency=share,
+      tensor_efficiency=share, zero3_layer_seconds=zero3,
+      alone_speedup=alone,
       source=f'micro-benchmark on {len(devices)} {device.platform} devices: '
       f"a stage of {_slots(spec)} GPT blocks in the "
       f"executor's one-rank step at {', '.join(map(str, _ROWS))} sequences; "
       f'its F, I, W and B apart and the embedding, head and loss at '
       f'{" and ".join(map(str, _FACTOR_ROWS))}; F+I+W split over 2 devices '
       'as tensor; psum, all_gather, psum_scatter, ppermute at '
-      f'{", ".join(map(str, _SIZES))} bytes; an in-place add of '
+      f'{", ".join(map(str, _SIZES))} bytes, {_CHAIN} in a row; an '
+      f'in-place add of '
       f'{_HBM_BYTES >> 20} MiB; a 1F1B step of an [8, 8] layer at 4 and 16 '
-      'microbatches on 1 and 2 ranks')
+      'microbatches on 1 and 2 ranks; ZeRO-3 gathers of the stage over 2 '
+      'devices; the one-rank step in process 0 alone')
 
 
 def measure_profile(spec: ModelSpec, devices: Sequence, *,

@@ -39,7 +39,8 @@ def step_bytes(src: Source, devices: Sequence, layout: Layout,
                optimizer: optax.GradientTransformation, batch: Any) -> int:
   """Arguments + temp bytes of ``layout``'s compiled step, per device."""
   trainer = build_trainer(src, devices, layout, optimizer)
-  state = trainer.init(src.pipeline(layout.num_stages)[0])
+  params, functions = src.pipeline(layout.num_stages)[:2]
+  state = trainer.init(params, getattr(functions, 'model_state', None))
   if isinstance(batch, int):
     ids = np.zeros((batch, src.spec.seq_len), np.int32)
     batch = (ids, ids)

@@ -3,7 +3,9 @@
 ``measure(plan, n, optimizer, batch)`` builds the trainers of ``n`` of the
 plan's candidates spread over its predicted range (the best, then evenly
 spaced places of the ranking down to the slowest that fits: a ranking is
-only tested by candidates that differ), compiles each step (its
+only tested by candidates that differ) and of the best's ``RUNNERS_UP``
+runners-up (a pick is only as good as the near-ties it beat: ``n + 2`` in
+all, ``--measure 6`` times 8), compiles each step (its
 ``memory_analysis()``: arguments + temp) and times them in rounds (each
 one's fastest of ``repeats``, each the second of two steps in a row);
 ``summary`` gives the mean absolute time error and ``spearman``, the rank
@@ -94,11 +96,41 @@ def _spread(candidates: Sequence, n: int) -> list:
   return sorted(out, key=lambda c: c.predicted_s)
 
 
+# The best's runners-up ``measure`` times besides the ``n`` spread: the next
+# candidates by predicted time of a mesh, schedule and microbatch count not
+# chosen yet.
+RUNNERS_UP = 2
+
+
+def chosen(candidates: Sequence, n: int) -> list:
+  """What ``measure`` times: ``_spread``'s ``n`` and the best's
+  ``RUNNERS_UP`` runners-up not among them, in rank order.
+
+  Example:
+    >>> from types import SimpleNamespace as C
+    >>> from jaxpar.planner._measure import chosen
+    >>> plan = [C(fits=True, predicted_s=t, layout=(1, 1, 1, 'x', m))
+    ...         for m, t in enumerate((1.0, 1.01, 1.02, 1.5, 2.0, 2.5))]
+    >>> [c.predicted_s for c in chosen(plan, 3)]
+    [1.0, 1.01, 1.02, 1.5, 2.5]
+  """
+  out = _spread(candidates, n)
+  taken = {c.layout[:5] for c in out}
+  extra = []
+  for c in sorted((c for c in candidates if c.fits),
+                  key=lambda c: c.predicted_s):
+    if len(extra) < RUNNERS_UP and c.layout[:5] not in taken:
+      taken.add(c.layout[:5])
+      extra.append(c)
+  return sorted(out + extra, key=lambda c: c.predicted_s)
+
+
 def measure(plan: Any, n: int, optimizer: optax.GradientTransformation,
             batch: Any, *, repeats: int = 5) -> list[Measured]:
   """Times ``n`` candidates of ``plan`` spread over its predicted range
-  (module doc): the fastest of ``repeats`` steps after one warm-up, and the
-  compiled step's arguments + temp.
+  and the best's ``RUNNERS_UP`` runners-up (``chosen``; module doc): the
+  fastest of ``repeats`` steps after one warm-up, and the compiled step's
+  arguments + temp.
 
   The candidates are stepped in rounds, so that load from other work that
   comes and goes falls on all of them alike (timed one after another, the
@@ -109,7 +141,7 @@ def measure(plan: Any, n: int, optimizer: optax.GradientTransformation,
   temporaries, a 32-sequence microbatch, took 1.38 s against 1.01 s).
   """
   runs = []
-  for candidate in _spread(plan.candidates, n):
+  for candidate in chosen(plan.candidates, n):
     trainer = plan.trainer(optimizer, candidate)
     state = trainer.init(plan.params(candidate))
     # jit reuses this executable for the calls below: one compile each.

@@ -6,7 +6,9 @@ What one device holds during a ``parallel.trainer`` step (what its compiled
 * **arguments**: the params (``tensor``- and ``stage``-split; over ``data``
   too with ZeRO-3), the optimizer state (split like the per-layer view:
   over ``tensor`` and ``stage``; over ``data`` too with ZeRO-1/3) and the
-  replica's batch; exact from the element counts;
+  replica's batch, from the element counts: ZeRO pads a leaf ``data`` does
+  not divide (``padding``), and the view's leaves stay whole over a
+  ``stage`` that divides none of their dims;
 * **stash**: the schedule's stash slots (``TickTable.num_stash_slots``)
   times one logical stage's stash for one microbatch (remat policy, in the
   compute dtype; with ``tensor`` > 1 split over it, as Megatron's sequence
@@ -15,24 +17,29 @@ What one device holds during a ``parallel.trainer`` step (what its compiled
   ``w_recompute``) and its mailbox slots times an activation; one stage
   rank (``stage=1``) runs its microbatches in turn: one stash, no slots;
 * **work**: the gradient accumulators (the params held; over ``data``
-  too with ZeRO-3; each microbatch's gradient is added in place);
+  too with ZeRO-3; each microbatch's gradient is added in place), live
+  through the step, plus the larger of two phases. The **backward**:
   ZeRO-3's gathered params (two layers in the compute dtype -- the one in
-  use and the next -- and the embedding or head); the update's
-  temporaries (the per-layer view: ``UPDATE`` times its bytes,
-  over ``data`` with ZeRO); one microbatch's logits, their float32 copy
-  and their gradient; and the **backward's recompute**
-  (``recompute_bytes``): the policy applies layer by layer, so one
-  layer's residuals, and in the tick scan each layer's input and saves
-  rebuilt for the stage.
+  use and the next -- the embedding or head, and one layer's gradient
+  whole until its reduce-scatter), one microbatch's logits, their float32
+  copy and their gradient, and the backward's recompute
+  (``recompute_bytes``: the policy applies layer by layer, so one layer's
+  residuals, and in the tick scan each layer's input and saves rebuilt for
+  the stage). The **update**: with a pipeline the gradients moved to the
+  per-layer view and the updates (``UPDATE`` times the view's bytes, over
+  ``data`` with ZeRO), beside the tick scan's slots; with one stage rank
+  the same after the stash is freed with ZeRO (the reduce-scatter and the
+  slice's update), none without (the update runs in place).
 
 ``MARGIN`` covers what the compiled step holds beyond those (XLA's
-copies, the collectives' buffers): ``work`` is the sum above times ``1 +
-MARGIN``. On 8 simulated CPU devices one candidate of each mechanism is
-predicted 1.05-1.29x its compiled step, never more than 5% under
-(``tests/test_planner_memory.py``, ``docs/planning.md``). Where the
+copies, the collectives' buffers): ``work`` is the above times ``1 +
+MARGIN``. On 6, 8 and 12 simulated CPU devices the checked candidates are
+predicted 0.95-1.15x their compiled steps (``tests/test_planner_memory.py``;
+the exceptions, ``docs/planning.md``, "Memory per device"). Where the
 devices are present the planner compiles one step per distinct stage shape
-and replaces ``work`` by what the compiler reports (``Memory.calibrated``);
-the schedule- and ZeRO-dependent parts stay analytic.
+of its best candidates and replaces ``work`` by what the compiler reports
+(``Memory.calibrated``); the schedule- and ZeRO-dependent parts stay
+analytic.
 
 Example:
   >>> from jaxpar.models import gpt
@@ -63,7 +70,7 @@ GATHERED_LAYERS = 2
 WORKING = 0.3
 # What compiled steps hold beyond the parts modelled, as a share of them
 # (``docs/planning.md``, "Memory per device").
-MARGIN = 0.1
+MARGIN = 0.02
 
 
 class Memory(NamedTuple):
@@ -72,8 +79,8 @@ class Memory(NamedTuple):
   Attributes:
     params, opt_state, batch: the step's arguments.
     stash: activation stashes, weight-gradient stashes and messages.
-    work: gradients, the update's temporaries, gathered params, logits,
-      the backward's recompute.
+    work: the gradients, and the larger of the backward's transients
+      (gathered params, logits, recompute) and the update's temporaries.
   """
   params: int
   opt_state: int
@@ -109,8 +116,19 @@ def shapes(spec: ModelSpec, layout: Layout, batch: int) -> Shapes:
   sides = spec.embed.per_device(t) + spec.head.per_device(t)
   total = spec.num_layers * spec.layer.per_device(t) + sides
   mb = batch // (layout.data * layout.num_microbatches)
-  return Shapes(stage + sides, stage, total / s, mb * spec.seq_len, mb,
-                n_slots)
+  # The view's leaves split over ``stage`` along a dim it divides (none:
+  # replicated; counted on the model's width).
+  view = total / (s if spec.d_model % s == 0 else 1)
+  return Shapes(stage + sides, stage, view, mb * spec.seq_len, mb, n_slots)
+
+
+def padding(spec: ModelSpec, data: int) -> float:
+  """What ZeRO's padding adds to a leaf split over ``data``: a leaf that
+  ``data`` does not divide is stored padded to a multiple of it
+  (``data_parallel.Padded``); counted on a dim of the model's width,
+  ``ceil(d_model / data) * data / d_model`` (1 where ``data`` divides it;
+  an upper bound for the leaves split along a wider dim)."""
+  return -(-spec.d_model // data) * data / spec.d_model
 
 
 def stash_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
@@ -124,11 +142,12 @@ def stash_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   """
   t, cb, policy = layout.tensor, spec.act_bytes, layout.remat_policy
   act = shape.tokens * spec.d_model * cb
+  split = t if spec.stash_split else 1
   per_layer = spec.stash_per_device(policy, t)
   if layout.stage == 1:
     inputs = spec.d_model if policy != 'everything' else 0
     return int(shape.slots * (per_layer + inputs) * shape.tokens * cb + act)
-  stash = shape.slots * per_layer * shape.tokens * cb + act / t
+  stash = shape.slots * per_layer * shape.tokens * cb + act / split
   table = tick_table(schedule_key(layout))
   kept = 0.0 if layout.w_recompute else (
       shape.slots * spec.kept.per_device(t) * shape.tokens * cb)
@@ -144,13 +163,17 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   layer's ``'everything'`` residuals. In the tick scan the stage is also
   checkpointed as a whole (its stash is the policy's saves of the stage),
   so its backward first rebuilds each layer's input and saves, stacked
-  over the stage's layers. With ``w_recompute`` a ``W`` rebuilds what
-  ``I`` would have kept for it, for one stage and microbatch.
+  over the stage's layers; what the stash stores split over ``tensor``
+  although the layers replicate it (a block's two row-parallel outputs,
+  ``2 d``) is all-gathered whole first. With ``w_recompute`` a ``W``
+  rebuilds what ``I`` would have kept for it, for one stage and
+  microbatch.
   """
   t, policy = layout.tensor, layout.remat_policy
   restacked = 0.0
   if layout.stage > 1 and policy != 'everything':
-    restacked = shape.slots * (spec.stash_per_device(policy, t)
+    gathered = 2 * spec.d_model * (1 - 1 / t) if spec.stash_split else 0.0
+    restacked = shape.slots * (spec.stash_per_device(policy, t) + gathered
                                + spec.d_model)
   if layout.w_recompute:   # W rebuilds what I would have kept, for a stage
     restacked += shape.slots * spec.kept.per_device(t)
@@ -160,20 +183,24 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
 
 def work_bytes(spec: ModelSpec, layout: Layout,
                shape: Shapes) -> dict[str, int]:
-  """The parts of ``Memory.work`` before ``MARGIN``, by name."""
+  """The parts of ``Memory.work`` (before the peak and ``MARGIN``), by
+  name."""
   pb, cb, d, zero = spec.param_bytes, spec.act_bytes, layout.data, (
       layout.zero_stage)
   t = layout.tensor
-  split3 = d if zero == 3 else 1
+  split3 = d / padding(spec, d) if zero == 3 else 1
   gathered = 0.0
   if zero == 3:
     sides = max(spec.embed.per_device(t), spec.head.per_device(t))
     layers = min(GATHERED_LAYERS, shape.slots)
-    gathered = (layers * spec.layer.per_device(t) + sides) * cb
+    # the layers gathered, and the one whose gradient the backward is
+    # reduce-scattering (whole until it is scattered)
+    gathered = ((layers + 1) * spec.layer.per_device(t) + sides) * cb
   return {
       'grads': int(shape.held * pb / split3),
       'gathered': int(gathered),
-      'update': int(UPDATE * shape.view * pb / (d if zero else 1)),
+      'update': int(UPDATE * shape.view * pb / (d / padding(spec, d)
+                                                if zero else 1)),
       'logits': int(shape.tokens * spec.vocab_size / t * (2 * cb + 4)),
       'recompute': recompute_bytes(spec, layout, shape)}
 
@@ -190,9 +217,14 @@ def memory(spec: ModelSpec, layout: Layout, *, batch: int,
   """
   shape = shapes(spec, layout, batch)
   pb, d, zero = spec.param_bytes, layout.data, layout.zero_stage
-  params = shape.held * pb / (d if zero == 3 else 1)
-  opt = opt_factor * shape.view * pb / (d if zero else 1)
+  split = d / padding(spec, d)     # ZeRO's split, padded
+  params = shape.held * pb / (split if zero == 3 else 1)
+  opt = opt_factor * shape.view * pb / (split if zero else 1)
   ids = 2 * (batch // d) * spec.seq_len * 4
-  work = sum(work_bytes(spec, layout, shape).values())
-  return Memory(int(params), int(opt), ids, stash_bytes(spec, layout, shape),
-                int(work * (1 + MARGIN)))
+  parts = work_bytes(spec, layout, shape)
+  stash = stash_bytes(spec, layout, shape)
+  backward = parts['gathered'] + parts['logits'] + parts['recompute']
+  update = parts['update'] if layout.stage > 1 else (
+      parts['update'] - stash if layout.zero_stage else 0)
+  return Memory(int(params), int(opt), ids, stash, int(
+      (parts['grads'] + max(backward, update)) * (1 + MARGIN)))

@@ -82,6 +82,14 @@ class ModelSpec(NamedTuple):
     divisors: sizes ``tensor`` must divide (heads, MLP width, vocabulary).
     param_bytes: bytes per param element (4: float32).
     act_bytes: bytes per activation element.
+    stash_split: whether a pipeline stage's stash is stored split over
+      ``tensor`` (jaxpar's GPT: ``tensor`` is a manual axis, and the
+      executor splits what it replicates); ``False`` for a model cut by
+      ``from_nnx``, whose ``tensor`` axis XLA partitions (its stash and
+      stage input are counted whole).
+    leaves: param arrays (pytree leaves) of one layer, of embed and of
+      head: ZeRO-3 gathers each separately (the time model counts its
+      collectives).
   """
   name: str
   num_layers: int
@@ -99,6 +107,8 @@ class ModelSpec(NamedTuple):
   divisors: tuple[int, ...]
   param_bytes: int = 4
   act_bytes: int = 4
+  stash_split: bool = True
+  leaves: tuple[int, int, int] = (16, 2, 4)
 
   @classmethod
   def from_gpt(cls, config: gpt.GPTConfig, *, name: str | None = None,
@@ -120,7 +130,7 @@ class ModelSpec(NamedTuple):
         embed=Split(v * d, s * d), head=Split(d * v + v, 2 * d),
         stash=stash, kept=Split(13 * d + h * s, 8 * d + 2), flops=Split(8 * d * d + 4 * d * f + 4 * s * d, 0),
         head_flops=Split(2 * d * v, 0), divisors=(h, f, v),
-        param_bytes=param_bytes, act_bytes=act_bytes)
+        param_bytes=param_bytes, act_bytes=act_bytes, leaves=(16, 2, 4))
 
   @classmethod
   def llama(cls, *, d_model: int, num_layers: int, num_heads: int,
@@ -154,7 +164,7 @@ class ModelSpec(NamedTuple):
         embed=Split(v * d, 0), head=Split(d * v, d), stash=stash,
         kept=Split(2 * d + kv + 3 * f, 4 * d + 2), flops=Split(2 * (2 * d * d + d * kv + 3 * d * f) + 2 * s * d, 0),
         head_flops=Split(2 * d * v, 0), divisors=(num_kv_heads, f, v),
-        param_bytes=param_bytes, act_bytes=act_bytes)
+        param_bytes=param_bytes, act_bytes=act_bytes, leaves=(9, 1, 2))
 
   def stash_per_device(self, policy: str, tensor: int) -> float:
     """Elements per token one device stashes for one block under ``policy``

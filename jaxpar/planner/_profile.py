@@ -82,6 +82,15 @@ class Profile(NamedTuple):
       head and loss, forward and backward, for one microbatch of that many
       tokens; a line through them (a fixed cost and one per token) gives
       ``head``. Empty: the head's FLOPs at the block rate.
+    zero3_layer_seconds: measured: ZeRO-3's collectives for one layer and
+      microbatch as the trainers run them (``data_parallel.gathered``: each
+      param array gathered in the forward and again in the backward, its
+      gradient reduce-scattered, one at a time). 0: from ``collective``,
+      one collective per layer each (on paper).
+    alone_speedup: measured: how much faster a process runs a block while
+      the other processes wait than while they all run (on a CPU host they
+      share, the waiting ones' cores join in); a pipeline tick with idle
+      ranks runs its blocks that much faster (``_time``). 1 on paper.
   """
   name: str
   flops: float
@@ -101,6 +110,8 @@ class Profile(NamedTuple):
   source: str = ''
   kind_factors: tuple[tuple[float, tuple[float, ...]], ...] = ()
   head_seconds: tuple[tuple[float, float], ...] = ()
+  zero3_layer_seconds: float = 0.0
+  alone_speedup: float = 1.0
 
   def block_factors(self, tokens: float) -> dict[str, float]:
     """``{'F', 'I', 'W', 'B'}``: each pipeline block's seconds per second of

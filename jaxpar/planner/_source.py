@@ -23,7 +23,8 @@ from jaxpar import parallel
 from jaxpar.mesh import make_mesh
 from jaxpar.models import gpt
 from jaxpar.planner._layout import Layout
-from jaxpar.planner._model import ModelSpec, Split
+from jaxpar.pipeline import StageVJP
+from jaxpar.planner._model import STASH_POLICIES, ModelSpec, Split
 
 
 class Source(NamedTuple):
@@ -90,13 +91,37 @@ def _parts(pm: parallel.PipelineModel) -> tuple[dict, tuple[int, ...]]:
   return parts, tuple(sorted(divisors)) or (1,)
 
 
+def _traced_stash(pm: parallel.PipelineModel, x: Any) -> tuple[tuple, Split]:
+  """``(stash, kept)`` per token and layer of a cut model's own blocks:
+  ``StageVJP`` traced on its stage (all its layers, one microbatch ``x``)
+  under each of ``STASH_POLICIES`` (what the policy saves, less the stage
+  input), and what ``I`` keeps for ``W`` (no arrays made, nothing
+  compiled); both counted whole on every ``tensor`` rank (an upper bound:
+  XLA partitions the model's ``tensor`` axis)."""
+  aval = lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype)
+  stage = jax.tree.map(aval, pm.params.stages)
+  state = (None if pm.model_state is None
+           else jax.tree.map(aval, pm.model_state))
+  size = lambda tree: float(sum(np.prod(a.shape) for a in jax.tree.leaves(
+      tree)))
+  per = float(pm.stage_mask[0].size) * size(x) / x.shape[-1]  # slots * tokens
+  stash, kept = [], 0.0
+  for policy in STASH_POLICIES:
+    vjp = StageVJP(pm.functions[1], policy)
+    y, saved = vjp.trace(stage, x, None, state)
+    stash.append((policy, Split(0.0, max(size(saved) - size(x), 0.0) / per)))
+    if policy == 'dots':
+      kept = size(vjp.split(stage, saved, y, None, state)) / per
+  return tuple(stash), Split(0.0, kept)
+
+
 def _pipeline_spec(pm: parallel.PipelineModel, name: str,
                    inputs: Any) -> ModelSpec:
   """A ``ModelSpec`` of a cut model read from its params and one
   microbatch: widths from the embedding's output, params per part (split
   over ``tensor`` as its ``tensor_specs`` say), FLOPs split in the share
-  of the layer's params that are, a GPT-like stash per token of its
-  width."""
+  of the layer's params that are, the stash and ``kept`` of its own blocks
+  (``_traced_stash``)."""
   layers = int(pm.stage_mask.sum())
   x = jax.eval_shape(lambda p, i: pm.functions[0](p, i), pm.params.embed,
                      jax.tree.map(lambda a: a[:1], inputs))
@@ -108,11 +133,14 @@ def _pipeline_spec(pm: parallel.PipelineModel, name: str,
   as_gpt = ModelSpec.from_gpt(gpt.GPTConfig(d_model=d, num_heads=1,
                                             seq_len=seq, num_layers=layers))
   head = parts['head']
+  stash, kept = _traced_stash(pm, x)
   return as_gpt._replace(
       name=name, layer=layer, embed=parts['embed'], head=head,
       flops=Split(share * flops, (1 - share) * flops),
       head_flops=Split(2 * head.split, 2 * head.replicated),
-      divisors=divisors, vocab_size=1)
+      divisors=divisors, vocab_size=1, stash=stash, kept=kept,
+      stash_split=False, leaves=tuple(len(jax.tree.leaves(getattr(
+          pm.params, part))) for part in ('stages', 'embed', 'head')))
 
 
 def _cut_pipeline(pm: parallel.PipelineModel) -> Callable[[int], tuple]:

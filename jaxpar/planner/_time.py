@@ -18,16 +18,18 @@ The step is its pipeline plus what runs around it, on a ``Profile``:
   under ``w_recompute``), and the gradient's add into its accumulator in
   ``W`` and ``B`` (a read of both and a write, at the memory bandwidth);
 * **pipeline** -- the executor's lock-step time of the schedule's tick
-  table with those costs (``TickTable.makespan``; equal to
-  ``Schedule.simulate``'s for ``F = I = W``) and one ``ppermute`` of an
-  activation per tick that sends, plus per microbatch the embedding, head
-  and loss (``head_seconds``: measured, or the head's FLOPs), plus the
-  profile's fixed cost per tick (one stage rank: per microbatch of its
-  plain scan);
+  table with those costs (``lock_step``: ``TickTable.makespan``, equal to
+  ``Schedule.simulate``'s for ``F = I = W``, with a tick's blocks
+  ``Profile.alone_speedup`` faster where the other ranks idle) and one
+  ``ppermute`` of an activation per tick that sends, plus per microbatch
+  the embedding, head and loss (``head_seconds``: measured, or the head's
+  FLOPs), plus the profile's fixed cost per tick (one stage rank: per
+  microbatch of its plain scan);
 * **data** -- the gradients' all-reduce over ``data`` (ZeRO-1:
-  reduce-scatter + all-gather; ZeRO-3: per microbatch two all-gathers and a
-  reduce-scatter of the params), the move to the per-layer view over
-  ``stage``;
+  reduce-scatter + all-gather; ZeRO-3: ``zero3_seconds`` per microbatch,
+  each layer's param arrays gathered twice and reduce-scattered one at a
+  time, as timed by ``measure_profile``), the move to the per-layer view
+  over ``stage``;
 * **update** -- the optimizer reading and writing params, gradients and
   state once each at the memory bandwidth.
 
@@ -50,7 +52,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxpar.pipeline import KIND_CODES
+from jaxpar.pipeline import KIND_CODES, TickTable
 from jaxpar.planner._layout import Layout, schedule_key, tick_table
 from jaxpar.planner._memory import shapes
 from jaxpar.planner._model import ModelSpec
@@ -122,8 +124,43 @@ def block_costs(spec: ModelSpec, layout: Layout, profile: Profile,
           'B': b + recompute + backward_tp + over + add}
 
 
+def zero3_seconds(spec: ModelSpec, layout: Layout, profile: Profile,
+                  rank_layers: int) -> float:
+  """Seconds of ZeRO-3's gathers and reduce-scatters in one microbatch of
+  one rank: its ``rank_layers`` layers, each gathered in the forward and
+  again in the backward and its gradient reduce-scattered, one param array
+  at a time inside the stage's scan (``Profile.zero3_layer_seconds`` where
+  measured, else one collective per layer each), plus the embedding and
+  head, one collective of each kind each; in the compute dtype (the
+  executor casts the slices before it gathers them).
+
+  Example (4 layers timed at 1 ms each, plus the embedding's and head's
+  18 us; on paper 57 us in all):
+    >>> from jaxpar.models import gpt
+    >>> from jaxpar.planner import Layout, ModelSpec, PROFILES
+    >>> from jaxpar.planner._time import zero3_seconds
+    >>> spec = ModelSpec.from_gpt(gpt.GPTConfig(num_layers=4))
+    >>> layout = Layout(2, 1, 1, 'one_f_one_b', 4, zero_stage=3)
+    >>> timed = PROFILES['H100-SXM']._replace(zero3_layer_seconds=1e-3)
+    >>> round(1e6 * (zero3_seconds(spec, layout, timed, 4) - 4e-3))
+    18
+    >>> round(1e6 * zero3_seconds(spec, layout, PROFILES['H100-SXM'], 4))
+    57
+  """
+  d, t = layout.data, layout.tensor
+  span = d * layout.stage * t
+  cast = spec.act_bytes
+  three = lambda nbytes: (
+      2 * profile.collective('all-gather', nbytes, d, span=span)
+      + profile.collective('reduce-scatter', nbytes, d, span=span))
+  layer = (profile.zero3_layer_seconds or
+           three(spec.layer.per_device(t) * cast))
+  return (rank_layers * layer + three(spec.embed.per_device(t) * cast)
+          + three(spec.head.per_device(t) * cast))
+
+
 def _data_time(spec: ModelSpec, layout: Layout, profile: Profile,
-               held_bytes: float) -> float:
+               held_bytes: float, rank_layers: int) -> float:
   """Seconds of the gradient and ZeRO collectives and the view's move."""
   d, s, t = layout.data, layout.stage, layout.tensor
   span = d * s * t
@@ -134,8 +171,8 @@ def _data_time(spec: ModelSpec, layout: Layout, profile: Profile,
     out = coll('reduce-scatter', d, held_bytes) + coll('all-gather', d,
                                                       held_bytes)
   else:
-    out = layout.num_microbatches * (2 * coll('all-gather', d, held_bytes)
-                                     + coll('reduce-scatter', d, held_bytes))
+    out = layout.num_microbatches * zero3_seconds(spec, layout, profile,
+                                                  rank_layers)
   if s > 1:   # gradients to the per-layer view and updates back
     out += 2 * profile.collective('all-gather', held_bytes, s, span=s * t)
   return out
@@ -163,6 +200,39 @@ def head_seconds(spec: ModelSpec, layout: Layout, profile: Profile,
           + per_block)
 
 
+def _kind_costs(blocks: dict) -> np.ndarray:
+  """Seconds per ``TickTable.kind`` code (idle: 0)."""
+  cost = np.zeros(max(KIND_CODES.values()) + 1)
+  for kind, code in KIND_CODES.items():
+    cost[code] = blocks[kind]
+  return cost
+
+
+def lock_step(table: TickTable, blocks: dict, comm: float,
+              alone: float = 1.0) -> float:
+  """Seconds of ``table`` run in lock step: each tick its slowest block,
+  run ``alone`` times faster where the other ranks idle (``1 + (alone - 1)
+  x`` the share of them idle: ``Profile.alone_speedup``), plus ``comm`` per
+  tick that sends (``TickTable.makespan`` at ``alone = 1``).
+
+  Example (GPipe on 2 ranks: of its 4 ticks, 2 have a rank idle):
+    >>> from jaxpar import pipeline
+    >>> from jaxpar.planner._time import lock_step
+    >>> table = pipeline.tick_table(pipeline.gpipe(2, 1))
+    >>> table.render()
+    'rank 0: F..B\\nrank 1: .FB.'
+    >>> blocks = {'F': 1.0, 'I': 1.0, 'W': 1.0, 'B': 2.0}
+    >>> lock_step(table, blocks, 0.0), lock_step(table, blocks, 0.0, 2.0)
+    (6.0, 3.0)
+  """
+  cost = _kind_costs(blocks)
+  ranks = table.kind.shape[1]
+  idle = (table.kind == 0).sum(axis=1) / max(ranks - 1, 1)
+  ticks = cost[table.kind].max(axis=1) / (1 + (alone - 1) * idle)
+  return float(ticks.sum()) + table.makespan(dict.fromkeys('FIWB', 0.0),
+                                             comm)
+
+
 def step_time(spec: ModelSpec, layout: Layout, *, batch: int,
               profile: Profile) -> StepTime:
   """Predicted seconds of ``layout``'s step on ``profile`` (module doc)."""
@@ -170,18 +240,17 @@ def step_time(spec: ModelSpec, layout: Layout, *, batch: int,
   blocks = block_costs(spec, layout, profile, shape.tokens, shape.slots)
   table = tick_table(schedule_key(layout))
   comm = message_seconds(spec, layout, profile, shape.tokens)
-  makespan = table.makespan(blocks, comm if layout.stage > 1 else 0.0)
-  cost = np.zeros(max(KIND_CODES.values()) + 1)
-  for kind, code in KIND_CODES.items():
-    cost[code] = blocks[kind]
-  busy = float(cost[table.kind].sum()) / layout.stage
+  makespan = lock_step(table, blocks, comm if layout.stage > 1 else 0.0,
+                       profile.alone_speedup)
+  busy = float(_kind_costs(blocks)[table.kind].sum()) / layout.stage
   bubble = 1.0 - busy / makespan if layout.stage > 1 else 0.0
   fixed = (table.num_ticks * profile.tick_overhead if layout.stage > 1
            else layout.num_microbatches * profile.microbatch_overhead)
   head = head_seconds(spec, layout, profile, shape.tokens)
   pipeline = makespan + layout.num_microbatches * head + fixed
   held = shape.held * spec.param_bytes
-  data = _data_time(spec, layout, profile, held)
+  data = _data_time(spec, layout, profile, held,
+                    layout.stages_per_rank * shape.slots)
   view = shape.view / (layout.data if layout.zero_stage else 1)
   update = UPDATE_PASSES * view * spec.param_bytes / profile.hbm_bandwidth
   return StepTime(pipeline, data, update, max(bubble, 0.0), blocks)

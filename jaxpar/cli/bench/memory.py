@@ -21,6 +21,11 @@ stage's layers in one ``lax.scan``) at ``stage=1`` (the planner's
 data-parallel rows) against ``data_parallel.trainer`` on the same model
 (``gpt.gpt_loss``, its layers unrolled), at ZeRO-1 and ZeRO-3, and the 3D
 step on ``data x stage=2`` with 1F1B at ZeRO-1 and ZeRO-3.
+
+``memory_remat``: ``data_parallel.trainer`` on the scanned stack with a
+pre-norm gelu layer (``normed_scanned_loss``; the larger batch) under each
+``remat_policy``, at ZeRO-1 and ZeRO-3: the policy applies per layer, so the
+temp memory orders ``'nothing'`` <= ``'dots'`` <= ``'everything'``.
 """
 
 from __future__ import annotations
@@ -51,6 +56,20 @@ def scanned_loss(params: dict, batch: tuple) -> jax.Array:
   """The stacked model: ``params`` leaves ``[L, ...]``, one ``lax.scan``."""
   x, y = batch
   h = jax.lax.scan(lambda h, p: (_layer(h, p), None), x, params)[0]
+  return jnp.mean((h - y) ** 2)
+
+
+def _normed_layer(h: jax.Array, p: dict) -> jax.Array:
+  n = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(
+      h.var(-1, keepdims=True) + 1e-6)
+  return h + jax.nn.gelu(n @ p['w1'] + p['b1']) @ p['w2'] + p['b2']
+
+
+def normed_scanned_loss(params: dict, batch: tuple) -> jax.Array:
+  """``scanned_loss`` with a pre-norm gelu layer ``h + gelu(norm(h) @ w1 +
+  b1) @ w2 + b2``: elementwise work for a remat policy to drop."""
+  x, y = batch
+  h = jax.lax.scan(lambda h, p: (_normed_layer(h, p), None), x, params)[0]
   return jnp.mean((h - y) ** 2)
 
 
@@ -122,11 +141,12 @@ def gspmd_fsdp(loss_fn: Callable, params: Any, batch: tuple, *,
 
 
 def jaxpar_step(loss_fn: Callable, params: Any, batch: tuple, *,
-                zero_stage: int):
+                zero_stage: int, remat_policy: str = 'everything'):
   """The compiled ``data_parallel.trainer`` step (Adam) on all devices."""
   trainer = jaxpar.data_parallel.trainer(
       loss_fn, optax.adam(1e-3), mesh=jaxpar.make_mesh(
-          data=jax.device_count()), zero_stage=zero_stage)
+          data=jax.device_count()), zero_stage=zero_stage,
+      remat_policy=remat_policy)
   return trainer.step.lower(trainer.init(params), batch).compile()
 
 
@@ -162,6 +182,19 @@ def _gpt_batch(config: gpt.GPTConfig, sequences: int) -> tuple:
   ids = np.random.default_rng(0).integers(
       0, config.vocab_size, (sequences, config.seq_len + 1), np.int32)
   return ids[:, :-1], ids[:, 1:]
+
+
+def _remat_rows(layers, width, batch_size) -> list[dict]:
+  """``data_parallel.trainer`` on the scanned pre-norm stack under each
+  policy."""
+  params, batch = stacked_params(layers, width), _batch(batch_size, width)
+  head = {'model': 'scanned, pre-norm gelu', 'layers': layers,
+          'width': width, 'batch': batch_size}
+  return [{**head, 'zero_stage': zero_stage, 'remat': remat,
+           **_row(jaxpar_step(normed_scanned_loss, params, batch,
+                              zero_stage=zero_stage, remat_policy=remat))}
+          for zero_stage in (1, 3)
+          for remat in ('everything', 'dots', 'nothing')]
 
 
 def parallel_step(pp, split, batch, *, mesh_sizes: dict, schedule,
@@ -224,4 +257,5 @@ def run(*, quick: bool) -> dict[str, list[dict]]:
   three_d = _stage1_rows(**gpt_sizes, sequences=2 * n)
   three_d += _pipeline_rows(**dict(gpt_sizes, layers=2 * gpt_sizes['layers']),
                             microbatches=8)
-  return {'memory_data_parallel': data_parallel, 'memory_3d': three_d}
+  return {'memory_data_parallel': data_parallel, 'memory_3d': three_d,
+          'memory_remat': _remat_rows(*dp[1][1:])}

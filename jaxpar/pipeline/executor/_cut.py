@@ -24,6 +24,10 @@ through the layers), and stacks per iteration the body values ``W`` needs
 ``W`` half over those, carrying the rest (a weight's summed cotangent), or,
 when it carries nothing (each layer its own weights), ``jax.vmap`` of it. The
 programs are then as long as one layer's, whatever the scan's length.
+Their arguments may be ``Row``s of slot buffers (``_microbatches.rows``: the
+executor's stash and weight-stash slots): a scan reads a ``Row`` one entry
+per iteration from its buffer, where the row read first would be a copy of
+every layer's entry.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -53,6 +57,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 
 from jaxpar.pipeline.executor import _jaxpr
+from jaxpar.pipeline.executor._microbatches import Row, read
 
 is_var = _jaxpr.is_var
 
@@ -85,12 +90,12 @@ def cut(closed: jex.ClosedJaxpr, num_params: int, *,
   def input_grad(*args):
     env = {**consts, **dict(zip(jaxpr.invars, args))}
     _run(input_items, env)
-    return [_read(env, v) for v in [*dx, *kept]]
+    return [read(_read(env, v)) for v in [*dx, *kept]]
 
   def weight_grad(*args):
     env = {**consts, **dict(zip([*jaxpr.invars, *kept], args))}
     _run(weight_items, env)
-    return [_read(env, v) for v in dparams]
+    return [read(_read(env, v)) for v in dparams]
   return Programs(input_grad, weight_grad)
 
 
@@ -127,7 +132,7 @@ def _run(items: Sequence[Item], env: dict) -> None:
       item.run(env)
     else:
       env.update(zip(item.outvars, _jaxpr.bind(
-          item, [_read(env, v) for v in item.invars])))
+          item, [read(_read(env, v)) for v in item.invars])))
 
 
 def _reads(items: Sequence[Item], targets: Iterable[Any] = ()) -> set:
@@ -333,7 +338,7 @@ class _ScanHalf:
 
   def run(self, env: dict) -> None:
     scan, body = self.scan, self.scan.body.jaxpr
-    consts = {i: _read(env, o) for i, o in self.consts}
+    consts = {i: read(_read(env, o)) for i, o in self.consts}
     consts.update(zip(body.constvars, scan.eqn.params['jaxpr'].consts))
     carry_in = [scan.carry_in[s] for s in self.carry]
     targets = scan.targets(self.carry, self.ys) + list(self.stack)
@@ -353,12 +358,32 @@ class _ScanHalf:
       # matmul per weight instead of a loop of small ones. Not with a
       # collective (ZeRO-3's per-layer gather and reduce-scatter): batched,
       # it would gather every layer's weights at once.
-      env.update(zip(self.outvars, jax.vmap(lambda *x: step([], x)[1])(*xs)))
+      env.update(zip(self.outvars, jax.vmap(lambda *x: step([], x)[1])(
+          *[read(x) for x in xs])))
       return
+    step, xs = _per_entry(step, xs, params['length'])
     carry, ys = jax.lax.scan(
-        step, [_read(env, o) for o in self.init], xs, length=params['length'],
-        reverse=params['reverse'], unroll=params['unroll'])
+        step, [read(_read(env, o)) for o in self.init], xs,
+        length=params['length'], reverse=params['reverse'],
+        unroll=params['unroll'])
     env.update(zip(self.outvars, [*carry, *ys]))
+
+
+def _per_entry(step: Callable[..., Any], xs: list,
+               length: int) -> tuple[Callable[..., Any], list]:
+  """A scan's ``step`` and ``xs`` with each ``Row`` of ``xs`` read one entry
+  per iteration from its buffer (the scan's operand is the buffer, not a
+  copy of the row)."""
+  if not any(isinstance(x, Row) for x in xs):
+    return step, xs
+
+  def entries(carry, given):
+    i, arrays = given
+    arrays = iter(arrays)
+    return step(carry, [x.entry(i) if isinstance(x, Row) else next(arrays)
+                        for x in xs])
+  return entries, [jnp.arange(length),
+                   [x for x in xs if not isinstance(x, Row)]]
 
 
 # Primitives that communicate over mesh axes.

@@ -74,37 +74,51 @@ def scan_parts(params: dict, ins: Sequence[Any]) -> tuple[list, list, list]:
           ins[num_consts + num_carry:])
 
 
-def _evaluate(jaxpr: jex.Jaxpr, consts: Sequence[Any], *args) -> list:
-  """``jaxpr(*args)`` with calls inlined, in scan bodies too (under a trace)."""
+def evaluate(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+             run: Callable[[jex.JaxprEqn, list], list] = bind) -> list:
+  """``jaxpr(*args)`` (under a trace), each eqn run by ``run(eqn, ins)``
+  (default: bound as it is) in its own context, as ``jax.core.eval_jaxpr``
+  does. The one interpreter of jaxpar's jaxpr passes (``flatten``,
+  ``_remat``, ``data_parallel``'s per-layer gathering), which differ in
+  ``run``."""
   env = dict(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
   read = lambda v: v.val if not is_var(v) else env[v]
   for eqn in jaxpr.eqns:
     ins = [read(v) for v in eqn.invars]
-    name = eqn.primitive.name
-    if name in _CALLS:
-      inner = _inner(eqn.params)
-      outs = _evaluate(inner.jaxpr, inner.consts, *ins)
-    elif name == 'scan':
-      outs = _scan(eqn, ins)
-    else:
-      outs = bind(eqn, ins)
-    env.update(zip(eqn.outvars, outs))
+    with eqn.ctx.manager:
+      env.update(zip(eqn.outvars, run(eqn, ins)))
   return [read(v) for v in jaxpr.outvars]
 
 
-def _scan(eqn: jex.JaxprEqn, ins: list) -> list:
-  """The ``scan`` eqn re-bound by ``lax.scan`` of its body, calls inlined."""
-  body, params = eqn.params['jaxpr'], eqn.params
+def rebind_scan(eqn: jex.JaxprEqn, ins: Sequence[Any],
+                body: Callable[[list], list],
+                wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+                = lambda step: step) -> list:
+  """A ``scan`` eqn re-bound by ``lax.scan``, its body ``body(invars) ->
+  outvars`` (``wrap``: applied to the step, e.g. a ``jax.checkpoint``)."""
+  params = eqn.params
   consts, carry, xs = scan_parts(params, ins)
   num_carry = len(carry)
 
   def step(carry, xs):
-    outs = _evaluate(body.jaxpr, body.consts, *consts, *carry, *xs)
+    outs = body([*consts, *carry, *xs])
     return outs[:num_carry], outs[num_carry:]
-  carry, ys = jax.lax.scan(step, carry, xs, length=params['length'],
+  carry, ys = jax.lax.scan(wrap(step), carry, xs, length=params['length'],
                            reverse=params['reverse'], unroll=params['unroll'])
   return [*carry, *ys]
+
+
+def _inlined(eqn: jex.JaxprEqn, ins: list) -> list:
+  """``flatten``'s ``run``: calls inlined, in scan bodies too."""
+  if eqn.primitive.name in _CALLS:
+    inner = _inner(eqn.params)
+    return evaluate(inner.jaxpr, inner.consts, ins, _inlined)
+  if eqn.primitive.name == 'scan':
+    body = eqn.params['jaxpr']
+    return rebind_scan(eqn, ins, lambda args: evaluate(
+        body.jaxpr, body.consts, args, _inlined))
+  return bind(eqn, ins)
 
 
 def flatten(fn: Callable[..., Any], *args) -> jex.ClosedJaxpr:
@@ -115,5 +129,5 @@ def flatten(fn: Callable[..., Any], *args) -> jex.ClosedJaxpr:
   so the jaxpr does not grow with the number of iterations.
   """
   closed = jax.make_jaxpr(fn)(*args)
-  return jax.make_jaxpr(lambda *a: _evaluate(closed.jaxpr, closed.consts, *a))(
-      *args)
+  return jax.make_jaxpr(lambda *a: evaluate(closed.jaxpr, closed.consts, a,
+                                            _inlined))(*args)

@@ -115,3 +115,48 @@ def row(tree: PyTree, j: Any) -> PyTree:
   """Row ``j`` of every leaf (``None`` stays ``None``): one microbatch, or
   one local stage of stacked ``[v, ...]`` params."""
   return jax.tree.map(lambda a: a[j], tree)
+
+
+class Row:
+  """Row ``index`` of ``buffer``, not read yet: a stash slot handed to a
+  block that reads it where it uses it. ``StageVJP.input_grad`` and
+  ``weight_grad`` take stash and weight-stash leaves as ``Row``s: a scan over
+  the stage's layers then reads one layer of the row per iteration from the
+  buffer, where a row read first is a copy of every layer's entry (the
+  scan's operand). Not a pytree: one ``Row`` is one leaf."""
+
+  __slots__ = ('buffer', 'index')
+
+  def __init__(self, buffer: jax.Array, index: Any):
+    self.buffer, self.index = buffer, index
+
+  def read(self) -> jax.Array:
+    """``buffer[index]``."""
+    return jax.lax.dynamic_index_in_dim(self.buffer, self.index,
+                                        keepdims=False)
+
+  def entry(self, i: Any) -> jax.Array:
+    """``buffer[index, i]``: entry ``i`` of the row (one layer)."""
+    shape = self.buffer.shape[2:]
+    starts = [jnp.asarray(s, jnp.int32) for s in (self.index, i)]
+    return jax.lax.dynamic_slice(
+        self.buffer, starts + [jnp.int32(0)] * len(shape), (1, 1) + shape
+    ).reshape(shape)
+
+
+def rows(tree: PyTree, j: Any) -> PyTree:
+  """``row(tree, j)`` as ``Row``s, read where they are used.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxpar.pipeline.executor._microbatches import rows
+    >>> r = rows({'a': jnp.arange(12).reshape(2, 3, 2)}, 1)['a']
+    >>> r.read().tolist(), r.entry(2).tolist()
+    ([[6, 7], [8, 9], [10, 11]], [10, 11])
+  """
+  return jax.tree.map(lambda a: Row(a, j), tree)
+
+
+def read(x: Any) -> Any:
+  """``x``, read if it is a ``Row``."""
+  return x.read() if isinstance(x, Row) else x

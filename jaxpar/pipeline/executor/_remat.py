@@ -74,32 +74,13 @@ def _evaluate(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
               policy: Callable[..., Any]) -> list:
   """``jaxpr(*args)``, each scan's body checkpointed with ``policy`` (jit
   calls inlined to reach theirs; every other operation as it is)."""
-  env = dict(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-  read = lambda v: env[v] if _jaxpr.is_var(v) else v.val
-  for eqn in jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
+  def run(eqn: jex.JaxprEqn, ins: list) -> list:
     if eqn.primitive.name == 'scan':
-      outs = _scan(eqn, ins, policy)
-    elif eqn.primitive.name in _JIT and _has_scan(_body(eqn).jaxpr):
+      return _jaxpr.rebind_scan(
+          eqn, ins, lambda args: jex.jaxpr_as_fun(eqn.params['jaxpr'])(*args),
+          lambda step: jax.checkpoint(step, policy=policy, prevent_cse=False))
+    if eqn.primitive.name in _JIT and _has_scan(_body(eqn).jaxpr):
       body = _body(eqn)
-      outs = _evaluate(body.jaxpr, body.consts, ins, policy)
-    else:
-      outs = _jaxpr.bind(eqn, ins)
-    env.update(zip(eqn.outvars, outs))
-  return [read(v) for v in jaxpr.outvars]
-
-
-def _scan(eqn: jex.JaxprEqn, ins: list, policy: Callable[..., Any]) -> list:
-  """The ``scan`` eqn as a ``lax.scan`` of its body under ``policy``."""
-  body, params = eqn.params['jaxpr'], eqn.params
-  consts, carry, xs = _jaxpr.scan_parts(params, ins)
-  num_carry = len(carry)
-
-  def step(carry, xs):
-    outs = jex.jaxpr_as_fun(body)(*consts, *carry, *xs)
-    return outs[:num_carry], outs[num_carry:]
-  step = jax.checkpoint(step, policy=policy, prevent_cse=False)
-  carry, ys = jax.lax.scan(step, carry, xs, length=params['length'],
-                           reverse=params['reverse'], unroll=params['unroll'])
-  return [*carry, *ys]
+      return _evaluate(body.jaxpr, body.consts, ins, policy)
+    return _jaxpr.bind(eqn, ins)
+  return _jaxpr.evaluate(jaxpr, consts, args, run)

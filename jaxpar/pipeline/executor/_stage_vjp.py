@@ -99,7 +99,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.pipeline.executor import _cut, _jaxpr, _stash, _vma
-from jaxpar.pipeline.executor._microbatches import extras
+from jaxpar.pipeline.executor._microbatches import extras, read
 from jaxpar.pipeline.executor._remat import remat_layers
 from jaxpar.train_state import check_remat_policy
 
@@ -230,8 +230,10 @@ class StageVJP:
     if len(from_params) != len(self._from_x):
       raise RuntimeError('stage_fn traced to a different VJP structure twice; '
                          'call the blocks under jit, as the executor does.')
-    stashed = iter(_stash.gather(stash, self._splits))
-    leaves = [next(stashed) if keep else leaf
+    stashed = iter(_stash.gather(jax.tree.map(read, stash), self._splits))
+    # Each stash leaf typed as the residual it stands for (a leaf that
+    # crossed a shard_map boundary may come back typed varying).
+    leaves = [_vma.matched(next(stashed), leaf) if keep else leaf
               for leaf, keep in zip(from_params, self._from_x)]
     # Integer leaves of x: float0 cotangents in the VJP, zeros outside.
     dparams, dx = jax.tree.unflatten(treedef, leaves)(
@@ -263,7 +265,9 @@ class StageVJP:
 
   def input_grad(self, params: PyTree, stash: Any, dy: jax.Array,
                  key: Any = None, state: PyTree = None):
-    """The ``I`` block: ``(dx, kept)`` (``state`` is not read)."""
+    """The ``I`` block: ``(dx, kept)`` (``state`` is not read). ``stash``
+    leaves may be ``Row``s of the stash buffers (``_microbatches.rows``),
+    read one layer at a time where a scan uses them."""
     del state  # what depends on it is in the stash
     out = self._input(*jax.tree.leaves(((params, key), stash, dy)))
     num_dx = len(jax.tree.leaves(self._x))
@@ -274,7 +278,8 @@ class StageVJP:
                   kept: list, key: Any = None, state: PyTree = None
                   ) -> PyTree:
     """The ``W`` block: ``dparams`` from what ``I`` kept (``state`` is not
-    read)."""
+    read); ``stash`` and ``kept`` leaves may be ``Row``s, as for
+    ``input_grad``."""
     del state  # what depends on it is in the stash
     dparams = self._weight(*jax.tree.leaves(((params, key), stash, dy)),
                            *kept)

@@ -110,7 +110,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.pipeline.executor._microbatches import (
-    LossFn, StageFn, extras, row)
+    LossFn, StageFn, extras, row, rows)
 from jaxpar.pipeline.executor._options import Embedding, StepOptions
 from jaxpar.pipeline.executor._sequential import sequential
 from jaxpar.pipeline.executor._stage_vjp import StageVJP
@@ -420,9 +420,11 @@ def _input_grad(rank: Rank, avals: Avals, first: bool, cell: TickCell,
                 dy: PyTree, state: BlockState) -> BlockState:
   """The ``I`` block: the input cotangent (sent; stage 0 with an
   embedding: the embedding's VJP of it), and what ``W`` needs in the
-  weight stash."""
+  weight stash. ``I`` and ``W`` read their stash rows where they use them
+  (``rows``: a scan over the stage's layers reads one layer per iteration,
+  not a copy of the row)."""
   dx, kept = rank.stage.input_grad(
-      _params_of(rank, cell.local_stage), row(state.stash, cell.stash_slot),
+      _params_of(rank, cell.local_stage), rows(state.stash, cell.stash_slot),
       dy, _key(rank, cell.stage, cell.microbatch))
   return _sent(rank, avals, first, cell, like(dx, avals.act), state._replace(
       wstash=put(state.wstash, cell.weight_slot, kept)))
@@ -434,8 +436,8 @@ def _weight_grad(rank: Rank, cell: TickCell, dy: PyTree,
   kept, added to its gradient; it sends nothing."""
   j = cell.local_stage
   dstage = rank.stage.weight_grad(
-      _params_of(rank, j), row(state.stash, cell.stash_slot), dy,
-      row(state.wstash, cell.weight_slot),
+      _params_of(rank, j), rows(state.stash, cell.stash_slot), dy,
+      rows(state.wstash, cell.weight_slot),
       _key(rank, cell.stage, cell.microbatch))
   return state._replace(acc=_add_stage(state.acc, j, dstage))
 

@@ -30,6 +30,18 @@ def like(tree: PyTree, avals: PyTree) -> PyTree:
   return jax.tree.map(lambda x, a: vary(x, varying_axes(a)), tree, avals)
 
 
+def matched(x: jax.Array, aval: Any) -> jax.Array:
+  """``x`` typed with ``aval``'s varying axes: cast up (``vary``), or, over
+  an axis ``x`` varies over and ``aval`` does not, narrowed by a ``pmax``
+  over it -- exact for a value that is the same on every device of the axis
+  but typed varying (a replicated stash leaf passed out of and back into a
+  ``shard_map`` as ``P('tensor')``)."""
+  extra = varying_axes(x) - varying_axes(aval)
+  if extra:
+    x = jax.lax.pmax(x, tuple(sorted(extra)))
+  return vary(x, varying_axes(aval))
+
+
 def full(avals: PyTree, fill: float, n: int | None = None) -> PyTree:
   """Arrays like ``avals`` (``[n, *shape]`` if ``n``) holding ``fill``.
 

@@ -3,8 +3,9 @@
 For jaxpar's other packages (``jaxpar.parallel``'s trainer and
 ``from_nnx``, the benchmarks); not API: these names may change in any
 release. The checks of a user's functions and stage trees, the jaxpr
-helpers that find which inputs a function reads and re-bind an equation
-(``data_parallel``'s per-layer ZeRO-3 gathering), a remat policy applied
+helpers that find which inputs a function reads, evaluate a jaxpr and
+re-bind an equation (``data_parallel``'s per-layer ZeRO-3 gathering), a
+remat policy applied
 layer by layer (``remat_layers``), and the messages of a tick table.
 
 Example:
@@ -20,6 +21,7 @@ from jaxpar.pipeline.executor._checks import check_bool as check_bool
 from jaxpar.pipeline.executor._checks import check_fn as check_fn
 from jaxpar.pipeline.executor._checks import check_leading as check_leading
 from jaxpar.pipeline.executor._jaxpr import bind as bind_eqn
+from jaxpar.pipeline.executor._jaxpr import evaluate as evaluate_jaxpr
 from jaxpar.pipeline.executor._jaxpr import is_var as is_jaxpr_var
 from jaxpar.pipeline.executor._jaxpr import needed as jaxpr_needed
 from jaxpar.pipeline.executor._jaxpr import scan_parts as scan_parts
@@ -27,5 +29,5 @@ from jaxpar.pipeline.executor._remat import remat_layers as remat_layers
 from jaxpar.pipeline.executor._tick_rows import messages as tick_messages
 
 __all__ = ['bind_eqn', 'check_bool', 'check_fn', 'check_leading',
-           'is_jaxpr_var', 'jaxpr_needed', 'remat_layers', 'scan_parts',
+           'evaluate_jaxpr', 'is_jaxpr_var', 'jaxpr_needed', 'remat_layers', 'scan_parts',
            'tick_messages']
