@@ -23,7 +23,9 @@ compile-heavy files. The flag acts after
 XLA's HLO passes, so what the tests measure in HLO is unchanged:
 ``memory_analysis()`` and the collective counts and bytes of the ZeRO,
 pipeline and tensor-parallel steps are identical at both levels. Processes
-the tests start (CLI runs, notebook kernels) inherit it.
+the tests start (CLI runs, notebook kernels) inherit it, except the default
+demo's (``tests/test_cli.py``: 150 steps, which run slower at level 0 than
+they save in compiling).
 """
 
 import os

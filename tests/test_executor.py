@@ -764,11 +764,12 @@ def test_stage_state_is_the_sequential_loop(x64, name, p, m):
   step = pipeline_value_and_grad(norm_stage, loss_fn, schedule=schedule,
                                  mesh=mesh_for(p), bubble_fill=NAN)
   loss, _, grads, new = step(stages, loss_params, x, t, stage_state=state)
+  assert (new.embed, new.head) == (None, None)
   (want_loss, ds, dl), dx, want = norm_reference(
       stages, loss_params, x, t, state, m)
   tree_allclose((loss, grads[:3]), (want_loss, (ds, dl, dx)), rtol=1e-12,
                 atol_scale='leaf')
-  tree_allclose(new, want, rtol=1e-12, atol=0)
+  tree_allclose(new.stages, want, rtol=1e-12, atol=0)
 
 
 def test_stage_state_errors():
@@ -793,6 +794,66 @@ def test_stage_state_errors():
   with pytest.raises(ValueError, match=r"stage_state\['mean'\] has shape"):
     step(stages, loss_params, x, t, stage_state=jax.tree.map(
         lambda a: a[:1], state))
+
+
+def stateful_embed(table, raw, *, state):
+  """A BatchNorm-like stem whose output also reads its running mean: the
+  backward must recompute it with the state its forward saw."""
+  h = raw @ table
+  return h - jnp.mean(h, 0) + 0.1 * state, 0.9 * state + 0.1 * jnp.mean(h, 0)
+
+
+def stateful_loss(loss_params, y, t, *, state):
+  """A loss whose value reads its state (a count of what it has seen)."""
+  return loss_fn(loss_params, y, t) + 0.1 * state, state + jnp.mean(y)
+
+
+@pytest.mark.parametrize('name,p,m', [('zero_bubble_v', 2, 3),
+                                      ('1f1b', 1, 2)])
+def test_embed_and_loss_state_are_the_sequential_loop(x64, name, p, m):
+  """``embed_state`` and ``head_state``: passed from each microbatch to the
+  next by stage 0's and the last stage's forwards (ZB-V: both on rank 0,
+  the backward as I and W; one rank: the microbatches in turn), the
+  embedding's VJP with the state its forward saw; the states are not
+  differentiated. Loss, gradients and both final states."""
+  schedule = SCHEDULES[name](p, m)
+  stages, loss_params, x, t = model(schedule.num_stages, m * MB)
+  table = np.random.default_rng(4).normal(size=(D, D))
+  states = (np.linspace(-1, 1, D), np.float64(0.5))
+
+  def body(params, loss_params, table, x, t, states):
+    out = pipeline_value_and_grad_local(
+        stage_fn, stateful_loss, jax.tree.map(lambda a: a[0], params),
+        loss_params, x, t, table=tick_table(schedule), embed_fn=stateful_embed,
+        embed_params=table, embed_state=states[0], head_state=states[1],
+        bubble_fill=NAN)
+    g = out.grads
+    assert out.state.stages is None
+    return (out.loss, (jax.tree.map(lambda a: a[None], g.stages), g.head,
+                       g.embed), (out.state.embed, out.state.head))
+
+  step = jax.jit(jax.shard_map(
+      body, mesh=mesh_for(p), in_specs=(P('stage'),) + (P(),) * 5,
+      out_specs=(P(), (P('stage'), P(), P()), P()), axis_names={'stage'}))
+  loss, (ds, dl, de), got = step(stages_to_ranks(stages, schedule),
+                                 loss_params, table, x, t, states)
+
+  def sequential(stages, loss_params, table):
+    total, (es, hs) = 0.0, states
+    for i in range(m):
+      rows = slice(i * MB, (i + 1) * MB)
+      h, es = stateful_embed(table, x[rows], state=jax.lax.stop_gradient(es))
+      for k in range(schedule.num_stages):
+        h = stage_fn(jax.tree.map(lambda a, k=k: a[k], stages), h)
+      value, hs = stateful_loss(loss_params, h, t[rows],
+                                state=jax.lax.stop_gradient(hs))
+      total += value / m
+    return total, (es, hs)
+  (want_loss, want), grads = jax.jit(jax.value_and_grad(
+      sequential, (0, 1, 2), has_aux=True))(stages, loss_params, table)
+  tree_allclose((loss, (ranks_to_stages(jax.device_get(ds), schedule), dl,
+                       de), got),
+                (want_loss, grads, want), rtol=1e-12, atol_scale='leaf')
 
 
 def test_input_grads_off_holds_no_batch_sized_cotangent(x64):

@@ -287,13 +287,30 @@ class TestErrors:
                        embed=lambda m, ids: jnp.zeros(ids.shape + (16,)))
     assert sorted(pm.params.head) == ['embed', 'final_norm', 'head']
 
-  def test_batch_stats_outside_the_blocks(self, x64):
+  def test_batch_stats_outside_the_blocks_go_to_their_side(self, x64):
+    """A norm's statistics go with its params: defined after the blocks, to
+    ``head_loss``; ``head=`` moves it. Updating another side's statistics
+    is refused, naming them (their new values would be lost)."""
     model = NormNet(nnx.Rngs(0))
-    model.inp_norm = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"nnx.BatchStat \['inp_norm/mean', "
-                       r"'inp_norm/var'\] outside blocks='blocks'.*List the "
-                       r"modules.*blocks=\['inp_norm', 'blocks'\]"):
-      self.from_nnx(model)
+    model.inp_norm = nnx.BatchNorm(4, use_scale=False, use_bias=False,
+                                   rngs=nnx.Rngs(0))
+    state = self.from_nnx(model).model_state
+    assert (state.embed, sorted(state.head)) == (None, ['inp_norm'])
+    assert sorted(state.stages) == ['bn']
+    pm = self.from_nnx(model, head=['out'],
+                       embed=lambda m, x: m.inp(m.inp_norm(x)))
+    assert (sorted(pm.model_state.embed), pm.model_state.head) == (
+        ['inp_norm'], None)
+    ones = jax.ShapeDtypeStruct((2, 4), jnp.float64)
+    x, new = jax.eval_shape(lambda p, x, s: pm.functions[0](p, x, state=s),
+                            pm.params.embed, ones, pm.model_state.embed)
+    assert x.shape == (2, 8) and new['inp_norm']['mean'].shape == (4,)
+    with pytest.raises(ValueError, match=r"embed updates the nnx.BatchStat s "
+                       r"\['inp_norm/mean', 'inp_norm/var'\], but from_nnx "
+                       r"gave embed none.*Pass head="):
+      jax.eval_shape(self.from_nnx(
+          model, embed=lambda m, x: m.inp(m.inp_norm(x))).functions[0],
+                     pm.params.embed, ones)
 
   def test_block_param_shared_with_another_part(self):
     model = self.model()
@@ -660,7 +677,9 @@ def test_batch_norm_statistics_float64(x64, case):
       model, blocks='blocks', num_stages=schedule.num_stages,
       embed=lambda m, x: m.inp(x),
       head_loss=lambda m, y, t: mse(m.out(y), t), **split)
-  assert pm.model_state['bn']['mean'].shape == pm.stage_mask.shape + (8,)
+  assert pm.model_state.stages['bn']['mean'].shape == (
+      pm.stage_mask.shape + (8,))
+  assert (pm.model_state.embed, pm.model_state.head) == (None, None)
   trainer = jaxpar.parallel.model_trainer(pm, OPTIMIZER, schedule=schedule,
                                           mesh=mesh(**mesh_sizes))
   with pytest.raises(ValueError, match=r'pm.params, pm.model_state'):

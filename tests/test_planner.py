@@ -394,13 +394,13 @@ def test_plan_gives_the_model_state_of_its_cut():
       x.data, x.num_microbatches) == (1, 1))
   assert plan.best.layout.num_stages == 2
   stats = plan.model_state()
-  assert stats['norm']['mean'].shape == (2, 2, 8)
+  assert stats.stages['norm']['mean'].shape == (2, 2, 8)
   trainer = plan.trainer(optax.sgd(0.1))
   state, got = trainer.step(trainer.init(plan.params(), stats),
                             (ids, targets))
   want = _as_written(net, ids, targets)     # updates net's running stats
   np.testing.assert_allclose(got.loss, want, rtol=1e-5)
-  mean = np.asarray(state.model_state['norm']['mean'])
+  mean = np.asarray(state.model_state.stages['norm']['mean'])
   for i, block in enumerate(net.layers):
     np.testing.assert_allclose(mean[i // 2, i % 2], block.norm.mean.get_value(),
                                rtol=1e-5, atol=1e-7)

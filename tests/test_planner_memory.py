@@ -5,9 +5,13 @@ for ``W``, ``w_recompute`` keeps nothing, ZeRO-3 gathers a layer at a
 time, the stash is split over ``tensor``). With default arguments, on 6, 8
 and 12 simulated CPU devices, an NNX Llama (``tests/llama.py``), the same
 with its head tied to the embedding and a BatchNorm model, each planned
-among three layouts of different mechanisms (``CHOSEN``): no returned
-candidate's memory is more than 5% under its compiled step (arguments +
-temporaries) nor more than 15% over.
+over all its layouts (750-2000 candidates): the candidates the plan
+compiled and a deterministic sample of the rest that covers ``KINDS``
+(every schedule family, ZeRO stage, remat policy, ``tensor`` > 1, many
+microbatches, ``w_recompute``, an uneven cut; compiling all would take
+hours) are never more than 5% under their compiled step (arguments +
+temporaries) nor more than 15% over (``OVER``: the kinds known to be
+over, documented).
 
 Run as a script (``python tests/test_planner_memory.py 12``) it prints the
 ratios on 12 devices as JSON: the test starts it for 12, since the suite's
@@ -85,6 +89,23 @@ def test_zero3_gathers_two_layers_and_the_stash_splits_over_tensor():
   assert per_token[1] < 34 * 4096 / 8
 
 
+def test_zero_splits_the_optimizer_view_where_data_divides_no_dim():
+  """3 x 2 x 1 on 6 devices, width 32 (3 divides no dim): ZeRO-1 stores
+  Adam's moments of every layer padded over ``data`` (before, the per-layer
+  view's dims named by a ``tensor`` axis of size 1 kept them whole on each
+  ``data`` rank), as ``memory`` counts them."""
+  layout = Layout(3, 2, 1, 'one_f_one_b', 2, 1)
+  plan = jaxpar.plan(CONFIG, batch=24, devices=jax.devices()[:6],
+                     profile='H100-SXM', compile=0,
+                     where=lambda x: _key(x) == _key(layout))
+  trainer = plan.trainer(optax.adam(1e-3))
+  held = jaxpar.data_parallel.bytes_per_device(trainer.init(plan.params()))
+  # 2.3x before; 1.07x now (the heads' dim of 8 pads to 9 where
+  # ``_memory.padding`` counts the model's width, 32 to 33)
+  assert (0.95 * plan.best.memory.opt_state <= held.opt_state
+          <= 1.1 * plan.best.memory.opt_state)
+
+
 # -------------------------------------------- against compiled steps
 
 SEQ, ROWS = 16, 24     # 24 sequences: 6, 8 and 12 replicas divide them
@@ -127,25 +148,31 @@ def _model(name: str) -> dict:
                   m.embed.attend(m.final_norm(y)), t))
 
 
-# Per device count, a model and the layouts its plan may return (data,
-# stage, tensor, schedule, microbatches, ZeRO, remat policy, w_recompute):
-# one stage rank (one and two microbatches), 1F1B's and ZB-H1's I/W apart,
-# fused B (GPipe, interleaved), ZeRO-3's per-layer gathers (padded where 6
-# or 12 do not divide a leaf), 4 layers on 3 ranks. The plan compiles the
-# stage shapes of its best two; the third is analytic. (An NNX model's
-# tensor split is XLA's: its stash is counted whole, up to 1.7x over;
-# ``docs/planning.md``, Limits.)
-CHOSEN = {
-    6: ('batchnorm', {(6, 1, 1, 'one_f_one_b', 1, 0, 'everything', False),
-                      (6, 1, 1, 'one_f_one_b', 2, 3, 'dots', False),
-                      (3, 2, 1, 'one_f_one_b', 2, 0, 'dots', False)}),
-    8: ('llama', {(8, 1, 1, 'one_f_one_b', 1, 1, 'dots', False),
-                  (4, 2, 1, 'gpipe', 2, 3, 'dots', False),
-                  (4, 2, 1, 'zero_bubble_h1', 3, 0, 'dots', False)}),
-    12: ('tied', {(12, 1, 1, 'one_f_one_b', 2, 0, 'dots', False),
-                  (6, 2, 1, 'interleaved_one_f_one_b', 2, 0, 'dots', False),
-                  (4, 3, 1, 'gpipe', 2, 3, 'dots', False)}),
+# What the sample of a plan's candidates must include, per device count
+# and model: each kind once, so that the three plans together hold every
+# schedule family, ZeRO stage, remat policy, ``tensor`` > 1, many (>= 8)
+# microbatches, ``w_recompute`` and an uneven cut (4 layers on 3 ranks).
+KINDS = {
+    6: ('batchnorm', ('GPipe', 'ZeRO-3', 'nothing', 'uneven', 'many')),
+    8: ('llama', ('zero bubble', 'V', 'everything', 'w_recompute', 'tensor',
+                  'ZeRO-0')),
+    12: ('tied', ('1F1B', 'interleaved', 'ZeRO-1', 'tensor', 'many')),
 }
+FAMILY = {'gpipe': 'GPipe', 'one_f_one_b': '1F1B',
+          'interleaved_one_f_one_b': 'interleaved',
+          'zero_bubble_h1': 'zero bubble', 'zero_bubble_v': 'V',
+          'v_half': 'V', 'v_min': 'V', 'dualpipe_v': 'V'}
+# Where the analytic model is known to be more than 15% over (never under;
+# ``docs/planning.md``, "Memory per device"): a model cut by ``from_nnx`` at
+# ``tensor`` > 1 has its stash counted whole over ``tensor`` while XLA
+# splits most of it; an uneven cut (4 layers on 3 ranks) or 8 or more
+# microbatches of one sequence hold less than the per-layer terms count.
+OVER = {'tensor': 2.5, 'uneven': 1.3, 'many': 1.3}
+
+
+def _limit(x: Layout) -> float:
+  """The most a candidate's prediction may be over its compiled step."""
+  return max([1.15] + [OVER[k] for k in _kinds(x) if k in OVER])
 
 
 def _key(x: Layout) -> tuple:
@@ -153,10 +180,36 @@ def _key(x: Layout) -> tuple:
           x.zero_stage, x.remat_policy, x.w_recompute)
 
 
-def ratios(n: int) -> dict[str, float]:
-  """Predicted over compiled bytes (arguments + temporaries) of every
-  candidate that ``plan`` returns with default arguments (its compiles
-  included) for ``CHOSEN[n]`` on ``n`` devices; each step compiled once."""
+def _kinds(x: Layout, layers: int = 4) -> set[str]:
+  """The kinds of a layout that the sample covers."""
+  return {'data parallel' if x.stage == 1 else FAMILY[x.schedule_name],
+          f'ZeRO-{x.zero_stage}', x.remat_policy,
+          *(['tensor'] if x.tensor > 1 else []),
+          *(['many'] if x.num_microbatches >= 8 else []),
+          *(['w_recompute'] if x.w_recompute else []),
+          *(['uneven'] if layers % x.num_stages else [])}
+
+
+def sample(candidates, kinds) -> list:
+  """The candidates the plan compiled, then, in plan order, the first that
+  covers most of ``kinds`` not yet covered, until all are: deterministic
+  (the plan's order) and at most ``len(kinds)`` more compiles."""
+  chosen = [c for c in candidates if c.compiled]
+  todo = set(kinds)
+  while todo:
+    best = max(candidates, key=lambda c: len(_kinds(c.layout) & todo))
+    if not _kinds(best.layout) & todo:
+      raise AssertionError(f'no candidate of kinds {sorted(todo)}')
+    chosen.append(best)
+    todo -= _kinds(best.layout)
+  return chosen
+
+
+def ratios(n: int) -> dict[str, tuple[float, float]]:
+  """``(ratio, its _limit)``: predicted over compiled bytes (arguments +
+  temporaries) of the ``sample`` of the candidates that ``plan`` returns
+  with default arguments (its compiles included) for ``KINDS[n]``'s model
+  on ``n`` devices; each step compiled once."""
   ids = np.random.default_rng(0).integers(0, 64, (ROWS, SEQ + 1))
   batch = (ids[:, :-1].astype(np.int32), ids[:, 1:].astype(np.int32))
   compiled, step_bytes = {}, _compile.step_bytes
@@ -165,21 +218,21 @@ def ratios(n: int) -> dict[str, float]:
     if layout not in compiled:
       compiled[layout] = step_bytes(src, devices, layout, optimizer, batch)
     return compiled[layout]
-  name, chosen = CHOSEN[n]
+  name, kinds = KINDS[n]
   with mock.patch.object(_compile, 'step_bytes', once):
     plan = jaxpar.plan(**_model(name), optimizer=optax.adam(1e-3),
                        batch=batch, devices=jax.devices()[:n],
-                       profile='H100-SXM', where=lambda x: _key(x) in chosen)
-    assert {_key(c.layout) for c in plan.candidates} == chosen
-    return {f'{name} {c.layout.describe()}': c.memory_bytes / once(
-        plan.source, plan.devices, c.layout, optax.adam(1e-3), batch)
-            for c in plan.candidates}
+                       profile='H100-SXM')
+    return {f'{name} {c.layout.describe()}': (c.memory_bytes / once(
+        plan.source, plan.devices, c.layout, optax.adam(1e-3), batch),
+                                             _limit(c.layout))
+            for c in sample(plan.candidates, kinds)}
 
 
 def test_memory_within_5_percent_under_and_15_over_on_6_8_and_12_devices():
-  """Every candidate ``plan`` returns for the three models on 6, 8 and 12
-  devices (12 in a process of its own) is predicted at 0.95-1.15x its
-  compiled step."""
+  """The sample of the candidates ``plan`` returns for the three models on
+  6, 8 and 12 devices (12 in a process of its own) is predicted at
+  0.95-1.15x its compiled step (up to ``OVER`` for the kinds known over).""" 
   env = {**os.environ, 'PYTHONPATH': os.pathsep.join(
       [os.path.dirname(os.path.dirname(__file__)), os.path.dirname(__file__),
        os.environ.get('PYTHONPATH', '')])}
@@ -187,12 +240,12 @@ def test_memory_within_5_percent_under_and_15_over_on_6_8_and_12_devices():
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
   got = {n: ratios(n) for n in (6, 8)}
-  out, err = twelve.communicate(timeout=600)
+  out, err = twelve.communicate(timeout=900)
   assert twelve.returncode == 0, err[-3000:]
   got[12] = json.loads(out.splitlines()[-1])
-  bad = {(n, k): round(r, 3) for n, rs in got.items() for k, r in rs.items()
-         if not 0.95 <= r <= 1.15}
-  assert all(got.values()) and not bad, bad
+  bad = {(n, k): round(r, 3) for n, rs in got.items()
+         for k, (r, high) in rs.items() if not 0.95 <= r <= high}
+  assert all(got.values()) and not bad, (bad, got)
 
 
 if __name__ == '__main__':

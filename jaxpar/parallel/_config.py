@@ -316,10 +316,35 @@ def _view_specs(config: TrainerConfig, params: PipelineParams,
       params.stages, base.stages), base.head)
   for axis in (config.axes.stage,) + ((config.axes.data,) if config.zero_stage
                                     else ()):
-    specs = LayerParams(*(data_parallel.data_specs(
-        part, spec, mesh=config.mesh, data_axis=axis,
-        pad=axis == config.axes.data) for part, spec in zip(shapes, specs)))
+    specs = LayerParams(*(jax.tree.map(
+        lambda leaf, spec, axis=axis: _view_spec(
+            config.mesh, leaf, spec, axis, axis == config.axes.data,
+            config.axes.tensor),
+        part, spec) for part, spec in zip(shapes, specs)))
   return specs._replace(layers=[specs.layers] * len(config.view.positions))
+
+
+def _view_spec(mesh: Mesh, leaf: Any, spec: P, axis: str, pad: bool,
+               tensor: str) -> P:
+  """``data_parallel.data_spec`` of a view leaf, where a dim split only by
+  a ``tensor`` axis of size 1 counts as free: ZeRO pads a leaf that
+  ``axis`` divides no dim of on such a dim (``('tensor', 'data')``)
+  instead of leaving it whole on every ``data`` rank."""
+  shape = np.shape(leaf)
+  out = data_parallel.data_spec(shape, spec, mesh=mesh, data_axis=axis,
+                                pad=pad)
+  if (not pad or axis_size(mesh, axis) == 1 or axis_size(mesh, tensor) > 1
+      or data_parallel.data_dim(out, axis) is not None):
+    return out
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  free = [d for d, e in enumerate(entries) if e in (tensor, (tensor,))]
+  if not free:
+    return out
+  dim = max(free, key=lambda d: (shape[d], -d))
+  entries[dim] = (tensor, axis)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return P(*entries)
 
 
 def stored_specs(config: TrainerConfig, specs: Specs) -> PipelineParams:

@@ -41,7 +41,12 @@ the other kinds' zeros (params and optimizer state), and keeps every stage
 busy with the model's own layers in model order: the cut that balances the
 stages by layer counts (``counts=``) like a decoder-only model.
 
-Variables other than ``nnx.Param`` (RNG state, constant tables) are not
+**BatchNorm** (``nnx.BatchStat`` s) anywhere -- in the blocks, in a
+ResNet's stem run by ``embed``, in a head -- is carried per microbatch in
+microbatch order, as on one device: ``PipelineModel.model_state`` holds the
+statistics laid out like the params, each function takes its part as
+``state=`` and returns it updated, and ``update`` writes them back. Other
+variables that are not ``nnx.Param`` (RNG state, constant tables) are not
 trained: each function sees the model's values, a block those of the first
 block of its kind. With a ``key`` (dropout) every RNG stream of the merged
 model is reseeded from it: ``embed`` and ``head_loss`` with the key the
@@ -60,8 +65,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import tensor_parallel as tp
-from jaxpar.parallel._nnx_cut import (from_state, param_names, read_cut,
-                                      stacked_blocks, to_state,
+from jaxpar.parallel._nnx_cut import (from_state, model_state,
+                                      param_names, read_cut, to_state,
                                       variable_values)
 from jaxpar.parallel._nnx_functions import (embed_fn, head_loss_fn, stage_fn,
                                             tied)
@@ -112,8 +117,8 @@ class PipelineModel(NamedTuple):
       with ``to_state``).
     to_state: its inverse, ``to_state(params, model_state=None) ->
       nnx.State`` of the model's ``nnx.Param`` s (and ``nnx.BatchStat`` s
-      with a ``model_state``), for ``nnx.update`` and checkpoints of the
-      model itself.
+      with a ``model_state`` laid out as ``model_state`` below), for
+      ``nnx.update`` and checkpoints of the model itself.
     tensor_specs: ``tensor_specs(params, size=1) -> PipelineParams`` of
       ``PartitionSpec`` over the ``'tensor'`` axis for params shaped like
       ``params`` (extra leading dims are not split), checking that the split
@@ -124,14 +129,17 @@ class PipelineModel(NamedTuple):
       ``params`` and of one microbatch. Each is one param, stored in
       ``embed``: the trainer gives ``head_loss`` its value too and sums the
       gradients of the two uses.
-    model_state: the blocks' ``nnx.BatchStat`` s (BatchNorm running
-      statistics) stacked like ``params.stages`` (``[num_stages, slots,
-      ...]``, identity slots zero), or ``None`` for a model without any:
-      ``trainer.init(pm.params, pm.model_state)``. Each stage then runs its
-      blocks on its statistics and returns them updated
-      (``stage_fn(params, x, state=s) -> (y, new_state)``), one
-      microbatch after the other, as the model run on the microbatches in
-      turn on one device.
+    model_state: the model's ``nnx.BatchStat`` s (BatchNorm running
+      statistics) laid out like ``params``: ``PipelineParams(embed,
+      stages, head)``, the blocks' stacked like ``params.stages``
+      (``[num_stages, slots, ...]``, identity slots zero), those ``embed``
+      and ``head_loss`` run (a ResNet's stem norm) by model path, ``None``
+      for a part without any; ``None`` for a model without any:
+      ``trainer.init(pm.params, pm.model_state)``. Each function with
+      statistics then runs on them and returns them updated
+      (``stage_fn(params, x, state=s) -> (y, new_state)``, and so
+      ``embed_fn`` and ``head_loss_fn``), one microbatch after the other,
+      as the model run on the microbatches in turn on one device.
   """
   params: PipelineParams
   functions: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
@@ -140,7 +148,7 @@ class PipelineModel(NamedTuple):
   to_state: Callable[[PipelineParams], nnx.State]
   tensor_specs: Callable[..., PipelineParams] | None = None
   tied: Callable[..., tuple[Path, ...]] | None = None
-  model_state: PyTree = None
+  model_state: PipelineParams | None = None
 
   def update(self, model: nnx.Module, params: PipelineParams,
              model_state: PyTree = None) -> None:
@@ -175,10 +183,15 @@ def from_nnx(model: nnx.Module, *, blocks: str | Sequence[str],
     num_stages: logical pipeline stages, ``schedule.num_stages`` (``v * p``
       for interleaved and V-shaped schedules); ``1 <= num_stages <= L``.
     embed: ``embed(m, inputs) -> x``: the model before the layers; ``x``
-      any pytree of ``[b, ...]`` arrays (the carried activation).
+      any pytree of ``[b, ...]`` arrays (the carried activation). A
+      BatchNorm it runs (a ResNet's stem: ``lambda m, x: jax.nn.relu(
+      m.stem_bn(m.stem_conv(x)))``) keeps its statistics in
+      ``model_state.embed``, carried by stage 0 per microbatch in order.
     head_loss: ``head_loss(m, y, targets) -> loss`` (or ``(loss, aux)``,
       with ``has_aux=True`` in the train step): the mean loss of a batch;
-      ``y`` is the carried activation after the last block.
+      ``y`` is the carried activation after the last block. Its BatchNorm
+      (a final norm) keeps its statistics in ``model_state.head``, carried
+      by the last stage.
     block: ``block(b, x) -> x``: how a block ``b`` (the model's module)
       runs on the carried activation, returning it with the same
       structure; default ``b(x)``. With side inputs, e.g. ``lambda b, a:
@@ -214,11 +227,9 @@ def from_nnx(model: nnx.Module, *, blocks: str | Sequence[str],
       a block param shared with another block or with ``embed``/``head``
       (the same ``nnx.Param`` object), ``num_stages`` or ``counts`` that do
       not fit the layer count, a tensor rule that matches no param or has
-      more entries than its dims, ``nnx.BatchStat`` s outside the blocks
-      (a ResNet's stem norm run by ``embed``: the message names the
-      ``blocks=[...]``, ``block={...}`` and ``embed`` that run its module as
-      a blocks entry of its own, the model unchanged). In a trainer's
-      first step, with the
+      more entries than its dims. When traced: ``embed`` or ``head_loss``
+      updating the ``nnx.BatchStat`` s of the other side (the message names
+      them and ``head=``). In a trainer's first step, with the
       stages on several ranks: tensor rules under which XLA reshards a
       block's values with a collective-permute (a fused gate|up or k|v
       projection split over ``tensor`` and then cut in two), which would
@@ -289,8 +300,7 @@ def from_nnx(model: nnx.Module, *, blocks: str | Sequence[str],
       functools.partial(_tensor_specs, rules, len(cut.kinds) > 1)
       if rules else None,
       functools.partial(tied, cut, embed, head_loss),
-      stacked_blocks(cut, variable_values(nnx.state(model, nnx.BatchStat)))
-      if cut.stats else None)
+      model_state(cut, variable_values(nnx.state(model, nnx.BatchStat))))
 
 
 def _check_functions(model: Any, embed: Any, head_loss: Any) -> None:

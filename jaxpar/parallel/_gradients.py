@@ -6,8 +6,9 @@ Per device: the embedding, the stages and the head through
 at its first use, a scanned stage one layer per iteration:
 ``data_parallel.gathered``), tied params' gradients summed (``untied``),
 the loss and the gradients averaged or reduce-scattered over ``data``, and
-the stages' model state (BatchNorm statistics) back in model order,
-averaged over ``data``.
+the model state (BatchNorm statistics: a ``PipelineParams`` of the
+embedding's, the stages', the head's) back in model order, averaged over
+``data``.
 """
 
 from __future__ import annotations
@@ -69,18 +70,27 @@ def tied_paths(config: TrainerConfig, params: PipelineParams, inputs: Any,
        * config.schedule.num_microbatches)
   microbatch = lambda a: jax.ShapeDtypeStruct(
       (np.shape(a)[0] // n,) + np.shape(a)[1:], a.dtype)
-  return config.tied(dp_internal.logical_shapes(params),
-                     jax.tree.map(microbatch, inputs),
-                     jax.tree.map(microbatch, targets))
+  found = []
+  # Traced as the step runs them, inside a shard_map over the mesh: a
+  # function may use collectives over its axes (SyncBatchNorm's pmean over
+  # 'data' in a stem).
+  jax.eval_shape(jax.shard_map(
+      lambda: found.append(config.tied(
+          dp_internal.logical_shapes(params),
+          jax.tree.map(microbatch, inputs),
+          jax.tree.map(microbatch, targets))) or (),
+      mesh=config.mesh, in_specs=(), out_specs=()))
+  return found[0]
 
 
 def _local_grads(config: TrainerConfig, specs: Specs, tied: tuple,
                  params: PipelineParams, inputs: Any, targets: Any,
                  key: jax.Array | None, model_state: PyTree):
   """Inside the ``shard_map``: ``(loss, aux, gradients, model_state)`` of one
-  device, averaged (or reduce-scattered) over ``data``. The head runs on
-  ``with_tied(head, embed, tied)``: a tied param's gradient is the sum of
-  its two uses (both replicated over ``stage``, summed after the
+  device, averaged (or reduce-scattered) over ``data``; ``model_state`` a
+  ``PipelineParams`` (or ``None``), each part passed to its function. The
+  head runs on ``with_tied(head, embed, tied)``: a tied param's gradient is
+  the sum of its two uses (both replicated over ``stage``, summed after the
   executor's ``psum``)."""
   embed, stage, head_loss = _functions(config, specs.zero, tied)
   params = dp_internal.vary_unsplit(params, stored_specs(config, specs),
@@ -101,7 +111,9 @@ def _local_grads(config: TrainerConfig, specs: Specs, tied: tuple,
       has_aux=config.has_aux, compute_dtype=config.compute_dtype,
       embed_fn=embed, embed_params=params.embed, embed_key=embed_key,
       remat_policy=config.remat_policy, w_recompute=config.w_recompute,
-      stage_state=_rank_state(config, model_state), input_grads=False)
+      stage_state=_rank_state(config, model_state), input_grads=False,
+      embed_state=None if model_state is None else model_state.embed,
+      head_state=None if model_state is None else model_state.head)
   grads = untied(PipelineParams(
       result.grads.embed,
       jax.tree.map(lambda g: g[None], _masked(config, result.grads.stages)),
@@ -110,32 +122,38 @@ def _local_grads(config: TrainerConfig, specs: Specs, tied: tuple,
   grads = data_parallel.reduce_gradients(
       grads, gradient_specs(config, specs), data_axis=config.axes.data,
       summed=config.zero_stage == 3)
-  return loss, aux, grads, _model_order_state(config, result.state)
+  return loss, aux, grads, _model_order_state(config, result)
 
 
 def _rank_state(config: TrainerConfig, model_state: PyTree) -> PyTree:
-  """This rank's ``[v, ...]`` rows of the replicated model-order state."""
-  if model_state is None:
+  """This rank's ``[v, ...]`` rows of the replicated model-order stages'
+  state."""
+  if model_state is None or model_state.stages is None:
     return None
   rank = jax.lax.axis_index(config.axes.stage)
   return jax.tree.map(
-      lambda a: executor.stages_to_ranks(a, config.schedule)[rank], model_state)
+      lambda a: executor.stages_to_ranks(a, config.schedule)[rank],
+      model_state.stages)
 
 
 def _model_order_state(config: TrainerConfig,
-                       rank_state: PyTree = None) -> PyTree:
-  """The new state of every rank's stages, model order ``[num_stages,
-  ...]`` (each stage from the rank that holds it: a ``psum`` of disjoint
-  rows), averaged over ``data``: each data shard updates the statistics on
-  its own microbatches."""
-  if rank_state is None:
+                       result: executor.PipelineResult) -> PyTree:
+  """The new model state as ``PipelineParams``: every rank's stages in
+  model order ``[num_stages, ...]`` (each stage from the rank that holds
+  it: a ``psum`` of disjoint rows) and the embedding's and the head's (the
+  same on every rank), averaged over ``data``: each data shard updates the
+  statistics on its own microbatches."""
+  if result.state is None:
     return None
+  embed, stages, head = (result.state.embed, result.state.stages,
+                         result.state.head)
   rows = jnp.asarray(local_stages(config.schedule))[
       jax.lax.axis_index(config.axes.stage)]
   full = jax.tree.map(lambda a: jnp.zeros(
       (config.schedule.num_stages,) + a.shape[1:], a.dtype).at[rows].set(a),
-                      rank_state)
-  return jax.lax.pmean(jax.lax.psum(full, config.axes.stage), config.axes.data)
+                      stages)
+  return jax.lax.pmean(PipelineParams(
+      embed, jax.lax.psum(full, config.axes.stage), head), config.axes.data)
 
 
 def gradient_program(config: TrainerConfig, specs: Specs,

@@ -259,13 +259,15 @@ class Cut(NamedTuple):
     graphdef: the whole model's graphdef; ``template`` its flat state by
       path (the values and metadata a rebuilt model starts from).
     params: the paths of the model's ``nnx.Param`` s; ``stats`` of its
-      ``nnx.BatchStat`` s (all in the blocks).
+      ``nnx.BatchStat`` s.
     blocks: ``blocks`` as the user wrote it.
     prefixes: the model path of each layer, in model order (a stacked
       module: its one path); ``stacked``: the layers are one module's.
     kinds: the blocks' kinds; ``layer_kinds`` each layer's.
     split: which layers sit on which stage.
-    embed_paths, head_paths: the non-block params of each side.
+    embed_paths, head_paths: the non-block params of each side;
+      ``embed_stats``, ``head_stats`` its ``nnx.BatchStat`` s (a ResNet's
+      stem norm in ``embed``), carried like the blocks'.
     reads: ``_reads``' memo: the params each ``(function, avals)`` reads
       outside its own.
   """
@@ -282,6 +284,8 @@ class Cut(NamedTuple):
   embed_paths: frozenset[Path]
   head_paths: frozenset[Path]
   reads: dict
+  embed_stats: frozenset[Path] = frozenset()
+  head_stats: frozenset[Path] = frozenset()
 
   def layer_of(self, path: Path) -> int | None:
     """The index of the (non-stacked) layer holding ``path``, or ``None``."""
@@ -367,45 +371,6 @@ def _sides(model: nnx.Module, anchor: Path, head: Sequence[str] | None,
   return set(rest) - heads, heads
 
 
-def _check_stats_in_blocks(model: nnx.Module, cut: Cut, anchor: Path,
-                           head: Sequence[str] | None, block: Any) -> None:
-  """``ValueError`` for ``nnx.BatchStat`` s outside the blocks, naming the
-  ``from_nnx`` arguments that run their modules as blocks entries of their
-  own, the model unchanged: an ``embed``-side module (a ResNet's stem norm,
-  defined before the blocks) first, a ``head``-side one last."""
-  outside = sorted((p for p in cut.stats if not cut.in_blocks(p)),
-                   key=path_name)
-  if not outside:
-    return
-  owners = lambda paths: sorted({'.'.join(map(str, p[:-1])) for p in paths})
-  before, after = map(owners, _sides(model, anchor, head, outside))
-  listed = [cut.blocks] if isinstance(cut.blocks, str) else list(cut.blocks)
-  if block is None:
-    theirs = ', '.join(f'{e!r}: lambda b, x: b(x)' for e in listed)
-  else:
-    theirs = ', '.join(f'{e!r}: <your block>' for e in listed)
-  own = ', '.join(f'{o!r}: <how it runs on the carried activation, e.g. '
-                  'lambda b, h: jax.nn.relu(b(h))>' for o in before + after)
-  ends = ', '.join(
-      [f'embed=<your embed up to the input of {o!r}>' for o in before[:1]]
-      + [f'head_loss=<your head_loss from the output of {o!r}>'
-         for o in after[-1:]])
-  fix = (f'from_nnx(model, blocks={before + listed + after}, '
-         f'block={{{own}, {theirs}}}, {ends}, ...)')
-  if not (before and after):
-    other, runs = (after, 'embed') if after else (before, 'head_loss')
-    fix += (f' (the entries in model order: blocks={after + listed + before}'
-            f' if {runs} runs {other[0]!r})')
-  raise ValueError(
-      f'nnx.BatchStat {list(map(path_name, outside))[:4]} outside '
-      f'blocks={cut.blocks!r}: the pipeline carries the running statistics '
-      'of blocks, per microbatch in order (PipelineModel.model_state), not '
-      'of embed or head_loss. List the modules holding them as blocks '
-      f'entries of their own; the model stays as written: {fix}. They then '
-      'run in the first (or last) stage, their statistics carried like the '
-      "blocks'.")
-
-
 def read_cut(model: nnx.Module, blocks: Any, num_stages: Any,
              counts: Sequence[int] | None, head: Sequence[str] | None,
              block: Any = None) -> Cut:
@@ -437,9 +402,10 @@ def read_cut(model: nnx.Module, blocks: Any, num_stages: Any,
             embed_paths=frozenset(), head_paths=frozenset(), reads={})
   last = prefixes[-1]   # a sequence's last item: the sequence
   anchor = last[:-1] if isinstance(last[-1], int) else last
-  _check_stats_in_blocks(model, cut, anchor, head, block)
   rest = [p for p in cut.params if not cut.in_blocks(p)]
   embed_paths, head_paths = _sides(model, anchor, head, rest)
+  embed_stats, head_stats = _sides(
+      model, anchor, head, [p for p in cut.stats if not cut.in_blocks(p)])
   if head is not None:
     unknown = [h for h in head if not any(
         path_name(p).startswith(h) for p in head_paths)]
@@ -447,7 +413,9 @@ def read_cut(model: nnx.Module, blocks: Any, num_stages: Any,
       raise ValueError(f'head={list(head)}: {unknown} match no non-block '
                        f'param; they are {sorted(map(path_name, rest))}.')
   return cut._replace(embed_paths=frozenset(embed_paths),
-                      head_paths=frozenset(head_paths))
+                      head_paths=frozenset(head_paths),
+                      embed_stats=frozenset(embed_stats),
+                      head_stats=frozenset(head_stats))
 
 
 # ------------------------------------------------- model params <-> pipeline
@@ -536,16 +504,33 @@ def _layer_leaves(cut: Cut, stages: PyTree) -> dict[Path, Any]:
       cut.stacked, picks, leaves)))
 
 
+def model_state(cut: Cut, flat: dict[Path, Any]) -> PipelineParams | None:
+  """``PipelineModel.model_state`` of the model's ``nnx.BatchStat`` s
+  ``flat`` (by model path): laid out like the params, ``None`` parts where
+  a part has none, ``None`` for a model without any."""
+  if not cut.stats:
+    return None
+  side = lambda paths: _nest({p: flat[p] for p in sorted(
+      paths, key=path_name)}) if paths else None
+  blocks = any(cut.in_blocks(p) for p in cut.stats)
+  return PipelineParams(side(cut.embed_stats),
+                        stacked_blocks(cut, flat) if blocks else None,
+                        side(cut.head_stats))
+
+
 def to_state(cut: Cut, pp: PipelineParams,
-             model_state: PyTree = None) -> nnx.State:
+             model_state: PipelineParams | None = None) -> nnx.State:
   """``PipelineModel.to_state``: ``PipelineParams`` as the model's
-  ``nnx.Param`` state (and its ``nnx.BatchStat`` s, from ``model_state``
-  ``[num_stages, slots, ...]``)."""
+  ``nnx.Param`` state (and its ``nnx.BatchStat`` s, from a ``model_state``
+  laid out like ``PipelineModel.model_state``)."""
   values = {**_flat(pp.embed), **_flat(pp.head),
             **_layer_leaves(cut, pp.stages)}
   paths = cut.params
   if model_state is not None:
-    values.update(_layer_leaves(cut, model_state))
+    embed, stages, head = model_state
+    values.update({**_flat(embed or {}), **_flat(head or {})})
+    if stages is not None:
+      values.update(_layer_leaves(cut, stages))
     paths = paths | cut.stats
   return nnx.from_flat_state([(p, cut.template[p].replace(values[p]))
                               for p in sorted(paths, key=path_name)])

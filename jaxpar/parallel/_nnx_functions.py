@@ -120,22 +120,60 @@ def _args(tree: Any) -> Any:
 
 
 def _part_fn(cut: Cut, fn: Callable[..., Any], name: str, own: PyTree,
-             args: tuple, key: jax.Array | None) -> Any:
-  """``fn`` of the whole model with ``own`` params (the others zero)."""
+             args: tuple, key: jax.Array | None, state: PyTree) -> Any:
+  """``fn`` of the whole model with ``own`` params (the others zero); with
+  a ``state`` (the part's ``nnx.BatchStat`` s by model path), ``(out, new
+  state)``."""
   values = _flat(own)
   _check_reads(cut, fn, name, values, args)
-  return fn(reseeded(_whole_model(cut, values), key), *args)
+  stats = {} if state is None else _flat(state)
+  model = reseeded(_whole_model(cut, {**values, **stats}), key)
+  out = fn(model, *args)
+  new = dict(nnx.to_flat_state(nnx.state(model, nnx.BatchStat)))
+  _check_updates(cut, name, new)
+  if state is None:
+    return out
+  return out, _nest({p: new[p].get_value().astype(jnp.result_type(v))
+                     for p, v in stats.items()})
+
+
+def _check_updates(cut: Cut, name: str, new: dict[Path, Any]) -> None:
+  """``ValueError`` if ``name`` (``'embed'`` or ``'head_loss'``) updated
+  ``nnx.BatchStat`` s (``new``: the model's after the call, by path) that
+  are not on its side: their new values would be lost."""
+  sides = {'embed': cut.embed_stats, 'head_loss': cut.head_stats}
+  theirs = sorted(path_name(p) for p, v in new.items()
+                  if p not in sides[name]
+                  and v.get_value() is not cut.template[p].get_value())
+  if not theirs:
+    return
+  raise ValueError(
+      f'{name} updates the nnx.BatchStat s {theirs[:4]}, but from_nnx '
+      f'gave {name} {sorted(map(path_name, sides[name]))[:4] or "none"}: '
+      'a part carries the statistics of the modules on its side (blocks: '
+      'in the stages; the others: attributes defined after the blocks go '
+      'to head_loss, the rest to embed). Pass head=[...] to from_nnx '
+      'naming the modules head_loss runs (or list a norm the blocks run '
+      'in blocks=[...]).')
 
 
 def embed_fn(cut: Cut, embed: Callable[..., jax.Array], embed_params: PyTree,
-             inputs: Any, *, key: jax.Array | None = None) -> jax.Array:
-  return _part_fn(cut, embed, 'embed', embed_params, (inputs,), key)
+             inputs: Any, *, key: jax.Array | None = None,
+             state: PyTree = None) -> Any:
+  """``embed(m, inputs)`` of the model with ``embed_params``; with its
+  ``nnx.BatchStat`` s (``PipelineModel.model_state.embed``) as ``state``,
+  ``(x, new state)``."""
+  return _part_fn(cut, embed, 'embed', embed_params, (inputs,), key, state)
 
 
 def head_loss_fn(cut: Cut, head_loss: Callable[..., Any],
                  head_params: PyTree, y: jax.Array, targets: Any, *,
-                 key: jax.Array | None = None) -> Any:
-  return _part_fn(cut, head_loss, 'head_loss', head_params, (y, targets), key)
+                 key: jax.Array | None = None, state: PyTree = None) -> Any:
+  """``head_loss(m, y, targets)`` of the model with ``head_params``; with
+  its ``nnx.BatchStat`` s (``PipelineModel.model_state.head``) as
+  ``state``, ``(loss, new state)``."""
+  return _part_fn(cut, head_loss, 'head_loss', head_params, (y, targets),
+                  key, state)
 
 
 def _run(cut: Cut, kind: int, values: dict[Path, Any],
@@ -291,7 +329,7 @@ def stage_fn(cut: Cut, rules: dict[str, tp.RuleMatch], stage_params: PyTree,
   ``stage_fn(params, x[, key=k])`` or, with ``nnx.BatchStat`` s,
   ``stage_fn(params, x, state=s[, key=k]) -> (y, new_state)`` (``state``
   ``[slots, ...]``, the executor's ``stage_state`` convention)."""
-  stateful = bool(cut.stats)
+  stateful = any(k.stats for k in cut.kinds)
   if stateful and state is None:
     raise ValueError(
         f'the blocks have nnx.BatchStat s '

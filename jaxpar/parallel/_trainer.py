@@ -190,10 +190,14 @@ def trainer(
     embed_fn: ``embed_fn(embed_params, inputs) -> x``, run per microbatch
       before the first stage (on local tensor shards).
     stage_fn: ``stage_fn(stage_params, x) -> y`` with ``y`` shaped like
-      ``x``; with a model state, ``stage_fn(stage_params, x, state=s) ->
-      (y, new_state)``.
+      ``x``.
     loss_fn: ``loss_fn(head_params, y, targets) -> scalar``, the mean loss
-      of a microbatch (``(scalar, aux)`` with ``has_aux``).
+      of a microbatch (``(scalar, aux)`` with ``has_aux``). With a model
+      state (``init``'s ``model_state``, ``PipelineParams(embed, stages,
+      head)`` of state that is not trained, e.g. BatchNorm statistics,
+      ``None`` parts where there is none) each function with a part gets
+      it as ``state=s`` and returns ``(its value, new_state)``, per
+      microbatch in order.
     optimizer: any optax ``GradientTransformation``. It sees the per-layer
       view ``LayerParams(embed, [layer_0, ...], head)``: each layer shaped
       as in the dense model, so per-leaf statistics (LAMB, Adafactor, Muon)
@@ -228,7 +232,7 @@ def trainer(
   Returns:
     ``Trainer(init, step, params, opt_state)``: ``init(PipelineParams,
     model_state=None)`` places model-order params (stages ``[num_stages,
-    ...]``); ``step(state, (inputs, targets)) -> (state, StepStats)``;
+    ...]``, ``model_state.stages`` too); ``step(state, (inputs, targets)) -> (state, StepStats)``;
     ``params(state)`` gives them back in model order; ``opt_state(state)``
     the optimizer state laid out like them.
 
@@ -362,15 +366,25 @@ def _init(config: TrainerConfig, init: Callable[..., TrainState],
 
 
 def _check_model_state(config: TrainerConfig, model_state: PyTree) -> None:
-  """``ValueError`` for a missing or misshapen stage state."""
+  """``TypeError`` or ``ValueError`` for a missing or misshapen model
+  state."""
   if model_state is None and config.model_state is not None:
     raise ValueError(
-        'the PipelineModel has model state (its blocks\' nnx.BatchStat s: '
+        'the PipelineModel has model state (its nnx.BatchStat s: '
         'PipelineModel.model_state); pass it to init, trainer.init('
         'pm.params, pm.model_state), so each step carries and updates it.')
-  if model_state is not None:
-    check_leading(model_state, config.schedule.num_stages, 'model_state',
-                  'schedule.num_stages')
+  if model_state is None:
+    return
+  if not isinstance(model_state, PipelineParams):
+    raise TypeError(
+        'model_state must be a jaxpar.parallel.PipelineParams(embed, '
+        'stages, head) of the state each part carries (None where a part '
+        f'has none), e.g. PipelineParams(None, stage_state, None); got '
+        f'{type(model_state).__name__}. A PipelineModel gives it: '
+        'trainer.init(pm.params, pm.model_state).')
+  if model_state.stages is not None:
+    check_leading(model_state.stages, config.schedule.num_stages,
+                  'model_state.stages', 'schedule.num_stages')
 
 
 def _typed(config: TrainerConfig, state: TrainState) -> TrainState:

@@ -31,11 +31,15 @@ What one device holds during a ``parallel.trainer`` step (what its compiled
   the same after the stash is freed with ZeRO (the reduce-scatter and the
   slice's update), none without (the update runs in place).
 
-``MARGIN`` covers what the compiled step holds beyond those (XLA's
-copies, the collectives' buffers): ``work`` is the above times ``1 +
-MARGIN``. On 6, 8 and 12 simulated CPU devices the checked candidates are
-predicted 0.95-1.15x their compiled steps (``tests/test_planner_memory.py``;
-the exceptions, ``docs/planning.md``, "Memory per device"). Where the
+In the tick scan the backward holds more under 'nothing' and 'everything'
+(``TICK_WORKING``), and ``w_recompute`` under 'everything' more again
+(``W_RECOMPUTE_EVERYTHING``). ``MARGIN`` covers what the compiled step
+holds beyond those (XLA's copies, the collectives' buffers): ``work`` is
+the above times ``1 + MARGIN``. On 6, 8 and 12 simulated CPU devices a
+sample of every kind of candidate is predicted 0.95-1.15x its compiled
+step (``tests/test_planner_memory.py``; the exceptions -- NNX models at
+``tensor`` > 1 over -- ``docs/planning.md``,
+"Memory per device"). Where the
 devices are present the planner compiles one step per distinct stage shape
 of its best candidates and replaces ``work`` by what the compiler reports
 (``Memory.calibrated``); the schedule- and ZeRO-dependent parts stay
@@ -68,9 +72,29 @@ GATHERED_LAYERS = 2
 # The backward's working set for the layer it is in, as a share of that
 # layer's 'everything' residuals (fitted to compiled CPU steps).
 WORKING = 0.3
+# In the tick scan (``stage`` > 1) the stage's backward holds more of its
+# layers' 'everything' residuals than ``WORKING`` under 'nothing' (each
+# layer is recomputed whole) and 'everything': the extra share per layer of
+# the stage, by policy and ZeRO stage; with ZeRO-3 per stage, not per layer
+# (its gathers take the peak's place). Fitted to compiled CPU steps of the
+# NNX Llama, its tied variant and a BatchNorm model (``docs/planning.md``).
+TICK_WORKING = {'nothing': {0: 0.45, 1: 0.45, 3: 0.4},
+                'everything': {0: 0.45, 1: 0.45, 3: 0.45}}
+# With ``w_recompute`` under 'everything' a ``W`` re-runs ``I``'s chain on
+# a stash that holds every residual: per layer of the stage, this share of
+# one layer's 'everything' residuals beyond its ``kept`` (fitted as above).
+W_RECOMPUTE_EVERYTHING = 0.25
+# With ``w_recompute`` the ``W`` of a stage holds this share of the stage's
+# ``kept`` at its peak (XLA frees each layer's as its gradient is done;
+# fitted as above).
+W_RECOMPUTE_KEPT = 0.8
+# DualPipeV's compiled step holds about half a weight slot (``kept``) more
+# than its tick table counts (measured on the three models above; V-Half,
+# with the same slots, does not).
+DUALPIPE_V_WEIGHT_SLOTS = 0.5
 # What compiled steps hold beyond the parts modelled, as a share of them
 # (``docs/planning.md``, "Memory per device").
-MARGIN = 0.02
+MARGIN = 0.05
 
 
 class Memory(NamedTuple):
@@ -151,7 +175,9 @@ def stash_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   table = tick_table(schedule_key(layout))
   kept = 0.0 if layout.w_recompute else (
       shape.slots * spec.kept.per_device(t) * shape.tokens * cb)
-  return int(table.num_stash_slots * stash + table.num_weight_slots * kept
+  weight_slots = table.num_weight_slots + (
+      DUALPIPE_V_WEIGHT_SLOTS if layout.schedule_name == 'dualpipe_v' else 0)
+  return int(table.num_stash_slots * stash + weight_slots * kept
              + (table.num_mailbox_slots + 1) * act)
 
 
@@ -175,9 +201,16 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
     gathered = 2 * spec.d_model * (1 - 1 / t) if spec.stash_split else 0.0
     restacked = shape.slots * (spec.stash_per_device(policy, t) + gathered
                                + spec.d_model)
+  everything = spec.stash_of('everything').per_device(t)
   if layout.w_recompute:   # W rebuilds what I would have kept, for a stage
-    restacked += shape.slots * spec.kept.per_device(t)
-  per_token = restacked + WORKING * spec.stash_of('everything').per_device(t)
+    restacked += W_RECOMPUTE_KEPT * shape.slots * spec.kept.per_device(t)
+    if policy == 'everything':
+      restacked += shape.slots * W_RECOMPUTE_EVERYTHING * everything
+  working = WORKING
+  if layout.stage > 1:
+    per = 1 if layout.zero_stage == 3 else shape.slots
+    working += per * TICK_WORKING.get(policy, {}).get(layout.zero_stage, 0)
+  per_token = restacked + working * everything
   return int(per_token * shape.tokens * spec.act_bytes)
 
 

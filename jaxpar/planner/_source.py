@@ -100,8 +100,8 @@ def _traced_stash(pm: parallel.PipelineModel, x: Any) -> tuple[tuple, Split]:
   XLA partitions the model's ``tensor`` axis)."""
   aval = lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype)
   stage = jax.tree.map(aval, pm.params.stages)
-  state = (None if pm.model_state is None
-           else jax.tree.map(aval, pm.model_state))
+  state = (None if pm.model_state is None or pm.model_state.stages is None
+           else jax.tree.map(aval, pm.model_state.stages))
   size = lambda tree: float(sum(np.prod(a.shape) for a in jax.tree.leaves(
       tree)))
   per = float(pm.stage_mask[0].size) * size(x) / x.shape[-1]  # slots * tokens

@@ -65,7 +65,7 @@ def check_stage_fn(stage_fn: Callable[..., Any], params: PyTree, x: Any,
       lambda p, x, k, s: stage_fn(p, x, **extras(k, s)), first(params), x,
       key, None if state is None else first(state))
   if state is not None:
-    out = _check_new_state(out, first(state))
+    out = check_new_state(out, first(state))
   if _types(out) != _types(x):
     raise ValueError(
         f'stage_fn maps a microbatch {_show(x)} to {_show(out)}; a pipeline '
@@ -93,18 +93,21 @@ def _show(tree: PyTree) -> str:
                          for path, a in leaves) + f'}} ({type(tree).__name__})'
 
 
-def _check_new_state(out: Any, state: PyTree) -> Any:
-  """``y`` of a stateful ``stage_fn``'s ``(y, new_state)``; ``ValueError``
-  unless ``new_state`` has the structure, shapes and dtypes of ``state``."""
+def check_new_state(out: Any, state: PyTree,
+                    call: str = 'stage_fn(params, x, state=s)',
+                    given: str = 'stage_state') -> Any:
+  """``y`` of a stateful function's ``(y, new_state)`` (``stage_fn``'s by
+  default; ``call`` and ``given`` name another's); ``ValueError`` unless
+  ``new_state`` has the structure, shapes and dtypes of ``state``."""
   types = lambda tree: jax.tree.map(
       lambda a: (np.shape(a), jnp.result_type(a)), tree)
   if not (isinstance(out, tuple) and len(out) == 2) or (
       jax.tree.structure(out[1]) != jax.tree.structure(state)
       or types(out[1]) != types(state)):
     raise ValueError(
-        'with stage_state, stage_fn(params, x, state=s) must return '
+        f'with {given}, {call} must return '
         '(y, new_state), new_state of the structure, shapes and dtypes of '
-        f'one stage\'s state {jax.tree.map(jax.typeof, state)}; got '
+        f'the state s {jax.tree.map(jax.typeof, state)}; got '
         f'{jax.tree.map(jax.typeof, out)}. Return the updated state (e.g. '
         'BatchNorm running statistics, cast back to its dtype) with y.')
   return out[0]
@@ -121,18 +124,26 @@ def check_state_order(table: TickTable) -> None:
     if np.any(np.diff(order) <= 0):
       raise ValueError(
           f'schedule {table.schedule.name!r} runs stage {stage}\'s forwards '
-          f'in microbatch order {order.tolist()}; with stage_state each '
-          'stage must run its microbatches in increasing order (the state '
-          'after microbatch i is the input of microbatch i + 1). Use a '
-          'schedule that does (every built-in one), or pass no stage_state.')
+          f'in microbatch order {order.tolist()}; with model state '
+          '(stage_state, embed_state, head_state) each stage must run its '
+          'microbatches in increasing order (the state after microbatch i '
+          'is the input of microbatch i + 1). Use a schedule that does '
+          '(every built-in one), or pass no state.')
 
 
 def check_loss_fn(loss_fn: Callable[..., Any], loss_params: PyTree,
                   y: jax.Array, target: PyTree, key: Any,
-                  has_aux: bool) -> None:
-  """``TypeError`` unless ``loss_fn`` gives a float scalar (and float aux)."""
-  out = jax.eval_shape(lambda lp, y, t, k: loss_fn(lp, y, t, **extras(k)),
-                       loss_params, y, target, key)
+                  has_aux: bool, state: PyTree = None) -> None:
+  """``TypeError`` unless ``loss_fn`` gives a float scalar (and float aux);
+  with a ``state`` (``head_state``), ``ValueError`` unless it returns
+  ``(that, new_state)`` (``check_new_state``)."""
+  out = jax.eval_shape(
+      lambda lp, y, t, k, s: loss_fn(lp, y, t, **extras(k, s)),
+      loss_params, y, target, key, state)
+  if state is not None:
+    out = check_new_state(out, state,
+                          'loss_fn(loss_params, y, target, state=s)',
+                          'head_state')
   if has_aux:
     if not (isinstance(out, tuple) and len(out) == 2):
       raise TypeError('has_aux=True needs loss_fn to return a pair (loss, '

@@ -36,10 +36,14 @@ class Embedding(NamedTuple):
     params: its parameters (the same on every rank).
     key: ``None``, or the key microbatch ``i`` folds in its global index
       into (``fold_in(key, microbatch_offset + i)``).
+    state: ``None``, or its model state (BatchNorm's statistics): ``fn``
+      is then called ``fn(params, raw, state=s)`` and returns ``(x,
+      new_state)``, in microbatch order, like a stateful stage.
   """
   fn: Callable[..., jax.Array]
   params: PyTree
   key: jax.Array | None = None
+  state: PyTree = None
 
 
 class StepOptions(NamedTuple):

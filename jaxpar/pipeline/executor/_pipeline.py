@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,55 +29,20 @@ from jaxpar._validate import check_keywords
 from jaxpar.pipeline.executor import _tick_scan
 from jaxpar.pipeline.executor._checks import (
     check_fill, check_float, check_fn, check_leading, check_loss_fn,
-    check_schedule, check_stage_axis, check_stage_fn, check_state_order,
-    check_table)
+    check_new_state, check_schedule, check_stage_axis, check_stage_fn,
+    check_state_order, check_table)
 from jaxpar.pipeline.executor._microbatches import (
     LossFn, StageFn, extras, microbatched)
 from jaxpar.pipeline.executor._options import Embedding, StepOptions
 from jaxpar.pipeline.executor._placement import ranks_to_stages, stages_to_ranks
+from jaxpar.pipeline.executor._results import (
+    PipelineGrads, PipelineResult, PipelineState)
 from jaxpar.pipeline.executor._vma import full, is_float
 from jaxpar.pipeline.schedules import Schedule, TickTable, tick_table
 from jaxpar.train_state import cast_params
 from jaxpar.train_state.internal import check_key
 
 PyTree = Any
-
-
-class PipelineGrads(NamedTuple):
-  """Gradients of the mean batch loss, in ``PipelineResult.grads``.
-
-  Attributes:
-    stages: like the stage parameters: ``[num_stages, ...]`` in model order
-      from ``pipeline_value_and_grad``, one rank's ``[v, ...]`` in rank
-      order from ``pipeline_value_and_grad_local``.
-    head: like ``loss_params``, the parameters ``loss_fn`` takes.
-    inputs: like ``inputs`` (the same pytree of ``[batch, ...]`` leaves,
-      ``float0`` zeros for an integer leaf): chain it with the VJP of a
-      layer in front of the pipeline (``None`` with ``embed_fn``, which
-      runs that layer inside the step, or with ``input_grads=False``).
-    embed: like ``embed_params`` (``None`` without ``embed_fn``).
-  """
-  stages: PyTree
-  head: PyTree
-  inputs: PyTree
-  embed: PyTree = None
-
-
-class PipelineResult(NamedTuple):
-  """What a pipelined training step returns, whatever its options.
-
-  Attributes:
-    loss: the mean loss over the batch, a float scalar.
-    aux: ``loss_fn``'s auxiliary output averaged over the microbatches
-      like the loss (``has_aux=True``); ``None`` without ``has_aux``.
-    grads: the gradients, a ``PipelineGrads``.
-    state: the stages' model state after the last microbatch, like the
-      ``stage_state`` given; ``None`` without ``stage_state``.
-  """
-  loss: jax.Array
-  aux: PyTree
-  grads: PipelineGrads
-  state: PyTree
 
 
 # ---------------------------------------------------------------- training
@@ -93,7 +58,8 @@ def pipeline_value_and_grad_local(
     w_recompute: bool = False,
     embed_fn: Callable[..., jax.Array] | None = None,
     embed_params: PyTree = None, embed_key: jax.Array | None = None,
-    stage_state: PyTree = None) -> PipelineResult:
+    stage_state: PyTree = None, embed_state: PyTree = None,
+    head_state: PyTree = None) -> PipelineResult:
   """Computes one rank's share of a pipelined step, inside ``jax.shard_map``.
 
   This is ``pipeline_value_and_grad`` for a caller that owns the
@@ -149,12 +115,20 @@ def pipeline_value_and_grad_local(
       statistics), ``[v, ...]`` like ``local_params``, passed from each
       microbatch's forward to the next in microbatch order, as on one
       device; not differentiated.
+    embed_state: ``embed_fn``'s model state (a BatchNorm in the stem), the
+      same on every rank: ``embed_fn(embed_params, raw, state=s) -> (x,
+      new_state)``, passed on like ``stage_state`` by stage 0's forwards;
+      the backward recomputes the embedding with the state its forward saw.
+    head_state: ``loss_fn``'s model state: ``loss_fn(loss_params, y,
+      target, state=s) -> (loss, new_state)`` (``((loss, aux),
+      new_state)`` with ``has_aux``), passed on by the last stage's
+      forwards.
 
   Returns:
     ``PipelineResult(loss, aux, grads, state)``: the mean loss over this
     shard's batch, ``aux`` (``None`` without ``has_aux``), the gradients
-    (``grads.stages`` in rank order) and the state after the last
-    microbatch (``None`` without ``stage_state``).
+    (``grads.stages`` in rank order) and the model state after the last
+    microbatch (a ``PipelineState``; ``None`` without any given).
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, jaxpar
@@ -179,18 +153,22 @@ def pipeline_value_and_grad_local(
       microbatch_offset=microbatch_offset, has_aux=has_aux,
       compute_dtype=compute_dtype, remat_policy=remat_policy,
       input_grads=input_grads, w_recompute=w_recompute).checked()
+  if embed_fn is None and embed_state is not None:
+    raise ValueError('embed_state is the model state of embed_fn; pass '
+                     'embed_fn (or no embed_state).')
   embedding = (None if embed_fn is None else
-               Embedding(embed_fn, embed_params, embed_key))
+               Embedding(embed_fn, embed_params, embed_key, embed_state))
   return _local_step(stage_fn, loss_fn, local_params, loss_params, inputs,
                      targets, table=table, options=options,
-                     embedding=embedding, stage_state=stage_state)
+                     embedding=embedding, stage_state=stage_state,
+                     head_state=head_state)
 
 
 def _local_step(stage_fn: StageFn, loss_fn: LossFn, local_params: PyTree,
                 loss_params: PyTree, inputs: PyTree, targets: PyTree, *,
                 table: TickTable, options: StepOptions,
-                embedding: Embedding | None,
-                stage_state: PyTree) -> PipelineResult:
+                embedding: Embedding | None, stage_state: PyTree,
+                head_state: PyTree = None) -> PipelineResult:
   """``pipeline_value_and_grad_local`` once its options are checked."""
   table = check_table(table)
   if not table.training:
@@ -200,8 +178,10 @@ def _local_step(stage_fn: StageFn, loss_fn: LossFn, local_params: PyTree,
                      'tick_table(schedule).')
   schedule = table.schedule
   check_stage_axis(options.stage_axis, schedule)
-  _check_functions(stage_fn, loss_fn, embedding, options.key, stage_state)
-  _check_trees(table, local_params, loss_params, embedding, stage_state)
+  _check_functions(stage_fn, loss_fn, embedding, options.key, stage_state,
+                   head_state)
+  _check_trees(table, local_params, loss_params, embedding, stage_state,
+               head_state)
   stage_fn, loss_fn, embedding = _as_on_one_device(stage_fn, loss_fn,
                                                    embedding, options)
   given = jax.tree.map(
@@ -214,21 +194,28 @@ def _local_step(stage_fn: StageFn, loss_fn: LossFn, local_params: PyTree,
   if embedding is not None:
     # A value, not its aval: under a shard_map manual over some axes only,
     # eval_shape rejects avals that carry manual-axis types.
-    x = full(jax.eval_shape(
-        lambda params, raw, k: embedding.fn(params, raw, **extras(k)),
-        embedding.params, x, embedding.key), 0)
+    x = jax.eval_shape(
+        lambda params, raw, k, s: embedding.fn(params, raw, **extras(k, s)),
+        embedding.params, x, embedding.key, embedding.state)
+    if embedding.state is not None:
+      x = check_new_state(x, embedding.state,
+                          'embed_fn(embed_params, raw, state=s)',
+                          'embed_state')
+    x = full(x, 0)
   check_stage_fn(stage_fn, local_params, x, options.key, stage_state)
   check_loss_fn(loss_fn, loss_params, x, jax.tree.map(lambda t: t[0], ts),
-                options.key, options.has_aux)
+                options.key, options.has_aux, head_state)
   res = _tick_scan.run(stage_fn, loss_fn, table, local_params, loss_params,
                        xs, ts, options=options, embedding=embedding,
-                       stage_state=stage_state)
+                       stage_state=stage_state, head_state=head_state)
   dx = None if res.inputs is None else jax.tree.map(
       _batch_cotangent, res.inputs, given)
   loss, aux = res.value
+  state = PipelineState(*res.state[:3])
   return PipelineResult(loss, aux if options.has_aux else None,
                         PipelineGrads(res.stages, res.head, dx, res.embed),
-                        res.state)
+                        None if all(part is None for part in state)
+                        else state)
 
 
 def _batch_cotangent(rows: jax.Array, given: jax.ShapeDtypeStruct):
@@ -242,25 +229,28 @@ def _batch_cotangent(rows: jax.Array, given: jax.ShapeDtypeStruct):
 
 def _check_functions(stage_fn: Any, loss_fn: Any,
                      embedding: Embedding | None, key: Any,
-                     stage_state: PyTree) -> None:
+                     stage_state: PyTree, head_state: PyTree) -> None:
   """``TypeError`` unless each function is callable and takes by keyword
   the extras this step passes it (``key=``, ``state=``)."""
   check_fn(stage_fn, 'stage_fn')
   check_fn(loss_fn, 'loss_fn')
   keyed = () if key is None else ('key',)
+  stateful = lambda state: () if state is None else ('state',)
   check_keywords(stage_fn, 'stage_fn', 'params, x',
-                 keyed + (() if stage_state is None else ('state',)))
-  check_keywords(loss_fn, 'loss_fn', 'loss_params, y, target', keyed)
+                 keyed + stateful(stage_state))
+  check_keywords(loss_fn, 'loss_fn', 'loss_params, y, target',
+                 keyed + stateful(head_state))
   if embedding is not None:
     check_fn(embedding.fn, 'embed_fn')
     check_key(embedding.key)
     check_keywords(embedding.fn, 'embed_fn', 'embed_params, raw',
-                   () if embedding.key is None else ('key',))
+                   (() if embedding.key is None else ('key',))
+                   + stateful(embedding.state))
 
 
 def _check_trees(table: TickTable, local_params: PyTree,
                  loss_params: PyTree, embedding: Embedding | None,
-                 stage_state: PyTree) -> None:
+                 stage_state: PyTree, head_state: PyTree) -> None:
   """The parameters are floats; the stage trees hold this rank's ``v``
   stages; with a state, each stage runs its microbatches in order. (The
   inputs may hold integers: their cotangents are zeros.)"""
@@ -273,6 +263,8 @@ def _check_trees(table: TickTable, local_params: PyTree,
   check_leading(local_params, v, 'local_params', 'num_stages // num_ranks')
   if stage_state is not None:
     check_leading(stage_state, v, 'stage_state', 'num_stages // num_ranks')
+  if any(state is not None for state in (
+      stage_state, head_state, embedding and embedding.state)):
     check_state_order(table)
 
 
@@ -289,9 +281,13 @@ def _as_on_one_device(stage_fn: StageFn, loss_fn: LossFn,
     stage_fn, loss_fn = (cast_params(stage_fn, dtype),
                          cast_params(loss_fn, dtype))
     if embedding is not None:
-      embed = embedding.fn
-      embedding = embedding._replace(fn=cast_params(
-          lambda *a, **kw: embed(*a, **kw).astype(dtype), dtype))
+      embed, stateful = embedding.fn, embedding.state is not None
+      def cast(*a, **kw):   # x (not a new state) in the compute dtype
+        out = embed(*a, **kw)
+        x = out[0] if stateful else out
+        x = jax.tree.map(lambda a: a.astype(dtype) if is_float(a) else a, x)
+        return (x, out[1]) if stateful else x
+      embedding = embedding._replace(fn=cast_params(cast, dtype))
   return stage_fn, loss_fn, embedding
 
 
@@ -386,7 +382,7 @@ def pipeline_value_and_grad(
     ...     schedule=jaxpar.pipeline.one_f_one_b(4, 8))
     >>> out = step(params, 2.0, np.ones((32, 16)), np.zeros((32, 16)),
     ...            key=jax.random.key(0), stage_state=np.zeros((4, 16)))
-    >>> out.state.shape, out.loss.dtype
+    >>> out.state.stages.shape, out.loss.dtype
     ((4, 16), dtype('float32'))
   """
   check_fn(stage_fn, 'stage_fn')
@@ -405,7 +401,9 @@ def pipeline_value_and_grad(
                       targets, table=table, options=options._replace(key=key),
                       embedding=None, stage_state=first(state))
     return out._replace(grads=out.grads._replace(
-        stages=stacked(out.grads.stages)), state=stacked(out.state))
+        stages=stacked(out.grads.stages)),
+                        state=PipelineState(stacked(
+                            out.state and out.state.stages)))
 
   by_rank = NamedSharding(mesh, P(stage_axis))
   to_ranks = lambda tree: jax.reshard(stages_to_ranks(
@@ -418,7 +416,8 @@ def pipeline_value_and_grad(
       local, mesh=mesh,
       in_specs=(P(stage_axis), P(), P(), P(), P(), P(stage_axis)),
       out_specs=PipelineResult(P(), P(), PipelineGrads(P(stage_axis), P(),
-                                                       P()), P(stage_axis)))
+                                                       P()),
+                               PipelineState(P(stage_axis))))
 
   @jax.jit
   def step(stage_params, loss_params, inputs, targets, key=None,
@@ -436,7 +435,8 @@ def pipeline_value_and_grad(
                   None if stage_state is None else to_ranks(stage_state))
     return out._replace(
         grads=out.grads._replace(stages=to_stages(out.grads.stages)),
-        state=None if stage_state is None else to_stages(out.state))
+        state=None if stage_state is None else PipelineState(
+            to_stages(out.state.stages)))
   return step
 
 

@@ -6,10 +6,11 @@ table, inside a ``jax.shard_map`` over the pipeline axis
 into the public steps. ``run`` reads as the recipe: the rank's view of the
 step (``Rank``), the types of what the blocks produce (``_avals``), the
 blocks and message patterns the table holds (``_scan_config``), the
-buffers (``_init_carry``), the scan of ``_tick``, the sums (``_result``).
+buffers (``_init_carry``), the scan of ``_tick``, the sums (``_result``);
+the calls of the user's functions are in ``_tick_maths``.
 The scan's carry is a ``Carry`` (mailbox, stash, weight stash,
-``Accumulators``, the pending and result rows as an ``Edge``, the stages'
-state); its ``xs`` are ``TickRow``s, each rank's part a ``TickCell``; a
+``Accumulators``, the pending and result rows as an ``Edge``, the
+``ModelState``); its ``xs`` are ``TickRow``s, each rank's part a ``TickCell``; a
 block reads and updates a ``BlockState``. An activation (so a mailbox
 slot, a message, a row of the result) may be any pytree: values a stage
 only passes on (an encoder output, a mask) ride with it, and integer
@@ -27,7 +28,9 @@ every rank
      slot in place; on the last stage also ``loss_fn`` and the loss
      cotangent. A stateful stage (``stage_state``) reads its state and
      writes the new one in its place, so each microbatch's ``F`` sees the
-     state the previous one left (what depends on it is stashed);
+     state the previous one left (what depends on it is stashed); so do
+     stage 0's embedding and the last stage's loss with theirs (stage 0
+     also stashes the embedding's state for its recompute in ``B``/``I``);
    * ``B``: a schedule's backward as one VJP (``StageVJP.backward``): the
      parameter cotangent added to the gradient accumulator in place, the
      input cotangent sent; it keeps nothing;
@@ -110,16 +113,19 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.pipeline.executor._microbatches import (
-    LossFn, StageFn, extras, row, rows)
+    LossFn, StageFn, row, rows)
 from jaxpar.pipeline.executor._options import Embedding, StepOptions
 from jaxpar.pipeline.executor._sequential import sequential
 from jaxpar.pipeline.executor._stage_vjp import StageVJP
 from jaxpar.pipeline.executor._stamps import stamp
+from jaxpar.pipeline.executor._tick_maths import (
+    add, cast, embed_params, embedded, key_of, new_state, owner, params_of,
+    seed, written, zeros_like)
 from jaxpar.pipeline.executor._tick_rows import (
     B, F, I, W, blocks, edge_rows, messages)
 from jaxpar.pipeline.executor._tick_state import (
-    Accumulators, Avals, BlockState, Carry, Edge, Rank, Result, ScanConfig,
-    TickCell, TickRow)
+    Accumulators, Avals, BlockState, Carry, Edge, ModelState, Rank, Result,
+    ScanConfig, TickCell, TickRow)
 from jaxpar.pipeline.executor._tick_messages import (
     deliver, exchange, offsets, pend, write_rows)
 from jaxpar.pipeline.executor._vma import cotangent, full, like, put, stored
@@ -136,7 +142,8 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, table: TickTable,
         local_params: PyTree, loss_params: PyTree, inputs: PyTree,
         targets: PyTree, *, options: StepOptions,
         embedding: Embedding | None = None,
-        stage_state: PyTree = None) -> Result | PyTree:
+        stage_state: PyTree = None, head_state: PyTree = None
+        ) -> Result | PyTree:
   """The scan over ticks on one rank (inside ``shard_map``); see module doc.
 
   Args are one rank's view: ``local_params`` ``[v, ...]``, ``inputs``
@@ -145,7 +152,9 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, table: TickTable,
   step's checked ``StepOptions`` (its key, ``microbatch_offset``, ...).
   ``stage_state`` (training only) is ``[v, ...]`` like ``local_params``:
   the stages' state, passed from each ``F`` of a stage to its next (in
-  microbatch order, ``check_state_order``).
+  microbatch order, ``check_state_order``); ``embedding.state`` and
+  ``head_state`` the embedding's and the loss's, passed so by stage 0's
+  and the last stage's ``F`` (a ``ModelState`` in the carry).
 
   Returns:
     Training (``loss_fn`` given): a ``Result``: the loss (and aux) and the
@@ -157,7 +166,7 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, table: TickTable,
   if schedule.num_ranks == 1:
     return sequential(stage_fn, loss_fn, schedule, local_params, loss_params,
                       inputs, targets, options=options, embedding=embedding,
-                      stage_state=stage_state)
+                      stage_state=stage_state, head_state=head_state)
   training = loss_fn is not None
   axis = options.stage_axis
   # Every value the blocks touch varies over the pipeline axis and over
@@ -172,11 +181,13 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, table: TickTable,
                      w_recompute=options.w_recompute),
       loss_fn=loss_fn,
       embedding=None if embedding is None else embedding._replace(
-          params=vary(embedding.params, base)),
+          params=vary(embedding.params, base), state=None),
       local_params=vary(local_params, base),
       loss_params=vary(loss_params, base), inputs=inputs, targets=targets,
       options=options, num_microbatches=schedule.num_microbatches,
-      num_stages=schedule.num_stages, state=vary(stage_state, base))
+      num_stages=schedule.num_stages, state=vary(ModelState(
+          stage_state, None if embedding is None else embedding.state,
+          head_state), base))
   config, rows = _scan_config(table, options, training,
                               embedding=embedding is not None)
   avals = _avals(rank, axis, split=config.split)
@@ -211,29 +222,31 @@ def _avals(rank: Rank, axis: str, *, split: bool) -> Avals:
   comes from the rank's table row).
   """
   training = rank.loss_fn is not None
-  one_params = _params_of(rank, 0)
-  one_state = row(rank.state, 0)
-  k0 = _key(rank, rank.index * 0, rank.index * 0)
-  x0 = (jax.eval_shape(lambda ep, mb: _embedded(rank, ep, mb),
-                       _embed_params(rank), rank.index * 0)
+  one_params = params_of(rank, 0)
+  one_state = rank.state._replace(stages=row(rank.state.stages, 0))
+  k0 = key_of(rank, rank.index * 0, rank.index * 0)
+  target = jax.tree.map(lambda t: t[0], rank.targets)
+  x0 = (jax.eval_shape(
+      lambda ep, mb: embedded(rank, ep, mb, one_state.embed)[0],
+      embed_params(rank), rank.index * 0)
         if rank.embedding is not None else
         jax.tree.map(lambda a: jax.typeof(a[0]), rank.inputs))
   act_vma = varying_axes(rank.inputs) | {axis} | varying_axes(x0)
   while True:
     x = vary(full(x0, 0), act_vma)
     state = vary(one_state, act_vma)   # varies as the activations do
-    y_aval, stash = rank.stage.trace(one_params, x, k0, state=state)
+    y_aval, stash = rank.stage.trace(one_params, x, k0, state=state.stages)
     new = act_vma | varying_axes(y_aval) | varying_axes(
-        _new_state(rank, one_params, x, k0, state))
+        new_state(rank, one_params, x, k0, state, target))
     if training:
-      y = vary(_zeros_like(x), varying_axes(y_aval))
-      value, (dhead, dy_aval) = jax.eval_shape(
-          lambda lp, y, t, k: _seed(rank, lp, y, t, k), rank.loss_params, y,
-          jax.tree.map(lambda t: t[0], rank.targets), k0)
-      dy = vary(_zeros_like(x), new | varying_axes(dy_aval))
+      y = vary(zeros_like(x), varying_axes(y_aval))
+      value, (dhead, dy_aval), _ = jax.eval_shape(
+          lambda lp, y, t, k, s: seed(rank, lp, y, t, k, s),
+          rank.loss_params, y, target, k0, state.head)
+      dy = vary(zeros_like(x), new | varying_axes(dy_aval))
       dstage, dx_aval = jax.eval_shape(
-          functools.partial(rank.stage.backward, state=state), one_params,
-          full(stash, 0), dy, k0)
+          functools.partial(rank.stage.backward, state=state.stages),
+          one_params, full(stash, 0), dy, k0)
       new |= varying_axes(dy_aval) | varying_axes(dx_aval)
     if new == act_vma:
       break
@@ -241,7 +254,8 @@ def _avals(rank: Rank, axis: str, *, split: bool) -> Avals:
   act = jax.tree.map(jax.typeof, x)
   if not training:
     return Avals(act, act_vma, stash)
-  kept = (rank.stage.split(one_params, full(stash, 0), dy, k0, state=state)
+  kept = (rank.stage.split(one_params, full(stash, 0), dy, k0,
+                           state=state.stages)
           if split else None)
   return Avals(act, act_vma, stash, kept, dstage, value, dhead)
 
@@ -256,7 +270,7 @@ def _init_carry(rank: Rank, avals: Avals, config: ScanConfig) -> Carry:
     acc = Accumulators(
         full(avals.dstage, 0, table.schedule.num_stages // p),
         full(avals.value, 0), full(avals.dhead, 0),
-        vary(full(jax.eval_shape(lambda: _embed_params(rank)), 0),
+        vary(full(jax.eval_shape(lambda: embed_params(rank)), 0),
              avals.act_vma))
     stash = full(avals.stash, fill, table.num_stash_slots)
     if config.split:
@@ -267,8 +281,11 @@ def _init_carry(rank: Rank, avals: Avals, config: ScanConfig) -> Carry:
                           avals.act)
     edge = Edge(full(avals.act, 0, p),
                 vary(result, avals.act_vma - {config.stage_axis}))
-  return Carry(mailbox, stash, wstash, acc, edge,
-               vary(rank.state, avals.act_vma))
+  state = vary(rank.state, avals.act_vma)
+  if state.embed is not None:   # the embed state each of stage 0's F saw
+    state = state._replace(seen=full(jax.tree.map(jax.typeof, state.embed),
+                                     0, table.num_stash_slots))
+  return Carry(mailbox, stash, wstash, acc, edge, state)
 
 
 def _tick(rank: Rank, avals: Avals, config: ScanConfig, carry: Carry,
@@ -314,11 +331,19 @@ def _result(config: ScanConfig, carry: Carry) -> Result | PyTree:
   result = carry.edge.result if config.with_edge else None
   if not config.training:
     return result
-  acc = carry.acc
-  value, head, embed = jax.lax.psum((acc.value, acc.head, acc.embed),
-                                    config.stage_axis)
+  acc, state = carry.acc, carry.state
+  # The embedding's and the loss's state, from the ranks that ran them.
+  index = jax.lax.axis_index(config.stage_axis)
+  ends = [jax.tree.map(lambda a: jnp.where(index == owner(
+      config.table, stage), a, jnp.zeros((), a.dtype)), part)
+          for stage, part in ((0, state.embed),
+                              (config.table.schedule.num_stages - 1,
+                               state.head))]
+  value, head, embed, ends = jax.lax.psum(
+      (acc.value, acc.head, acc.embed, ends), config.stage_axis)
   return Result(value, acc.stages, head, result,
-                embed if config.embedding else None, carry.state)
+                embed if config.embedding else None,
+                ModelState(state.stages, *ends))
 
 
 # ------------------------------------------------------------ one tick
@@ -378,29 +403,40 @@ def _forward(rank: Rank, avals: Avals, first: bool, last: bool,
              state: BlockState) -> BlockState:
   """The ``F`` block: the stage's forward (stage 0 with an embedding: of
   the embedded microbatch). Training stashes the residuals; the last stage
-  adds its loss and sends the loss's cotangent instead of ``y``. A
-  stateful stage reads its state and writes the new one in its place."""
+  adds its loss and sends the loss's cotangent instead of ``y``. Each
+  function with model state (the stage's, stage 0's embedding's, the last
+  stage's loss's) reads it and writes the new one in its place; stage 0
+  also keeps the embedding's for its ``B`` or ``I`` (``ModelState.seen``)."""
+  model = state.state
   if first:
-    x = like(_cast(_embedded(rank, _embed_params(rank), cell.microbatch),
-                   avals.act), avals.act)
-  params = _params_of(rank, cell.local_stage)
+    x, new_embed = embedded(rank, embed_params(rank), cell.microbatch,
+                            model.embed)
+    x = like(cast(x, avals.act), avals.act)
+    if model.embed is not None:
+      model = model._replace(seen=put(model.seen, cell.stash_slot,
+                                      model.embed),
+                             embed=written(model.embed, new_embed))
+  params = params_of(rank, cell.local_stage)
   if rank.loss_fn is None:
     return state._replace(payload=like(rank.stage.stage_fn(params, x),
                                        avals.act))
-  y, residuals, *new_state = rank.stage.forward(
-      params, x, _key(rank, cell.stage, cell.microbatch),
-      state=row(state.state, cell.local_stage))
+  y, residuals, *new_stage = rank.stage.forward(
+      params, x, key_of(rank, cell.stage, cell.microbatch),
+      state=row(model.stages, cell.local_stage))
+  model = model._replace(stages=put(model.stages, cell.local_stage,
+                                    new_stage[0] if new_stage else None))
   state = state._replace(stash=put(state.stash, cell.stash_slot,
-                                    residuals),
-                         state=put(state.state, cell.local_stage,
-                                    new_state[0] if new_state else None))
+                                   residuals), state=model)
   if not last:
     return state._replace(payload=like(y, avals.act))
-  value, (dhead, dy) = _seed(rank, rank.loss_params, y, target,
-                             _key(rank, rank.num_stages, cell.microbatch))
-  acc = state.acc._replace(value=_add(state.acc.value, value),
-                           head=_add(state.acc.head, dhead))
-  return state._replace(payload=like(dy, avals.act), acc=acc)
+  value, (dhead, dy), new_head = seed(
+      rank, rank.loss_params, y, target,
+      key_of(rank, rank.num_stages, cell.microbatch), model.head)
+  acc = state.acc._replace(value=add(state.acc.value, value),
+                           head=add(state.acc.head, dhead))
+  return state._replace(payload=like(dy, avals.act), acc=acc,
+                        state=model._replace(
+                            head=written(model.head, new_head)))
 
 
 def _backward(rank: Rank, avals: Avals, first: bool, cell: TickCell,
@@ -410,8 +446,9 @@ def _backward(rank: Rank, avals: Avals, first: bool, cell: TickCell,
   cotangent sent (stage 0 with an embedding: the embedding's VJP of it)."""
   j = cell.local_stage
   dstage, dx = rank.stage.backward(
-      _params_of(rank, j), row(state.stash, cell.stash_slot), dy,
-      _key(rank, cell.stage, cell.microbatch), state=row(state.state, j))
+      params_of(rank, j), row(state.stash, cell.stash_slot), dy,
+      key_of(rank, cell.stage, cell.microbatch),
+      state=row(state.state.stages, j))
   return _sent(rank, avals, first, cell, like(dx, avals.act), state._replace(
       acc=_add_stage(state.acc, j, dstage)))
 
@@ -424,8 +461,8 @@ def _input_grad(rank: Rank, avals: Avals, first: bool, cell: TickCell,
   (``rows``: a scan over the stage's layers reads one layer per iteration,
   not a copy of the row)."""
   dx, kept = rank.stage.input_grad(
-      _params_of(rank, cell.local_stage), rows(state.stash, cell.stash_slot),
-      dy, _key(rank, cell.stage, cell.microbatch))
+      params_of(rank, cell.local_stage), rows(state.stash, cell.stash_slot),
+      dy, key_of(rank, cell.stage, cell.microbatch))
   return _sent(rank, avals, first, cell, like(dx, avals.act), state._replace(
       wstash=put(state.wstash, cell.weight_slot, kept)))
 
@@ -436,9 +473,9 @@ def _weight_grad(rank: Rank, cell: TickCell, dy: PyTree,
   kept, added to its gradient; it sends nothing."""
   j = cell.local_stage
   dstage = rank.stage.weight_grad(
-      _params_of(rank, j), rows(state.stash, cell.stash_slot), dy,
+      params_of(rank, j), rows(state.stash, cell.stash_slot), dy,
       rows(state.wstash, cell.weight_slot),
-      _key(rank, cell.stage, cell.microbatch))
+      key_of(rank, cell.stage, cell.microbatch))
   return state._replace(acc=_add_stage(state.acc, j, dstage))
 
 
@@ -446,13 +483,15 @@ def _sent(rank: Rank, avals: Avals, first: bool, cell: TickCell, dx: PyTree,
           state: BlockState) -> BlockState:
   """``state`` sending the input cotangent ``dx``; on stage 0 with an
   embedding (``first``) the embedding's VJP of it (recomputing the
-  embedding) is added to its gradient instead."""
+  embedding, with the state its ``F`` saw) is added to its gradient
+  instead."""
   if not first:
     return state._replace(payload=dx)
-  _, vjp = jax.vjp(lambda ep: _embedded(rank, ep, cell.microbatch),
-                   _embed_params(rank))
-  embed = _add(state.acc.embed, vjp(cotangent(_cast(dx, avals.act),
-                                              avals.act))[0])
+  seen = row(state.state.seen, cell.stash_slot)
+  _, vjp = jax.vjp(lambda ep: embedded(rank, ep, cell.microbatch, seen)[0],
+                   embed_params(rank))
+  embed = add(state.acc.embed, vjp(cotangent(cast(dx, avals.act),
+                                             avals.act))[0])
   return state._replace(acc=state.acc._replace(embed=embed))
 
 
@@ -460,76 +499,6 @@ def _add_stage(acc: Accumulators, j: Any, dstage: PyTree) -> Accumulators:
   """``acc`` with ``dstage`` added to local stage ``j``'s gradient."""
   return acc._replace(stages=jax.tree.map(
       lambda g, d: g.at[j].add(like(d, g[j])), acc.stages, dstage))
-
-
-# ------------------------------------------------------------ the blocks' maths
-
-
-def _params_of(rank: Rank, j: Any) -> PyTree:
-  """The rank's ``j``-th local stage's parameters."""
-  return row(rank.local_params, j)
-
-
-def _new_state(rank: Rank, params: PyTree, x: PyTree, key: Any,
-               state: PyTree) -> PyTree:
-  """The aval of a stateful stage's new state (``None``: stateless)."""
-  if state is None:
-    return None
-  return jax.eval_shape(
-      lambda p, x, k, s: rank.stage.stage_fn(p, x, **extras(k, s))[1],
-      params, x, key, state)
-
-
-def _key(rank: Rank, stage: Any, microbatch: Any) -> jax.Array | None:
-  """The key of (logical ``stage``, ``microbatch``); the loss of a
-  microbatch has ``stage = num_stages``. A function of the global
-  microbatch index, so of the batch rows, not of the schedule or mesh."""
-  options = rank.options
-  if options.key is None:
-    return None
-  return jax.random.fold_in(jax.random.fold_in(
-      options.key, options.microbatch_offset + microbatch), stage)
-
-
-def _embed_params(rank: Rank) -> PyTree:
-  """The embedding's parameters (``None`` without an embedding)."""
-  return None if rank.embedding is None else rank.embedding.params
-
-
-def _embedded(rank: Rank, embed_params: PyTree, microbatch: Any) -> PyTree:
-  """Stage 0's input for ``microbatch``: the embedding of its raw rows."""
-  embedding = rank.embedding
-  raw = jax.tree.map(lambda a: a[microbatch], rank.inputs)
-  key = (None if embedding.key is None else jax.random.fold_in(
-      embedding.key, rank.options.microbatch_offset + microbatch))
-  return embedding.fn(embed_params, raw, **extras(key))
-
-
-def _seed(rank: Rank, loss_params: PyTree, y: PyTree, target: PyTree,
-          key: jax.Array | None):
-  """``((loss, aux), (dloss_params, dy))``: this microbatch's share of the
-  mean loss (and aux, at least float32) and its gradient."""
-  def share(lp, y):
-    out = rank.loss_fn(lp, y, target, **extras(key))
-    loss, aux = out if rank.options.has_aux else (out, ())
-    return jax.tree.map(lambda a: a.astype(jnp.promote_types(
-        a.dtype, jnp.float32)) / rank.num_microbatches, (loss, aux))
-  value, (dhead, dy) = jax.value_and_grad(
-      share, argnums=(0, 1), has_aux=True, allow_int=True)(loss_params, y)
-  return value, (dhead, stored(dy, y))
-
-
-def _zeros_like(tree: PyTree) -> PyTree:
-  return jax.tree.map(jnp.zeros_like, tree)
-
-
-def _cast(tree: PyTree, avals: PyTree) -> PyTree:
-  """Each leaf of ``tree`` in the dtype of the matching aval."""
-  return jax.tree.map(lambda a, t: a.astype(t.dtype), tree, avals)
-
-
-def _add(acc: PyTree, d: PyTree) -> PyTree:
-  return jax.tree.map(lambda a, d: a + like(d, a), acc, d)
 
 
 def when(pred: jax.Array, fn: Callable[[PyTree], PyTree],

@@ -3,9 +3,9 @@
 What one rank holds while it scans the tick table: the fixed inputs
 (``Rank``, ``Avals``, ``ScanConfig``), one tick's row (``TickRow``: every
 rank's ``TickCell``), the scan carry (``Carry``: mailbox, stashes,
-``Accumulators``, ``Edge``), a block's view (``BlockState``) and the result
-(``Result``). NamedTuples, so the scan carries them as pytrees and a reader
-sees what each field is.
+``Accumulators``, ``Edge``, the ``ModelState``), a block's view
+(``BlockState``) and the result (``Result``). NamedTuples, so the scan
+carries them as pytrees and a reader sees what each field is.
 """
 
 from __future__ import annotations
@@ -70,6 +70,19 @@ class ScanConfig(NamedTuple):
     return not self.embedding and (self.input_grads or not self.training)
 
 
+class ModelState(NamedTuple):
+  """Model state that is not a parameter (BatchNorm's running statistics),
+  passed from each microbatch's ``F`` to the next: the stages' (each ``F``
+  of a stage), the embedding's (stage 0's ``F``) and the loss's (the last
+  stage's ``F``); ``None`` where that part has none."""
+  stages: PyTree = None   # ``[v, ...]``: this rank's stages
+  embed: PyTree = None    # the embedding's (valid on stage 0's rank)
+  head: PyTree = None     # the loss's (valid on the last stage's rank)
+  seen: PyTree = None     # ``[num_stash_slots, ...]``: the ``embed`` state
+                          # each of stage 0's ``F`` saw (in the carry only),
+                          # for the embedding its ``B``/``I`` recompute
+
+
 class Rank(NamedTuple):
   """One rank's view of the step, the same on every tick: its index on the
   pipeline axis, its inputs (the params cast to vary over that axis), the
@@ -86,8 +99,7 @@ class Rank(NamedTuple):
   options: StepOptions        # its key and microbatch_offset, has_aux
   num_microbatches: int
   num_stages: int
-  state: PyTree = None        # ``[v, ...]``: the stages' state before the
-                              # step (``None``: stateless stages)
+  state: ModelState = ModelState()   # the model state before the step
 
 
 class Avals(NamedTuple):
@@ -124,7 +136,7 @@ class Carry(NamedTuple):
                        # (``None`` unless ``ScanConfig.split``)
   acc: Accumulators | None   # training only
   edge: Edge | None
-  state: PyTree = None   # ``[v, ...]``: each local stage's state so far
+  state: ModelState = ModelState()   # the model state so far
 
 
 class BlockState(NamedTuple):
@@ -133,7 +145,7 @@ class BlockState(NamedTuple):
   acc: Accumulators | None
   stash: PyTree
   wstash: PyTree       # ``None`` in ``F`` and ``B``, which do not carry it
-  state: PyTree = None   # ``[v, ...]``: the stages' state (``F`` updates it)
+  state: ModelState = ModelState()   # the model state (``F`` updates it)
 
 
 class Result(NamedTuple):
@@ -144,4 +156,6 @@ class Result(NamedTuple):
   head: PyTree               # ``loss_params``' gradient
   inputs: PyTree             # ``[m, mb, ...]``: ``None`` with an embedding
   embed: PyTree              # ``embed_params``' gradient, ``None`` without
-  state: PyTree = None       # ``[v, ...]``: the stages' state after the step
+  state: ModelState = ModelState()   # the model state after the step (no
+                                     # ``seen``): ``stages`` this rank's,
+                                     # ``embed``, ``head`` on every rank

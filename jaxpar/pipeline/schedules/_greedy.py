@@ -161,17 +161,18 @@ def _arrival(run: _GreedyRun, state: _State, action: Action,
              rank: int) -> float | None:
   """When ``action``'s cross-action inputs are there (``None``: not yet)."""
   s, kind, i = action
-  if kind == 'F':
-    deps = [Action(s - 1, 'F', i)] if s > 0 else []
+  if kind == 'F':   # plain tuples: the keys of ``end`` compare equal
+    deps = ((s - 1, 'F', i),) if s > 0 else ()
+  elif s < run.num_stages - 1:
+    deps = ((s, 'F', i), (s + 1, run.grad, i))
   else:
-    deps = [Action(s, 'F', i)] + (
-        [Action(s + 1, run.grad, i)] if s < run.num_stages - 1 else [])
-  t = 0.0
+    deps = ((s, 'F', i),)
+  t, end = 0.0, state.end
   for d in deps:
-    if d not in state.end:
+    e = end.get(d)
+    if e is None:
       return None
-    t = max(t, state.end[d] + (
-        run.comm if run.placement[d.stage] != rank else 0.0))
+    t = max(t, e + (run.comm if run.placement[d[0]] != rank else 0.0))
   return t
 
 

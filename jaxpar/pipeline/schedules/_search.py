@@ -85,10 +85,24 @@ def makespan(schedule: Schedule,
     (38.5, 33.0)
   """
   per_action = action_costs(schedule, costs)
-  # The table is packed for this comm: a message priced in the action's F.
-  price = comm / per_action['F'] if per_action['F'] > 0 else comm
-  return _tick_table.tick_table(schedule, message_cost=price).makespan(
-      per_action, comm)
+  key = (schedule.num_ranks, schedule.num_stages, schedule.num_microbatches,
+         schedule.placement, schedule.actions,
+         tuple(sorted(per_action.items())), type(comm), comm)
+  if key not in _MAKESPANS:   # a bad schedule or comm raises every time
+    # The table is packed for this comm: a message priced in the action's F.
+    price = comm / per_action['F'] if per_action['F'] > 0 else comm
+    if len(_MAKESPANS) >= _MAKESPANS_SIZE:
+      _MAKESPANS.clear()
+    _MAKESPANS[key] = _tick_table.tick_table(
+        schedule, message_cost=price).makespan(per_action, comm)
+  return _MAKESPANS[key]
+
+
+# makespan's results by what they depend on (not the schedule's name):
+# searches time the same built-in schedules again (each search offers every
+# constructor that fits; a notebook or test searches under several limits).
+_MAKESPANS: dict[tuple, float] = {}
+_MAKESPANS_SIZE = 4096
 
 
 def search(num_ranks: int, num_microbatches: int, *, memory_limit: float,

@@ -17,7 +17,7 @@ from jaxpar.pipeline.schedules._schedule import Schedule
 from jaxpar.pipeline.schedules._simulate import DEFAULT_COSTS
 
 # Blocks placed by the lookahead's tries, per table, before it stops trying:
-# interleaved 1F1B at p = 8, m = 64 (2048 blocks) takes 0.4 s of CPU.
+# interleaved 1F1B at p = 8, m = 64 (2048 blocks) takes 0.1 s of CPU.
 _LOOKAHEAD = 100_000
 
 
@@ -87,8 +87,9 @@ def _blocks(schedule: Schedule, *, fuse: bool) -> Blocks:
 
 
 class _Packing:
-  """Blocks placed in ticks ``< t`` so far; ``place`` adds tick ``t``,
-  ``finish`` places the rest by plain list scheduling."""
+  """Blocks placed in ticks ``< t`` so far; ``place`` adds tick ``t``
+  (``_Lookahead.trial`` scores a try of it finished by plain list
+  scheduling)."""
 
   def __init__(self, blocks: Blocks):
     self.blocks = blocks
@@ -97,12 +98,6 @@ class _Packing:
     self.t = 0
     self.time = 0.0       # lock-step time so far
     self.messages = 0     # ticks x offsets with messages between ranks
-
-  def copy(self) -> _Packing:
-    new = object.__new__(_Packing)
-    new.__dict__.update(self.__dict__, pos=list(self.pos),
-                        tick=list(self.tick))
-    return new
 
   @property
   def done(self) -> bool:
@@ -126,39 +121,6 @@ class _Packing:
     self.time += cost
     self.messages += len(offsets - {0})
     self.t += 1
-
-  def finish(self) -> int:
-    """Places every block left at its earliest tick (after the rank's
-    previous block and its inputs, from tick ``t`` on); returns how many."""
-    blocks, tick, waiting, ready = self.blocks, self.tick, {}, []
-    for r, row in enumerate(blocks.rows):
-      for k in range(self.pos[r], len(row)):
-        b = row[k]
-        waiting[b] = sum(tick[d] < 0 for d in blocks.deps[b]) + (
-            k > self.pos[r])
-        if not waiting[b]:
-          ready.append(b)
-    cost, offsets = {}, {}
-    while ready:
-      b = ready.pop()
-      prev = blocks.before[b]
-      at = max([self.t, tick[prev] + 1 if prev >= 0 else 0]
-               + [tick[d] + 1 for d in blocks.deps[b]])
-      tick[b] = at
-      cost[at] = max(cost.get(at, 0.0), blocks.cost[b])
-      offsets.setdefault(at, set()).add(blocks.sends[b])
-      for c in blocks.after[b]:
-        if c in waiting:
-          waiting[c] -= 1
-          if not waiting[c]:
-            ready.append(c)
-    if any(tick[b] < 0 for b in waiting):   # validate() rules this out
-      raise RuntimeError(f'Deadlock after tick {self.t}.')
-    self.pos = [len(row) for row in blocks.rows]
-    self.time += sum(cost.values())
-    self.messages += sum(len(o - {0}) for o in offsets.values())
-    self.t = max(cost, default=self.t - 1) + 1
-    return len(waiting)
 
 
 def _choices(packing: _Packing, ranks: list[int], *, drops: bool
@@ -187,13 +149,14 @@ def _pack(blocks: Blocks, message_cost: float) -> _Packing:
   """The blocks in ticks with the least ``_score`` of two greedy packings:
   one scoring each tick's choices by ``_score``, one by the lock-step time
   and then the messages (the one-step lookahead is short-sighted either
-  way)."""
+  way). Both share one ``_Lookahead`` (their tries often meet)."""
   scores = (lambda k: _score(k, message_cost), lambda k: (k.time, k.messages))
-  return min((_greedy(blocks, score) for score in scores),
+  lookahead = _Lookahead(blocks)
+  return min((_greedy(blocks, score, lookahead) for score in scores),
              key=lambda k: _score(k, message_cost))
 
 
-def _greedy(blocks: Blocks, score) -> _Packing:
+def _greedy(blocks: Blocks, score, lookahead: _Lookahead) -> _Packing:
   """List scheduling with a one-step lookahead (the module doc): each tick
   takes the choice whose plain finish has the least ``score``. Holding back
   one rank is tried in the first ``3 p`` ticks (it sets the ranks' phases)
@@ -208,13 +171,97 @@ def _greedy(blocks: Blocks, score) -> _Packing:
     choices = _choices(packing, ready, drops=drops) if budget > 0 else [ready]
     best, best_score = ready, None
     for choice in choices if len(choices) > 1 else ():
-      trial = packing.copy()
-      trial.place(choice)
-      budget -= trial.finish()
+      trial, placed = lookahead.trial(packing, choice)
+      budget -= placed
       if best_score is None or score(trial) < best_score:
         best, best_score = choice, score(trial)
     packing.place(best)
   return packing
+
+
+class _Trial(NamedTuple):
+  """What a try scores: ``_Packing.time`` and ``messages`` after it."""
+  time: float
+  messages: int
+
+
+class _Lookahead:
+  """The tries of ``_greedy``: a packing after ``place(choice)`` and a plain
+  ``finish``, scored without building it.
+
+  A plain finish puts each block left at ``t + depth``, its depth in the
+  graph of the blocks left (0 without a predecessor left, else one more than
+  its deepest one), so what it adds depends only on which blocks are left,
+  i.e. on each rank's next block: computed once per such ``pos`` (the two
+  packings of ``_pack`` try the same ones often), in one pass over the
+  blocks in a fixed topological order.
+  """
+
+  def __init__(self, blocks: Blocks):
+    n, self.blocks, self.memo = len(blocks.actions), blocks, {}
+    self.preds = [((prev,) if prev >= 0 else ()) + deps
+                  for prev, deps in zip(blocks.before, blocks.deps)]
+    self.bits = [1 << o if o else 0 for o in blocks.sends]
+    waiting = [len(q) for q in self.preds]
+    order = [b for b in range(n) if not waiting[b]]
+    for b in order:   # Kahn: order grows while it is read
+      for c in blocks.after[b]:
+        waiting[c] -= 1
+        if not waiting[c]:
+          order.append(c)
+    if len(order) < n:   # validate() rules this out
+      raise RuntimeError('Deadlock: the blocks wait for each other.')
+    self.order, self.index = order, [0] * n
+    for k, b in enumerate(order):
+      self.index[b] = k
+
+  def trial(self, packing: _Packing, choice: list[int]) -> tuple[_Trial, int]:
+    """``packing`` after ``place(choice)`` and ``finish()`` (left as it
+    was): its time and messages, and how many blocks ``finish`` placed."""
+    blocks, cost, offsets, pos = packing.blocks, 0.0, set(), list(packing.pos)
+    for r in choice:
+      b = blocks.rows[r][pos[r]]
+      pos[r] += 1
+      cost = max(cost, blocks.cost[b])
+      offsets.add(blocks.sends[b])
+    key = tuple(pos)
+    rest = self.memo.get(key)
+    if rest is None:
+      rest = self.memo[key] = self._rest(packing, choice, pos)
+    time, messages, placed = rest
+    return _Trial(packing.time + cost + time,
+                  packing.messages + len(offsets - {0}) + messages), placed
+
+  def _rest(self, packing: _Packing, choice: list[int], pos: list[int]
+            ) -> tuple[float, int, int]:
+    """What a plain finish adds after ``choice``: time, messages, blocks."""
+    blocks, tick, preds, bits = (packing.blocks, packing.tick, self.preds,
+                                 self.bits)
+    left = [row[k] for row, k in zip(blocks.rows, pos) if k < len(row)]
+    if not left:
+      return 0.0, 0, 0
+    for r in choice:   # placed, as place() would
+      tick[blocks.rows[r][packing.pos[r]]] = packing.t
+    n = len(tick)
+    depth, top, mask = [-1] * n, [0.0] * n, [0] * n
+    placed, cost = 0, blocks.cost
+    for b in self.order[min(self.index[b] for b in left):]:
+      if tick[b] >= 0:
+        continue
+      d = 0
+      for q in preds[b]:
+        if depth[q] >= d:
+          d = depth[q] + 1
+      depth[b] = d
+      placed += 1
+      if cost[b] > top[d]:
+        top[d] = cost[b]
+      mask[d] |= bits[b]
+    for r in choice:
+      tick[blocks.rows[r][packing.pos[r]]] = -1
+    levels = max(depth) + 1
+    return (sum(top[:levels]), sum(m.bit_count() for m in mask[:levels]),
+            placed)
 
 
 def layout(schedule: Schedule, message_cost: float) -> _Packing:
