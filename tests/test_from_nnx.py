@@ -301,7 +301,7 @@ class TestErrors:
                        embed=lambda m, x: m.inp(m.inp_norm(x)))
     assert (sorted(pm.model_state.embed), pm.model_state.head) == (
         ['inp_norm'], None)
-    ones = jax.ShapeDtypeStruct((2, 4), jnp.float64)
+    ones = jax.ShapeDtypeStruct((2, 4), jnp.float32)   # BatchStat s are f32
     x, new = jax.eval_shape(lambda p, x, s: pm.functions[0](p, x, state=s),
                             pm.params.embed, ones, pm.model_state.embed)
     assert x.shape == (2, 8) and new['inp_norm']['mean'].shape == (4,)

@@ -18,6 +18,7 @@ candidates by what really runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -85,24 +86,23 @@ def makespan(schedule: Schedule,
     (38.5, 33.0)
   """
   per_action = action_costs(schedule, costs)
-  key = (schedule.num_ranks, schedule.num_stages, schedule.num_microbatches,
-         schedule.placement, schedule.actions,
-         tuple(sorted(per_action.items())), type(comm), comm)
-  if key not in _MAKESPANS:   # a bad schedule or comm raises every time
-    # The table is packed for this comm: a message priced in the action's F.
-    price = comm / per_action['F'] if per_action['F'] > 0 else comm
-    if len(_MAKESPANS) >= _MAKESPANS_SIZE:
-      _MAKESPANS.clear()
-    _MAKESPANS[key] = _tick_table.tick_table(
-        schedule, message_cost=price).makespan(per_action, comm)
-  return _MAKESPANS[key]
+  return _makespan(dataclasses.replace(schedule, name=''),
+                   tuple(sorted(per_action.items())), comm)
 
 
-# makespan's results by what they depend on (not the schedule's name):
-# searches time the same built-in schedules again (each search offers every
-# constructor that fits; a notebook or test searches under several limits).
-_MAKESPANS: dict[tuple, float] = {}
-_MAKESPANS_SIZE = 4096
+# Searches time the same built-in schedules again (each search offers every
+# constructor that fits; a notebook or test searches under several limits),
+# so makespans are cached by what they depend on (not the schedule's name).
+# A bad schedule or comm raises every time: exceptions are not cached.
+@functools.lru_cache(maxsize=4096, typed=True)
+def _makespan(schedule: Schedule, per_action: tuple[tuple[str, float], ...],
+              comm: float) -> float:
+  """``makespan`` of a nameless schedule at ``dict(per_action)`` costs."""
+  per_action = dict(per_action)
+  # The table is packed for this comm: a message priced in the action's F.
+  price = comm / per_action['F'] if per_action['F'] > 0 else comm
+  return _tick_table.tick_table(schedule, message_cost=price).makespan(
+      per_action, comm)
 
 
 def search(num_ranks: int, num_microbatches: int, *, memory_limit: float,
