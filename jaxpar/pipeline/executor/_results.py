@@ -47,6 +47,14 @@ class PipelineState(NamedTuple):
       from ``pipeline_value_and_grad_local``.
     embed: ``embed_state``'s (``embed_fn``'s), the same on every rank.
     head: ``head_state``'s (``loss_fn``'s), the same on every rank.
+
+  Example (a parallel trainer's ``state.model_state`` of a ResNet with a
+  BatchNorm stem is laid out the same way, as a ``PipelineParams``):
+    >>> import jax.numpy as jnp, jaxpar
+    >>> s = jaxpar.pipeline.PipelineState(
+    ...     embed={'stem_bn': {'mean': jnp.zeros(8), 'var': jnp.ones(8)}})
+    >>> s.stages is None, s.embed['stem_bn']['mean'].shape
+    (True, (8,))
   """
   stages: PyTree = None
   embed: PyTree = None
