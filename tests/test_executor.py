@@ -151,6 +151,49 @@ def test_a_table_mixing_b_with_i_and_w_is_exact(x64):
                 atol_scale='leaf')
 
 
+@pytest.mark.parametrize('p,m,data', [(2, 8, 1), (2, 9, 2), (3, 14, 1)])
+def test_held_messages_are_exact(x64, p, m, data):
+  """GPipe's bundled tables (every other message held a tick and sent in
+  one ``ppermute`` with the next; m even and odd), NaN in every bubble, on
+  a mesh with a 'data' axis too: the sequential model."""
+  schedule = sch.gpipe(p, m)
+  assert tick_table(schedule).num_hold_slots == 1
+  args = model(p, m * MB)
+  mesh = jaxpar.make_mesh(data=data, stage=p,
+                          devices=jax.devices()[:data * p])
+  out = pipeline_value_and_grad(stage_fn, loss_fn, schedule=schedule,
+                                mesh=mesh, bubble_fill=NAN)(*args)
+  tree_allclose((out.loss, out.grads[:3]), reference(*args, m), rtol=1e-10,
+                atol_scale='leaf')
+
+
+def test_held_pytree_activations_are_exact(x64):
+  """A bundle of pytree activations with an integer leaf (``ids``) and a
+  side input (``test_executor_pytrees``): GPipe p = 2, m = 8 training, and
+  its forward alone (pairs too), against the sequential model."""
+  from test_executor_pytrees import (side_loss, side_model, side_reference,
+                                     side_stage)
+  p, m = 2, 8
+  schedule = sch.gpipe(p, m)
+  assert tick_table(schedule, forward_only=True).num_hold_slots == 1
+  stages, head, inputs, targets = side_model(p, m * MB)
+  out = pipeline_value_and_grad(side_stage, side_loss, schedule=schedule,
+                                mesh=mesh_for(p), bubble_fill=NAN)(
+                                    stages, head, inputs, targets)
+  loss, (dstages, dhead, dinputs) = jax.jit(
+      lambda *args: side_reference(*args, m))(stages, head, inputs, targets)
+  got = {k: v for k, v in out.grads.inputs.items() if k != 'ids'}
+  dinputs.pop('ids')
+  tree_allclose((out.loss, out.grads.stages, out.grads.head, got),
+                (loss, dstages, dhead, dinputs), rtol=1e-10,
+                atol_scale='leaf')
+  y = pipeline_apply(side_stage, stages, inputs, schedule=schedule,
+                     mesh=mesh_for(p), bubble_fill=NAN)
+  want = jax.jit(lambda stages, act: jax.lax.scan(
+      lambda a, w: (side_stage(w, a), None), act, stages)[0])(stages, inputs)
+  tree_allclose(y, want, rtol=1e-12, atol_scale='leaf')
+
+
 def tp_stage_fn(params, x):
   """Megatron MLP: hidden units split over 'tensor', one psum per stage."""
   h = jnp.tanh(x @ params['w1'])
@@ -203,7 +246,7 @@ def test_composes_with_data_and_tensor_axes(x64):
 
 
 @pytest.mark.parametrize('name,p,m', [('1f1b', 4, 6), ('zero_bubble_v', 2, 3),
-                                      ('interleaved', 1, 3)])
+                                      ('interleaved', 1, 3), ('gpipe', 2, 9)])
 def test_apply_is_the_sequential_forward(x64, name, p, m):
   schedule = SCHEDULES[name](p, m)
   stages, _, x, _ = model(schedule.num_stages, m * MB)
@@ -283,10 +326,11 @@ def test_the_result_is_summed_num_ranks_rows_at_a_time(name, p, m, training):
 
 
 def test_apply_memory_flat_in_m():
-  """The forward pass writes the last stage's outputs into its output too."""
+  """The forward pass writes the last stage's outputs into its output too.
+  (From m = 14 its table sends activations in pairs: a hold slot more.)"""
   p, width = 4, 32
   temps = []
-  for m in (8, 64):
+  for m in (16, 64):
     apply = pipeline_apply(stage_fn, schedule=sch.one_f_one_b(p, m),
                            mesh=mesh_for(p))
     stages = {'w': jnp.zeros((p, width, width)), 'b': jnp.zeros((p, width)),
@@ -664,6 +708,28 @@ def test_a_training_tick_has_a_while_per_block_and_one_conditional(schedule):
       'while': 3 if fused else 4, 'conditional': 1}
 
 
+def test_a_bundle_is_one_ppermute_of_both_messages():
+  """GPipe p = 2, m = 9 holds every other message: a tick that sends a pair
+  runs one collective-permute of both activations stacked, not two (the
+  last microbatch's go alone); a tick still has a while per block and one
+  conditional."""
+  schedule = jaxpar.pipeline.gpipe(2, 9)
+  table = jaxpar.pipeline.tick_table(schedule)
+  assert table.num_hold_slots == 1
+  step = jaxpar.pipeline.pipeline_value_and_grad(
+      tanh_stage, scaled_loss, schedule=schedule, mesh=mesh_for(2),
+      input_grads=False)
+  x = jnp.zeros((18, 8))
+  text = jax.jit(step).lower(jnp.zeros((2, 8, 8)), 1.0, x, x).compile(
+      ).as_text()
+  assert data_dependent_control_flow(
+      text, tick_body(text, table.num_ticks)) == {'while': 3,
+                                                  'conditional': 1}
+  one = 2 * 8 * 4   # a microbatch's activation: 2 rows of 8 float32
+  assert sorted(c.bytes for c in hlo.collectives(text)
+                if c.kind == 'collective-permute') == [one, 2 * one]
+
+
 def test_one_rank_runs_no_ticks():
   """One stage rank is data parallelism: a scan over microbatches, nothing
   data-dependent."""
@@ -752,7 +818,7 @@ def norm_reference(stages, loss_params, inputs, targets, state, m):
 
 
 @pytest.mark.parametrize('name,p,m', [('1f1b', 4, 4), ('zero_bubble_v', 2, 3),
-                                      ('zero_bubble_v', 1, 2)])
+                                      ('zero_bubble_v', 1, 2), ('gpipe', 2, 8)])
 def test_stage_state_is_the_sequential_loop(x64, name, p, m):
   """Statistics per microbatch, the running ones updated once per
   microbatch in order, per stage: loss, gradients and the final state."""
@@ -809,7 +875,7 @@ def stateful_loss(loss_params, y, t, *, state):
 
 
 @pytest.mark.parametrize('name,p,m', [('zero_bubble_v', 2, 3),
-                                      ('1f1b', 1, 2)])
+                                      ('1f1b', 1, 2), ('gpipe', 2, 9)])
 def test_embed_and_loss_state_are_the_sequential_loop(x64, name, p, m):
   """``embed_state`` and ``head_state``: passed from each microbatch to the
   next by stage 0's and the last stage's forwards (ZB-V: both on rank 0,

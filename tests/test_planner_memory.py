@@ -10,8 +10,8 @@ compiled and a deterministic sample of the rest that covers ``KINDS``
 (every schedule family, ZeRO stage, remat policy, ``tensor`` > 1, many
 microbatches, ``w_recompute``, an uneven cut; compiling all would take
 hours) are never more than 5% under their compiled step (arguments +
-temporaries) nor more than 15% over (``OVER``: the kinds known to be
-over, documented).
+temporaries) nor more than 15% over (``OVER``: two combinations of
+kinds known to be over, documented).
 
 Run as a script (``python tests/test_planner_memory.py 12``) it prints the
 ratios on 12 devices as JSON: the test starts it for 12, since the suite's
@@ -41,6 +41,9 @@ CONFIG = gpt.GPTConfig(vocab_size=32, seq_len=16, d_model=32, num_heads=4,
                        num_layers=4)
 BATCH = 16
 SPEC = planner.ModelSpec.from_gpt(CONFIG)
+# The flags this process compiles with (conftest.py gives the processes a
+# test starts other ones): the 12-device child compiles as this one does.
+XLA_FLAGS = os.environ.get('XLA_FLAGS', '')
 LLAMA = planner.ModelSpec.llama(d_model=4096, num_layers=32, num_heads=32,
                                 num_kv_heads=8, ffn=14336, vocab_size=128256,
                                 seq_len=8192)
@@ -163,16 +166,19 @@ FAMILY = {'gpipe': 'GPipe', 'one_f_one_b': '1F1B',
           'zero_bubble_h1': 'zero bubble', 'zero_bubble_v': 'V',
           'v_half': 'V', 'v_min': 'V', 'dualpipe_v': 'V'}
 # Where the analytic model is known to be more than 15% over (never under;
-# ``docs/planning.md``, "Memory per device"): a model cut by ``from_nnx`` at
-# ``tensor`` > 1 has its stash counted whole over ``tensor`` while XLA
-# splits most of it; an uneven cut (4 layers on 3 ranks) or 8 or more
-# microbatches of one sequence hold less than the per-layer terms count.
-OVER = {'tensor': 2.5, 'uneven': 1.3, 'many': 1.3}
+# ``docs/planning.md``, "Where it does not hold yet"), by the kinds a
+# candidate has all of: many one-sequence microbatches on a cut that
+# ``stage`` does not divide (the BatchNorm model's 2x3x1 GPipe m=12: 1.20
+# with ZeRO-1 'dots', 1.29 with ZeRO-3 'nothing') and one microbatch under
+# 'everything' with ``w_recompute`` (the Llama's 2x2x2 ZB-H1 m=1: 1.61).
+OVER = ((frozenset({'many', 'uneven'}), 1.3),
+        (frozenset({'one', 'everything', 'w_recompute'}), 1.65))
 
 
 def _limit(x: Layout) -> float:
   """The most a candidate's prediction may be over its compiled step."""
-  return max([1.15] + [OVER[k] for k in _kinds(x) if k in OVER])
+  kinds = _kinds(x)
+  return max([1.15] + [high for need, high in OVER if need <= kinds])
 
 
 def _key(x: Layout) -> tuple:
@@ -186,6 +192,7 @@ def _kinds(x: Layout, layers: int = 4) -> set[str]:
           f'ZeRO-{x.zero_stage}', x.remat_policy,
           *(['tensor'] if x.tensor > 1 else []),
           *(['many'] if x.num_microbatches >= 8 else []),
+          *(['one'] if x.num_microbatches == 1 else []),
           *(['w_recompute'] if x.w_recompute else []),
           *(['uneven'] if layers % x.num_stages else [])}
 
@@ -232,10 +239,11 @@ def ratios(n: int) -> dict[str, tuple[float, float]]:
 def test_memory_within_5_percent_under_and_15_over_on_6_8_and_12_devices():
   """The sample of the candidates ``plan`` returns for the three models on
   6, 8 and 12 devices (12 in a process of its own) is predicted at
-  0.95-1.15x its compiled step (up to ``OVER`` for the kinds known over).""" 
+  0.95-1.15x its compiled step (up to ``OVER`` for the two combinations of
+  kinds known over)."""
   env = {**os.environ, 'PYTHONPATH': os.pathsep.join(
       [os.path.dirname(os.path.dirname(__file__)), os.path.dirname(__file__),
-       os.environ.get('PYTHONPATH', '')])}
+       os.environ.get('PYTHONPATH', '')]), 'XLA_FLAGS': XLA_FLAGS}
   twelve = subprocess.Popen([sys.executable, __file__, '12'], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

@@ -29,7 +29,9 @@ def replay(low):
   Mailbox and stash slots hold keys naming their content: ``('act', s, i)``
   is stage s's output for microbatch i, ``('cot', s, i)`` the cotangent of
   stage s's input, ``('seed', i)`` the loss cotangent. Every block sends its
-  own output at the end of its tick (``W`` sends nothing). Returns
+  own output at the end of its tick (``W`` sends nothing), or holds it
+  (``hold_slot``) until it leaves with its rank's next message over the
+  same offset (``recv_held``). Returns
   ``{(kind_code, stage, microbatch): tick}`` of the blocks run.
   """
   sched = low.schedule
@@ -37,6 +39,7 @@ def replay(low):
   mail = [dict() for _ in range(p)]
   stash = [dict() for _ in range(p)]
   kept = [dict() for _ in range(p)]
+  held = [dict() for _ in range(p)]   # hold slot -> message held back
   done = {}
   for t in range(low.num_ticks):
     sent = {}
@@ -73,16 +76,25 @@ def replay(low):
         assert kept[r][wslot] == (s, i)
       if s > 0 and kind != W:
         sent[r] = ('cot', s, i)
+    for r in range(p):   # a held message leaves with its rank's next one
+      if low.hold_slot[t, r] >= 0:
+        held[r][low.hold_slot[t, r]] = sent.pop(r)
     for r in range(p):
       for k, offset in enumerate(low.offsets):
-        slot = low.recv_slot[t, r, k]
-        if slot >= 0:
-          msg = sent[(r - offset) % p]
+        src = (r - offset) % p
+        arrived = [(low.recv_slot[t, r, k], sent.get(src))] + [
+            (low.recv_held[t, r, k, h], held[src].pop(h))
+            for h in np.flatnonzero(low.recv_held[t, r, k] >= 0)]
+        assert len(arrived) == 1 or offset and arrived[0][0] >= 0
+        for slot, msg in arrived:
+          if slot < 0:
+            continue
           stage = msg[1] if msg[0] != 'seed' else last
           dst_stage = stage + 1 if msg[0] == 'act' else (
               stage - 1 if msg[0] == 'cot' else stage)
           assert sched.placement[dst_stage] == r
           mail[r][slot] = msg
+  assert not any(held), held   # every held message left
   return done
 
 
@@ -229,6 +241,55 @@ def test_messages_fold():
   assert (free.makespan(), free.message_ticks) == (37, 23)
   with pytest.raises(ValueError, match='message_cost=-1'):
     tick_table(zb, message_cost=-1)
+
+
+# Bundled: GPipe's messages held a tick and sent in pairs (p = 2, m even and
+# odd; p = 3; forward only).
+BUNDLED = [(2, 8, False), (2, 9, False), (3, 14, False), (2, 12, True)]
+
+
+@pytest.mark.parametrize('p,m,forward_only', BUNDLED)
+def test_bundled_table_replays(p, m, forward_only):
+  sched = sch.gpipe(p, m)
+  low = tick_table(sched, forward_only=forward_only)
+  assert low.num_hold_slots == 1
+  assert low.recv_held.shape == (low.num_ticks, p, len(low.offsets), 1)
+  assert low.hold_slot.shape == (low.num_ticks, p)
+  done = replay(low)
+  assert len(done) == sched.num_stages * m * (1 if forward_only else 2)
+  # A rank holds every other message it sends in a direction: activations
+  # to the next rank, input cotangents to the one before.
+  np.testing.assert_array_equal((low.hold_slot >= 0).sum(0), [
+      m // 2 * ((r < p - 1) + (r > 0 and not forward_only))
+      for r in range(p)])
+  free = tick_table(sched, message_cost=0, forward_only=forward_only)
+  assert free.num_hold_slots == 0 and not (free.hold_slot >= 0).any()
+  assert (low.makespan(comm=MESSAGE_COST)
+          < free.makespan(comm=MESSAGE_COST))
+
+
+def test_gpipe_sends_in_pairs():
+  # GPipe p = 2, m = 12: 12 ticks with messages instead of 24 for 3 more
+  # units of lock-step time; its F's and B's still share ticks with their
+  # own kind only.
+  low = tick_table(sch.gpipe(2, 12))
+  assert (low.makespan(), low.message_ticks, low.num_ticks) == (42, 12, 28)
+  assert low.render() == ('rank 0: ' + 'F' * 12 + '....' + 'B' * 12 + '\n'
+                          'rank 1: ..' + 'F' * 12 + 'B' * 12 + '..')
+  free = tick_table(sch.gpipe(2, 12), message_cost=0)
+  assert (free.makespan(), free.message_ticks) == (39, 24)
+  # Each pair leaves with its second message: rank 0's F(2j) and rank 1's
+  # B(2j) are held.
+  held = [np.flatnonzero(low.hold_slot[:, r] >= 0).tolist() for r in (0, 1)]
+  assert held == [list(range(0, 12, 2)), list(range(14, 26, 2))]
+  # No other constructor holds a message at the bench's sizes; GPipe
+  # does from m = 8 (at p = 2).
+  for name in BUILT:
+    for p, m in ((2, 8), (2, 12), (4, 8)):
+      if name != 'searched':
+        holds = tick_table(BUILT[name](p, m)).num_hold_slots
+        assert holds == (name == 'gpipe' and p == 2), (name, p, m)
+  assert tick_table(sch.gpipe(2, 7)).num_hold_slots == 0
 
 
 def test_lockstep_time_by_hand():

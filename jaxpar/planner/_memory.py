@@ -5,10 +5,12 @@ What one device holds during a ``parallel.trainer`` step (what its compiled
 
 * **arguments**: the params (``tensor``- and ``stage``-split; over ``data``
   too with ZeRO-3), the optimizer state (split like the per-layer view:
-  over ``tensor`` and ``stage``; over ``data`` too with ZeRO-1/3) and the
-  replica's batch, from the element counts: ZeRO pads a leaf ``data`` does
-  not divide (``padding``), and the view's leaves stay whole over a
-  ``stage`` that divides none of their dims;
+  over ``tensor`` and ``stage``; over ``data`` too with ZeRO-1/3,
+  ``zero_split``) and the replica's batch, from the element counts: ZeRO
+  pads a leaf ``data`` does not divide (``padding``), the view's leaves
+  stay whole over a ``stage`` that divides none of their dims, and a
+  block's leaves whole over ``data`` where ``stage`` and ``tensor`` > 1
+  take their dims;
 * **stash**: the schedule's stash slots (``TickTable.num_stash_slots``)
   times one logical stage's stash for one microbatch (remat policy, in the
   compute dtype; with ``tensor`` > 1 split over it, as Megatron's sequence
@@ -29,7 +31,10 @@ What one device holds during a ``parallel.trainer`` step (what its compiled
   per-layer view and the updates (``UPDATE`` times the view's bytes, over
   ``data`` with ZeRO), beside the tick scan's slots; with one stage rank
   the same after the stash is freed with ZeRO (the reduce-scatter and the
-  slice's update), none without (the update runs in place).
+  slice's update; for a model whose ``tensor`` axis XLA partitions, at
+  ``tensor`` > 1 at least the blocks' params whole: XLA moves the split
+  gradients to ZeRO's layout through whole leaves), none without (the
+  update runs in place).
 
 In the tick scan the backward holds more under 'nothing' and 'everything'
 (``TICK_WORKING``), and ``w_recompute`` under 'everything' more again
@@ -37,9 +42,8 @@ In the tick scan the backward holds more under 'nothing' and 'everything'
 holds beyond those (XLA's copies, the collectives' buffers): ``work`` is
 the above times ``1 + MARGIN``. On 6, 8 and 12 simulated CPU devices a
 sample of every kind of candidate is predicted 0.95-1.15x its compiled
-step (``tests/test_planner_memory.py``; the exceptions -- NNX models at
-``tensor`` > 1 over -- ``docs/planning.md``,
-"Memory per device"). Where the
+step (``tests/test_planner_memory.py``; the exceptions, all over, in
+``docs/planning.md``, "Where it does not hold yet"). Where the
 devices are present the planner compiles one step per distinct stage shape
 of its best candidates and replaces ``work`` by what the compiler reports
 (``Memory.calibrated``); the schedule- and ZeRO-dependent parts stay
@@ -155,6 +159,28 @@ def padding(spec: ModelSpec, data: int) -> float:
   return -(-spec.d_model // data) * data / spec.d_model
 
 
+def zero_split(spec: ModelSpec, layout: Layout, shape: Shapes) -> float:
+  """How many times ZeRO splits the optimizer's view over ``data``: ``data``
+  over its padding (``padding``), but in a model cut by ``from_nnx`` (2-D
+  kernels) where ``tensor`` > 1 and ``stage`` splits the view, ZeRO finds
+  no free dim in a block's leaves (one is ``stage``'s, the other
+  ``tensor``'s) and, where ``data`` divides neither split dim (a width
+  of ``d_model`` over ``stage x data`` or ``tensor x data``), keeps them
+  whole on every ``data`` rank (``data_parallel.data_spec``): only the
+  embedding and head are split (jaxpar's GPT splits: its leaves have a
+  dim left). 1 without ZeRO."""
+  d = layout.data
+  if not layout.zero_stage or d == 1:
+    return 1.0
+  split = d / padding(spec, d)
+  s, t, width = layout.stage, layout.tensor, spec.d_model
+  if (t == 1 or s == 1 or width % s or spec.stash_split
+      or not width % (s * d) or not width % (t * d)):
+    return split
+  layers = spec.num_layers * spec.layer.per_device(t) / s
+  return shape.view / (layers + (shape.view - layers) / split)
+
+
 def stash_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   """Stash, weight-gradient stash and mailbox bytes of one rank.
 
@@ -229,11 +255,16 @@ def work_bytes(spec: ModelSpec, layout: Layout,
     # the layers gathered, and the one whose gradient the backward is
     # reduce-scattering (whole until it is scattered)
     gathered = ((layers + 1) * spec.layer.per_device(t) + sides) * cb
+  update = UPDATE * shape.view * pb / (d / padding(spec, d) if zero else 1)
+  if layout.stage == 1 and zero and t > 1 and not spec.stash_split:
+    # XLA moves the tensor-split gradients of a model it partitions to
+    # ZeRO's layout through whole stacked leaves (its "involuntary full
+    # rematerialization"): the blocks' params, whole, at once.
+    update = max(update, spec.num_layers * sum(spec.layer) * pb)
   return {
       'grads': int(shape.held * pb / split3),
       'gathered': int(gathered),
-      'update': int(UPDATE * shape.view * pb / (d / padding(spec, d)
-                                                if zero else 1)),
+      'update': int(update),
       'logits': int(shape.tokens * spec.vocab_size / t * (2 * cb + 4)),
       'recompute': recompute_bytes(spec, layout, shape)}
 
@@ -252,7 +283,7 @@ def memory(spec: ModelSpec, layout: Layout, *, batch: int,
   pb, d, zero = spec.param_bytes, layout.data, layout.zero_stage
   split = d / padding(spec, d)     # ZeRO's split, padded
   params = shape.held * pb / (split if zero == 3 else 1)
-  opt = opt_factor * shape.view * pb / (split if zero else 1)
+  opt = opt_factor * shape.view * pb / zero_split(spec, layout, shape)
   ids = 2 * (batch // d) * spec.seq_len * 4
   parts = work_bytes(spec, layout, shape)
   stash = stash_bytes(spec, layout, shape)

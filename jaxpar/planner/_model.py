@@ -85,8 +85,8 @@ class ModelSpec(NamedTuple):
     stash_split: whether a pipeline stage's stash is stored split over
       ``tensor`` (jaxpar's GPT: ``tensor`` is a manual axis, and the
       executor splits what it replicates); ``False`` for a model cut by
-      ``from_nnx``, whose ``tensor`` axis XLA partitions (its stash and
-      stage input are counted whole).
+      ``from_nnx``, whose ``tensor`` axis XLA partitions (its stash is cut
+      as XLA lays it out, its stage input and messages are whole).
     leaves: param arrays (pytree leaves) of one layer, of embed and of
       head: ZeRO-3 gathers each separately (the time model counts its
       collectives).

@@ -95,9 +95,10 @@ def _traced_stash(pm: parallel.PipelineModel, x: Any) -> tuple[tuple, Split]:
   """``(stash, kept)`` per token and layer of a cut model's own blocks:
   ``StageVJP`` traced on its stage (all its layers, one microbatch ``x``)
   under each of ``STASH_POLICIES`` (what the policy saves, less the stage
-  input), and what ``I`` keeps for ``W`` (no arrays made, nothing
-  compiled); both counted whole on every ``tensor`` rank (an upper bound:
-  XLA partitions the model's ``tensor`` axis)."""
+  input), and what ``I`` keeps for ``W`` (no arrays made). Each is cut into
+  what XLA splits over ``tensor`` and what it keeps whole from one compile
+  of the blocks on a ``tensor`` axis of two devices (``_tensor_shares``);
+  without split params or two local devices, all whole (an upper bound)."""
   aval = lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype)
   stage = jax.tree.map(aval, pm.params.stages)
   state = (None if pm.model_state is None or pm.model_state.stages is None
@@ -105,14 +106,64 @@ def _traced_stash(pm: parallel.PipelineModel, x: Any) -> tuple[tuple, Split]:
   size = lambda tree: float(sum(np.prod(a.shape) for a in jax.tree.leaves(
       tree)))
   per = float(pm.stage_mask[0].size) * size(x) / x.shape[-1]  # slots * tokens
-  stash, kept = [], 0.0
+  vjps, whole, saves = [], [], []
   for policy in STASH_POLICIES:
-    vjp = StageVJP(pm.functions[1], policy)
-    y, saved = vjp.trace(stage, x, None, state)
-    stash.append((policy, Split(0.0, max(size(saved) - size(x), 0.0) / per)))
-    if policy == 'dots':
-      kept = size(vjp.split(stage, saved, y, None, state)) / per
-  return tuple(stash), Split(0.0, kept)
+    vjps.append(StageVJP(pm.functions[1], policy))
+    y, saved = vjps[-1].trace(stage, x, None, state)
+    saves.append(saved)
+    whole.append(max(size(saved) - size(x), 0.0) / per)
+  # what I keeps for W under 'dots' (STASH_POLICIES[0])
+  whole.append(size(vjps[0].split(stage, saves[0], y, None, state)) / per)
+  halves = _tensor_shares(pm, vjps, stage, x, state)
+  halves = whole if halves is None else [h / per for h in halves]
+  # per device at t = 1 (e1) and t = 2 (e2): split / t + replicated
+  parts = [Split(2 * max(e1 - e2, 0.0), max(2 * e2 - e1, 0.0))
+           for e1, e2 in zip(whole, halves)]
+  return tuple(zip(STASH_POLICIES, parts[:-1])), parts[-1]
+
+
+def _tensor_shares(pm: parallel.PipelineModel, vjps: list, stage: Any,
+                   x: Any, state: Any) -> list[float] | None:
+  """Elements per device of each policy's stash (less the stage input) and
+  of ``dots``' ``kept``, as XLA lays them out with the stage's params split
+  by the tensor rules over a ``tensor`` axis of two local devices (one
+  compile of the blocks' ``F`` and ``I``: XLA's sharding propagation, as in
+  the trainer, where ``tensor`` is an ``Auto`` axis); ``None`` without
+  split params or two local devices, or where 2 does not divide a split
+  dim."""
+  devices = jax.local_devices()
+  if pm.tensor_specs is None or len(devices) < 2:
+    return None
+  try:
+    specs = pm.tensor_specs(pm.params, 2).stages
+  except ValueError:
+    return None
+  if not any(any(e is not None for e in s) for s in jax.tree.leaves(
+      specs, is_leaf=lambda s: isinstance(s, P))):
+    return None
+  mesh = jax.sharding.Mesh(np.array(devices[:2]), ('tensor',),
+                           axis_types=(jax.sharding.AxisType.Auto,))
+  shard = lambda s: jax.sharding.NamedSharding(mesh, P(*s[1:]))
+  whole = jax.sharding.NamedSharding(mesh, P())
+
+  def saves(params, x, st):
+    out = []
+    for vjp in vjps:
+      y, stash = vjp.forward(params, x, None, st)[:2]
+      out.append(stash)
+    out.append(vjps[0].input_grad(params, out[0], y, None, st)[1])
+    return out
+  in_shardings = (jax.tree.map(shard, specs, is_leaf=lambda s: isinstance(
+      s, P)), whole, jax.tree.map(lambda _: whole, state))
+  lowered = jax.jit(saves, in_shardings=in_shardings).lower(stage, x, state)
+  # only the layout is read: the backend's optimisations would cost seconds
+  shardings = lowered.compile(
+      {'xla_backend_optimization_level': 0}).output_shardings
+  local = lambda a, s: float(np.prod(s.shard_shape(a.shape)))
+  sizes = [sum(jax.tree.leaves(jax.tree.map(local, out, sh)))
+           for out, sh in zip(lowered.out_info, shardings)]
+  stage_input = float(np.prod(x.shape))
+  return [max(n - stage_input, 0.0) for n in sizes[:-1]] + [sizes[-1]]
 
 
 def _pipeline_spec(pm: parallel.PipelineModel, name: str,

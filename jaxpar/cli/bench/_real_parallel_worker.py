@@ -311,7 +311,7 @@ def messages(schedule) -> int:
     return 0
   table = jaxpar.pipeline.tick_table(schedule)
   code, patterns = tick_messages(table, False)
-  return int(sum(sum(patterns[c]) for c in code)) + 1
+  return int(sum(sum(map(bool, patterns[c])) for c in code)) + 1
 
 
 def message_step(mesh) -> Callable:

@@ -39,25 +39,31 @@ def blocks(table: TickTable, *, loss: bool, embed: bool
   return code, tuple((k, bool(f), bool(l)) for k, f, l in present)
 
 
+SENDS, BUNDLE = 1, 2   # a pattern's flag for an offset: a message, a bundle
+
+
 def messages(table: TickTable, edge: bool
-             ) -> tuple[np.ndarray, tuple[tuple[bool, ...], ...]]:
+             ) -> tuple[np.ndarray, tuple[tuple[int, ...], ...]]:
   """What is communicated at each tick, the same on every rank.
 
-  A pattern is one flag per nonzero offset (a ``ppermute`` over it) plus,
-  with ``edge``, one for the ``psum`` of the pending rows of the batch-sized
-  result (``edge_rows``).
+  A pattern is one flag per nonzero offset plus, with ``edge``, one for the
+  ``psum`` of the pending rows of the batch-sized result (``edge_rows``):
+  ``0`` nothing, ``SENDS`` a ``ppermute`` of the block's output over the
+  offset, ``BUNDLE`` one of the output with the hold slots (held messages
+  travel, ``TickTable.recv_held``).
 
   Returns:
     ``(code, patterns)``: int32 ``[T]`` and the distinct patterns.
   """
   remote = [k for k, o in enumerate(table.offsets) if o]
-  flags = (table.recv_slot[:, :, remote] >= 0).any(1)
+  flags = np.where((table.recv_held[:, :, remote] >= 0).any((1, 3)), BUNDLE,
+                   (table.recv_slot[:, :, remote] >= 0).any(1) * SENDS)
   if edge:
     summed = (edge_rows(table)[1] < table.schedule.num_microbatches
               ).any(1)
     flags = np.concatenate([flags, summed[:, None]], 1)
-  patterns = sorted({tuple(bool(f) for f in row) for row in flags})
-  code = np.array([patterns.index(tuple(bool(f) for f in row))
+  patterns = sorted({tuple(int(f) for f in row) for row in flags})
+  code = np.array([patterns.index(tuple(int(f) for f in row))
                    for row in flags], np.int32)
   return code, tuple(patterns)
 

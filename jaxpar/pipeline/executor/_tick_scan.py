@@ -49,7 +49,10 @@ every rank
    per distinct nonzero rank offset of the schedule that carries a message
    this tick (every rank takes part; which offsets do is in the table, the
    same on every rank); receivers store it in the mailbox slot the table
-   names. The batch-sized result (stage 0's input cotangents; forward only:
+   names. Where the table holds a message back (``TickTable.hold_slot``)
+   the rank keeps it in a hold slot (``Carry.held``) instead, and its next
+   message over that offset takes it along: one ``ppermute`` of the output
+   stacked on the hold slots, each stored where ``recv_held`` says. The batch-sized result (stage 0's input cotangents; forward only:
    the last stage's outputs) is written into the output itself, ``p`` rows
    at a time: the row stage 0's ``B`` or ``I`` of microbatch ``i`` ends
    waits in one of ``p`` pending slots (the cotangent on stage 0's rank,
@@ -92,8 +95,9 @@ in, so whatever a bubble produces (``bubble_fill``, NaN in the tests) never
 reaches the results. Memory is the schedule's: ``num_stash_slots`` stashes,
 ``num_weight_slots`` weight stashes (none is allocated when the table has
 no ``I``: a ``B`` keeps nothing) and ``num_mailbox_slots + 1`` activations
-per rank (``O(p)`` for 1F1B whatever the number of microbatches ``m``), plus
-the parameters, their gradients, the batch and the output.
+per rank (``O(p)`` for 1F1B whatever the number of microbatches ``m``; a
+table that holds messages, ``num_hold_slots + 1`` more), plus the
+parameters, their gradients, the batch and the output.
 
 **Randomness.** With a key, stage ``k`` on microbatch ``i`` runs with
 ``fold_in(fold_in(key, microbatch_offset + i), k)`` in its ``F``, ``B``,
@@ -127,7 +131,7 @@ from jaxpar.pipeline.executor._tick_state import (
     Accumulators, Avals, BlockState, Carry, Edge, ModelState, Rank, Result,
     ScanConfig, TickCell, TickRow)
 from jaxpar.pipeline.executor._tick_messages import (
-    deliver, exchange, offsets, pend, write_rows)
+    deliver, deliver_held, exchange, hold, offsets, pend, write_rows)
 from jaxpar.pipeline.executor._vma import cotangent, full, like, put, stored
 from jaxpar.pipeline.schedules import TickTable
 from jaxpar.vma import vary, varying_axes
@@ -208,6 +212,9 @@ def _scan_config(table: TickTable, options: StepOptions, training: bool, *,
   ranks = TickCell(table.kind, codes, table.stage, table.microbatch,
                    table.local_stage, table.read_slot, table.stash_slot,
                    table.weight_slot, table.recv_slot)
+  if config.holds:
+    ranks = ranks._replace(hold_slot=table.hold_slot,
+                           recv_held=table.recv_held)
   return (config._replace(patterns=patterns),
           TickRow(ranks, message, pending_slot, summed_rows))
 
@@ -285,7 +292,9 @@ def _init_carry(rank: Rank, avals: Avals, config: ScanConfig) -> Carry:
   if state.embed is not None:   # the embed state each of stage 0's F saw
     state = state._replace(seen=full(jax.tree.map(jax.typeof, state.embed),
                                      0, table.num_stash_slots))
-  return Carry(mailbox, stash, wstash, acc, edge, state)
+  held = (full(avals.act, fill, table.num_hold_slots + 1) if config.holds
+          else None)
+  return Carry(mailbox, stash, wstash, acc, edge, state, held)
 
 
 def _tick(rank: Rank, avals: Avals, config: ScanConfig, carry: Carry,
@@ -316,14 +325,19 @@ def _tick(rank: Rank, avals: Avals, config: ScanConfig, carry: Carry,
   if config.with_edge:
     pending = pend(config, cell, row.pending_slot, state.payload,
                     carry.edge.pending)
-  got = stamp(config, 'received',
-              exchange(config, avals, message, state.payload, pending))
-  mailbox = deliver(mailbox, cell.recv_slot, remote, got, spare)
+  got = stamp(config, 'received', exchange(
+      config, avals, message, state.payload, pending, carry.held))
+  msgs, held = got[:len(remote)], None
+  if config.holds:   # (output, held ones) per offset; the output held?
+    msgs, bundles = [g[0] for g in msgs], [g[1] for g in msgs]
+    mailbox = deliver_held(mailbox, cell.recv_held, remote, bundles, spare)
+    held = hold(carry.held, cell.hold_slot, state.payload)
+  mailbox = deliver(mailbox, cell.recv_slot, remote, msgs, spare)
   if config.with_edge:
     edge = Edge(pending, write_rows(carry.edge.result, row.summed_rows,
                                      got[-1]))
   return Carry(mailbox, state.stash, state.wstash, state.acc, edge,
-               state.state), None
+               state.state, held), None
 
 
 def _result(config: ScanConfig, carry: Carry) -> Result | PyTree:

@@ -35,6 +35,10 @@ class TickCell(NamedTuple):
   stash_slot: Any
   weight_slot: Any
   recv_slot: Any     # ``[K]``: where a message over offset k lands
+  hold_slot: Any = None   # where the output is held, not sent (-1: sent);
+                          # ``None`` when the table holds none
+  recv_held: Any = None   # ``[K, H]``: where the sender's held message h,
+                          # sent over offset k, lands
 
 
 class TickRow(NamedTuple):
@@ -49,7 +53,7 @@ class ScanConfig(NamedTuple):
   """What the tick table and the options fix before tracing."""
   table: TickTable
   kinds: tuple[tuple[int, bool, bool], ...]   # the blocks present (``blocks``)
-  patterns: tuple[tuple[bool, ...], ...]      # message patterns (``messages``)
+  patterns: tuple[tuple[int, ...], ...]       # message patterns (``messages``)
   stage_axis: str                             # the pipeline axis
   bubble_fill: float
   training: bool
@@ -61,6 +65,12 @@ class ScanConfig(NamedTuple):
     """The table has ``I`` (and ``W``) blocks: a weight stash is held.
     Without, the backward runs as ``B`` blocks and there is none."""
     return any(kind == KIND_CODES['I'] for kind, _, _ in self.kinds)
+
+  @property
+  def holds(self) -> bool:
+    """The table holds messages back (``TickTable.hold_slot``): a hold
+    buffer is carried and bundles are sent. Without, neither exists."""
+    return self.table.num_hold_slots > 0
 
   @property
   def with_edge(self) -> bool:
@@ -137,6 +147,8 @@ class Carry(NamedTuple):
   acc: Accumulators | None   # training only
   edge: Edge | None
   state: ModelState = ModelState()   # the model state so far
+  held: PyTree = None  # ``[num_hold_slots + 1, mb, ...]``: messages held
+                       # back (``ScanConfig.holds``); the last is spare
 
 
 class BlockState(NamedTuple):

@@ -5,7 +5,9 @@ fused ``B`` or its ``I`` and ``W``) in ticks, in the rank's order and after
 their inputs, by list scheduling with a one-step lookahead that packs like
 with like: ranks run blocks of equal cost in the same tick where the
 dependencies allow, and send in the same ticks (``_tick_table``'s module
-doc has the rule and the numbers).
+doc has the rule and the numbers). With ``bundle > 1`` (``_blocks``) a rank
+holds a message back and sends it with its next ones over the same offset,
+``bundle`` in one ``ppermute``; ``layout`` keeps that where it scores better.
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ from jaxpar.pipeline.schedules._simulate import DEFAULT_COSTS
 # Blocks placed by the lookahead's tries, per table, before it stops trying:
 # interleaved 1F1B at p = 8, m = 64 (2048 blocks) takes 0.1 s of CPU.
 _LOOKAHEAD = 100_000
+# Messages per ``ppermute`` in the bundled layout (``layout``): pairs. GPipe
+# p = 2, m = 12 sends in 12 ticks instead of 24 for 3 more units of
+# lock-step time (42, not 39); bundles of 3 save less than they delay at
+# ``MESSAGE_COST``.
+BUNDLE = 2
 
 
 class Blocks(NamedTuple):
@@ -28,9 +35,12 @@ class Blocks(NamedTuple):
   ``I(s, i)`` and ``W(s, i)``); ``rows[r]`` rank ``r``'s blocks in order;
   ``deps[b]`` the blocks whose results ``b`` reads (placed strictly
   earlier); ``cost[b]`` its time (``DEFAULT_COSTS``); ``sends[b]`` the
-  offset of its message to another rank, ``0`` if none; ``before[b]`` the
-  block before it on its rank (``-1``: none) and ``after[b]`` the blocks
-  that wait for ``b`` (reading it, or next on its rank).
+  offset of its message to another rank, ``0`` if none (or held);
+  ``before[b]`` the block before it on its rank (``-1``: none) and
+  ``after[b]`` the blocks that wait for ``b`` (reading it, or next on its
+  rank); ``carrier[b]`` the later block of its rank whose message carries
+  ``b``'s (held until then: the blocks of other ranks that read ``b`` wait
+  for the carrier), ``-1`` if ``b`` sends its own or none.
   """
   actions: list[Action]
   rows: list[list[int]]
@@ -39,11 +49,14 @@ class Blocks(NamedTuple):
   sends: list[int]
   before: list[int]
   after: list[list[int]]
+  carrier: list[int]
 
 
-def _blocks(schedule: Schedule, *, fuse: bool) -> Blocks:
+def _blocks(schedule: Schedule, *, fuse: bool, bundle: int = 1) -> Blocks:
   """The blocks of a validated ``schedule``, each ``B`` one block if
-  ``fuse``, else an ``I`` and then a ``W`` (module doc)."""
+  ``fuse``, else an ``I`` and then a ``W`` (module doc); with ``bundle > 1``
+  each rank's messages over an offset leave ``bundle`` at a time
+  (``_carriers``)."""
   p, last, where = schedule.num_ranks, schedule.num_stages - 1, {}
   actions, rows = [], []
   for acts in schedule.actions:
@@ -74,6 +87,11 @@ def _blocks(schedule: Schedule, *, fuse: bool) -> Blocks:
       if s > 0:
         offset = schedule.placement[s - 1] - schedule.placement[s]
     sends.append(offset % p)
+  carrier = _carriers(rows, sends, bundle)
+  rank = [schedule.placement[a.stage] for a in actions]
+  deps = [tuple(carrier[d] if carrier[d] >= 0 and rank[d] != rank[b] else d
+                for d in inputs) for b, inputs in enumerate(deps)]
+  sends = [0 if c >= 0 else o for o, c in zip(sends, carrier)]
   before, after = [-1] * len(actions), [[] for _ in actions]
   for b, inputs in enumerate(deps):
     for d in inputs:
@@ -83,7 +101,23 @@ def _blocks(schedule: Schedule, *, fuse: bool) -> Blocks:
       before[c] = b
       after[b].append(c)
   return Blocks(actions, rows, deps, [DEFAULT_COSTS[a.kind] for a in actions],
-                 sends, before, after)
+                 sends, before, after, carrier)
+
+
+def _carriers(rows: list[list[int]], sends: list[int], bundle: int
+              ) -> list[int]:
+  """Each block's carrier (``Blocks.carrier``): a rank's sends over each
+  offset, in its order, go in groups of ``bundle``, all held for the last
+  of their group, which sends them with its own (a short last group too)."""
+  carrier = [-1] * len(sends)
+  for row in rows:
+    for offset in {sends[b] for b in row} - {0}:
+      group = [b for b in row if sends[b] == offset]
+      for k in range(0, len(group), bundle):
+        *held, last = group[k:k + bundle]
+        for b in held:
+          carrier[b] = last
+  return carrier
 
 
 class _Packing:
@@ -202,14 +236,8 @@ class _Lookahead:
     self.preds = [((prev,) if prev >= 0 else ()) + deps
                   for prev, deps in zip(blocks.before, blocks.deps)]
     self.bits = [1 << o if o else 0 for o in blocks.sends]
-    waiting = [len(q) for q in self.preds]
-    order = [b for b in range(n) if not waiting[b]]
-    for b in order:   # Kahn: order grows while it is read
-      for c in blocks.after[b]:
-        waiting[c] -= 1
-        if not waiting[c]:
-          order.append(c)
-    if len(order) < n:   # validate() rules this out
+    order = _topological(blocks)
+    if order is None:   # validate() rules this out (layout() the holds')
       raise RuntimeError('Deadlock: the blocks wait for each other.')
     self.order, self.index = order, [0] * n
     for k, b in enumerate(order):
@@ -264,11 +292,38 @@ class _Lookahead:
             placed)
 
 
+def _topological(blocks: Blocks) -> list[int] | None:
+  """The blocks in an order that puts each after its predecessors (on its
+  rank and the blocks it reads; Kahn's algorithm), ``None`` if they wait
+  for each other in a cycle."""
+  preds = [((prev,) if prev >= 0 else ()) + deps
+           for prev, deps in zip(blocks.before, blocks.deps)]
+  waiting = [len(q) for q in preds]
+  order = [b for b in range(len(preds)) if not waiting[b]]
+  for b in order:   # order grows while it is read
+    for c in blocks.after[b]:
+      waiting[c] -= 1
+      if not waiting[c]:
+        order.append(c)
+  return order if len(order) == len(preds) else None
+
+
 def layout(schedule: Schedule, message_cost: float) -> _Packing:
   """The packed blocks of ``schedule``: fused ``B``'s unless that is slower
-  than the schedule as written, then split (module doc)."""
+  than the schedule as written, then split; and with each rank's messages
+  over an offset sent ``BUNDLE`` at a time where that scores better
+  (``_score``: lock-step time plus ``message_cost`` per tick with
+  messages; module doc)."""
   fused = _pack(_blocks(schedule, fuse=True), message_cost)
-  if (not any(a is not None and a.kind == 'B' for row in schedule.actions
-              for a in row) or fused.time <= schedule.simulate().makespan):
-    return fused
-  return _pack(_blocks(schedule, fuse=False), message_cost)
+  fuse = (not any(a is not None and a.kind == 'B'
+                  for row in schedule.actions for a in row)
+          or fused.time <= schedule.simulate().makespan)
+  best = fused if fuse else _pack(_blocks(schedule, fuse=False), message_cost)
+  if message_cost == 0:   # holding a message only ever delays
+    return best
+  held = _blocks(schedule, fuse=fuse, bundle=BUNDLE)
+  if max(held.carrier, default=-1) >= 0 and _topological(held) is not None:
+    bundled = _pack(held, message_cost)
+    if _score(bundled, message_cost)[0] < _score(best, message_cost)[0]:
+      return bundled
+  return best

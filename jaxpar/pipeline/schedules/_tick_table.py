@@ -68,6 +68,23 @@ the schedule as written (30)::
 The lookahead is bounded (``_LOOKAHEAD`` blocks placed by its tries per
 table): past it, each tick runs every ready block.
 
+**Held messages.** A message may also wait on its rank and leave with the
+rank's next message over the same offset, both in one ``ppermute`` (a
+message costs a wake-up of the other process, whatever its size). The table
+tries each rank's sends in pairs (``_tick_packing.BUNDLE``: every other
+message held until the next one) and keeps that layout when its lock-step
+time plus ``message_cost`` per tick with messages is lower. Only GPipe wins
+(at ``message_cost = 0.5``, over every constructor at p = 2-4, m = 2-16:
+p = 2 from m = 8, p = 3 at m = 14 and 16), and forward-only tables whose
+forwards are GPipe's (GPipe, 1F1B, ZB-H1; p = 2 from m = 6, p = 3 from
+m = 10, p = 4 from m = 14): a forward phase sends only forwards and a
+backward phase only backwards, so no two ranks' sends share a tick.
+GPipe, p = 2, m = 12: 12 ticks with messages instead of 24 for one
+more tick of ``F`` and one of ``B`` (lock-step 42, not 39)::
+
+  rank 0: FFFFFFFFFFFF....BBBBBBBBBBBB      F0 held, F1 sends F0 and F1, ...
+  rank 1: ..FFFFFFFFFFFFBBBBBBBBBBBB..      B0 held, B1 sends both, ...
+
 Buffers (per rank, slots reused through a free list, so the slot counts equal
 the peak number of live entries):
 
@@ -80,10 +97,14 @@ the peak number of live entries):
   B, or I and W, (s-1, i)`` and, on the last stage, the loss cotangent
   ``F(S-1, i) -> B, or I and W, (S-1, i)`` (a local message).
 
+* **hold**: one slot per message held back, from the end of its block's
+  tick until it leaves (none in a table that holds nothing).
+
 A message from rank ``src`` to rank ``dst`` travels over the rank offset
 ``(dst - src) % p``; ``offsets`` lists the distinct ones (``0`` is a local
-hand-off). A rank sends at most one message per tick, so the executor issues
-one ``ppermute`` per nonzero offset that carries a message in the tick: the
+hand-off). A rank sends at most one message per tick (its block's output,
+with the held ones over the same offset), so the executor issues one
+``ppermute`` per nonzero offset that carries a message in the tick: the
 messages travelling the same way in a tick share it.
 """
 
@@ -139,11 +160,19 @@ class TickTable(NamedTuple):
       stores, at the end of tick ``t``, the message from rank
       ``(r - offsets[k]) % p`` (the output of that rank's block at tick
       ``t``).
+    hold_slot: int32 ``[T, p]``, the hold slot in which rank ``r`` keeps
+      the output of its block at tick ``t`` instead of sending it (a held
+      message, module doc).
+    recv_held: int32 ``[T, p, K, H]``, the mailbox slot into which rank
+      ``r`` stores, at the end of tick ``t``, what rank ``(r - offsets[k])
+      % p`` held in its hold slot ``h`` (sent with that rank's message of
+      tick ``t`` over offset ``k``).
     offsets: the ``K`` distinct offsets ``(dst - src) % p`` of all messages,
       ascending.
     num_stash_slots: stash slots per rank, ``max(peak_stash)``.
     num_weight_slots: weight-stash slots per rank.
     num_mailbox_slots: mailbox slots per rank, ``max(peak_mailbox)``.
+    num_hold_slots: ``H``, hold slots per rank (``0``: no message is held).
     peak_stash: int32 ``[p]``, most stash entries live at once on each rank.
     peak_mailbox: int32 ``[p]``, most messages in flight (received, not yet
       consumed) at once on each rank.
@@ -157,10 +186,13 @@ class TickTable(NamedTuple):
   stash_slot: np.ndarray
   weight_slot: np.ndarray
   recv_slot: np.ndarray
+  hold_slot: np.ndarray
+  recv_held: np.ndarray
   offsets: tuple[int, ...]
   num_stash_slots: int
   num_weight_slots: int
   num_mailbox_slots: int
+  num_hold_slots: int
   peak_stash: np.ndarray
   peak_mailbox: np.ndarray
 
@@ -175,11 +207,19 @@ class TickTable(NamedTuple):
     return bool((self.kind > F).any())
 
   @property
+  def sends(self) -> np.ndarray:
+    """bool ``[T, K]``: whether a message (or a bundle of them with held
+    ones) travels over offset ``k`` in tick ``t``; ``False`` for ``0``, a
+    local hand-off."""
+    sends = ((self.recv_slot >= 0) | (self.recv_held >= 0).any(-1)).any(1)
+    return sends & (np.array(self.offsets) != 0)
+
+  @property
   def message_ticks(self) -> int:
     """The ``ppermute``s of a step: per tick, the offsets between ranks that
-    carry a message (the executor skips the others)."""
-    remote = [k for k, offset in enumerate(self.offsets) if offset]
-    return int((self.recv_slot[:, :, remote] >= 0).any(axis=1).sum())
+    carry a message (the executor skips the others); held messages travel
+    in their carrier's."""
+    return int(self.sends.sum())
 
   def makespan(self, costs: Mapping[str, float] | None = None,
                comm: float = 0.0) -> float:
@@ -213,10 +253,8 @@ class TickTable(NamedTuple):
     """
     cost = check_costs(costs)
     table = np.array([0.0] + [cost[k] for k in KIND_NAMES[1:]])
-    remote = [k for k, offset in enumerate(self.offsets) if offset]
-    sends = (self.recv_slot[:, :, remote] >= 0).any(axis=(1, 2))
     return float(table[self.kind].max(axis=1).sum()
-                 + check_comm(comm) * sends.sum())
+                 + check_comm(comm) * self.sends.any(1).sum())
 
   def render(self) -> str:
     """The table as text, a row per rank and a letter per tick.
@@ -295,7 +333,8 @@ def tick_table(schedule: Schedule, *, forward_only: bool = False,
   Returns:
     A ``TickTable``: int32 ``[ticks, ranks]`` tables of blocks and
     buffer slots plus the buffer sizes. The stash and mailbox sizes follow
-    the schedule: ``O(p)`` for 1F1B, ``O(m)`` for GPipe. Its
+    the schedule: ``O(p)`` for 1F1B, ``O(m)`` for GPipe (which may hold
+    messages back to send them in pairs: ``num_hold_slots``). Its
     ``makespan(comm=message_cost)`` is at most that of the table before
     like-with-like packing (every ``B`` as ``I`` then ``W``, plain list
     scheduling), and with ``message_cost=0`` its ``makespan()`` is at most
@@ -338,6 +377,9 @@ def tick_table(schedule: Schedule, *, forward_only: bool = False,
   stage, microbatch, local_stage, read_slot, stash_slot, weight_slot = (
       np.full(shape, -1, np.int32) for _ in range(6))
   recv_slot = np.full(shape + (len(offsets),), -1, np.int32)
+  hold_slot = np.full(shape, -1, np.int32)
+  recv_held = np.full(shape + (len(offsets), int(peaks[3].max(initial=0))),
+                      -1, np.int32)
   last = schedule.num_stages - 1
   for a, tk in zip(blocks.actions, ticks):
     s, i, r = a.stage, a.microbatch, schedule.placement[a.stage]
@@ -354,16 +396,23 @@ def tick_table(schedule: Schedule, *, forward_only: bool = False,
       weight_slot[tk, r] = slots['weight', s, i]
     read_slot[tk, r] = slots[('mail', 'F', s, i) if s == last else
                              ('mail', 'G', s + 1, i)]
-  for src, dst, tk, key in messages:
-    recv_slot[tk, dst, offsets.index((dst - src) % schedule.num_ranks)] = (
-        slots[('mail',) + key])
+  for src, dst, tk, key, held in messages:
+    k = offsets.index((dst - src) % schedule.num_ranks)
+    if held >= 0:
+      h = slots[('hold',) + key]
+      hold_slot[held, src] = h
+      recv_held[tk, dst, k, h] = slots[('mail',) + key]
+    else:
+      recv_slot[tk, dst, k] = slots[('mail',) + key]
   return TickTable(
       schedule=schedule, kind=kind, stage=stage, microbatch=microbatch,
       local_stage=local_stage, read_slot=read_slot, stash_slot=stash_slot,
-      weight_slot=weight_slot, recv_slot=recv_slot, offsets=offsets,
+      weight_slot=weight_slot, recv_slot=recv_slot, hold_slot=hold_slot,
+      recv_held=recv_held, offsets=offsets,
       num_stash_slots=int(peaks[0].max(initial=0)),
       num_weight_slots=int(peaks[1].max(initial=0)),
       num_mailbox_slots=int(peaks[2].max(initial=0)),
+      num_hold_slots=recv_held.shape[-1],
       peak_stash=peaks[0], peak_mailbox=peaks[2])
 
 
@@ -371,41 +420,50 @@ def _slots(schedule: Schedule, blocks: Blocks, ticks: list[int],
            training: bool) -> tuple[dict, np.ndarray, list]:
   """The buffer slots of the placed blocks (module doc).
 
-  Returns ``({('stash' | 'weight', s, i) or ('mail', 'F' | 'G', s, i):
-  slot}, int32 [3, p] peak stash / weight / mailbox entries, messages as
-  (src rank, dst rank, tick, (kind, stage, microbatch)))``: ``'F'`` keys an
-  activation or the loss cotangent of stage ``s``'s ``F``, ``'G'`` the input
-  cotangent of stage ``s``'s ``B`` or ``I``.
+  Returns ``({('stash' | 'weight', s, i) or ('mail' | 'hold', 'F' | 'G',
+  s, i): slot}, int32 [4, p] peak stash / weight / mailbox / hold entries,
+  messages as (src rank, dst rank, tick it leaves, (kind, stage,
+  microbatch), the tick of its block if it is held there, else -1))``:
+  ``'F'`` keys an activation or the loss cotangent of
+  stage ``s``'s ``F``, ``'G'`` the input cotangent of stage ``s``'s ``B`` or
+  ``I``; a held message waits in a hold slot of its rank from the end of
+  its block's tick until it leaves with its carrier's (``Blocks.carrier``).
   """
   p, last, place = schedule.num_ranks, schedule.num_stages - 1, {}
   for a, tk in zip(blocks.actions, ticks):
     place[a] = tk
+  # The tick a block's message leaves: its own, or its carrier's.
+  sent = [ticks[c] if c >= 0 else tk for c, tk in zip(blocks.carrier, ticks)]
   at = lambda kind, s, i: place[Action(s, kind, i)]
   # The last block that reads (s, i)'s stash and output cotangent.
   done = lambda s, i: place.get(Action(s, 'B', i), place.get(Action(s, 'W', i)))
   # (write time, last read time, key) in half-ticks: a block reads at 2t,
   # its messages land at 2t + 1.
-  lives = {name: [[] for _ in range(p)] for name in ('stash', 'weight', 'mail')}
+  names = ('stash', 'weight', 'mail', 'hold')
+  lives = {name: [[] for _ in range(p)] for name in names}
   messages = []
-  for a, tk in zip(blocks.actions, ticks):
+  for a, tk, ts in zip(blocks.actions, ticks, sent):
     s, i, src = a.stage, a.microbatch, schedule.placement[a.stage]
+    key = ('F', s, i) if a.kind == 'F' else ('G', s, i)
+    if ts > tk:   # held on its rank until it leaves with its carrier
+      lives['hold'][src].append((2 * tk + 1, 2 * ts + 1, ('hold',) + key))
     if a.kind == 'F' and training:
       lives['stash'][src].append((2 * tk, 2 * done(s, i), ('stash', s, i)))
     if a.kind == 'F' and (s < last or training):
       dst = schedule.placement[s + 1] if s < last else src
       read = at('F', s + 1, i) if s < last else done(s, i)
-      messages.append((src, dst, tk, ('F', s, i)))
-      lives['mail'][dst].append((2 * tk + 1, 2 * read, ('mail', 'F', s, i)))
+      messages.append((src, dst, ts, key, tk if ts > tk else -1))
+      lives['mail'][dst].append((2 * ts + 1, 2 * read, ('mail',) + key))
     if a.kind == 'I':
       lives['weight'][src].append((2 * tk, 2 * at('W', s, i),
                                    ('weight', s, i)))
     if a.kind in 'BI' and s > 0:
       dst = schedule.placement[s - 1]
-      messages.append((src, dst, tk, ('G', s, i)))
-      lives['mail'][dst].append((2 * tk + 1, 2 * done(s - 1, i),
-                                 ('mail', 'G', s, i)))
-  slots, peaks = {}, np.zeros((3, p), np.int32)
-  for k, name in enumerate(('stash', 'weight', 'mail')):
+      messages.append((src, dst, ts, key, tk if ts > tk else -1))
+      lives['mail'][dst].append((2 * ts + 1, 2 * done(s - 1, i),
+                                 ('mail',) + key))
+  slots, peaks = {}, np.zeros((len(names), p), np.int32)
+  for k, name in enumerate(names):
     for r in range(p):
       found, peaks[k, r] = _allocate(lives[name][r])
       slots.update(found)
