@@ -26,6 +26,20 @@ pipeline and tensor-parallel steps are identical at both levels. Processes
 the tests start (CLI runs, notebook kernels) inherit it, except the default
 demo's (``tests/test_cli.py``: 150 steps, which run slower at level 0 than
 they save in compiling).
+
+The processes the tests start (notebook kernels, CLI runs, ``launch``ed
+workers) also compile without XLA:CPU's MLIR fusion emitters
+(``--xla_cpu_use_fusion_emitters=false``, set for each test by
+``_child_xla_flags``; a value the user set is kept): emitting each fusion
+through MLIR is about 40% of the CPU of compiling a pipeline step (the 3D
+ZeRO-3 step of ``test_optimizers.py`` 19 -> 11.5 s; notebook 07 123 -> 87 s
+of CPU, both measured side by side on 2 loaded cores). The test processes
+themselves keep the emitters: XLA read their flags when the backend started
+above, and the older emitters fuse a little differently, so a step's
+``memory_analysis()`` temp bytes differ (231064 -> 223000 for that step) and
+the planner's memory tests compare against what a user compiles. What the
+started processes check holds under either (parallel against one device
+compiled alike, float64 within 1e-10, resumes bit for bit).
 """
 
 import os
@@ -47,6 +61,20 @@ if jax.device_count() < 8:
   raise RuntimeError(
       f'jaxpar tests need 8 simulated CPU devices, got {jax.device_count()}: '
       'something started JAX before conftest.py ran.')
+
+
+_CHILD_FLAG = '--xla_cpu_use_fusion_emitters=false'   # see the docstring
+_CHILD_XLA_FLAGS = (os.environ['XLA_FLAGS']
+                    if 'xla_cpu_use_fusion_emitters' in os.environ['XLA_FLAGS']
+                    else f"{os.environ['XLA_FLAGS']} {_CHILD_FLAG}")
+
+
+@pytest.fixture(autouse=True)
+def _child_xla_flags(monkeypatch):
+  """The processes a test starts compile without the fusion emitters (the
+  module docstring); this process read its ``XLA_FLAGS`` at startup, so
+  its own programs are unchanged."""
+  monkeypatch.setenv('XLA_FLAGS', _CHILD_XLA_FLAGS)
 
 
 @pytest.fixture(autouse=True)

@@ -18,10 +18,11 @@ _spec.loader.exec_module(refresh)
                          ids=[p.name for p in refresh.NOTEBOOKS])
 def test_notebook_runs(path):
   """The kernel inherits the run's XLA flags (``conftest.py``: LLVM level 0,
-  ~35% less compile CPU for a 3D GPT step, 16.9 -> 10.4 s); what the
-  notebooks assert holds at any level (parallel against one device compiled
+  ~35% less compile CPU for a 3D GPT step, 16.9 -> 10.4 s; no fusion
+  emitters in started processes, notebook 07 123 -> 87 s of CPU); what the
+  notebooks assert holds under either (parallel against one device compiled
   alike, memory from buffer assignment). The committed outputs come from
-  ``refresh.py`` at XLA's default level."""
+  ``refresh.py`` at XLA's defaults."""
   notebook = nbformat.read(path, as_version=4)
   code = [c for c in notebook.cells if c.cell_type == 'code']
   assert 'simulate_cpu_devices(8)' in code[0].source
