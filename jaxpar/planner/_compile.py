@@ -5,11 +5,12 @@ stage and remat policy -- a *stage shape* -- run the same blocks on the
 same buffers; only their schedules' stash and message slots differ, and
 those are counted exactly (``_memory.stash_bytes``). So one compiled step
 per shape gives the ``work`` part (gradients, update temporaries, gathers)
-of all of them: ``work = compiled (arguments + temp) - the analytic
-arguments and stashes``. ``plan`` compiles the best candidate's shape, ranks
-again, compiles the best one's shape if it is not compiled yet, and so on
-(``compile=K`` shapes; by default 2 where the devices are present), so the
-plan's best is a compiled figure unless K compiles moved it. The candidates
+of all of them: ``work`` = the compiled peak (``held_bytes``) - the
+analytic arguments, outputs and stashes. ``plan`` compiles the best
+candidate's shape, ranks again, compiles the best one's shape if it is not
+compiled yet, and so on (``compile=K`` shapes; by default 2 where the
+devices are present), so the plan's best is a compiled figure unless K
+compiles moved it. The candidates
 of the shapes not compiled keep the analytic model, their temporaries
 (stash + work) scaled by the median ratio of compiled to analytic
 temporaries over the compiled shapes where it is above 1.
@@ -37,15 +38,36 @@ def shape_key(layout: Layout) -> tuple:
 
 def step_bytes(src: Source, devices: Sequence, layout: Layout,
                optimizer: optax.GradientTransformation, batch: Any) -> int:
-  """Arguments + temp bytes of ``layout``'s compiled step, per device."""
+  """What a device holds at ``layout``'s compiled step's peak
+  (``held_bytes``)."""
   trainer = build_trainer(src, devices, layout, optimizer)
   params, functions = src.pipeline(layout.num_stages)[:2]
   state = trainer.init(params, getattr(functions, 'model_state', None))
   if isinstance(batch, int):
     ids = np.zeros((batch, src.spec.seq_len), np.int32)
     batch = (ids, ids)
-  mem = trainer.step.lower(state, batch).compile().memory_analysis()
-  return int(mem.argument_size_in_bytes + mem.temp_size_in_bytes)
+  return held_bytes(trainer.step.lower(state, batch).compile())
+
+
+def held_bytes(compiled: Any) -> int:
+  """What a device holds at a compiled program's peak, per device:
+  arguments + outputs + temporaries - the outputs aliased to arguments.
+
+  ``memory_analysis()``'s arguments + temp is not it: a step that donates
+  nothing writes the new state into output buffers of its own, and XLA
+  parks gradients, stashes and the update's temporaries in those buffers
+  before they are written (they are not in temp). Donating the state does
+  not lower the peak: XLA puts the same temporaries in temp instead.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> step = jax.jit(lambda x: (x + 1, x.sum()))
+    >>> held_bytes(step.lower(jnp.zeros(256)).compile()) >= 2 * 1024
+    True
+  """
+  mem = compiled.memory_analysis()
+  return int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+             + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
 
 
 def compiled_memory(ranked: list, count: int, src: Source,

@@ -5,9 +5,9 @@ plan's candidates spread over its predicted range (the best, then evenly
 spaced places of the ranking down to the slowest that fits: a ranking is
 only tested by candidates that differ) and of the best's ``RUNNERS_UP``
 runners-up (a pick is only as good as the near-ties it beat: ``n + 2`` in
-all, ``--measure 6`` times 8), compiles each step (its
-``memory_analysis()``: arguments + temp) and times them in rounds (each
-one's fastest of ``repeats``, each the second of two steps in a row);
+all, ``--measure 6`` times 8), compiles each step (what a
+device holds at its peak, ``_compile.held_bytes``) and times them in rounds
+(each one's fastest of ``repeats``, each the second of two steps in a row);
 ``summary`` gives the mean absolute time error and ``spearman``, the rank
 correlation of two orders.
 
@@ -27,6 +27,8 @@ import jax
 import numpy as np
 import optax
 
+from jaxpar.planner._compile import held_bytes
+
 
 class Measured(NamedTuple):
   """One candidate, predicted and measured.
@@ -34,7 +36,8 @@ class Measured(NamedTuple):
   Attributes:
     candidate: the plan's ``Candidate``.
     seconds: measured seconds per step (the fastest of the repeats).
-    memory_bytes: the compiled step's arguments + temp per device.
+    memory_bytes: what a device holds at the compiled step's peak
+      (``_compile.held_bytes``).
   """
   candidate: Any
   seconds: float
@@ -129,8 +132,8 @@ def measure(plan: Any, n: int, optimizer: optax.GradientTransformation,
             batch: Any, *, repeats: int = 5) -> list[Measured]:
   """Times ``n`` candidates of ``plan`` spread over its predicted range
   and the best's ``RUNNERS_UP`` runners-up (``chosen``; module doc): the
-  fastest of ``repeats`` steps after one warm-up, and the compiled step's
-  arguments + temp.
+  fastest of ``repeats`` steps after one warm-up, and what a device holds
+  at the compiled step's peak.
 
   The candidates are stepped in rounds, so that load from other work that
   comes and goes falls on all of them alike (timed one after another, the
@@ -145,10 +148,9 @@ def measure(plan: Any, n: int, optimizer: optax.GradientTransformation,
     trainer = plan.trainer(optimizer, candidate)
     state = trainer.init(plan.params(candidate))
     # jit reuses this executable for the calls below: one compile each.
-    mem = trainer.step.lower(state, batch).compile().memory_analysis()
+    nbytes = held_bytes(trainer.step.lower(state, batch).compile())
     state, _ = jax.block_until_ready(trainer.step(state, batch))
-    runs.append((candidate, trainer.step, [state], [],
-                 int(mem.argument_size_in_bytes + mem.temp_size_in_bytes)))
+    runs.append((candidate, trainer.step, [state], [], nbytes))
   for _ in range(repeats):
     for _, step, state, times, _ in runs:
       state[0], _ = jax.block_until_ready(step(state[0], batch))
@@ -184,4 +186,5 @@ def summary(measured: Sequence[Measured], *, repeats: int = 5) -> dict:
           'best_vs_fastest': first['measured_s'] / min(
               r['measured_s'] for r in rows) - 1,
           'how': f'the fastest of {repeats} rounds, each the second of two '
-                 'steps in a row; compiled arguments + temp'}
+                 'steps in a row; memory: the compiled peak, arguments + '
+                 'outputs + temp - aliased'}

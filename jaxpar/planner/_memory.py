@@ -1,7 +1,10 @@
 """Bytes per device of a layout's training step: ``Memory``, ``memory``.
 
-What one device holds during a ``parallel.trainer`` step (what its compiled
-``memory_analysis()`` reports as arguments + temporaries):
+What one device holds at the peak of a ``parallel.trainer`` step: its
+compiled ``memory_analysis()``'s arguments + outputs + temporaries - the
+outputs aliased to arguments (``_compile.held_bytes``; the step donates
+nothing, so its outputs -- the new state -- are buffers of their own, and
+XLA parks some of its temporaries in them before they are written):
 
 * **arguments**: the params (``tensor``- and ``stage``-split; over ``data``
   too with ZeRO-3), the optimizer state (split like the per-layer view:
@@ -20,21 +23,29 @@ What one device holds during a ``parallel.trainer`` step (what its compiled
   rank (``stage=1``) runs its microbatches in turn: one stash, no slots;
 * **work**: the gradient accumulators (the params held; over ``data``
   too with ZeRO-3; each microbatch's gradient is added in place), live
-  through the step, plus the larger of two phases. The **backward**:
-  ZeRO-3's gathered params (two layers in the compute dtype -- the one in
-  use and the next -- the embedding or head, and one layer's gradient
-  whole until its reduce-scatter), one microbatch's logits, their float32
-  copy and their gradient, and the backward's recompute
-  (``recompute_bytes``: the policy applies layer by layer, so one layer's
-  residuals, and in the tick scan each layer's input and saves rebuilt for
-  the stage). The **update**: with a pipeline the gradients moved to the
-  per-layer view and the updates (``UPDATE`` times the view's bytes, over
-  ``data`` with ZeRO), beside the tick scan's slots; with one stage rank
-  the same after the stash is freed with ZeRO (the reduce-scatter and the
-  slice's update; for a model whose ``tensor`` axis XLA partitions, at
-  ``tensor`` > 1 at least the blocks' params whole: XLA moves the split
-  gradients to ZeRO's layout through whole leaves), none without (the
-  update runs in place).
+  through the step, but for those in the outputs (below), plus the larger
+  of two phases. The **backward**: ZeRO-3's gathered params (two layers in
+  the compute dtype -- the one in use and the next -- the embedding or
+  head, and one layer's gradient whole until its reduce-scatter), one
+  microbatch's logits, their float32 copy and their gradient, and the
+  backward's recompute (``recompute_bytes``: the policy applies layer by
+  layer, so one layer's residuals, and in the tick scan each layer's input
+  and saves rebuilt for the stage). The **update**: without ZeRO it runs
+  in place, in the output buffers it writes: nothing beyond them; with
+  ZeRO and a pipeline the gradients moved to the per-layer view and the
+  updates (``UPDATE`` times the view's bytes, over ``data``) beside the
+  tick scan's slots; with one stage rank and ZeRO nothing beyond the
+  outputs either, except for a model whose ``tensor`` axis XLA
+  partitions, at ``tensor`` > 1: XLA moves the split gradients to ZeRO's
+  layout through whole leaves (the blocks' params whole, after the stash
+  is freed);
+* **outputs**: the new state, params + optimizer state again (the step
+  does not donate its state). Without ZeRO the gradient accumulators live
+  in them (``parked_grads``). XLA parks some of the backward's
+  temporaries there too where one fits a buffer and its liveness allows
+  (many small microbatches: stash slots) -- not counted: the model is
+  over where XLA parks those (``docs/planning.md``, "Where it does not
+  hold yet").
 
 In the tick scan the backward holds more under 'nothing' and 'everything'
 (``TICK_WORKING``), and ``w_recompute`` under 'everything' more again
@@ -42,7 +53,7 @@ In the tick scan the backward holds more under 'nothing' and 'everything'
 holds beyond those (XLA's copies, the collectives' buffers): ``work`` is
 the above times ``1 + MARGIN``. On 6, 8 and 12 simulated CPU devices a
 sample of every kind of candidate is predicted 0.95-1.15x its compiled
-step (``tests/test_planner_memory.py``; the exceptions, all over, in
+step's peak (``tests/test_planner_memory.py``; the exceptions, all over, in
 ``docs/planning.md``, "Where it does not hold yet"). Where the
 devices are present the planner compiles one step per distinct stage shape
 of its best candidates and replaces ``work`` by what the compiler reports
@@ -66,9 +77,9 @@ from typing import NamedTuple
 from jaxpar.planner._layout import Layout, schedule_key, tick_table
 from jaxpar.planner._model import ModelSpec, slots
 
-# The update's temporaries in units of the per-layer view's bytes: the
-# gradients moved to the view and the updates (Adam's new moments are the
-# step's outputs).
+# ZeRO's update temporaries in units of the per-layer view's bytes: the
+# gradients moved to the view and the updates, over ``data`` (Adam's new
+# moments are the step's outputs).
 UPDATE = 2
 # ZeRO-3 gathers a scanned stack one layer at a time: the layer in use and
 # the next one (XLA overlaps the next gather with the layer's compute).
@@ -109,17 +120,20 @@ class Memory(NamedTuple):
     stash: activation stashes, weight-gradient stashes and messages.
     work: the gradients, and the larger of the backward's transients
       (gathered params, logits, recompute) and the update's temporaries.
+    outputs: the new state the step returns (params + optimizer state).
   """
   params: int
   opt_state: int
   batch: int
   stash: int
   work: int
+  outputs: int = 0
 
   @property
   def total(self) -> int:
-    """All of it: arguments + temporaries."""
-    return self.params + self.opt_state + self.batch + self.stash + self.work
+    """All of it: arguments + temporaries + outputs."""
+    return (self.params + self.opt_state + self.batch + self.stash
+            + self.work + self.outputs)
 
   def calibrated(self, work: int) -> 'Memory':
     """The same with ``work`` as a compiled step reports it."""
@@ -255,7 +269,10 @@ def work_bytes(spec: ModelSpec, layout: Layout,
     # the layers gathered, and the one whose gradient the backward is
     # reduce-scattering (whole until it is scattered)
     gathered = ((layers + 1) * spec.layer.per_device(t) + sides) * cb
-  update = UPDATE * shape.view * pb / (d / padding(spec, d) if zero else 1)
+  # without ZeRO the update runs in place, in the output buffers it
+  # writes; with ZeRO beside them (the reduce-scatter and the slice's update)
+  update = UPDATE * shape.view * pb / (d / padding(spec, d)) if (
+      zero and layout.stage > 1) else 0.0
   if layout.stage == 1 and zero and t > 1 and not spec.stash_split:
     # XLA moves the tensor-split gradients of a model it partitions to
     # ZeRO's layout through whole stacked leaves (its "involuntary full
@@ -267,6 +284,16 @@ def work_bytes(spec: ModelSpec, layout: Layout,
       'update': int(update),
       'logits': int(shape.tokens * spec.vocab_size / t * (2 * cb + 4)),
       'recompute': recompute_bytes(spec, layout, shape)}
+
+
+def parked_grads(layout: Layout) -> bool:
+  """Whether XLA keeps the gradient accumulators in the output buffers of
+  the new params: without ZeRO they have the params' leaves and the update
+  writes each new leaf over its gradient (with ZeRO they are reduce-
+  scattered first), but not under ``'everything'``, where the compiled
+  steps keep them in temporaries (the backward's residuals take the
+  outputs' buffers: measured, ``docs/planning.md``)."""
+  return not layout.zero_stage and layout.remat_policy != 'everything'
 
 
 def memory(spec: ModelSpec, layout: Layout, *, batch: int,
@@ -288,7 +315,8 @@ def memory(spec: ModelSpec, layout: Layout, *, batch: int,
   parts = work_bytes(spec, layout, shape)
   stash = stash_bytes(spec, layout, shape)
   backward = parts['gathered'] + parts['logits'] + parts['recompute']
-  update = parts['update'] if layout.stage > 1 else (
-      parts['update'] - stash if layout.zero_stage else 0)
+  update = parts['update'] - (stash if layout.stage == 1 else 0)
+  grads = 0 if parked_grads(layout) else parts['grads']
   return Memory(int(params), int(opt), ids, stash, int(
-      (parts['grads'] + max(backward, update)) * (1 + MARGIN)))
+      (grads + max(backward, update)) * (1 + MARGIN)),
+                int(params) + int(opt))
