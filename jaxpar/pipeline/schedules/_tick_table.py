@@ -210,7 +210,16 @@ class TickTable(NamedTuple):
   def sends(self) -> np.ndarray:
     """bool ``[T, K]``: whether a message (or a bundle of them with held
     ones) travels over offset ``k`` in tick ``t``; ``False`` for ``0``, a
-    local hand-off."""
+    local hand-off.
+
+    Example (GPipe, p = 2, m = 8: its 16 messages leave in pairs):
+      >>> import jaxpar
+      >>> table = jaxpar.pipeline.tick_table(jaxpar.pipeline.gpipe(2, 8))
+      >>> table.offsets, table.sends.shape, int(table.sends.sum())
+      ((0, 1), (20, 2), 8)
+      >>> table.num_hold_slots, table.message_ticks
+      (1, 8)
+    """
     sends = ((self.recv_slot >= 0) | (self.recv_held >= 0).any(-1)).any(1)
     return sends & (np.array(self.offsets) != 0)
 
