@@ -11,7 +11,7 @@ compiled and a deterministic sample of the rest that covers ``KINDS``
 microbatches, ``w_recompute``, an uneven cut; compiling all would take
 hours) are never more than 5% under what a device holds at their compiled
 step's peak (arguments + outputs + temporaries, ``_compile.held_bytes``)
-nor more than 15% over (``OVER``: two combinations of
+nor more than 15% over (``OVER``: one combination of
 kinds known to be over, documented).
 
 Run as a script (``python tests/test_planner_memory.py 12``) it prints the
@@ -72,6 +72,26 @@ def test_a_fused_backward_keeps_nothing_for_w():
   without = _memory.stash_bytes(SPEC, zb._replace(w_recompute=True), shape)
   assert slots > 0 and with_kept - without == pytest.approx(
       slots * _kept_bytes(SPEC, zb, BATCH), abs=slots)
+
+
+def test_one_stash_slot_is_read_in_place_under_everything():
+  """Under 'everything' a tick table with more than one stash slot makes
+  XLA copy a slot's residuals out of the stash; with one (m=1) it works on
+  the stash in place: per token, ZB-H1's backward with ``w_recompute``
+  holds one stash slot (its layers' residuals and its input) more at m=2
+  than at m=1, and without ``w_recompute`` no ``TICK_WORKING`` at m=1."""
+  def per_token(m, w_recompute):
+    x = Layout(1, 2, 1, 'zero_bubble_h1', m, 0, 'everything',
+               w_recompute=w_recompute)
+    shape = _memory.shapes(LLAMA, x, 64)
+    return (_memory.recompute_bytes(LLAMA, x, shape)
+            / (shape.tokens * LLAMA.act_bytes)), shape.slots
+  (one, slots), (two, _) = per_token(1, True), per_token(2, True)
+  slot = slots * LLAMA.stash_per_device('everything', 1) + LLAMA.d_model
+  assert two - one == pytest.approx(slot, rel=1e-6)
+  everything = LLAMA.stash_of('everything').per_device(1)
+  assert per_token(1, False)[0] == pytest.approx(_memory.WORKING * everything,
+                                                 rel=1e-6)
 
 
 def test_zero3_gathers_two_layers_and_the_stash_splits_over_tensor():
@@ -170,11 +190,11 @@ FAMILY = {'gpipe': 'GPipe', 'one_f_one_b': '1F1B',
 # (never under; ``docs/planning.md``, "Where it does not hold yet"), by the
 # kinds a candidate has all of: many one-sequence microbatches on a cut
 # that ``stage`` does not divide (the BatchNorm model's 2x3x1 GPipe m=12:
-# 1.15 with ZeRO-1 'dots', 1.19 with ZeRO-3 'nothing') and one microbatch
-# under 'everything' with ``w_recompute`` (the Llama's 2x2x2 ZB-H1 m=1:
-# 1.55).
-OVER = ((frozenset({'many', 'uneven'}), 1.25),
-        (frozenset({'one', 'everything', 'w_recompute'}), 1.6))
+# 1.15 with ZeRO-1 'dots', 1.19 with ZeRO-3 'nothing': XLA parks the
+# gradient accumulators, ZeRO-3's gathered params and activations in the
+# new state's buffers, as far as their sizes fit, which the model does not
+# follow).
+OVER = ((frozenset({'many', 'uneven'}), 1.25),)
 
 
 def _limit(x: Layout) -> float:
@@ -194,7 +214,6 @@ def _kinds(x: Layout, layers: int = 4) -> set[str]:
           f'ZeRO-{x.zero_stage}', x.remat_policy,
           *(['tensor'] if x.tensor > 1 else []),
           *(['many'] if x.num_microbatches >= 8 else []),
-          *(['one'] if x.num_microbatches == 1 else []),
           *(['w_recompute'] if x.w_recompute else []),
           *(['uneven'] if layers % x.num_stages else [])}
 
@@ -241,7 +260,7 @@ def ratios(n: int) -> dict[str, tuple[float, float]]:
 def test_memory_within_5_percent_under_and_15_over_on_6_8_and_12_devices():
   """The sample of the candidates ``plan`` returns for the three models on
   6, 8 and 12 devices (12 in a process of its own) is predicted at
-  0.95-1.15x its compiled step (up to ``OVER`` for the two combinations of
+  0.95-1.15x its compiled step (up to ``OVER`` for the combination of
   kinds known over)."""
   env = {**os.environ, 'PYTHONPATH': os.pathsep.join(
       [os.path.dirname(os.path.dirname(__file__)), os.path.dirname(__file__),

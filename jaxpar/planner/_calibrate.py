@@ -3,13 +3,11 @@
 What a step runs, timed at plan time on the devices (calibrated on the
 machine, no constants fitted to another):
 
-* **the one-rank program**: a stage of two GPT blocks of ``spec``'s width,
-  heads and sequence (a scan over its layers, as a step's stage is) in the
-  executor's one-rank step (``pipeline_value_and_grad_local``: one
-  ``value_and_grad`` program), on one device at 1 to 32 sequences per
+* **the one-rank program**: a stage of two GPT blocks of ``spec``'s shape
+  (a scan over its layers, as a step's) in the executor's one-rank step
+  (one ``value_and_grad`` program) on one device at 1 to 32 sequences per
   microbatch: the FLOP/s reached at each (``Profile.block_rates``; on a
-  CPU small microbatches run far below the rate of large ones, and large
-  ones fall out of cache);
+  CPU small microbatches run far below large ones);
 * **the pipeline's blocks**: the same stage's ``F``, ``I``, ``W`` and fused
   ``B`` (``pipeline.StageVJP``), each its own program as the tick scan
   runs it, at 1 and 16 sequences, in seconds per second of the one-rank
@@ -17,26 +15,22 @@ machine, no constants fitted to another):
   fixed costs, and split apart ``I`` and ``W`` cost more than the fused
   backward); and split over two devices as ``tensor``: the share of the
   ideal speed-up its FLOPs reach against one device (``tensor_efficiency``);
-* **the ends**: the GPT's embedding, head and loss, forward and backward,
-  at 1 and 16 sequences (``Profile.head_seconds``);
-* **ticks**: the executor itself, on a stage whose blocks cost nothing (a
-  ``[8, 8]`` layer, one row per microbatch), at two microbatch counts: a
-  2-rank 1F1B step gives the cost of one tick (its while loops, message
-  switch, slot reads and writes; the fitted ``ppermute`` taken out), a
-  1-rank step the cost of one microbatch of the plain scan one stage rank
-  runs;
+* **the ends**: the GPT's embedding, head and loss, forward and backward
+  (``Profile.head_seconds``);
+* **ticks**: the executor on a stage whose blocks cost nothing (a ``[8,
+  8]`` layer) at two microbatch counts: on 2 ranks one tick (the fitted
+  ``ppermute`` taken out), on 1 one microbatch of the plain scan;
 * **links**: ``psum``, ``all_gather``, ``psum_scatter`` and ``ppermute``
-  over all devices in a ``shard_map`` at 4 KiB, 1 MiB and 8 MiB, 8 in a
-  row in one program (as a step runs them, not one per dispatch); alpha
-  and beta fitted to the ring formulas of ``Profile.collective`` (least
-  squares of the relative error);
-* **alone**: the one-rank program in process 0 while the others wait, over
-  the same with all running it (``Profile.alone_speedup``);
+  over all devices at 4 KiB, 1 MiB and 8 MiB, 8 in a row in one program;
+  alpha and beta fitted to ``Profile.collective``'s ring formulas;
+* **alone**: the one-rank program in process 0 alone over all running it;
 * **ZeRO-3**: ``data_parallel.gathered`` on the same stage over 2 devices
   as ``data``, under ``jax.grad`` (each param array gathered, gathered
   again in the backward, its gradient reduce-scattered, one at a time):
   seconds per layer and microbatch (``Profile.zero3_layer_seconds``);
-* **memory bandwidth**: an in-place add of a large buffer.
+* **memory bandwidth**: an in-place add of a large buffer, and a fill of
+  one the call allocates (``Profile.first_touch_bandwidth``: on a CPU a
+  step's temporaries and outputs fault their pages in on every call).
 
 Example:
   >>> import jax
@@ -55,6 +49,8 @@ Example:
   1.0
   >>> profile.tick_overhead, profile.microbatch_overhead >= 0   # no pipeline
   (0.0, True)
+  >>> profile.first_touch_bandwidth > 0    # a fresh buffer written in
+  True
 """
 
 from __future__ import annotations
@@ -85,37 +81,34 @@ from jaxpar.vma import varying_axes
 _SIZES = (2**12, 2**20, 2**23)   # bytes of the collective buffers timed
 _CHAIN = 8                       # collectives per timed program, in a row
 _ROWS = (1, 2, 4, 8, 16, 32)    # sequences per microbatch of the blocks timed
-_HBM_BYTES = 2**28              # the in-place add: 256 MiB
-# Sequences per microbatch at which the blocks are timed apart and the head.
-_FACTOR_ROWS = (_ROWS[0], _ROWS[4])
+_HBM_BYTES = 2**28              # the in-place add and the fill: 256 MiB
+_FACTOR_ROWS = (_ROWS[0], _ROWS[4])   # the blocks apart and the head
 
 
 def _rounds(calls: Sequence[tuple[Callable, int]], rounds: int
             ) -> list[float]:
   """Seconds per call of each ``(fn, k)``: ``fn()`` dispatched ``k`` times
-  in a row and timed together (a short call varies by +-20% with another
-  process on the cores), in ``rounds`` rounds over ``calls`` (load that
-  comes and goes falls on all of them alike), after one warm-up call each.
-
-  In one process the fastest round counts (on a shared machine other work
-  only ever adds time). With several, each sample starts together in all
-  of them, as their steps do (on a shared host a process timed while
-  another compiles reaches twice the FLOP/s it has in a step), and the
-  median counts: the calls start together but need not stay so, and in a
-  step they do.
+  in a row and timed together, in ``rounds`` rounds over ``calls`` (load
+  that comes and goes falls on all alike); warm, as ``planner.measure``
+  times steps (each sample right after an untimed run of the same: on a
+  CPU a first call after another program's faults its memory back in; such
+  samples varied by 40% between runs); the median (a step is a sum of many
+  blocks: its fastest round is their typical time; the fastest of each put
+  every step 5-29% under its measured time). With several processes each
+  sample starts together in all, as their steps do, and all samples count.
   """
-  for fn, _ in calls:
-    jax.block_until_ready(fn())
-  times = [[] for _ in calls]
-  for _ in range(rounds):
-    for (fn, k), out in zip(calls, times):
+  times = np.zeros((rounds, len(calls)))
+  for r in range(rounds):
+    for j, (fn, k) in enumerate(calls):
+      jax.block_until_ready([fn() for _ in range(k)])
       if jax.process_count() > 1:
         multihost_utils.sync_global_devices('jaxpar.planner.calibrate')
       start = time.perf_counter()
       jax.block_until_ready([fn() for _ in range(k)])
-      out.append((time.perf_counter() - start) / k)
-  typical = np.median if jax.process_count() > 1 else min
-  return [float(typical(t)) for t in times]
+      times[r, j] = (time.perf_counter() - start) / k
+  if jax.process_count() > 1:
+    times = np.concatenate(multihost_utils.process_allgather(times))
+  return [float(t) for t in np.median(times, axis=0)]
 
 
 def _seconds(fn: Callable, *args, repeats: int) -> float:
@@ -307,15 +300,14 @@ def _block_rates(spec: ModelSpec, device,
                  repeats: int) -> tuple[tuple[float, float], ...]:
   """``((tokens, FLOP/s), ...)`` of a layer's forward and backward in the
   one-rank step's program (a stage of ``slots`` layers) on ``device`` at
-  each of ``_ROWS`` sequences per microbatch: the median of ``2 *
-  repeats`` rounds over the sizes (load that comes and goes falls on all
-  of them alike), each sample at least ``_ROWS[3]`` sequences of work (a
+  each of ``_ROWS`` sequences per microbatch: ``_rounds`` over the sizes
+  (``repeats`` of them), each sample at least ``_ROWS[3]`` sequences of work (a
   small microbatch's call is repeated: one call of 10 ms varies by +-20%
   with another process on the cores)."""
   blocks = _stage_blocks(spec, (device,))
   calls = [(blocks.plain(_microbatch(spec, r)), max(1, _ROWS[3] // r))
            for r in _ROWS]
-  seconds = _rounds(calls, 2 * repeats)
+  seconds = _rounds(calls, repeats)
   return tuple((float(r * spec.seq_len), 3 * spec.flops.per_device(1) * r
                 * spec.seq_len * blocks.slots / s)
                for r, s in zip(_ROWS, seconds))
@@ -344,7 +336,7 @@ def _kinds_and_head(spec: ModelSpec, device, repeats: int
         for fn, args in ((f, (x,)), (i, (x, stash, y)),
                          (w, (x, stash, y, kept)), (b, (x, stash, y)))] + [
         (functools.partial(blocks.head, blocks.ends, ids), k)]
-  seconds = np.reshape(_rounds(calls, 2 * repeats), (len(_FACTOR_ROWS), 6))
+  seconds = np.reshape(_rounds(calls, repeats), (len(_FACTOR_ROWS), 6))
   tokens = [float(r * spec.seq_len) for r in _FACTOR_ROWS]
   factors = tuple((t, tuple(float(x / s[0]) for x in s[1:5]))
                   for t, s in zip(tokens, seconds))
@@ -364,17 +356,17 @@ def _alone_speedup(spec: ModelSpec, device, repeats: int) -> float:
     return 1.0
   call = _stage_blocks(spec, (device,)).plain(
       _microbatch(spec, _FACTOR_ROWS[-1]))
-  together = _seconds(call, repeats=3 * repeats)   # short calls: noisy
+  together = _seconds(call, repeats=3 * repeats)
   alone = []
-  for _ in range(3 * repeats):
+  for _ in range(3 * repeats):   # warm and the median, as _rounds
     multihost_utils.sync_global_devices('jaxpar.planner.alone')
     if jax.process_index() == 0:
+      jax.block_until_ready(call())
       start = time.perf_counter()
       jax.block_until_ready(call())
       alone.append(time.perf_counter() - start)
     multihost_utils.sync_global_devices('jaxpar.planner.alone')
-  # The median, as _rounds's together; at most one core per process joins
-  # in: between 1 and the processes.
+  # At most one core per process joins in: between 1 and the processes.
   return float(np.clip(together / np.median(alone), 1.0,
                        jax.process_count())) if alone else 1.0
 
@@ -518,6 +510,14 @@ def _hbm_bandwidth(device, repeats: int) -> float:
   return 3 * g.nbytes / _seconds(accumulate, repeats=repeats)
 
 
+def _first_touch_bandwidth(device, repeats: int) -> float:
+  """Bytes/s of a fill of ``_HBM_BYTES`` the call allocates (as a step's
+  temporaries and outputs: on a CPU mapped afresh, each page faulting in)."""
+  fill = jax.jit(lambda x: jnp.full((_HBM_BYTES // 4,), x, jnp.float32))
+  x = jax.device_put(np.float32(1), device)
+  return _HBM_BYTES / _seconds(fill, x, repeats=repeats)
+
+
 def _memory_bytes(device) -> float:
   stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
   if stats and stats.get('bytes_limit'):
@@ -543,6 +543,7 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   factors, head = _kinds_and_head(spec, device, repeats)
   alpha, beta = _links(devices, repeats) if len(devices) > 1 else (0.0, 1e30)
   hbm = _hbm_bandwidth(device, repeats)
+  touch = _first_touch_bandwidth(device, repeats)
   per_mb = _per_tick([device], 0.0, repeats)
   tick = 0.0
   if len(devices) > 1:   # a tick of 2 ranks; one 32-byte message costs:
@@ -552,8 +553,9 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
     program, args = _zero3_program(spec, devices)
     zero3 = _seconds(program, *args, repeats=repeats) / _slots(spec)
   alone = _alone_speedup(spec, device, repeats)
-  alpha, beta, hbm, per_mb, tick, zero3, alone, *flat = _shared(
-      [alpha, beta, hbm, per_mb, tick, zero3, alone, *(r for _, r in rates),
+  alpha, beta, hbm, touch, per_mb, tick, zero3, alone, *flat = _shared(
+      [alpha, beta, hbm, touch, per_mb, tick, zero3, alone,
+       *(r for _, r in rates),
        *(x for _, xs in factors for x in xs), *(s for _, s in head)])
   rates = tuple(zip((t for t, _ in rates), flat[:len(rates)]))
   flat = flat[len(rates):]
@@ -573,7 +575,7 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
       memory_bytes=_memory_bytes(device), node_devices=len(devices),
       tick_overhead=tick, microbatch_overhead=per_mb,
       tensor_efficiency=share, zero3_layer_seconds=zero3,
-      alone_speedup=alone,
+      alone_speedup=alone, first_touch_bandwidth=touch,
       source=f'micro-benchmark on {len(devices)} {device.platform} devices: '
       f"a stage of {_slots(spec)} GPT blocks in the "
       f"executor's one-rank step at {', '.join(map(str, _ROWS))} sequences; "
@@ -581,7 +583,7 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
       f'{" and ".join(map(str, _FACTOR_ROWS))}; F+I+W split over 2 devices '
       'as tensor; psum, all_gather, psum_scatter, ppermute at '
       f'{", ".join(map(str, _SIZES))} bytes, {_CHAIN} in a row; an '
-      f'in-place add of '
+      f'in-place add and a fresh fill of '
       f'{_HBM_BYTES >> 20} MiB; a 1F1B step of an [8, 8] layer at 4 and 16 '
       'microbatches on 1 and 2 ranks; ZeRO-3 gathers of the stage over 2 '
       'devices; the one-rank step in process 0 alone')

@@ -98,7 +98,8 @@ def compiled_memory(ranked: list, count: int, src: Source,
 
 def _apply(ranked: list, work: dict, ratio: float, cap: float) -> list:
   """``ranked``'s candidates with the compiled ``work`` of their shape, or
-  their temporaries scaled by ``ratio``."""
+  their temporaries scaled by ``ratio`` (and the time to write them in,
+  ``StepTime.alloc``, with them)."""
   out = []
   for c in ranked:
     key = shape_key(c.layout)
@@ -107,8 +108,10 @@ def _apply(ranked: list, work: dict, ratio: float, cap: float) -> list:
     else:
       temp = c.memory.stash + c.memory.work
       mem = c.memory.calibrated(ratio * temp - c.memory.stash)
-    out.append(c._replace(memory=mem, fits=mem.total <= cap,
-                          compiled=key in work))
+    fresh = lambda m: m.stash + m.work + m.outputs   # what alloc writes
+    alloc = c.time.alloc * fresh(mem) / max(fresh(c.memory), 1)
+    out.append(c._replace(memory=mem, time=c.time._replace(alloc=alloc),
+                          fits=mem.total <= cap, compiled=key in work))
   return out
 
 

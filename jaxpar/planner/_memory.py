@@ -48,8 +48,10 @@ XLA parks some of its temporaries in them before they are written):
   hold yet").
 
 In the tick scan the backward holds more under 'nothing' and 'everything'
-(``TICK_WORKING``), and ``w_recompute`` under 'everything' more again
-(``W_RECOMPUTE_EVERYTHING``). ``MARGIN`` covers what the compiled step
+(``TICK_WORKING``); under 'everything', where the table has more than one
+stash slot, a copy of the slot's residuals that ``W`` re-runs ``I`` on
+with ``w_recompute``, but none with one slot (``_everything_bytes``).
+``MARGIN`` covers what the compiled step
 holds beyond those (XLA's copies, the collectives' buffers): ``work`` is
 the above times ``1 + MARGIN``. On 6, 8 and 12 simulated CPU devices a
 sample of every kind of candidate is predicted 0.95-1.15x its compiled
@@ -95,13 +97,10 @@ WORKING = 0.3
 # NNX Llama, its tied variant and a BatchNorm model (``docs/planning.md``).
 TICK_WORKING = {'nothing': {0: 0.45, 1: 0.45, 3: 0.4},
                 'everything': {0: 0.45, 1: 0.45, 3: 0.45}}
-# With ``w_recompute`` under 'everything' a ``W`` re-runs ``I``'s chain on
-# a stash that holds every residual: per layer of the stage, this share of
-# one layer's 'everything' residuals beyond its ``kept`` (fitted as above).
-W_RECOMPUTE_EVERYTHING = 0.25
-# With ``w_recompute`` the ``W`` of a stage holds this share of the stage's
-# ``kept`` at its peak (XLA frees each layer's as its gradient is done;
-# fitted as above).
+# With ``w_recompute`` (under 'nothing' and 'dots') the ``W`` of a stage
+# holds this share of the stage's ``kept`` at its peak (XLA frees each
+# layer's as its gradient is done; fitted as above). Under 'everything' it
+# is counted from the blocks' buffers instead (``_everything_bytes``).
 W_RECOMPUTE_KEPT = 0.8
 # DualPipeV's compiled step holds about half a weight slot (``kept``) more
 # than its tick table counts (measured on the three models above; V-Half,
@@ -233,25 +232,59 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   although the layers replicate it (a block's two row-parallel outputs,
   ``2 d``) is all-gathered whole first. With ``w_recompute`` a ``W``
   rebuilds what ``I`` would have kept for it, for one stage and
-  microbatch.
+  microbatch. Under ``'everything'`` in the tick scan see
+  ``_everything_bytes``.
   """
   t, policy = layout.tensor, layout.remat_policy
+  if layout.stage > 1 and policy == 'everything':
+    return int(_everything_bytes(spec, layout, shape) * shape.tokens
+               * spec.act_bytes)
+  everything = spec.stash_of('everything').per_device(t)
   restacked = 0.0
-  if layout.stage > 1 and policy != 'everything':
+  if layout.stage > 1:
     gathered = 2 * spec.d_model * (1 - 1 / t) if spec.stash_split else 0.0
     restacked = shape.slots * (spec.stash_per_device(policy, t) + gathered
                                + spec.d_model)
-  everything = spec.stash_of('everything').per_device(t)
   if layout.w_recompute:   # W rebuilds what I would have kept, for a stage
     restacked += W_RECOMPUTE_KEPT * shape.slots * spec.kept.per_device(t)
-    if policy == 'everything':
-      restacked += shape.slots * W_RECOMPUTE_EVERYTHING * everything
   working = WORKING
   if layout.stage > 1:
     per = 1 if layout.zero_stage == 3 else shape.slots
     working += per * TICK_WORKING.get(policy, {}).get(layout.zero_stage, 0)
-  per_token = restacked + working * everything
-  return int(per_token * shape.tokens * spec.act_bytes)
+  return int((restacked + working * everything) * shape.tokens
+             * spec.act_bytes)
+
+
+def _everything_bytes(spec: ModelSpec, layout: Layout,
+                      shape: Shapes) -> float:
+  """Per token: the tick scan's backward under ``'everything'`` (``stage``
+  > 1), where the stash holds every residual and nothing is recomputed.
+
+  ``F`` writes a microbatch's residuals to a stash slot and ``I`` and
+  ``W`` read them from it (``put``/``rows``: a dynamic update and slice
+  of the stash's slot dim). Where the table has more than one stash slot
+  XLA builds and reads that row in a buffer of its own beside the stash
+  (the compiled steps hold it: at m=2 a whole slot's residuals); with one
+  slot (one microbatch in flight per logical stage, m=1) the row is the
+  whole stash and XLA works on it in place: no copy. Without
+  ``w_recompute`` ``I`` and ``W`` read the row layer by layer, holding
+  ``TICK_WORKING`` of a layer's residuals per layer of the stage where it
+  is copied (fitted to compiled steps). With it ``W`` re-runs ``I``'s
+  chain on the whole row, scanning the stage's layers: the copy (one stash
+  slot) and, layer by layer, one layer's ``kept`` (the NNX Llama's 2x2x2
+  ZB-H1: 0.78 of a layer's residuals beyond its stash at m=1, 2.6 at m=2,
+  where a slot is 2 and a layer's ``kept`` 0.64).
+  """
+  t = layout.tensor
+  everything = spec.stash_of('everything').per_device(t)
+  copied = tick_table(schedule_key(layout)).num_stash_slots > 1
+  if layout.w_recompute:
+    split = t if spec.stash_split else 1
+    slot = shape.slots * everything + spec.d_model / split
+    return WORKING * everything + spec.kept.per_device(t) + copied * slot
+  per = 1 if layout.zero_stage == 3 else shape.slots
+  extra = TICK_WORKING['everything'][layout.zero_stage] if copied else 0.0
+  return (WORKING + per * extra) * everything
 
 
 def work_bytes(spec: ModelSpec, layout: Layout,

@@ -379,7 +379,8 @@ def _candidate(src: Source, layout: Layout, batch: int, profile: Profile,
   changes = (f'BatchNorm statistics over {rows} of {batch} rows'
              if src.batch_statistics and rows < batch else '')
   return Candidate(layout, mem, step_time(src.spec, layout, batch=batch,
-                                          profile=profile), mem.total <= cap,
+                                          profile=profile, mem=mem),
+                   mem.total <= cap,
                    changes=changes)
 
 

@@ -91,6 +91,12 @@ class Profile(NamedTuple):
       the other processes wait than while they all run (on a CPU host they
       share, the waiting ones' cores join in); a pipeline tick with idle
       ranks runs its blocks that much faster (``_time``). 1 on paper.
+    first_touch_bandwidth: measured: bytes/s at which a step writes the
+      buffers it allocates (its temporaries and outputs). On a CPU each
+      call maps them afresh and every page faults in on its first write
+      (~1.7 GiB/s on 2 processes here, against ~17 in place); 0 (on
+      paper): a device's pooled allocator, no cost apart from the writes
+      its blocks already pay.
   """
   name: str
   flops: float
@@ -112,6 +118,7 @@ class Profile(NamedTuple):
   head_seconds: tuple[tuple[float, float], ...] = ()
   zero3_layer_seconds: float = 0.0
   alone_speedup: float = 1.0
+  first_touch_bandwidth: float = 0.0
 
   def block_factors(self, tokens: float) -> dict[str, float]:
     """``{'F', 'I', 'W', 'B'}``: each pipeline block's seconds per second of

@@ -31,7 +31,12 @@ The step is its pipeline plus what runs around it, on a ``Profile``:
   time, as timed by ``measure_profile``), the move to the per-layer view
   over ``stage``;
 * **update** -- the optimizer reading and writing params, gradients and
-  state once each at the memory bandwidth.
+  state once each at the memory bandwidth;
+* **alloc** -- the step's temporaries and outputs (``memory``'s stash, work
+  and outputs) written into freshly allocated memory at
+  ``Profile.first_touch_bandwidth`` (on a CPU every call faults their pages
+  in: with 2 processes on 2 cores ~0.6 s per GiB, 10-20% of a step here;
+  none on paper).
 
 Example:
   >>> from jaxpar.models import gpt
@@ -54,7 +59,7 @@ import numpy as np
 
 from jaxpar.pipeline import KIND_CODES, TickTable
 from jaxpar.planner._layout import Layout, schedule_key, tick_table
-from jaxpar.planner._memory import shapes
+from jaxpar.planner._memory import Memory, memory, shapes
 from jaxpar.planner._model import ModelSpec
 from jaxpar.planner._profile import Profile
 
@@ -80,17 +85,19 @@ class StepTime(NamedTuple):
     bubble: idle share of the pipeline's rank-time (0 without a pipeline).
     blocks: ``{'F': s, 'I': s, 'W': s}`` of one logical stage, one
       microbatch.
+    alloc: the step's fresh buffers written in (0 on paper).
   """
   pipeline: float
   data: float
   update: float
   bubble: float
   blocks: dict
+  alloc: float = 0.0
 
   @property
   def total(self) -> float:
-    """The step: pipeline + data + update."""
-    return self.pipeline + self.data + self.update
+    """The step: pipeline + data + update + alloc."""
+    return self.pipeline + self.data + self.update + self.alloc
 
 
 def block_costs(spec: ModelSpec, layout: Layout, profile: Profile,
@@ -233,9 +240,27 @@ def lock_step(table: TickTable, blocks: dict, comm: float,
                                              comm)
 
 
+def alloc_seconds(mem: Memory, profile: Profile) -> float:
+  """Seconds to write a step's fresh buffers (its temporaries and
+  outputs) at ``Profile.first_touch_bandwidth`` (0: not measured).
+
+  Example (0.5 GiB of them at 2 GiB/s):
+    >>> from jaxpar.planner import PROFILES, Memory
+    >>> from jaxpar.planner._time import alloc_seconds
+    >>> mem = Memory(params=1, opt_state=2, batch=3, stash=2**28,
+    ...              work=2**27, outputs=2**27)
+    >>> cpu = PROFILES['H100-SXM']._replace(first_touch_bandwidth=2**31)
+    >>> alloc_seconds(mem, cpu), alloc_seconds(mem, PROFILES['H100-SXM'])
+    (0.25, 0.0)
+  """
+  rate = profile.first_touch_bandwidth
+  return (mem.stash + mem.work + mem.outputs) / rate if rate else 0.0
+
+
 def step_time(spec: ModelSpec, layout: Layout, *, batch: int,
-              profile: Profile) -> StepTime:
-  """Predicted seconds of ``layout``'s step on ``profile`` (module doc)."""
+              profile: Profile, mem: Memory | None = None) -> StepTime:
+  """Predicted seconds of ``layout``'s step on ``profile`` (module doc);
+  ``mem``: its ``memory`` (computed if not given)."""
   shape = shapes(spec, layout, batch)
   blocks = block_costs(spec, layout, profile, shape.tokens, shape.slots)
   table = tick_table(schedule_key(layout))
@@ -253,4 +278,7 @@ def step_time(spec: ModelSpec, layout: Layout, *, batch: int,
                     layout.stages_per_rank * shape.slots)
   view = shape.view / (layout.data if layout.zero_stage else 1)
   update = UPDATE_PASSES * view * spec.param_bytes / profile.hbm_bandwidth
-  return StepTime(pipeline, data, update, max(bubble, 0.0), blocks)
+  if mem is None and profile.first_touch_bandwidth:
+    mem = memory(spec, layout, batch=batch)
+  alloc = alloc_seconds(mem, profile) if mem is not None else 0.0
+  return StepTime(pipeline, data, update, max(bubble, 0.0), blocks, alloc)
