@@ -76,6 +76,8 @@ from jaxpar.pipeline.executor import stash_policy
 from jaxpar.pipeline.executor.internal import remat_layers
 from jaxpar.planner._model import ModelSpec
 from jaxpar.planner._profile import Profile
+from jaxpar.planner._timing import rounds as _rounds
+from jaxpar.planner._timing import seconds as _seconds
 from jaxpar.vma import varying_axes
 
 _SIZES = (2**12, 2**20, 2**23)   # bytes of the collective buffers timed
@@ -83,37 +85,6 @@ _CHAIN = 8                       # collectives per timed program, in a row
 _ROWS = (1, 2, 4, 8, 16, 32)    # sequences per microbatch of the blocks timed
 _HBM_BYTES = 2**28              # the in-place add and the fill: 256 MiB
 _FACTOR_ROWS = (_ROWS[0], _ROWS[4])   # the blocks apart and the head
-
-
-def _rounds(calls: Sequence[tuple[Callable, int]], rounds: int
-            ) -> list[float]:
-  """Seconds per call of each ``(fn, k)``: ``fn()`` dispatched ``k`` times
-  in a row and timed together, in ``rounds`` rounds over ``calls`` (load
-  that comes and goes falls on all alike); warm, as ``planner.measure``
-  times steps (each sample right after an untimed run of the same: on a
-  CPU a first call after another program's faults its memory back in; such
-  samples varied by 40% between runs); the median (a step is a sum of many
-  blocks: its fastest round is their typical time; the fastest of each put
-  every step 5-29% under its measured time). With several processes each
-  sample starts together in all, as their steps do, and all samples count.
-  """
-  times = np.zeros((rounds, len(calls)))
-  for r in range(rounds):
-    for j, (fn, k) in enumerate(calls):
-      jax.block_until_ready([fn() for _ in range(k)])
-      if jax.process_count() > 1:
-        multihost_utils.sync_global_devices('jaxpar.planner.calibrate')
-      start = time.perf_counter()
-      jax.block_until_ready([fn() for _ in range(k)])
-      times[r, j] = (time.perf_counter() - start) / k
-  if jax.process_count() > 1:
-    times = np.concatenate(multihost_utils.process_allgather(times))
-  return [float(t) for t in np.median(times, axis=0)]
-
-
-def _seconds(fn: Callable, *args, repeats: int) -> float:
-  """Wall seconds of ``fn(*args)`` over ``repeats`` calls (``_rounds``)."""
-  return _rounds([(functools.partial(fn, *args), 1)], repeats)[0]
 
 
 def _global(mesh, host: np.ndarray, spec: P = P()) -> jax.Array:
@@ -128,13 +99,15 @@ class _Blocks(NamedTuple):
   in one program; ``kinds`` the four blocks as separate programs, as the
   tick scan runs them: ``F(params, x) -> (y, stash)``, ``I(params, x,
   stash, dy) -> (dx, kept)``, ``W(params, x, stash, dy, kept) -> grads``,
-  ``B(params, x, stash, dy) -> (grads, dx)``; ``head(ends, ids)`` the
+  ``B(params, x, stash, dy) -> (grads, dx)`` and ``R(params, x, stash,
+  dy) -> grads``, a ``W`` that re-runs ``I``'s chain (``w_recompute``);
+  ``head(ends, ids)`` the
   embedding, head and loss, forward and backward; on one device
   ``plain(x)`` a call of the one-rank step's program on the host
   microbatch ``x`` (the executor's one-rank path: ``jax.value_and_grad``
   of the stage and a loss, one microbatch)."""
   run: Callable
-  kinds: tuple[Callable, Callable, Callable, Callable]
+  kinds: tuple[Callable, ...]
   head: Callable
   plain: Callable[[np.ndarray], Callable] | None
   params: Any
@@ -143,10 +116,10 @@ class _Blocks(NamedTuple):
   slots: int
 
 
-def _fresh(w, x) -> StageVJP:
+def _fresh(w, x, w_recompute: bool = False) -> StageVJP:
   """A ``StageVJP`` of a GPT stage traced at ``x`` (replicated over
   ``tensor``, as the 3D trainer's activations are)."""
-  vjp = StageVJP(gpt.stage_fn)
+  vjp = StageVJP(gpt.stage_fn, w_recompute=w_recompute)
   vjp.trace(w, x)
   return vjp
 
@@ -165,6 +138,12 @@ def _weight_grad(w, x, stash, dy, kept):
   vjp = _fresh(w, x)
   vjp.split(w, stash, dy)
   return vjp.weight_grad(w, stash, dy, kept)
+
+
+def _weight_grad_again(w, x, stash, dy):
+  vjp = _fresh(w, x, w_recompute=True)
+  vjp.split(w, stash, dy)
+  return vjp.weight_grad(w, stash, dy, [])   # it keeps nothing
 
 
 def _backward(w, x, stash, dy):
@@ -275,8 +254,8 @@ def _stage_blocks(spec: ModelSpec, devices: tuple) -> _Blocks:
   kept = jax.eval_shape(i, params, x, stash, y)[1]
   kinds = (f, i, _on(mesh, _weight_grad, (specs, P(), ss, ys, ks), params,
                      x, stash, y, kept)[0],
-           _on(mesh, _backward, (specs, P(), ss, ys), params, x, stash,
-               y)[0])
+           *(_on(mesh, fn, (specs, P(), ss, ys), params, x, stash, y)[0]
+             for fn in (_backward, _weight_grad_again)))
   run = _on(mesh, _all_blocks, (specs, P()), params, x)[0]
   head, ends = _head_program(mesh, (split.embed, split.head))
   plain = _plain(devices[0], stage) if len(devices) == 1 else None
@@ -316,14 +295,15 @@ def _block_rates(spec: ModelSpec, device,
 def _kinds_and_head(spec: ModelSpec, device, repeats: int
                     ) -> tuple[tuple, tuple]:
   """``(kind_factors, head_seconds)`` at ``_FACTOR_ROWS`` sequences: the
-  pipeline's ``F``, ``I``, ``W`` and fused ``B``, each its own program as
+  pipeline's ``F``, ``I``, ``W``, fused ``B`` and ``R`` (``W`` under
+  ``w_recompute``), each its own program as
   the tick scan runs it, in seconds per second of the one-rank program
   (on a CPU ``I`` holds the backward's non-matmul work, and each block
   pays its own program's fixed costs); the GPT's embedding, head and
   loss, forward and backward, in seconds (none for a model that is not a
   GPT). In rounds over all of them, as ``_block_rates``."""
   blocks = _stage_blocks(spec, (device,))
-  f, i, w, b = blocks.kinds
+  f, i, w, b, again = blocks.kinds
   calls = []
   for r in _FACTOR_ROWS:
     k = max(1, _ROWS[3] // r)
@@ -334,13 +314,14 @@ def _kinds_and_head(spec: ModelSpec, device, repeats: int
     calls += [(blocks.plain(_microbatch(spec, r)), k)] + [
         (functools.partial(fn, blocks.params, *args), k)
         for fn, args in ((f, (x,)), (i, (x, stash, y)),
-                         (w, (x, stash, y, kept)), (b, (x, stash, y)))] + [
+                         (w, (x, stash, y, kept)), (b, (x, stash, y)),
+                         (again, (x, stash, y)))] + [
         (functools.partial(blocks.head, blocks.ends, ids), k)]
-  seconds = np.reshape(_rounds(calls, repeats), (len(_FACTOR_ROWS), 6))
+  seconds = np.reshape(_rounds(calls, repeats), (len(_FACTOR_ROWS), 7))
   tokens = [float(r * spec.seq_len) for r in _FACTOR_ROWS]
-  factors = tuple((t, tuple(float(x / s[0]) for x in s[1:5]))
+  factors = tuple((t, tuple(float(x / s[0]) for x in s[1:6]))
                   for t, s in zip(tokens, seconds))
-  head = (tuple((t, float(s[5])) for t, s in zip(tokens, seconds))
+  head = (tuple((t, float(s[6])) for t, s in zip(tokens, seconds))
           if spec.vocab_size > 1 else ())
   return factors, head
 
@@ -559,10 +540,11 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
        *(x for _, xs in factors for x in xs), *(s for _, s in head)])
   rates = tuple(zip((t for t, _ in rates), flat[:len(rates)]))
   flat = flat[len(rates):]
-  factors = tuple((t, tuple(flat[4 * k:4 * k + 4]))
+  n = len(factors[0][1])   # F, I, W, B, R
+  factors = tuple((t, tuple(flat[n * k:n * k + n]))
                   for k, (t, _) in enumerate(factors))
-  head = tuple(zip((t for t, _ in head), flat[4 * len(factors):]))
-  f, i, w, _ = factors[-1][1]
+  head = tuple(zip((t for t, _ in head), flat[n * len(factors):]))
+  f, i, w = factors[-1][1][:3]
   probe = Profile('probe', max(r for _, r in rates), 0.0, hbm, beta, alpha,
                   block_rates=rates,
                   block_shares=(f / (f + i + w), i / (f + i + w),

@@ -74,7 +74,7 @@ class Profile(NamedTuple):
       1 on paper; measured on two devices (on a CPU, elementwise work that
       tensor parallelism repeats keeps it well below 1).
     source: where the numbers come from.
-    kind_factors: ``((tokens, (F, I, W, B)), ...)`` measured: each pipeline
+    kind_factors: ``((tokens, (F, I, W, B, R)), ...)`` measured: each pipeline
       block, run as its own program as the tick scan runs it, in seconds
       per second of the one-rank program (``block_rates``) at that many
       tokens per microbatch; empty: ``block_shares`` (``block_factors``).
@@ -121,23 +121,26 @@ class Profile(NamedTuple):
   first_touch_bandwidth: float = 0.0
 
   def block_factors(self, tokens: float) -> dict[str, float]:
-    """``{'F', 'I', 'W', 'B'}``: each pipeline block's seconds per second of
-    the one-rank program at ``tokens`` per microbatch: ``kind_factors``
+    """``{'F', 'I', 'W', 'B', 'R'}``: each pipeline block's seconds per
+    second of the one-rank program at ``tokens`` per microbatch (``R``:
+    ``W`` re-running ``I``'s chain, ``w_recompute``): ``kind_factors``
     interpolated in log tokens (held at its ends), else ``block_shares``
-    (``B = I + W``).
+    (``B = I + W``); ``R = I + W`` where not measured.
 
     Example:
       >>> p = Profile('p', 1e9, 1, 1, 1, 1, kind_factors=(
       ...     (64, (0.4, 0.6, 0.4, 0.8)), (256, (0.3, 0.4, 0.3, 0.6))))
       >>> [round(v, 2) for v in p.block_factors(128).values()]
-      [0.35, 0.5, 0.35, 0.7]
+      [0.35, 0.5, 0.35, 0.7, 0.85]
     """
     if not self.kind_factors:
       f, i, w = self.block_shares
-      return {'F': f, 'I': i, 'W': w, 'B': i + w}
+      return {'F': f, 'I': i, 'W': w, 'B': i + w, 'R': i + w}
     at, values = zip(*self.kind_factors)
-    return {k: float(np.interp(np.log(tokens), np.log(at), column))
-            for k, column in zip('FIWB', zip(*values))}
+    out = {k: float(np.interp(np.log(tokens), np.log(at), column))
+           for k, column in zip('FIWBR', zip(*values))}
+    out.setdefault('R', out['I'] + out['W'])
+    return out
 
   def head(self, tokens: float) -> float | None:
     """Seconds of the embedding, head and loss (forward and backward) of

@@ -14,9 +14,11 @@ The step is its pipeline plus what runs around it, on a ``Profile``:
   measured apart, ``F + I + W`` 1.2-1.7x ``plain`` on a CPU, more at small
   microbatches; on paper ``block_shares``). Added: the tensor-parallel
   all-reduces (two per block forward, two in the backward), the forward
-  again in the backward under ``remat_policy='nothing'`` (and in ``W``
-  under ``w_recompute``), and the gradient's add into its accumulator in
-  ``W`` and ``B`` (a read of both and a write, at the memory bandwidth);
+  again in the backward under ``remat_policy='nothing'``, and the
+  gradient's add into its accumulator in ``W`` and ``B`` (a read of both
+  and a write, at the memory bandwidth). Under ``w_recompute`` ``W`` is
+  the measured ``R`` (``I``'s chain again and the weight gradients: about
+  ``I + W``) with ``I``'s recompute and all-reduces;
 * **pipeline** -- the executor's lock-step time of the schedule's tick
   table with those costs (``lock_step``: ``TickTable.makespan``, equal to
   ``Schedule.simulate``'s for ``F = I = W``, with a tick's blocks
@@ -72,7 +74,7 @@ UPDATE_PASSES = 7
 # One stage rank runs each microbatch's forward and backward as one
 # program (``value_and_grad``): its blocks split the plain time, whichever
 # way its table cuts the backward.
-ONE_RANK = {'F': 1 / 3, 'I': 1 / 3, 'W': 1 / 3, 'B': 2 / 3}
+ONE_RANK = {'F': 1 / 3, 'I': 1 / 3, 'W': 1 / 3, 'B': 2 / 3, 'R': 2 / 3}
 
 
 class StepTime(NamedTuple):
@@ -116,7 +118,7 @@ def block_costs(spec: ModelSpec, layout: Layout, profile: Profile,
   plain = 3 * n_slots * spec.flops.per_device(t) * tokens / rate / share
   factors = (ONE_RANK if layout.stage == 1 else
              profile.block_factors(tokens))
-  f, i, w, b = (plain * factors[k] for k in 'FIWB')
+  f, i, w, b, again = (plain * factors[k] for k in 'FIWBR')
   act = tokens * spec.d_model * spec.act_bytes
   tp = n_slots * 2 * profile.collective('all-reduce', act, t, span=t)
   over = n_slots * per_block
@@ -124,10 +126,11 @@ def block_costs(spec: ModelSpec, layout: Layout, profile: Profile,
   backward_tp = tp + (tp if recompute else 0.0)
   grads = n_slots * spec.layer.per_device(t) * spec.param_bytes
   add = 3 * grads / profile.hbm_bandwidth
-  again = f + tp if layout.w_recompute else 0.0   # W re-runs I's chain
+  if layout.w_recompute:   # W re-runs I's chain (measured apart: 'R')
+    w = again + recompute + backward_tp
   return {'F': f + tp + over,
           'I': i + recompute + backward_tp + over,
-          'W': w + over + add + again,
+          'W': w + over + add,
           'B': b + recompute + backward_tp + over + add}
 
 
