@@ -33,13 +33,20 @@ workers) also compile without XLA:CPU's MLIR fusion emitters
 ``_child_xla_flags``; a value the user set is kept): emitting each fusion
 through MLIR is about 40% of the CPU of compiling a pipeline step (the 3D
 ZeRO-3 step of ``test_optimizers.py`` 19 -> 11.5 s; notebook 07 123 -> 87 s
-of CPU, both measured side by side on 2 loaded cores). The test processes
-themselves keep the emitters: XLA read their flags when the backend started
-above, and the older emitters fuse a little differently, so a step's
-``memory_analysis()`` temp bytes differ (231064 -> 223000 for that step) and
-the planner's memory tests compare against what a user compiles. What the
-started processes check holds under either (parallel against one device
-compiled alike, float64 within 1e-10, resumes bit for bit).
+of CPU, both measured side by side on 2 loaded cores). So do the test
+processes themselves, per compile (``_fast_compiles`` wraps JAX's private
+``jax._src.compiler.get_compile_options``, which every compile calls, so
+the option reaches each as ``.compile(compiler_options=...)`` would give
+it; their ``XLA_FLAGS`` were read when the backend started above;
+``test_3d_2x2x2[0-None-3]`` with ``test_zero3_unrolled_stage_...`` 48.5 ->
+32.9 s of CPU), except where the
+compiled memory is the point: the older emitters fuse a little
+differently, so a step's ``memory_analysis()`` temp bytes differ (231064
+-> 223000 for that step), and the tests marked ``xla_defaults`` (the
+planner's and the executor's files, the planner's doctests, each test that
+reads ``memory_analysis()``) compile as a user does. What the others check
+holds under either (parallel against one device compiled alike, float64
+within 1e-10, resumes bit for bit, collectives in the HLO).
 """
 
 import os
@@ -56,6 +63,7 @@ jax.config.update('jax_num_cpu_devices', 8)
 jax.config.update('jax_platforms', 'cpu')
 
 import pytest  # noqa: E402
+from jax._src import compiler as _compiler  # noqa: E402  (_fast_compiles)
 
 if jax.device_count() < 8:
   raise RuntimeError(
@@ -72,9 +80,31 @@ _CHILD_XLA_FLAGS = (os.environ['XLA_FLAGS']
 @pytest.fixture(autouse=True)
 def _child_xla_flags(monkeypatch):
   """The processes a test starts compile without the fusion emitters (the
-  module docstring); this process read its ``XLA_FLAGS`` at startup, so
-  its own programs are unchanged."""
+  module docstring); this process read its ``XLA_FLAGS`` at startup."""
   monkeypatch.setenv('XLA_FLAGS', _CHILD_XLA_FLAGS)
+
+
+# The tests that compile as a user does (the module docstring): these files
+# and folders, and each test marked ``xla_defaults``.
+XLA_DEFAULTS = ('tests/test_planner', 'tests/test_executor.py',
+                'jaxpar/planner/')
+
+
+@pytest.fixture(autouse=True)
+def _fast_compiles(request, monkeypatch):
+  """This process's compiles in the test go without the fusion emitters
+  (an option a compile is given itself wins), but in ``xla_defaults``
+  tests or where ``XLA_FLAGS`` names the option."""
+  if (request.node.get_closest_marker('xla_defaults')
+      or 'xla_cpu_use_fusion_emitters' in _FLAGS):
+    return
+  get = _compiler.get_compile_options
+
+  def without_emitters(*args, env_options_overrides=None, **kwargs):
+    return get(*args, env_options_overrides={
+        'xla_cpu_use_fusion_emitters': False,
+        **(env_options_overrides or {})}, **kwargs)
+  monkeypatch.setattr(_compiler, 'get_compile_options', without_emitters)
 
 
 @pytest.fixture(autouse=True)
@@ -92,6 +122,9 @@ _CACHE = pytest.StashKey[str]()
 def pytest_configure(config):
   """The run's compilation cache (see the module docstring): made by the
   controller before ``-n`` starts its workers, which inherit the variable."""
+  config.addinivalue_line(
+      'markers', 'xla_defaults: compiles in this process with XLA\'s default '
+      'options (conftest.py: the fusion emitters on)')
   if os.environ.get('JAX_COMPILATION_CACHE_DIR'):   # the user's, or a worker
     return
   path = tempfile.mkdtemp(prefix='jaxpar-tests-jit-cache-')
@@ -115,11 +148,14 @@ SLOW_FIRST = ('tests/test_notebooks.py', 'tests/test_distributed.py',
 def pytest_collection_modifyitems(items):
   """The files of ``SLOW_FIRST`` first, in its order; each file's tests
   together and in their own order (module fixtures are made once per
-  worker)."""
+  worker). The tests under ``XLA_DEFAULTS`` are marked ``xla_defaults``."""
   def rank(item):
     path = item.nodeid.split('::')[0]   # relative to the root directory
     return SLOW_FIRST.index(path) if path in SLOW_FIRST else len(SLOW_FIRST)
   items.sort(key=rank)   # stable
+  for item in items:
+    if item.nodeid.startswith(XLA_DEFAULTS):
+      item.add_marker('xla_defaults')
 
 
 def pytest_ignore_collect(collection_path, config):

@@ -133,6 +133,7 @@ def test_accepts_numpy_and_unplaced_arrays_and_compiles_once():
   assert int(state.step) == 5
 
 
+@pytest.mark.xla_defaults   # reads memory_analysis()
 def test_microbatching_bounds_activation_memory():
   """Accumulating over k microbatches keeps one microbatch's activations."""
   wide, per_device = 256, 2048

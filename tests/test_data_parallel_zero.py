@@ -391,6 +391,7 @@ def test_padded_leaves_exact_float64(x64, stage, num_microbatches):
   assert all(not v.any() for v in stored)           # padding stays zero
 
 
+@pytest.mark.xla_defaults   # reads memory_analysis()
 def test_each_device_holds_one_nth_on_data6():
   """data=6 and leaves no mesh size divides: 1/6 per device, + one row."""
   embed, w = normal(0, (1003, 61), (61, 257), dtype=np.float32)
@@ -524,6 +525,7 @@ def gathers(text, kind='all-gather'):
               r'= (\w+)\[([\d,]*)\]\S* ' + kind + r'\(', text)]
 
 
+@pytest.mark.xla_defaults   # reads memory_analysis()
 def test_zero3_scanned_memory_at_most_fsdp_and_zero1():
   """Compiled, per device: ZeRO-3 on a scanned stack takes no more memory
   (arguments + temp) than GSPMD's FSDP or ZeRO-1, gathers one layer at a
@@ -559,6 +561,7 @@ def test_zero3_scanned_memory_at_most_fsdp_and_zero1():
   assert types('reduce_scatter') == {'f32'}
 
 
+@pytest.mark.xla_defaults   # reads memory_analysis()
 def test_remat_policies_order_the_memory_of_a_scanned_stack():
   """Compiled temp of a scanned pre-norm stack, the policy applied per
   layer: ``'nothing'`` < ``'dots'`` < ``'everything'`` (checkpointed whole,

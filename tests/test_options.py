@@ -87,6 +87,7 @@ def temp_and_flops(lowered):
   return compiled.memory_analysis().temp_size_in_bytes, cost['flops']
 
 
+@pytest.mark.xla_defaults   # reads memory_analysis()
 @pytest.mark.parametrize('trainer', ['data_parallel', 'parallel_stage1',
                                      'parallel_stage2'])
 def test_remat_policy_means_the_same_in_both_trainers(trainer):

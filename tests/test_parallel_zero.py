@@ -199,6 +199,7 @@ def collective_bytes(text, kind):
                                  text)]
 
 
+@pytest.mark.xla_defaults   # reads memory_analysis()
 def test_zero3_gathers_per_layer_and_takes_no_more_memory():
   """Compiled, data=4 x stage=2, 1F1B: ZeRO-3's arguments are 1/N of the
   params; it gathers a stage's params one layer at a time inside the

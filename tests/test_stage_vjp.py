@@ -159,6 +159,7 @@ def _temp_bytes(fn, stages):
   return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.xla_defaults   # reads memory_analysis()
 def test_sliced_layers_cost_no_more_memory_than_per_layer_leaves():
   w = params(dtype=np.float32)
   two = lambda a: np.stack([a, a])  # two pipeline stages
@@ -241,6 +242,7 @@ def test_stash_policy_names_the_trainers_policies():
   assert stash_policy(None) is REMAT_POLICIES['everything'] is None
 
 
+@pytest.mark.xla_defaults   # reads memory_analysis()
 def test_policy_reaches_the_executor():
   """GPipe holds m stashes: its scratch shrinks with the stash;
   ``remat_policy=None`` compiles as ``'everything'``."""
