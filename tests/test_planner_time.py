@@ -144,3 +144,41 @@ def test_measure_times_the_spread_and_the_runners_up():
   assert others[0] in picked
   assert [c.predicted_s for c in picked] == sorted(
       c.predicted_s for c in picked)
+
+
+def test_fresh_buffers_cost_their_temporaries_and_outputs_at_the_measured_rate():
+  """``StepTime.alloc``: the candidate's stash, work and outputs (not its
+  arguments) over ``Profile.first_touch_bandwidth``, in ``total``; none on
+  paper (0: a pooled allocator)."""
+  spec = planner.ModelSpec.from_gpt(CONFIG)
+  layout = planner.Layout(1, 2, 1, 'gpipe', 4)
+  paper = planner.PROFILES['H100-SXM']
+  cpu = paper._replace(first_touch_bandwidth=2.0**30)
+  mem = planner.memory(spec, layout, batch=8)
+  plain = planner.step_time(spec, layout, batch=8, profile=paper)
+  timed = planner.step_time(spec, layout, batch=8, profile=cpu)
+  fresh = mem.stash + mem.work + mem.outputs
+  assert plain.alloc == 0.0 and fresh < mem.total
+  assert timed.alloc == pytest.approx(fresh / 2.0**30, rel=1e-12)
+  assert timed.total == pytest.approx(plain.total + timed.alloc, rel=1e-12)
+
+
+def test_w_under_w_recompute_is_the_measured_r_or_i_plus_w():
+  """With ``w_recompute`` a ``W`` re-runs ``I``'s chain: its cost is the
+  profile's measured ``R`` block, or ``I + W`` where ``R`` was not
+  measured (a profile's ``kind_factors`` of four)."""
+  spec = planner.ModelSpec.from_gpt(CONFIG)
+  profile = planner.PROFILES['H100-SXM']._replace(
+      block_overhead=0.0, kind_factors=((64.0, (0.3, 0.4, 0.35, 0.7)),))
+  layout = planner.Layout(1, 2, 1, 'zero_bubble_h1', 4, w_recompute=True)
+  blocks = lambda x, p: planner.step_time(spec, x, batch=8,
+                                          profile=p).blocks
+  base = blocks(layout._replace(w_recompute=False), profile)
+  fallback = blocks(layout, profile)
+  measured = blocks(layout, profile._replace(
+      kind_factors=((64.0, (0.3, 0.4, 0.35, 0.7, 0.5)),)))
+  assert fallback['W'] - base['W'] == pytest.approx(base['I'], rel=1e-9)
+  plain = base['F'] / 0.3   # F is 0.3 of the one-rank program here
+  assert measured['W'] - base['W'] == pytest.approx((0.5 - 0.35) * plain,
+                                                    rel=1e-9)
+  assert profile.block_factors(64.0)['R'] == pytest.approx(0.75)
