@@ -158,7 +158,7 @@ def test_fresh_buffers_cost_their_temporaries_and_outputs_at_the_measured_rate()
   plain = planner.step_time(spec, layout, batch=8, profile=paper)
   timed = planner.step_time(spec, layout, batch=8, profile=cpu)
   fresh = mem.stash + mem.work + mem.outputs
-  assert plain.alloc == 0.0 and fresh < mem.total
+  assert plain.alloc == 0.0 and mem.fresh == fresh < mem.total
   assert timed.alloc == pytest.approx(fresh / 2.0**30, rel=1e-12)
   assert timed.total == pytest.approx(plain.total + timed.alloc, rel=1e-12)
 

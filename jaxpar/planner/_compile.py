@@ -108,8 +108,7 @@ def _apply(ranked: list, work: dict, ratio: float, cap: float) -> list:
     else:
       temp = c.memory.stash + c.memory.work
       mem = c.memory.calibrated(ratio * temp - c.memory.stash)
-    fresh = lambda m: m.stash + m.work + m.outputs   # what alloc writes
-    alloc = c.time.alloc * fresh(mem) / max(fresh(c.memory), 1)
+    alloc = c.time.alloc * mem.fresh / max(c.memory.fresh, 1)
     out.append(c._replace(memory=mem, time=c.time._replace(alloc=alloc),
                           fits=mem.total <= cap, compiled=key in work))
   return out

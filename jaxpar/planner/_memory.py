@@ -134,6 +134,11 @@ class Memory(NamedTuple):
     return (self.params + self.opt_state + self.batch + self.stash
             + self.work + self.outputs)
 
+  @property
+  def fresh(self) -> int:
+    """What a step allocates afresh each call: temporaries + outputs."""
+    return self.stash + self.work + self.outputs
+
   def calibrated(self, work: int) -> 'Memory':
     """The same with ``work`` as a compiled step reports it."""
     return self._replace(work=int(work))

@@ -37,8 +37,8 @@ The step is its pipeline plus what runs around it, on a ``Profile``:
 * **alloc** -- the step's temporaries and outputs (``memory``'s stash, work
   and outputs) written into freshly allocated memory at
   ``Profile.first_touch_bandwidth`` (on a CPU every call faults their pages
-  in: with 2 processes on 2 cores ~0.6 s per GiB, 10-20% of a step here;
-  none on paper).
+  in: with 2 processes on 2 cores ~0.6 s per GiB, 1-10% of the GPT steps
+  measured here; none on paper).
 
 Example:
   >>> from jaxpar.models import gpt
@@ -257,7 +257,7 @@ def alloc_seconds(mem: Memory, profile: Profile) -> float:
     (0.25, 0.0)
   """
   rate = profile.first_touch_bandwidth
-  return (mem.stash + mem.work + mem.outputs) / rate if rate else 0.0
+  return mem.fresh / rate if rate else 0.0
 
 
 def step_time(spec: ModelSpec, layout: Layout, *, batch: int,
