@@ -152,22 +152,32 @@ def test_fixed_costs_per_layer_tick_and_microbatch():
   assert lock((0.2, 0.5, 0.3)) > lock((1 / 3, 1 / 3, 1 / 3))  # ticks wait
 
 
-def test_tensor_efficiency_is_the_share_of_the_ideal_speed_up(monkeypatch):
-  """``measure_profile``'s tensor efficiency: a stage split over 2 devices
+def test_tensor_shares_are_the_share_of_the_ideal_speed_up(monkeypatch):
+  """``measure_profile``'s tensor shares: a stage split over 2 devices
   that takes as long as on one device (its all-reduces taken out) reaches
-  0.5 of the ideal speed-up; one device measures nothing."""
+  0.5 of the ideal speed-up, at each size timed; one device measures
+  nothing; the step's blocks read the share at their tokens."""
   from jaxpar.planner import _calibrate
   spec = planner.ModelSpec.from_gpt(CONFIG)
-  rows = _calibrate._ROWS[len(_calibrate._ROWS) // 2]
   probe = planner.Profile('probe', 1e9, 1.0, 1e9, 1e9, 1e-5)
-  comm = 4 * 2 * probe.collective(          # 2 layers, 4 per layer
+  comm = lambda rows: 4 * 2 * probe.collective(   # 2 layers, 4 per layer
       'all-reduce', rows * CONFIG.seq_len * CONFIG.d_model * 4, 2)
-  monkeypatch.setattr(_calibrate, '_block_seconds', lambda spec, devices, *a:
-                      0.1 + (comm if len(devices) == 2 else 0.0))
+  monkeypatch.setattr(_calibrate, '_block_seconds', lambda s, devices, rows,
+                      *a: 0.1 * rows + (comm(rows) if len(devices) == 2
+                                        else 0.0))
   two = jax.devices()[:2]
-  assert _calibrate._tensor_efficiency(spec, two[0], two, probe, 1) == (
-      pytest.approx(0.5))
-  assert _calibrate._tensor_efficiency(spec, two[0], two[:1], probe, 1) == 1.0
+  shares = _calibrate._tensor_shares(spec, two[0], two, probe, 1)
+  assert [t for t, _ in shares] == [r * CONFIG.seq_len
+                                    for r in _calibrate._TENSOR_ROWS]
+  assert [x for _, x in shares] == pytest.approx([0.5] * len(shares))
+  assert _calibrate._tensor_shares(spec, two[0], two[:1], probe, 1) == ()
+  split = planner.Layout(1, 1, 2, 'one_f_one_b', 4)
+  tokens = BATCH // 4 * CONFIG.seq_len
+  paper = planner.PROFILES['H100-SXM']
+  at = lambda **kw: planner.step_time(
+      spec, split, batch=BATCH, profile=paper._replace(**kw)).blocks['F']
+  assert at(tensor_shares=((tokens / 2, 0.2), (tokens * 2, 0.6))) == (
+      pytest.approx(at(tensor_efficiency=0.4)))   # log-midway: 0.4
 
 
 def test_nothing_fits_names_the_smallest_need_and_the_fixes():

@@ -107,22 +107,31 @@ def test_zero3_step_runs_per_microbatch_what_the_calibration_times():
       spec, planner.Layout(2, 1, 1, 'one_f_one_b', 1, 3), timed, 0))
 
 
-def test_lock_step_runs_ticks_with_idle_ranks_faster():
-  """``alone_speedup`` divides the ticks where the other ranks idle (a
-  share of them: 1 + (s - 1) x share); at 1 it is ``makespan``."""
-  blocks = {'F': 1.0, 'I': 1.5, 'W': 1.2, 'B': 2.7}
+def test_lock_step_waits_only_at_ticks_that_send():
+  """The ranks run their blocks back to back and wait for the slowest at
+  each tick that sends (+ ``comm``); ``alone_speedup`` divides the ticks
+  where the other ranks idle (1 + (s - 1) x share). Never above
+  ``makespan`` (every tick waits), equal where every tick sends."""
+  blocks = {'F': 1.0, 'I': 1.5, 'W': 2.2, 'B': 2.7}
   for schedule in (jaxpar.pipeline.one_f_one_b(2, 4),
                    jaxpar.pipeline.zero_bubble_v(2, 1),
                    jaxpar.pipeline.gpipe(4, 2)):
     table = jaxpar.pipeline.tick_table(schedule)
-    assert lock_step(table, blocks, 0.3) == pytest.approx(
-        table.makespan(blocks, 0.3))
     cost = np.array([0.0] + [blocks[k] for k in 'FBIW'])[table.kind]
     ranks = table.kind.shape[1]
     share = (table.kind == 0).sum(1) / (ranks - 1)
-    want = (cost.max(1) / (1 + 0.5 * share)).sum() + table.makespan(
-        dict.fromkeys('FIWB', 0.0), 0.3)
-    assert lock_step(table, blocks, 0.3, 1.5) == pytest.approx(want)
+    for alone in (1.0, 1.5):
+      clock = np.zeros(ranks)
+      for tick, sends in zip(cost / (1 + (alone - 1) * share)[:, None],
+                             table.sends.any(1)):
+        clock = clock + tick
+        if sends:
+          clock[:] = clock.max() + 0.3
+      assert lock_step(table, blocks, 0.3, alone) == pytest.approx(
+          clock.max())
+    assert lock_step(table, blocks, 0.3) <= table.makespan(blocks, 0.3)
+  table = jaxpar.pipeline.tick_table(jaxpar.pipeline.gpipe(2, 1))
+  assert table.sends.any(1).sum() == 2     # F, ., B send; the last F not
   assert _calibrate._alone_speedup(None, None, 1) == 1.0   # one process
 
 

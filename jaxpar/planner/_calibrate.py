@@ -13,8 +13,10 @@ machine, no constants fitted to another):
   runs it, at 1 and 16 sequences, in seconds per second of the one-rank
   program (``Profile.kind_factors``: each block pays its own program's
   fixed costs, and split apart ``I`` and ``W`` cost more than the fused
-  backward); and split over two devices as ``tensor``: the share of the
-  ideal speed-up its FLOPs reach against one device (``tensor_efficiency``);
+  backward);
+* **tensor**: the one-rank program split over two devices as ``tensor``:
+  the share of the ideal speed-up its FLOPs reach against one device at 2,
+  8 and 32 sequences (``Profile.tensor_shares``);
 * **the ends**: the GPT's embedding, head and loss, forward and backward
   (``Profile.head_seconds``);
 * **ticks**: the executor on a stage whose blocks cost nothing (a ``[8,
@@ -45,8 +47,8 @@ Example:
   1.0
   >>> [t for t, _ in profile.kind_factors], len(profile.head_seconds)
   ([8.0, 128.0], 2)
-  >>> profile.tensor_efficiency     # one device: not measured
-  1.0
+  >>> profile.tensor_shares         # one device: not measured
+  ()
   >>> profile.tick_overhead, profile.microbatch_overhead >= 0   # no pipeline
   (0.0, True)
   >>> profile.first_touch_bandwidth > 0    # a fresh buffer written in
@@ -85,6 +87,7 @@ _CHAIN = 8                       # collectives per timed program, in a row
 _ROWS = (1, 2, 4, 8, 16, 32)    # sequences per microbatch of the blocks timed
 _HBM_BYTES = 2**28              # the in-place add and the fill: 256 MiB
 _FACTOR_ROWS = (_ROWS[0], _ROWS[4])   # the blocks apart and the head
+_TENSOR_ROWS = _ROWS[1::2]   # the stage split over tensor
 
 
 def _global(mesh, host: np.ndarray, spec: P = P()) -> jax.Array:
@@ -95,21 +98,19 @@ def _global(mesh, host: np.ndarray, spec: P = P()) -> jax.Array:
 
 class _Blocks(NamedTuple):
   """A stage of ``slots`` GPT blocks as the executor runs it, jitted over
-  ``mesh`` (axis ``tensor``): ``run(params, x)`` its ``F``, ``I`` and ``W``
-  in one program; ``kinds`` the four blocks as separate programs, as the
-  tick scan runs them: ``F(params, x) -> (y, stash)``, ``I(params, x,
+  ``mesh`` (axis ``tensor``): ``kinds`` the blocks as separate programs,
+  as the tick scan runs them: ``F(params, x) -> (y, stash)``, ``I(params, x,
   stash, dy) -> (dx, kept)``, ``W(params, x, stash, dy, kept) -> grads``,
   ``B(params, x, stash, dy) -> (grads, dx)`` and ``R(params, x, stash,
   dy) -> grads``, a ``W`` that re-runs ``I``'s chain (``w_recompute``);
   ``head(ends, ids)`` the
-  embedding, head and loss, forward and backward; on one device
-  ``plain(x)`` a call of the one-rank step's program on the host
+  embedding, head and loss, forward and backward; ``plain(x)`` a call of the one-rank step's program on the host
   microbatch ``x`` (the executor's one-rank path: ``jax.value_and_grad``
-  of the stage and a loss, one microbatch)."""
-  run: Callable
+  of the stage and a loss, one microbatch), over the devices as
+  ``tensor``."""
   kinds: tuple[Callable, ...]
   head: Callable
-  plain: Callable[[np.ndarray], Callable] | None
+  plain: Callable[[np.ndarray], Callable]
   params: Any
   ends: Any
   mesh: Any
@@ -168,21 +169,13 @@ def _on(mesh, fn: Callable, in_specs: tuple, *args) -> tuple[Callable, Any]:
                                out_specs=found[0])), found[0]
 
 
-def _all_blocks(w, x):
-  vjp = StageVJP(gpt.stage_fn)
-  vjp.trace(w, x)
-  y, stash = vjp.forward(w, x)
-  vjp.split(w, stash, y)
-  dx, kept = vjp.input_grad(w, stash, y)
-  return dx, vjp.weight_grad(w, stash, y, kept)
-
-
-def _plain(device, stage: Any) -> Callable[[np.ndarray], Callable]:
+def _plain(devices: tuple, stage: Any) -> Callable[[np.ndarray], Callable]:
   """``plain(x)``: a call of the executor's one-rank step of ``stage``
   (host params ``[slots, ...]``) and a cheap loss on the host microbatch
-  ``x``, on ``device``: what a stage rank without a pipeline runs per
-  microbatch (``pipeline_value_and_grad_local``, as the trainers call it)."""
-  mesh = jax.sharding.Mesh(np.asarray([device]).reshape(1, 1),
+  ``x``, on ``devices`` as ``tensor``: what a stage rank without a pipeline
+  runs per microbatch (``pipeline_value_and_grad_local``, as the trainers
+  call it)."""
+  mesh = jax.sharding.Mesh(np.asarray(devices).reshape(1, -1),
                            ('stage', 'tensor'))
   specs = jax.tree.map(lambda spec: P('stage', *spec),
                        tensor_parallel.param_specs(stage,
@@ -256,19 +249,17 @@ def _stage_blocks(spec: ModelSpec, devices: tuple) -> _Blocks:
                      x, stash, y, kept)[0],
            *(_on(mesh, fn, (specs, P(), ss, ys), params, x, stash, y)[0]
              for fn in (_backward, _weight_grad_again)))
-  run = _on(mesh, _all_blocks, (specs, P()), params, x)[0]
   head, ends = _head_program(mesh, (split.embed, split.head))
-  plain = _plain(devices[0], stage) if len(devices) == 1 else None
-  return _Blocks(run, kinds, head, plain, params, ends, mesh, slots)
+  return _Blocks(kinds, head, _plain(devices, stage), params, ends, mesh,
+                 slots)
 
 
 def _block_seconds(spec: ModelSpec, devices: Sequence, rows: int,
                    repeats: int) -> float:
-  """Seconds of one block's ``F + I + W`` at ``rows`` sequences."""
-  blocks = _stage_blocks(spec, tuple(devices))
-  x = _global(blocks.mesh, np.ones((rows, spec.seq_len, spec.d_model),
-                                   np.float32))
-  return _seconds(blocks.run, blocks.params, x, repeats=repeats)
+  """Seconds of the one-rank program at ``rows`` sequences on ``devices``
+  as ``tensor``."""
+  call = _stage_blocks(spec, tuple(devices)).plain(_microbatch(spec, rows))
+  return _seconds(call, repeats=repeats)
 
 
 def _microbatch(spec: ModelSpec, rows: int) -> np.ndarray:
@@ -352,21 +343,24 @@ def _alone_speedup(spec: ModelSpec, device, repeats: int) -> float:
                        jax.process_count())) if alone else 1.0
 
 
-def _tensor_efficiency(spec: ModelSpec, device, devices: Sequence,
-                       probe: Profile, repeats: int) -> float:
-  """The share of the ideal 2-fold speed-up of a stage's ``F + I + W``
-  split over 2 devices as ``tensor``, against the same program on
-  ``device`` alone (the middle of ``_ROWS``; its 4 activation all-reduces
-  per layer, costed by ``probe``, taken out); 1 without 2 devices or a
-  2-way split of the model."""
+def _tensor_shares(spec: ModelSpec, device, devices: Sequence,
+                   probe: Profile, repeats: int) -> tuple:
+  """``((tokens, share), ...)``: the share of the ideal 2-fold speed-up of
+  the one-rank program split over 2 devices as ``tensor``, against the
+  same program on ``device`` alone, at each of ``_TENSOR_ROWS`` sequences
+  (its 4 activation all-reduces per layer, costed by ``probe``, taken
+  out); none without 2 devices or a 2-way split of the model."""
   if len(devices) < 2 or 2 not in spec.tensor_sizes(2):
-    return 1.0
-  rows = _ROWS[len(_ROWS) // 2]
-  comm = 4 * _slots(spec) * probe.collective(
-      'all-reduce', rows * spec.seq_len * spec.d_model * 4, 2)
-  one = _block_seconds(spec, [device], rows, repeats)
-  two = _block_seconds(spec, devices[:2], rows, repeats) - comm
-  return float(np.clip(one / 2 / max(two, 1e-9), 0.05, 1.0))
+    return ()
+  out = []
+  for rows in _TENSOR_ROWS:
+    comm = 4 * _slots(spec) * probe.collective(
+        'all-reduce', rows * spec.seq_len * spec.d_model * 4, 2)
+    one = _block_seconds(spec, [device], rows, repeats)
+    two = _block_seconds(spec, devices[:2], rows, repeats) - comm
+    out.append((float(rows * spec.seq_len),
+                float(np.clip(one / 2 / max(two, 1e-9), 0.05, 1.0))))
+  return tuple(out)
 
 
 def _zero3_program(spec: ModelSpec, devices: Sequence
@@ -550,20 +544,22 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
                   block_shares=(f / (f + i + w), i / (f + i + w),
                                 w / (f + i + w)),
                   kind_factors=factors, head_seconds=head)
-  share = _shared([_tensor_efficiency(spec, device, devices, probe,
-                                      repeats)])[0]
+  shares = _tensor_shares(spec, device, devices, probe, repeats)
+  shares = tuple(zip((t for t, _ in shares),
+                     _shared([x for _, x in shares])))
   return probe._replace(
       name=f'measured ({device.platform} x{len(devices)})',
       memory_bytes=_memory_bytes(device), node_devices=len(devices),
       tick_overhead=tick, microbatch_overhead=per_mb,
-      tensor_efficiency=share, zero3_layer_seconds=zero3,
+      tensor_shares=shares, zero3_layer_seconds=zero3,
       alone_speedup=alone, first_touch_bandwidth=touch,
       source=f'micro-benchmark on {len(devices)} {device.platform} devices: '
       f"a stage of {_slots(spec)} GPT blocks in the "
       f"executor's one-rank step at {', '.join(map(str, _ROWS))} sequences; "
       f'its F, I, W and B apart and the embedding, head and loss at '
-      f'{" and ".join(map(str, _FACTOR_ROWS))}; F+I+W split over 2 devices '
-      'as tensor; psum, all_gather, psum_scatter, ppermute at '
+      f'{" and ".join(map(str, _FACTOR_ROWS))}; the one-rank step split '
+      f'over 2 devices as tensor at {", ".join(map(str, _TENSOR_ROWS))}; '
+      'psum, all_gather, psum_scatter, ppermute at '
       f'{", ".join(map(str, _SIZES))} bytes, {_CHAIN} in a row; an '
       f'in-place add and a fresh fill of '
       f'{_HBM_BYTES >> 20} MiB; a 1F1B step of an [8, 8] layer at 4 and 16 '

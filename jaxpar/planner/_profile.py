@@ -71,8 +71,8 @@ class Profile(NamedTuple):
       ranks.
     tensor_efficiency: the share of the ideal ``t``-fold speed-up a block's
       compute reaches split over ``tensor`` (its collectives costed apart):
-      1 on paper; measured on two devices (on a CPU, elementwise work that
-      tensor parallelism repeats keeps it well below 1).
+      1 on paper; ``tensor_shares`` replaces it where measured
+      (``tensor_share``).
     source: where the numbers come from.
     kind_factors: ``((tokens, (F, I, W, B, R)), ...)`` measured: each pipeline
       block, run as its own program as the tick scan runs it, in seconds
@@ -97,6 +97,11 @@ class Profile(NamedTuple):
       (~1.7 GiB/s on 2 processes here, against ~17 in place); 0 (on
       paper): a device's pooled allocator, no cost apart from the writes
       its blocks already pay.
+    tensor_shares: ``((tokens, share), ...)`` measured on two devices:
+      ``tensor_efficiency`` at that many tokens per microbatch. On a CPU the
+      elementwise work that tensor parallelism repeats, and each half
+      product's fixed costs, weigh most at small microbatches: 0.26 at 64
+      tokens, 0.71 at 512, 0.78 at 2048 here.
   """
   name: str
   flops: float
@@ -119,6 +124,7 @@ class Profile(NamedTuple):
   zero3_layer_seconds: float = 0.0
   alone_speedup: float = 1.0
   first_touch_bandwidth: float = 0.0
+  tensor_shares: tuple[tuple[float, float], ...] = ()
 
   def block_factors(self, tokens: float) -> dict[str, float]:
     """``{'F', 'I', 'W', 'B', 'R'}``: each pipeline block's seconds per
@@ -141,6 +147,23 @@ class Profile(NamedTuple):
            for k, column in zip('FIWBR', zip(*values))}
     out.setdefault('R', out['I'] + out['W'])
     return out
+
+  def tensor_share(self, tokens: float) -> float:
+    """The share of the ideal speed-up over ``tensor`` at ``tokens`` per
+    microbatch: ``tensor_shares`` interpolated in log tokens (held at its
+    ends), else ``tensor_efficiency``.
+
+    Example:
+      >>> p = Profile('p', 1e9, 1, 1, 1, 1, tensor_shares=((64, 0.3),
+      ...                                                  (1024, 0.7)))
+      >>> p.tensor_share(256), p.tensor_share(4096), Profile(
+      ...     'q', 1e9, 1, 1, 1, 1, tensor_efficiency=0.8).tensor_share(64)
+      (0.5, 0.7, 0.8)
+    """
+    if not self.tensor_shares:
+      return self.tensor_efficiency
+    at, shares = zip(*self.tensor_shares)
+    return float(np.interp(np.log(tokens), np.log(at), shares))
 
   def head(self, tokens: float) -> float | None:
     """Seconds of the embedding, head and loss (forward and backward) of

@@ -8,7 +8,7 @@ The step is its pipeline plus what runs around it, on a ``Profile``:
   its forward FLOPs over the FLOP/s the profile reaches at that many
   tokens (``Profile.rate``: measured in that program, or the peak share
   plus the block overhead of each of its layers), over
-  ``tensor_efficiency`` too when split over ``tensor``. One stage rank
+  ``Profile.tensor_share`` too when split over ``tensor``. One stage rank
   splits ``plain`` among its blocks; a pipeline rank runs each block as its
   own program, which costs its own share (``Profile.block_factors``:
   measured apart, ``F + I + W`` 1.2-1.7x ``plain`` on a CPU, more at small
@@ -19,11 +19,11 @@ The step is its pipeline plus what runs around it, on a ``Profile``:
   and a write, at the memory bandwidth). Under ``w_recompute`` ``W`` is
   the measured ``R`` (``I``'s chain again and the weight gradients: about
   ``I + W``) with ``I``'s recompute and all-reduces;
-* **pipeline** -- the executor's lock-step time of the schedule's tick
-  table with those costs (``lock_step``: ``TickTable.makespan``, equal to
-  ``Schedule.simulate``'s for ``F = I = W``, with a tick's blocks
-  ``Profile.alone_speedup`` faster where the other ranks idle) and one
-  ``ppermute`` of an activation per tick that sends, plus per microbatch
+* **pipeline** -- the executor's time of the schedule's tick table with
+  those costs (``lock_step``: the ranks wait for each other at the ticks
+  that send, a tick's blocks ``Profile.alone_speedup`` faster where the
+  other ranks idle) and one ``ppermute`` of an activation per tick that
+  sends, plus per microbatch
   the embedding, head and loss (``head_seconds``: measured, or the head's
   FLOPs), plus the profile's fixed cost per tick (one stage rank: per
   microbatch of its plain scan);
@@ -114,7 +114,7 @@ def block_costs(spec: ModelSpec, layout: Layout, profile: Profile,
   """
   t = layout.tensor
   rate, per_block = profile.rate(tokens)
-  share = profile.tensor_efficiency if t > 1 else 1.0
+  share = profile.tensor_share(tokens) if t > 1 else 1.0
   plain = 3 * n_slots * spec.flops.per_device(t) * tokens / rate / share
   factors = (ONE_RANK if layout.stage == 1 else
              profile.block_factors(tokens))
@@ -220,12 +220,23 @@ def _kind_costs(blocks: dict) -> np.ndarray:
 
 def lock_step(table: TickTable, blocks: dict, comm: float,
               alone: float = 1.0) -> float:
-  """Seconds of ``table`` run in lock step: each tick its slowest block,
-  run ``alone`` times faster where the other ranks idle (``1 + (alone - 1)
-  x`` the share of them idle: ``Profile.alone_speedup``), plus ``comm`` per
-  tick that sends (``TickTable.makespan`` at ``alone = 1``).
+  """Seconds of ``table`` as the executor runs it: the ranks wait for each
+  other only at the ticks that send (their ``ppermute``), so between two
+  such ticks each rank runs its own blocks back to back, and a tick that
+  sends ends when the slowest rank's run up to it does, plus ``comm``; a
+  block runs ``alone`` times faster in a tick where the other ranks idle
+  (``1 + (alone - 1) x`` the share of them idle:
+  ``Profile.alone_speedup``).
 
-  Example (GPipe on 2 ranks: of its 4 ticks, 2 have a rank idle):
+  ``TickTable.makespan`` (every tick waits for its slowest block) is the
+  upper bound, equal where every tick sends. 1F1B at p = 2 sends in one
+  tick of three (``F`` with the other's ``I``), so a costly ``W`` in the
+  ticks between is waited for once, not in each: on 2 CPU processes the
+  lock-step time over-predicted 1F1B by 15% and 1F1B under ``w_recompute``
+  by 37%; this, by 5% (``docs/planning.md``).
+
+  Example (GPipe on 2 ranks: of its 4 ticks, 2 have a rank idle; 1F1B, a
+  ``W`` twice an ``F``):
     >>> from jaxpar import pipeline
     >>> from jaxpar.planner._time import lock_step
     >>> table = pipeline.tick_table(pipeline.gpipe(2, 1))
@@ -234,13 +245,21 @@ def lock_step(table: TickTable, blocks: dict, comm: float,
     >>> blocks = {'F': 1.0, 'I': 1.0, 'W': 1.0, 'B': 2.0}
     >>> lock_step(table, blocks, 0.0), lock_step(table, blocks, 0.0, 2.0)
     (6.0, 3.0)
+    >>> table = pipeline.tick_table(pipeline.one_f_one_b(2, 4))
+    >>> costly = {'F': 1.0, 'I': 1.0, 'W': 2.0, 'B': 3.0}
+    >>> lock_step(table, costly, 0.0), table.makespan(costly)
+    (18.0, 22.0)
   """
   cost = _kind_costs(blocks)
   ranks = table.kind.shape[1]
   idle = (table.kind == 0).sum(axis=1) / max(ranks - 1, 1)
-  ticks = cost[table.kind].max(axis=1) / (1 + (alone - 1) * idle)
-  return float(ticks.sum()) + table.makespan(dict.fromkeys('FIWB', 0.0),
-                                             comm)
+  ticks = cost[table.kind] / (1 + (alone - 1) * idle)[:, None]
+  sync = table.sends.any(axis=1)
+  # A run of ticks up to and including one that sends: its own segment.
+  segment = np.concatenate([[0], np.cumsum(sync)[:-1]])
+  runs = np.zeros((segment[-1] + 1, ranks))
+  np.add.at(runs, segment, ticks)
+  return float(runs.max(axis=1).sum() + comm * sync.sum())
 
 
 def alloc_seconds(mem: Memory, profile: Profile) -> float:
