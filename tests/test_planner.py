@@ -180,6 +180,30 @@ def test_tensor_shares_are_the_share_of_the_ideal_speed_up(monkeypatch):
       pytest.approx(at(tensor_efficiency=0.4)))   # log-midway: 0.4
 
 
+def test_one_stage_rank_reads_the_policy_timed_not_its_recompute():
+  """With ``policy_factors`` measured, one stage rank's blocks are the
+  one-rank program under the policy (``'dots'`` times the factor; no
+  forward again for ``'nothing'``); not measured, ``'nothing'`` adds the
+  forward; a pipeline's blocks count the recompute either way."""
+  spec = planner.ModelSpec.from_gpt(CONFIG)
+  paper = planner.PROFILES['H100-SXM']._replace(block_overhead=0.0)
+  timed = paper._replace(policy_factors=((1.0, (1.1, 1.3)),))
+  blocks = lambda layout, profile: planner.step_time(
+      spec, layout, batch=BATCH, profile=profile).blocks
+  one = lambda policy: planner.Layout(2, 1, 1, 'one_f_one_b', 4,
+                                      remat_policy=policy)
+  dots = blocks(one('dots'), paper)
+  for policy, factor in (('nothing', 1.1), ('everything', 1.3)):
+    assert blocks(one(policy), timed)['F'] == pytest.approx(
+        factor * dots['F'])
+    assert blocks(one(policy), timed)['I'] == pytest.approx(
+        factor * dots['I'])
+  assert blocks(one('nothing'), paper)['I'] == pytest.approx(
+      dots['I'] + dots['F'])
+  piped = planner.Layout(1, 2, 1, 'one_f_one_b', 4, remat_policy='nothing')
+  assert blocks(piped, timed) == blocks(piped, paper)
+
+
 def test_nothing_fits_names_the_smallest_need_and_the_fixes():
   with pytest.raises(ValueError, match=r'(?s)smallest.*needs .*GiB.*more '
                      r'devices.*zero_stage 3.*remat_policy'):

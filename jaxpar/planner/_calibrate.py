@@ -77,7 +77,7 @@ from jaxpar.pipeline import StageVJP
 from jaxpar.pipeline.executor import stash_policy
 from jaxpar.pipeline.executor.internal import remat_layers
 from jaxpar.planner._model import ModelSpec
-from jaxpar.planner._profile import Profile
+from jaxpar.planner._profile import POLICY_FACTORS, Profile
 from jaxpar.planner._timing import rounds as _rounds
 from jaxpar.planner._timing import seconds as _seconds
 from jaxpar.vma import varying_axes
@@ -169,12 +169,13 @@ def _on(mesh, fn: Callable, in_specs: tuple, *args) -> tuple[Callable, Any]:
                                out_specs=found[0])), found[0]
 
 
-def _plain(devices: tuple, stage: Any) -> Callable[[np.ndarray], Callable]:
+def _plain(devices: tuple, stage: Any, policy: str = 'dots'
+           ) -> Callable[[np.ndarray], Callable]:
   """``plain(x)``: a call of the executor's one-rank step of ``stage``
-  (host params ``[slots, ...]``) and a cheap loss on the host microbatch
-  ``x``, on ``devices`` as ``tensor``: what a stage rank without a pipeline
-  runs per microbatch (``pipeline_value_and_grad_local``, as the trainers
-  call it)."""
+  (host params ``[slots, ...]``) under the remat ``policy`` and a cheap
+  loss on the host microbatch ``x``, on ``devices`` as ``tensor``: what a
+  stage rank without a pipeline runs per microbatch
+  (``pipeline_value_and_grad_local``, as the trainers call it)."""
   mesh = jax.sharding.Mesh(np.asarray(devices).reshape(1, -1),
                            ('stage', 'tensor'))
   specs = jax.tree.map(lambda spec: P('stage', *spec),
@@ -186,7 +187,7 @@ def _plain(devices: tuple, stage: Any) -> Callable[[np.ndarray], Callable]:
   def local(w, x):
     return pipeline.pipeline_value_and_grad_local(
         gpt.stage_fn, lambda s, y, t: jnp.mean(y * t), w, (), x, x,
-        table=table, input_grads=False).grads.stages
+        table=table, input_grads=False, remat_policy=policy).grads.stages
   step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P()),
                                out_specs=specs))
   params = jax.tree.map(lambda a, s: _global(mesh, a[None], s), stage, specs)
@@ -284,17 +285,21 @@ def _block_rates(spec: ModelSpec, device,
 
 
 def _kinds_and_head(spec: ModelSpec, device, repeats: int
-                    ) -> tuple[tuple, tuple]:
-  """``(kind_factors, head_seconds)`` at ``_FACTOR_ROWS`` sequences: the
-  pipeline's ``F``, ``I``, ``W``, fused ``B`` and ``R`` (``W`` under
-  ``w_recompute``), each its own program as
+                    ) -> tuple[tuple, tuple, tuple]:
+  """``(kind_factors, head_seconds, policy_factors)`` at ``_FACTOR_ROWS``
+  sequences: the pipeline's ``F``, ``I``, ``W``, fused ``B`` and ``R``
+  (``W`` under ``w_recompute``), each its own program as
   the tick scan runs it, in seconds per second of the one-rank program
   (on a CPU ``I`` holds the backward's non-matmul work, and each block
   pays its own program's fixed costs); the GPT's embedding, head and
   loss, forward and backward, in seconds (none for a model that is not a
-  GPT). In rounds over all of them, as ``_block_rates``."""
+  GPT); the one-rank program under each of ``POLICY_FACTORS`` in seconds
+  per second of it under ``'dots'``. In rounds over all of them, as
+  ``_block_rates``."""
   blocks = _stage_blocks(spec, (device,))
   f, i, w, b, again = blocks.kinds
+  stage = _host_stage(spec)[1]
+  plains = [_plain((device,), stage, policy) for policy in POLICY_FACTORS]
   calls = []
   for r in _FACTOR_ROWS:
     k = max(1, _ROWS[3] // r)
@@ -307,14 +312,17 @@ def _kinds_and_head(spec: ModelSpec, device, repeats: int
         for fn, args in ((f, (x,)), (i, (x, stash, y)),
                          (w, (x, stash, y, kept)), (b, (x, stash, y)),
                          (again, (x, stash, y)))] + [
-        (functools.partial(blocks.head, blocks.ends, ids), k)]
-  seconds = np.reshape(_rounds(calls, repeats), (len(_FACTOR_ROWS), 7))
+        (functools.partial(blocks.head, blocks.ends, ids), k)] + [
+        (plain(_microbatch(spec, r)), k) for plain in plains]
+  seconds = np.reshape(_rounds(calls, repeats), (len(_FACTOR_ROWS), -1))
   tokens = [float(r * spec.seq_len) for r in _FACTOR_ROWS]
   factors = tuple((t, tuple(float(x / s[0]) for x in s[1:6]))
                   for t, s in zip(tokens, seconds))
   head = (tuple((t, float(s[6])) for t, s in zip(tokens, seconds))
           if spec.vocab_size > 1 else ())
-  return factors, head
+  policies = tuple((t, tuple(float(x / s[0]) for x in s[7:]))
+                   for t, s in zip(tokens, seconds))
+  return factors, head, policies
 
 
 def _alone_speedup(spec: ModelSpec, device, repeats: int) -> float:
@@ -515,7 +523,7 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   mine = [d for d in devices if d.process_index == jax.process_index()]
   device = (mine or jax.local_devices())[0]   # this process's first
   rates = _block_rates(spec, device, repeats)
-  factors, head = _kinds_and_head(spec, device, repeats)
+  factors, head, policies = _kinds_and_head(spec, device, repeats)
   alpha, beta = _links(devices, repeats) if len(devices) > 1 else (0.0, 1e30)
   hbm = _hbm_bandwidth(device, repeats)
   touch = _first_touch_bandwidth(device, repeats)
@@ -530,14 +538,15 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   alone = _alone_speedup(spec, device, repeats)
   alpha, beta, hbm, touch, per_mb, tick, zero3, alone, *flat = _shared(
       [alpha, beta, hbm, touch, per_mb, tick, zero3, alone,
-       *(r for _, r in rates),
-       *(x for _, xs in factors for x in xs), *(s for _, s in head)])
+       *(r for _, r in rates), *(s for _, s in head),
+       *(x for _, xs in factors + policies for x in xs)])
   rates = tuple(zip((t for t, _ in rates), flat[:len(rates)]))
   flat = flat[len(rates):]
-  n = len(factors[0][1])   # F, I, W, B, R
-  factors = tuple((t, tuple(flat[n * k:n * k + n]))
-                  for k, (t, _) in enumerate(factors))
-  head = tuple(zip((t for t, _ in head), flat[n * len(factors):]))
+  head = tuple(zip((t for t, _ in head), flat[:len(head)]))
+  flat = iter(flat[len(head):])
+  factors, policies = (tuple((t, tuple(next(flat) for _ in xs))
+                             for t, xs in pairs)
+                       for pairs in (factors, policies))
   f, i, w = factors[-1][1][:3]
   probe = Profile('probe', max(r for _, r in rates), 0.0, hbm, beta, alpha,
                   block_rates=rates,
@@ -552,6 +561,7 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
       memory_bytes=_memory_bytes(device), node_devices=len(devices),
       tick_overhead=tick, microbatch_overhead=per_mb,
       tensor_shares=shares, zero3_layer_seconds=zero3,
+      policy_factors=policies,
       alone_speedup=alone, first_touch_bandwidth=touch,
       source=f'micro-benchmark on {len(devices)} {device.platform} devices: '
       f"a stage of {_slots(spec)} GPT blocks in the "

@@ -31,6 +31,9 @@ from typing import NamedTuple
 import numpy as np
 
 KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'ppermute')
+# The remat policies whose one-rank program ``measure_profile`` times
+# against ``'dots'`` (``Profile.policy_factors``).
+POLICY_FACTORS = ('nothing', 'everything')
 
 
 class Profile(NamedTuple):
@@ -102,6 +105,12 @@ class Profile(NamedTuple):
       elementwise work that tensor parallelism repeats, and each half
       product's fixed costs, weigh most at small microbatches: 0.26 at 64
       tokens, 0.71 at 512, 0.78 at 2048 here.
+    policy_factors: ``((tokens, (nothing, everything)), ...)`` measured:
+      the one-rank program (``stage = 1``) under each of
+      ``POLICY_FACTORS`` in seconds per second of it under ``'dots'``
+      (``policy_factor``). On a CPU its recompute costs less than the
+      forward's FLOPs say and storing every residual more than none: 1.05
+      and 1.17 here (16 sequences of the CLI's GPT).
   """
   name: str
   flops: float
@@ -125,6 +134,7 @@ class Profile(NamedTuple):
   alone_speedup: float = 1.0
   first_touch_bandwidth: float = 0.0
   tensor_shares: tuple[tuple[float, float], ...] = ()
+  policy_factors: tuple[tuple[float, tuple[float, ...]], ...] = ()
 
   def block_factors(self, tokens: float) -> dict[str, float]:
     """``{'F', 'I', 'W', 'B', 'R'}``: each pipeline block's seconds per
@@ -164,6 +174,29 @@ class Profile(NamedTuple):
       return self.tensor_efficiency
     at, shares = zip(*self.tensor_shares)
     return float(np.interp(np.log(tokens), np.log(at), shares))
+
+  def policy_factor(self, policy: str, tokens: float) -> float | None:
+    """The one-rank program's seconds under ``policy`` per second of it
+    under ``'dots'`` at ``tokens`` per microbatch: ``policy_factors``
+    interpolated in log tokens (held at its ends); 1 for ``'dots'``;
+    ``None`` where not measured (the time model then counts the
+    recompute's FLOPs).
+
+    Example:
+      >>> p = Profile('p', 1e9, 1, 1, 1, 1, policy_factors=(
+      ...     (64, (1.2, 1.0)), (1024, (1.0, 1.2))))
+      >>> p.policy_factor('nothing', 256), p.policy_factor('dots', 64)
+      (1.1, 1.0)
+      >>> p.policy_factor('dots_no_batch', 64) is None
+      True
+    """
+    if policy == 'dots':
+      return 1.0
+    if not self.policy_factors or policy not in POLICY_FACTORS:
+      return None
+    at, values = zip(*self.policy_factors)
+    column = [v[POLICY_FACTORS.index(policy)] for v in values]
+    return float(np.interp(np.log(tokens), np.log(at), column))
 
   def head(self, tokens: float) -> float | None:
     """Seconds of the embedding, head and loss (forward and backward) of

@@ -14,7 +14,9 @@ The step is its pipeline plus what runs around it, on a ``Profile``:
   measured apart, ``F + I + W`` 1.2-1.7x ``plain`` on a CPU, more at small
   microbatches; on paper ``block_shares``). Added: the tensor-parallel
   all-reduces (two per block forward, two in the backward), the forward
-  again in the backward under ``remat_policy='nothing'``, and the
+  again in the backward under ``remat_policy='nothing'`` (one stage rank:
+  the one-rank program timed under the policy instead,
+  ``Profile.policy_factor``, where measured), and the
   gradient's add into its accumulator in ``W`` and ``B`` (a read of both
   and a write, at the memory bandwidth). Under ``w_recompute`` ``W`` is
   the measured ``R`` (``I``'s chain again and the weight gradients: about
@@ -118,12 +120,15 @@ def block_costs(spec: ModelSpec, layout: Layout, profile: Profile,
   plain = 3 * n_slots * spec.flops.per_device(t) * tokens / rate / share
   factors = (ONE_RANK if layout.stage == 1 else
              profile.block_factors(tokens))
+  measured = (profile.policy_factor(layout.remat_policy, tokens)
+              if layout.stage == 1 else None)
+  plain *= measured or 1.0
   f, i, w, b, again = (plain * factors[k] for k in 'FIWBR')
   act = tokens * spec.d_model * spec.act_bytes
   tp = n_slots * 2 * profile.collective('all-reduce', act, t, span=t)
   over = n_slots * per_block
-  recompute = RECOMPUTE[layout.remat_policy] * f
-  backward_tp = tp + (tp if recompute else 0.0)
+  recompute = (0.0 if measured else RECOMPUTE[layout.remat_policy] * f)
+  backward_tp = tp + (tp if RECOMPUTE[layout.remat_policy] else 0.0)
   grads = n_slots * spec.layer.per_device(t) * spec.param_bytes
   add = 3 * grads / profile.hbm_bandwidth
   if layout.w_recompute:   # W re-runs I's chain (measured apart: 'R')
