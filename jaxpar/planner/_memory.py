@@ -250,6 +250,8 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
     gathered = 2 * spec.d_model * (1 - 1 / t) if spec.stash_split else 0.0
     restacked = shape.slots * (spec.stash_per_device(policy, t) + gathered
                                + spec.d_model)
+    if _copies_a_slot(layout):
+      restacked += shape.slots * spec.stash_per_device(policy, t)
   if layout.w_recompute:   # W rebuilds what I would have kept, for a stage
     restacked += W_RECOMPUTE_KEPT * shape.slots * spec.kept.per_device(t)
   working = WORKING
@@ -258,6 +260,15 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
     working += per * TICK_WORKING.get(policy, {}).get(layout.zero_stage, 0)
   return int((restacked + working * everything) * shape.tokens
              * spec.act_bytes)
+
+
+def _copies_a_slot(layout: Layout) -> bool:
+  """Whether the tick scan holds more than one microbatch's stash per
+  logical stage of a rank (more stash slots than stages): XLA then reads a
+  slot's row into a buffer of its own beside the stash; with one it works
+  on the stash in place."""
+  return (tick_table(schedule_key(layout)).num_stash_slots
+          > layout.stages_per_rank)
 
 
 def _everything_bytes(spec: ModelSpec, layout: Layout,
@@ -282,7 +293,7 @@ def _everything_bytes(spec: ModelSpec, layout: Layout,
   """
   t = layout.tensor
   everything = spec.stash_of('everything').per_device(t)
-  copied = tick_table(schedule_key(layout)).num_stash_slots > 1
+  copied = _copies_a_slot(layout)
   if layout.w_recompute:
     split = t if spec.stash_split else 1
     slot = shape.slots * everything + spec.d_model / split
