@@ -343,10 +343,14 @@ def parked_grads(layout: Layout) -> bool:
   """Whether XLA keeps the gradient accumulators in the output buffers of
   the new params: without ZeRO they have the params' leaves and the update
   writes each new leaf over its gradient (with ZeRO they are reduce-
-  scattered first), but not under ``'everything'``, where the compiled
-  steps keep them in temporaries (the backward's residuals take the
-  outputs' buffers: measured, ``docs/planning.md``)."""
-  return not layout.zero_stage and layout.remat_policy != 'everything'
+  scattered first), but not under ``'everything'`` or ``'nothing'``,
+  where the compiled steps keep them in temporaries (under
+  ``'everything'`` the backward's residuals take the outputs' buffers;
+  under ``'nothing'`` jaxpar's GPT on 2 devices, data parallel m=1-32,
+  held 0.82-0.87 of its compiled peak parked, 0.94-1.01 not: measured,
+  ``docs/planning.md``)."""
+  return not layout.zero_stage and layout.remat_policy not in (
+      'everything', 'nothing')
 
 
 def memory(spec: ModelSpec, layout: Layout, *, batch: int,
