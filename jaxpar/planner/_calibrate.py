@@ -103,8 +103,8 @@ class _Blocks(NamedTuple):
   stash, dy) -> (dx, kept)``, ``W(params, x, stash, dy, kept) -> grads``,
   ``B(params, x, stash, dy) -> (grads, dx)`` and ``R(params, x, stash,
   dy) -> grads``, a ``W`` that re-runs ``I``'s chain (``w_recompute``);
-  ``head(ends, ids)`` the
-  embedding, head and loss, forward and backward; ``plain(x)`` a call of the one-rank step's program on the host
+  ``head(ends, ids)`` the embedding, head and loss, forward and backward;
+  ``plain(x)`` a call of the one-rank step's program on the host
   microbatch ``x`` (the executor's one-rank path: ``jax.value_and_grad``
   of the stage and a loss, one microbatch), over the devices as
   ``tensor``."""
@@ -554,8 +554,9 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
                                 w / (f + i + w)),
                   kind_factors=factors, head_seconds=head)
   shares = _tensor_shares(spec, device, devices, probe, repeats)
-  shares = tuple(zip((t for t, _ in shares),
-                     _shared([x for _, x in shares])))
+  if shares:   # process 0's, as the rest
+    shares = tuple(zip((t for t, _ in shares),
+                       _shared([x for _, x in shares])))
   return probe._replace(
       name=f'measured ({device.platform} x{len(devices)})',
       memory_bytes=_memory_bytes(device), node_devices=len(devices),
