@@ -36,6 +36,12 @@ KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'ppermute')
 POLICY_FACTORS = ('nothing', 'everything')
 
 
+def _in_log_tokens(tokens: float, at, values) -> float:
+  """``values`` measured at ``at`` tokens, interpolated at ``tokens`` in
+  log tokens (held at the ends): how every measured curve is read."""
+  return float(np.interp(np.log(tokens), np.log(at), values))
+
+
 class Profile(NamedTuple):
   """A device and its links.
 
@@ -153,7 +159,7 @@ class Profile(NamedTuple):
       f, i, w = self.block_shares
       return {'F': f, 'I': i, 'W': w, 'B': i + w, 'R': i + w}
     at, values = zip(*self.kind_factors)
-    out = {k: float(np.interp(np.log(tokens), np.log(at), column))
+    out = {k: _in_log_tokens(tokens, at, column)
            for k, column in zip('FIWBR', zip(*values))}
     out.setdefault('R', out['I'] + out['W'])
     return out
@@ -173,7 +179,7 @@ class Profile(NamedTuple):
     if not self.tensor_shares:
       return self.tensor_efficiency
     at, shares = zip(*self.tensor_shares)
-    return float(np.interp(np.log(tokens), np.log(at), shares))
+    return _in_log_tokens(tokens, at, shares)
 
   def policy_factor(self, policy: str, tokens: float) -> float | None:
     """The one-rank program's seconds under ``policy`` per second of it
@@ -196,7 +202,7 @@ class Profile(NamedTuple):
       return None
     at, values = zip(*self.policy_factors)
     column = [v[POLICY_FACTORS.index(policy)] for v in values]
-    return float(np.interp(np.log(tokens), np.log(at), column))
+    return _in_log_tokens(tokens, at, column)
 
   def head(self, tokens: float) -> float | None:
     """Seconds of the embedding, head and loss (forward and backward) of
@@ -229,7 +235,7 @@ class Profile(NamedTuple):
     if not self.block_rates:
       return self.flops, self.block_overhead
     tokens_at, rates = zip(*self.block_rates)
-    return float(np.interp(np.log(tokens), np.log(tokens_at), rates)), 0.0
+    return _in_log_tokens(tokens, tokens_at, rates), 0.0
 
   def collective(self, kind: str, nbytes: float, n: int, *,
                  span: int | None = None) -> float:
