@@ -204,6 +204,37 @@ def test_one_stage_rank_reads_the_policy_timed_not_its_recompute():
   assert blocks(piped, timed) == blocks(piped, paper)
 
 
+def test_the_large_microbatch_blocks_are_timed_inside_a_step(monkeypatch):
+  """With 2 devices the blocks at the larger size timed are their seconds
+  inside a 2-rank step (``_in_step.in_step_costs``) per second of the
+  one-rank program, ``R`` scaled as ``W``; the smaller size stays apart;
+  the 2-rank costs are what a real step's timeline measures (each > 0)."""
+  from jaxpar.planner import _calibrate, _in_step
+  spec = planner.ModelSpec.from_gpt(CONFIG)
+  apart = ((16.0, (0.3, 0.4, 0.3, 0.7, 0.8)),
+           (256.0, (0.25, 0.4, 0.35, 0.7, 0.6)))
+  seen = []
+
+  def costs(stage_fn, stage, devices, x, *, repeats, specs):
+    seen.append(x.shape)
+    return {'F': 0.3, 'I': 0.4, 'W': 0.5, 'B': 0.8}
+  monkeypatch.setattr(_calibrate, 'in_step_costs', costs)
+  monkeypatch.setattr(_calibrate, '_block_seconds', lambda *a: 1.0)
+  two = jax.devices()[:2]
+  got = _calibrate._in_step_factors(spec, two[0], two, apart, 1)
+  assert seen == [(_calibrate._FACTOR_ROWS[-1], CONFIG.seq_len,
+                   CONFIG.d_model)]
+  assert got[0] == apart[0]
+  assert got[1][0] == 256.0
+  assert got[1][1] == pytest.approx((0.3, 0.4, 0.5, 0.8, 0.6 * 0.5 / 0.35))
+  real = _in_step.in_step_costs(
+      gpt.stage_fn, _calibrate._host_stage(spec)[1], two,
+      np.ones((2, CONFIG.seq_len, CONFIG.d_model), np.float32), repeats=1,
+      specs=jaxpar.tensor_parallel.param_specs(
+          _calibrate._host_stage(spec)[1], rules=gpt.TENSOR_RULES))
+  assert sorted(real) == ['B', 'F', 'I', 'W'] and min(real.values()) > 0
+
+
 def test_nothing_fits_names_the_smallest_need_and_the_fixes():
   with pytest.raises(ValueError, match=r'(?s)smallest.*needs .*GiB.*more '
                      r'devices.*zero_stage 3.*remat_policy'):

@@ -9,11 +9,11 @@ machine, no constants fitted to another):
   microbatch: the FLOP/s reached at each (``Profile.block_rates``; on a
   CPU small microbatches run far below large ones);
 * **the pipeline's blocks**: the same stage's ``F``, ``I``, ``W`` and fused
-  ``B`` (``pipeline.StageVJP``), each its own program as the tick scan
-  runs it, at 1 and 16 sequences, in seconds per second of the one-rank
-  program (``Profile.kind_factors``: each block pays its own program's
-  fixed costs, and split apart ``I`` and ``W`` cost more than the fused
-  backward);
+  ``B`` (``pipeline.StageVJP``) at 1 and 16 sequences, in seconds per
+  second of the one-rank program (``Profile.kind_factors``): each its own
+  program, and at 16 sequences, with 2 devices or more, as a 2-rank 1F1B
+  and GPipe step's tick scan runs them (``_in_step``: the slot reads and
+  in-place writes, the other rank running beside);
 * **tensor**: the one-rank program split over two devices as ``tensor``:
   the share of the ideal speed-up its FLOPs reach against one device at 2,
   8 and 32 sequences (``Profile.tensor_shares``);
@@ -78,6 +78,8 @@ from jaxpar.pipeline.executor import stash_policy
 from jaxpar.pipeline.executor.internal import remat_layers
 from jaxpar.planner._model import ModelSpec
 from jaxpar.planner._profile import POLICY_FACTORS, Profile
+from jaxpar.planner._in_step import in_step_costs, per_tick
+from jaxpar.planner._timing import placed as _global
 from jaxpar.planner._timing import rounds as _rounds
 from jaxpar.planner._timing import seconds as _seconds
 from jaxpar.vma import varying_axes
@@ -88,12 +90,6 @@ _ROWS = (1, 2, 4, 8, 16, 32)    # sequences per microbatch of the blocks timed
 _HBM_BYTES = 2**28              # the in-place add and the fill: 256 MiB
 _FACTOR_ROWS = (_ROWS[0], _ROWS[4])   # the blocks apart and the head
 _TENSOR_ROWS = _ROWS[1::2]   # the stage split over tensor
-
-
-def _global(mesh, host: np.ndarray, spec: P = P()) -> jax.Array:
-  """``host`` laid out on ``mesh`` by ``spec`` (every process holds it)."""
-  return jax.make_array_from_callback(
-      host.shape, NamedSharding(mesh, spec), lambda i: host[i])
 
 
 class _Blocks(NamedTuple):
@@ -397,40 +393,6 @@ def _zero3_program(spec: ModelSpec, devices: Sequence
   return grad, (params, _global(mesh, x, P('data')))
 
 
-def _tiny_step(mesh, m: int) -> tuple[Callable, tuple]:
-  """``(step, args)``: a 1F1B step of ``m`` one-row microbatches through
-  one ``[8, 8]`` tanh layer per rank of ``mesh`` (its blocks cost ~0)."""
-  p = mesh.devices.size
-  step = pipeline.pipeline_value_and_grad(
-      lambda w, x: jnp.tanh(x @ w), lambda s, y, t: jnp.mean((s * y - t)**2),
-      schedule=pipeline.one_f_one_b(p, m), mesh=mesh, input_grads=False)
-  put = functools.partial(_global, mesh)
-  return step, (put(np.full((p, 8, 8), 0.1, np.float32)),
-                put(np.ones((), np.float32)), put(np.ones((m, 8), np.float32)),
-                put(np.zeros((m, 8), np.float32)))
-
-
-def _per_tick(devices: Sequence, message: float,
-              repeats: int) -> float:
-  """Seconds of one executor tick (``len(devices)`` ranks, 2 or more; the
-  tick's ``message`` seconds taken out) or, on one device, of one
-  microbatch of the plain scan: the slope over 4 and 16 microbatches."""
-  mesh = make_mesh(stage=len(devices), devices=devices)
-  points = []
-  for m in (4, 16):
-    step, args = _tiny_step(mesh, m)
-    table = pipeline.tick_table(pipeline.one_f_one_b(len(devices), m))
-    if len(devices) == 1:
-      ticks, sends = m, 0.0
-    else:
-      ticks = table.num_ticks
-      sends = table.makespan({'F': 0, 'I': 0, 'W': 0}, 1.0)
-    points.append((ticks, _seconds(step, *args, repeats=repeats)
-                   - sends * message))
-  (n1, s1), (n2, s2) = points
-  return max((s2 - s1) / (n2 - n1), 0.0)
-
-
 def _collective_fns(mesh) -> dict[str, Callable]:
   """The four kinds as jitted functions of a ``[n, k]`` float32 buffer,
   each ``_CHAIN`` in a row in a scan (on the last one's output cut or tiled
@@ -518,6 +480,26 @@ def _shared(values: Sequence[float]) -> list[float]:
       np.asarray(values, np.float64))]
 
 
+def _in_step_factors(spec: ModelSpec, device, devices: Sequence,
+                     factors: tuple, repeats: int) -> tuple:
+  """``kind_factors`` with ``F``, ``I``, ``W`` and ``B`` at
+  ``_FACTOR_ROWS[-1]`` sequences timed inside a 2-rank step of the same
+  stage (``in_step_costs``), in seconds per second of the one-rank program,
+  and ``R`` (apart) scaled as ``W`` is. At one sequence they stay apart:
+  there the timeline's host stamps (a callback each) cost as much as the
+  blocks, and the many small microbatches were predicted within 7% apart,
+  against +30-77% in the step."""
+  stage = _host_stage(spec)[1]
+  rows, (tokens, apart) = _FACTOR_ROWS[-1], factors[-1]
+  costs = in_step_costs(gpt.stage_fn, stage, devices,
+                        _microbatch(spec, rows), repeats=repeats,
+                        specs=tensor_parallel.param_specs(
+                            stage, rules=gpt.TENSOR_RULES))
+  plain = _block_seconds(spec, (device,), rows, repeats)
+  f, i, w, b = (costs[k] / plain for k in 'FIWB')
+  return (*factors[:-1], (tokens, (f, i, w, b, apart[4] * w / apart[2])))
+
+
 @functools.lru_cache(maxsize=8)
 def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   mine = [d for d in devices if d.process_index == jax.process_index()]
@@ -527,10 +509,10 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   alpha, beta = _links(devices, repeats) if len(devices) > 1 else (0.0, 1e30)
   hbm = _hbm_bandwidth(device, repeats)
   touch = _first_touch_bandwidth(device, repeats)
-  per_mb = _per_tick([device], 0.0, repeats)
+  per_mb = per_tick([device], 0.0, repeats)
   tick = 0.0
   if len(devices) > 1:   # a tick of 2 ranks; one 32-byte message costs:
-    tick = _per_tick(devices[:2], alpha + 32 / beta, repeats)
+    tick = per_tick(devices[:2], alpha + 32 / beta, repeats)
   zero3 = 0.0
   if len(devices) > 1:   # ZeRO-3's collectives, per layer and microbatch
     program, args = _zero3_program(spec, devices)
@@ -557,18 +539,22 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   if shares:   # process 0's, as the rest
     shares = tuple(zip((t for t, _ in shares),
                        _shared([x for _, x in shares])))
+  if len(devices) > 1:   # last: each timeline compiles its step afresh
+    factors = _in_step_factors(spec, device, devices, factors, repeats)
   return probe._replace(
       name=f'measured ({device.platform} x{len(devices)})',
       memory_bytes=_memory_bytes(device), node_devices=len(devices),
       tick_overhead=tick, microbatch_overhead=per_mb,
-      tensor_shares=shares, zero3_layer_seconds=zero3,
+      kind_factors=factors, tensor_shares=shares, zero3_layer_seconds=zero3,
       policy_factors=policies,
       alone_speedup=alone, first_touch_bandwidth=touch,
       source=f'micro-benchmark on {len(devices)} {device.platform} devices: '
       f"a stage of {_slots(spec)} GPT blocks in the "
       f"executor's one-rank step at {', '.join(map(str, _ROWS))} sequences; "
       f'its F, I, W and B apart and the embedding, head and loss at '
-      f'{" and ".join(map(str, _FACTOR_ROWS))}; the one-rank step split '
+      f'{" and ".join(map(str, _FACTOR_ROWS))}, the blocks in a 2-rank '
+      f'1F1B and GPipe step at {_FACTOR_ROWS[-1]} (2 devices or more); the '
+      f'one-rank step split '
       f'over 2 devices as tensor at {", ".join(map(str, _TENSOR_ROWS))}; '
       'psum, all_gather, psum_scatter, ppermute at '
       f'{", ".join(map(str, _SIZES))} bytes, {_CHAIN} in a row; an '

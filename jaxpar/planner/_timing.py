@@ -1,5 +1,6 @@
 """Timing a calibration's programs: ``rounds`` (warm, in rounds over the
-programs, the median over them and the processes) and ``seconds``.
+programs, the median over them and the processes), ``seconds``, and
+``placed`` (their inputs, on every process).
 
 Example:
   >>> import jax.numpy as jnp
@@ -17,6 +18,8 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def rounds(calls: Sequence[tuple[Callable, int]], count: int
@@ -48,3 +51,9 @@ def rounds(calls: Sequence[tuple[Callable, int]], count: int
 def seconds(fn: Callable, *args, repeats: int) -> float:
   """Wall seconds of ``fn(*args)`` over ``repeats`` calls (``rounds``)."""
   return rounds([(functools.partial(fn, *args), 1)], repeats)[0]
+
+
+def placed(mesh, host: np.ndarray, spec: P = P()) -> jax.Array:
+  """``host`` laid out on ``mesh`` by ``spec`` (every process holds it)."""
+  return jax.make_array_from_callback(
+      host.shape, NamedSharding(mesh, spec), lambda i: host[i])
