@@ -4,9 +4,9 @@ Apart, each pipeline block is its own program (``_calibrate``'s
 ``kind_factors``). Inside the executor's tick scan a block also reads its
 mailbox and stash slots, writes its residuals and adds its gradient in
 place, and runs while the other rank runs its own. On 2 CPU processes a GPT
-stage's ``F`` cost 17-35% more there than apart and a two-layer ``B`` 10%
-more (``docs/planning.md``, "0.11.0"), which put every pipelined layout's
-step 5-15% under its measured time.
+stage's ``F`` cost 17-35% more there than the factors timed apart said, and
+a two-layer ``B`` 10% more (``docs/planning.md``, "0.11.0"), which put most
+pipelined steps 5-15% under their measured time.
 
 * ``in_step_costs``: the stage on 2 ranks in a 1F1B step (its ``F``, ``I``
   and ``W``) and a GPipe step (its fused ``B``) under ``pipeline.timeline``:

@@ -84,9 +84,10 @@ class Profile(NamedTuple):
       (``tensor_share``).
     source: where the numbers come from.
     kind_factors: ``((tokens, (F, I, W, B, R)), ...)`` measured: each pipeline
-      block, run as its own program as the tick scan runs it, in seconds
-      per second of the one-rank program (``block_rates``) at that many
-      tokens per microbatch; empty: ``block_shares`` (``block_factors``).
+      block, run as its own program or (the largest tokens, with 2 devices)
+      inside a 2-rank step's tick scan, in seconds per second of the
+      one-rank program (``block_rates``) at that many tokens per
+      microbatch; empty: ``block_shares`` (``block_factors``).
     head_seconds: ``((tokens, seconds), ...)`` measured: the embedding,
       head and loss, forward and backward, for one microbatch of that many
       tokens; a line through them (a fixed cost and one per token) gives

@@ -10,9 +10,10 @@ The step is its pipeline plus what runs around it, on a ``Profile``:
   plus the block overhead of each of its layers), over
   ``Profile.tensor_share`` too when split over ``tensor``. One stage rank
   splits ``plain`` among its blocks; a pipeline rank runs each block as its
-  own program, which costs its own share (``Profile.block_factors``:
-  measured apart, ``F + I + W`` 1.2-1.7x ``plain`` on a CPU, more at small
-  microbatches; on paper ``block_shares``). Added: the tensor-parallel
+  own program in the tick scan, which costs its own share
+  (``Profile.block_factors``: measured, apart and inside a 2-rank step,
+  ``F + I + W`` 1.0-1.7x ``plain`` on a CPU, more at small microbatches;
+  on paper ``block_shares``). Added: the tensor-parallel
   all-reduces (two per block forward, two in the backward), the forward
   again in the backward under ``remat_policy='nothing'`` (one stage rank:
   the one-rank program timed under the policy instead,
