@@ -227,11 +227,11 @@ def test_the_large_microbatch_blocks_are_timed_inside_a_step(monkeypatch):
   assert got[0] == apart[0]
   assert got[1][0] == 256.0
   assert got[1][1] == pytest.approx((0.3, 0.4, 0.5, 0.8, 0.6 * 0.5 / 0.35))
+  stage = _calibrate._host_stage(spec)[1]
   real = _in_step.in_step_costs(
-      gpt.stage_fn, _calibrate._host_stage(spec)[1], two,
+      gpt.stage_fn, stage, two,
       np.ones((2, CONFIG.seq_len, CONFIG.d_model), np.float32), repeats=1,
-      specs=jaxpar.tensor_parallel.param_specs(
-          _calibrate._host_stage(spec)[1], rules=gpt.TENSOR_RULES))
+      specs=jaxpar.tensor_parallel.param_specs(stage, rules=gpt.TENSOR_RULES))
   assert sorted(real) == ['B', 'F', 'I', 'W'] and min(real.values()) > 0
 
 

@@ -77,9 +77,10 @@ def in_step_costs(stage_fn: Callable, stage: Any, devices: Sequence,
   replicated)."""
   mesh = jax.sharding.Mesh(np.asarray(devices[:2]).reshape(2, 1),
                            ('stage', 'tensor'))
-  specs = jax.tree.map(lambda spec: P('stage', *(spec or ())),
-                       specs or jax.tree.map(lambda _: None, stage),
-                       is_leaf=lambda v: v is None or isinstance(v, P))
+  if specs is None:
+    specs = jax.tree.map(lambda _: P(), stage)
+  specs = jax.tree.map(lambda spec: P('stage', *spec), specs,
+                       is_leaf=lambda v: isinstance(v, P))
   params = jax.tree.map(lambda a, spec: placed(mesh, np.stack([a, a]), spec),
                         stage, specs)
   batch = placed(mesh, np.concatenate([x] * _MICROBATCHES))
