@@ -207,66 +207,32 @@ def test_one_stage_rank_reads_the_policy_timed_not_its_recompute():
 def test_the_large_microbatch_blocks_are_timed_inside_a_step(monkeypatch):
   """With 2 devices the blocks at the larger size timed are their seconds
   inside a 2-rank step (``_in_step.in_step_costs``) per second of the
-  one-rank program, ``R`` scaled as ``W``; the smaller size's, timed
-  apart, are scaled by ``step_scale`` (given them in seconds and the
-  step's fixed costs); the 2-rank costs are what a real step's timeline
-  measures (each > 0)."""
+  one-rank program, ``R`` scaled as ``W``; the smaller size stays apart;
+  the 2-rank costs are what a real step's timeline measures (each > 0)."""
   from jaxpar.planner import _calibrate, _in_step
   spec = planner.ModelSpec.from_gpt(CONFIG)
   apart = ((16.0, (0.3, 0.4, 0.3, 0.7, 0.8)),
            (256.0, (0.25, 0.4, 0.35, 0.7, 0.6)))
-  seen, scaled = [], []
+  seen = []
 
   def costs(stage_fn, stage, devices, x, *, repeats, specs):
     seen.append(x.shape)
     return {'F': 0.3, 'I': 0.4, 'W': 0.5, 'B': 0.8}
-
-  def scale(stage_fn, stage, devices, x, blocks, **kw):
-    scaled.append((x.shape[0], blocks, kw['tick'], kw['message']))
-    return 1.25
   monkeypatch.setattr(_calibrate, 'in_step_costs', costs)
-  monkeypatch.setattr(_calibrate, 'step_scale', scale)
-  monkeypatch.setattr(_calibrate, '_block_seconds', lambda *a: 2.0)
+  monkeypatch.setattr(_calibrate, '_block_seconds', lambda *a: 1.0)
   two = jax.devices()[:2]
-  got = _calibrate._in_step_factors(spec, two[0], two, apart, 1, tick=1e-4,
-                                    message=2e-4, alone=1.5)
+  got = _calibrate._in_step_factors(spec, two[0], two, apart, 1)
   assert seen == [(_calibrate._FACTOR_ROWS[-1], CONFIG.seq_len,
                    CONFIG.d_model)]
-  assert scaled == [(_calibrate._FACTOR_ROWS[0],
-                     {'F': 0.6, 'I': 0.8, 'W': 0.6, 'B': 1.4}, 1e-4, 2e-4)]
-  assert got[0][0] == 16.0
-  assert got[0][1] == pytest.approx(tuple(1.25 * x for x in apart[0][1]))
+  assert got[0] == apart[0]
   assert got[1][0] == 256.0
-  assert got[1][1] == pytest.approx(
-      (0.15, 0.2, 0.25, 0.4, 0.6 * 0.25 / 0.35))
+  assert got[1][1] == pytest.approx((0.3, 0.4, 0.5, 0.8, 0.6 * 0.5 / 0.35))
   stage = _calibrate._host_stage(spec)[1]
   real = _in_step.in_step_costs(
       gpt.stage_fn, stage, two,
       np.ones((2, CONFIG.seq_len, CONFIG.d_model), np.float32), repeats=1,
       specs=jaxpar.tensor_parallel.param_specs(stage, rules=gpt.TENSOR_RULES))
   assert sorted(real) == ['B', 'F', 'I', 'W'] and min(real.values()) > 0
-
-
-def test_step_scale_is_the_slope_over_the_lock_step_time(monkeypatch):
-  """A step that runs its blocks 1.3x their time apart, plus its ticks, its
-  messages and a fixed part, reads 1.3."""
-  from jaxpar.planner import _in_step, _time
-  blocks = {'F': 2e-3, 'I': 2.5e-3, 'W': 1.5e-3, 'B': 4e-3}
-  tick, message, alone = 3e-4, 5e-4, 1.2
-  tables = {}
-
-  def wall(step, params, batch, *, repeats):
-    m = batch.shape[0] // 2
-    table = tables.setdefault(m, jaxpar.pipeline.tick_table(
-        jaxpar.pipeline.one_f_one_b(2, m)))
-    return (1.3 * _time.lock_step(table, blocks, 0.0, alone) + 0.05
-            + table.num_ticks * tick + table.message_ticks * message)
-  monkeypatch.setattr(_in_step, 'seconds', wall)
-  got = _in_step.step_scale(
-      lambda w, x: x * w['w'], {'w': np.ones((), np.float32)},
-      jax.devices()[:2], np.ones((2, 8), np.float32), blocks, tick=tick,
-      message=message, alone=alone, repeats=1)
-  assert sorted(tables) == [4, 16] and got == pytest.approx(1.3)
 
 
 def test_nothing_fits_names_the_smallest_need_and_the_fixes():

@@ -77,7 +77,7 @@ from jaxpar.pipeline.executor import stash_policy
 from jaxpar.pipeline.executor.internal import remat_layers
 from jaxpar.planner._model import ModelSpec
 from jaxpar.planner._profile import POLICY_FACTORS, Profile
-from jaxpar.planner._in_step import in_step_costs, per_tick, step_scale
+from jaxpar.planner._in_step import in_step_costs, per_tick
 from jaxpar.planner._timing import placed as _global
 from jaxpar.planner._timing import rounds as _rounds
 from jaxpar.planner._timing import seconds as _seconds
@@ -480,31 +480,23 @@ def _shared(values: Sequence[float]) -> list[float]:
 
 
 def _in_step_factors(spec: ModelSpec, device, devices: Sequence,
-                     factors: tuple, repeats: int, **fixed: float) -> tuple:
+                     factors: tuple, repeats: int) -> tuple:
   """``kind_factors`` with ``F``, ``I``, ``W`` and ``B`` at
   ``_FACTOR_ROWS[-1]`` sequences timed inside a 2-rank step of the same
   stage (``in_step_costs``), in seconds per second of the one-rank program,
-  and ``R`` (apart) scaled as ``W`` is. At one sequence the stamps would
-  weigh (timed in the step there they read 1.5x, which put 64-microbatch
-  steps 49-77% high, ``docs/planning.md``, "0.11.0"): the factors apart are
-  scaled by ``step_scale``, the plain step's slope over 4 and 16
-  microbatches over what they predict for it (``fixed``: its ``tick``,
-  ``message`` and ``alone``)."""
+  and ``R`` (apart) scaled as ``W`` is. At one sequence they stay apart:
+  timed in the step there they read 1.5x (0.44 ms of a 9.4 ms ``F`` the
+  timeline's stamps), which put the 64-microbatch steps 49-77% high where
+  apart they were within 11% (``docs/planning.md``, "0.11.0")."""
   stage = _host_stage(spec)[1]
-  specs = tensor_parallel.param_specs(stage, rules=gpt.TENSOR_RULES)
-  (one, first), (tokens, apart) = factors[0], factors[-1]
-  plain = _block_seconds(spec, (device,), _FACTOR_ROWS[0], repeats)
-  scale = step_scale(gpt.stage_fn, stage, devices,
-                     _microbatch(spec, _FACTOR_ROWS[0]),
-                     dict(zip('FIWB', (x * plain for x in first))),
-                     repeats=repeats, specs=specs, **fixed)
+  rows, (tokens, apart) = _FACTOR_ROWS[-1], factors[-1]
   costs = in_step_costs(gpt.stage_fn, stage, devices,
-                        _microbatch(spec, _FACTOR_ROWS[-1]), repeats=repeats,
-                        specs=specs)
-  plain = _block_seconds(spec, (device,), _FACTOR_ROWS[-1], repeats)
+                        _microbatch(spec, rows), repeats=repeats,
+                        specs=tensor_parallel.param_specs(
+                            stage, rules=gpt.TENSOR_RULES))
+  plain = _block_seconds(spec, (device,), rows, repeats)
   f, i, w, b = (costs[k] / plain for k in 'FIWB')
-  return ((one, tuple(scale * x for x in first)), *factors[1:-1],
-          (tokens, (f, i, w, b, apart[4] * w / apart[2])))
+  return (*factors[:-1], (tokens, (f, i, w, b, apart[4] * w / apart[2])))
 
 
 @functools.lru_cache(maxsize=8)
@@ -547,9 +539,7 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
     shares = tuple(zip((t for t, _ in shares),
                        _shared([x for _, x in shares])))
   if len(devices) > 1:   # last: each timeline compiles its step afresh
-    factors = _in_step_factors(
-        spec, device, devices, factors, repeats, tick=tick, alone=alone,
-        message=alpha + spec.seq_len * spec.d_model * 4 / beta)
+    factors = _in_step_factors(spec, device, devices, factors, repeats)
   return probe._replace(
       name=f'measured ({device.platform} x{len(devices)})',
       memory_bytes=_memory_bytes(device), node_devices=len(devices),

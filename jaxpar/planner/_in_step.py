@@ -12,27 +12,19 @@ pipelined steps 5-15% under their measured time.
   and ``W``) and a GPipe step (its fused ``B``) under ``pipeline.timeline``:
   each kind's mean compute seconds over the ticks in which both ranks run
   a block (a rank alone runs faster: ``Profile.alone_speedup``).
-* ``step_scale``: at one sequence the stamps would weigh, so a plain
-  2-rank 1F1B step at 4 and 16 microbatches, timed whole: how many times
-  the blocks timed apart its slope spends (its ticks and messages taken
-  out, as the planner prices them).
 * ``per_tick``: the scan's cost per tick besides its blocks, on a stage
   whose blocks cost nothing (one ``[8, 8]`` layer), at two microbatch
   counts.
 
 Example (a stage of two ``[8, 8]`` matrices on 2 devices):
   >>> import jax, numpy as np
-  >>> from jaxpar.planner._in_step import in_step_costs, per_tick, step_scale
+  >>> from jaxpar.planner._in_step import in_step_costs, per_tick
   >>> stage = {'w': np.full((2, 8, 8), 0.1, np.float32)}
   >>> costs = in_step_costs(lambda w, x: x @ w['w'][0] @ w['w'][1], stage,
   ...                       jax.devices()[:2], np.ones((4, 8), np.float32),
   ...                       repeats=1)
   >>> sorted(costs), all(c > 0 for c in costs.values())
   (['B', 'F', 'I', 'W'], True)
-  >>> step_scale(lambda w, x: x @ w['w'][0] @ w['w'][1], stage,
-  ...            jax.devices()[:2], np.ones((4, 8), np.float32), costs,
-  ...            tick=0.0, message=0.0, alone=1.0, repeats=1) > 0
-  True
   >>> per_tick(jax.devices()[:2], 0.0, 1) >= 0
   True
 """
@@ -50,7 +42,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import pipeline
 from jaxpar.mesh import make_mesh
-from jaxpar.planner._time import lock_step
 from jaxpar.planner._timing import placed, seconds
 
 # Microbatches of the steps timed: 1F1B at p = 2 runs 2 of its 4 ``F`` and
@@ -75,33 +66,6 @@ def _busy_means(timeline: pipeline.Timeline, kinds: Sequence[str]
   return out
 
 
-def _setup(stage: Any, devices: Sequence, specs: Any) -> tuple:
-  """``(mesh, specs, params)``: a 2-rank ``('stage', 'tensor')`` mesh of
-  ``devices[:2]``, ``specs`` over ``'stage'`` (``None``: replicated) and
-  ``stage`` stacked on both ranks."""
-  mesh = jax.sharding.Mesh(np.asarray(devices[:2]).reshape(2, 1),
-                           ('stage', 'tensor'))
-  if specs is None:
-    specs = jax.tree.map(lambda _: P(), stage)
-  specs = jax.tree.map(lambda spec: P('stage', *spec), specs,
-                       is_leaf=lambda v: isinstance(v, P))
-  params = jax.tree.map(lambda a, spec: placed(mesh, np.stack([a, a]), spec),
-                        stage, specs)
-  return mesh, specs, params
-
-
-def _step(stage_fn: Callable, mesh, specs: Any, table) -> Callable:
-  """The jitted 2-rank step of ``table`` (its stage gradients)."""
-  local = functools.partial(
-      pipeline.pipeline_value_and_grad_local, stage_fn,
-      lambda _, y, t: jnp.mean(y * t), loss_params=(), table=table,
-      input_grads=False)
-  return jax.jit(jax.shard_map(
-      lambda w, xs: local(local_params=w, inputs=xs, targets=xs
-                          ).grads.stages,
-      mesh=mesh, in_specs=(specs, P()), out_specs=specs))
-
-
 def in_step_costs(stage_fn: Callable, stage: Any, devices: Sequence,
                   x: np.ndarray, *, repeats: int,
                   specs: Any = None) -> dict[str, float]:
@@ -111,42 +75,29 @@ def in_step_costs(stage_fn: Callable, stage: Any, devices: Sequence,
   calls it), ``repeats`` the steps timed, ``specs`` the stage's
   ``PartitionSpec`` per leaf over a ``tensor`` axis of size 1 (``None``:
   replicated)."""
-  mesh, specs, params = _setup(stage, devices, specs)
+  mesh = jax.sharding.Mesh(np.asarray(devices[:2]).reshape(2, 1),
+                           ('stage', 'tensor'))
+  if specs is None:
+    specs = jax.tree.map(lambda _: P(), stage)
+  specs = jax.tree.map(lambda spec: P('stage', *spec), specs,
+                       is_leaf=lambda v: isinstance(v, P))
+  params = jax.tree.map(lambda a, spec: placed(mesh, np.stack([a, a]), spec),
+                        stage, specs)
   batch = placed(mesh, np.concatenate([x] * _MICROBATCHES))
   out = {}
   for schedule, kinds in _KINDS:
-    step = _step(stage_fn, mesh, specs,
-                 pipeline.tick_table(schedule(2, _MICROBATCHES)))
+    local = functools.partial(
+        pipeline.pipeline_value_and_grad_local, stage_fn,
+        lambda _, y, t: jnp.mean(y * t), loss_params=(),
+        table=pipeline.tick_table(schedule(2, _MICROBATCHES)),
+        input_grads=False)
+    step = jax.jit(jax.shard_map(
+        lambda w, xs: local(local_params=w, inputs=xs, targets=xs
+                            ).grads.stages,
+        mesh=mesh, in_specs=(specs, P()), out_specs=specs))
     out.update(_busy_means(pipeline.timeline(step, params, batch,
                                              steps=repeats), kinds))
   return out
-
-
-def step_scale(stage_fn: Callable, stage: Any, devices: Sequence,
-               x: np.ndarray, blocks: dict[str, float], *, tick: float,
-               message: float, alone: float, repeats: int,
-               specs: Any = None) -> float:
-  """How many times ``blocks`` (seconds of ``F``, ``I``, ``W``, ``B`` of
-  microbatch ``x``, timed apart) a plain 2-rank 1F1B step of ``stage_fn``
-  spends on them: its wall seconds at 4 and 16 microbatches ``x`` (no
-  timeline: no stamps), less ``tick`` per tick and ``message`` per tick
-  that sends, over the planner's lock-step time of ``blocks`` in the same
-  tables (``_time.lock_step``, ``alone`` its speed-up of a rank running
-  alone): the slope over the two, so that what both steps share (the
-  head, the update) drops out; 1 where the slope is not positive.
-  Arguments as ``in_step_costs``."""
-  mesh, specs, params = _setup(stage, devices, specs)
-  points = []
-  for m in (4, 16):
-    table = pipeline.tick_table(pipeline.one_f_one_b(2, m))
-    step = _step(stage_fn, mesh, specs, table)
-    wall = seconds(step, params, placed(mesh, np.concatenate([x] * m)),
-                   repeats=repeats)
-    fixed = table.num_ticks * tick + table.message_ticks * message
-    points.append((wall - fixed, lock_step(table, blocks, 0.0, alone)))
-  (w1, l1), (w2, l2) = points
-  scale = (w2 - w1) / (l2 - l1)
-  return scale if scale > 0 else 1.0   # no slope read: the blocks apart
 
 
 def _tiny_step(mesh, m: int) -> tuple[Callable, tuple]:
