@@ -74,12 +74,13 @@ def test_a_fused_backward_keeps_nothing_for_w():
       slots * _kept_bytes(SPEC, zb, BATCH), abs=slots)
 
 
-def test_one_stash_slot_is_read_in_place_under_everything():
+def test_one_stash_slot_is_read_in_place_by_a_split_backward():
   """Under 'everything' a tick table with more than one stash slot makes
-  XLA copy a slot's residuals out of the stash; with one (m=1) it works on
-  the stash in place: per token, ZB-H1's backward with ``w_recompute``
-  holds one stash slot (its layers' residuals and its input) more at m=2
-  than at m=1, and without ``w_recompute`` no ``TICK_WORKING`` at m=1."""
+  XLA copy a slot's residuals out of the stash; with one (m=1) and ``B``
+  split it works on the stash in place: per token, ZB-H1's backward with
+  ``w_recompute`` holds one stash slot (its layers' residuals and its
+  input) more at m=2 than at m=1, and without ``w_recompute`` no
+  ``TICK_WORKING`` at m=1; GPipe's fused ``B`` at m=1 holds it."""
   def per_token(m, w_recompute):
     x = Layout(1, 2, 1, 'zero_bubble_h1', m, 0, 'everything',
                w_recompute=w_recompute)
@@ -92,6 +93,14 @@ def test_one_stash_slot_is_read_in_place_under_everything():
   everything = LLAMA.stash_of('everything').per_device(1)
   assert per_token(1, False)[0] == pytest.approx(_memory.WORKING * everything,
                                                  rel=1e-6)
+  # A fused B (GPipe, m=1: one slot) reads the slot into a buffer of its
+  # own all the same.
+  gpipe = Layout(1, 2, 1, 'gpipe', 1, 0, 'everything')
+  shape = _memory.shapes(LLAMA, gpipe, 64)
+  extra = _memory.TICK_WORKING['everything'][0] * shape.slots
+  assert (_memory.recompute_bytes(LLAMA, gpipe, shape)
+          / (shape.tokens * LLAMA.act_bytes)) == pytest.approx(
+              (_memory.WORKING + extra) * everything, rel=1e-6)
 
 
 def test_zero3_gathers_two_layers_and_the_stash_splits_over_tensor():

@@ -49,8 +49,9 @@ XLA parks some of its temporaries in them before they are written):
 
 In the tick scan the backward holds more under 'nothing' and 'everything'
 (``TICK_WORKING``); under 'everything', where the table has more than one
-stash slot, a copy of the slot's residuals that ``W`` re-runs ``I`` on
-with ``w_recompute``, but none with one slot (``_everything_bytes``).
+stash slot or runs ``B`` fused, a copy of the slot's residuals (that
+``W`` re-runs ``I`` on with ``w_recompute``), but none with one slot and
+``B`` split (``_copies_a_slot``, ``_everything_bytes``).
 ``MARGIN`` covers what the compiled step
 holds beyond those (XLA's copies, the collectives' buffers): ``work`` is
 the above times ``1 + MARGIN``. On 6, 8 and 12 simulated CPU devices a
@@ -76,6 +77,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from jaxpar.pipeline import KIND_CODES
 from jaxpar.planner._layout import Layout, schedule_key, tick_table
 from jaxpar.planner._model import ModelSpec, slots
 
@@ -267,12 +269,18 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
 
 
 def _copies_a_slot(layout: Layout) -> bool:
-  """Whether the tick scan holds more than one microbatch's stash per
-  logical stage of a rank (more stash slots than stages): XLA then reads a
-  slot's row into a buffer of its own beside the stash; with one it works
-  on the stash in place."""
-  return (tick_table(schedule_key(layout)).num_stash_slots
-          > layout.stages_per_rank)
+  """Whether XLA reads a stash slot's row into a buffer of its own beside
+  the stash: where the tick scan holds more than one microbatch's stash
+  per logical stage of a rank (more stash slots than stages), or runs
+  ``B`` fused (one backward of the stage over the row); with one slot
+  and ``B`` split into ``I`` and ``W`` it works on the stash in place.
+  One microbatch under ``'everything'``, compiled (the NNX Llama on 8
+  devices): GPipe and 1F1B, fused, 0.851-0.899 of the peak without the
+  copy and 1.095-1.11 with it; ZB-H1, split, 1.04-1.06 without. Not with
+  ``w_recompute`` (DualPipeV m=1 ``'dots'``, fused: 1.246 with it)."""
+  table = tick_table(schedule_key(layout))
+  fused = not layout.w_recompute and (table.kind == KIND_CODES['B']).any()
+  return bool(table.num_stash_slots > layout.stages_per_rank or fused)
 
 
 def _everything_bytes(spec: ModelSpec, layout: Layout,
@@ -286,7 +294,8 @@ def _everything_bytes(spec: ModelSpec, layout: Layout,
   XLA builds and reads that row in a buffer of its own beside the stash
   (the compiled steps hold it: at m=2 a whole slot's residuals); with one
   slot (one microbatch in flight per logical stage, m=1) the row is the
-  whole stash and XLA works on it in place: no copy. Without
+  whole stash and split ``I`` and ``W`` work on it in place: no copy (a
+  fused ``B`` still copies it, ``_copies_a_slot``). Without
   ``w_recompute`` ``I`` and ``W`` read the row layer by layer, holding
   ``TICK_WORKING`` of a layer's residuals per layer of the stage where it
   is copied (fitted to compiled steps). With it ``W`` re-runs ``I``'s
