@@ -58,7 +58,7 @@ the above times ``1 + MARGIN``. On 6, 8 and 12 simulated CPU devices the
 test's sample, one candidate of each kind, is predicted 0.95-1.15x its
 compiled step's peak (``tests/test_planner_memory.py``; the exceptions,
 all over, in ``docs/planning.md``, "Where it does not hold yet"); 60
-drawn at random are not yet (0.90-1.48: "A random sample is not in the
+drawn at random are not yet (0.945-1.48: "A random sample is not in the
 band yet"). Where the
 devices are present the planner compiles one step per distinct stage shape
 of its best candidates and replaces ``work`` by what the compiler reports
