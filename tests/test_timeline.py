@@ -101,6 +101,28 @@ def _synthetic():
                      np.ones(ticks, bool))
 
 
+def test_a_rank_that_ends_early_waits_in_its_last_tick_not_outside():
+  """A rank whose last ticks are idle and send nothing (1F1B's and GPipe's
+  last rank) runs through them at once and waits for the others in the
+  step's final sums: that is lock-step time of its last tick (its bubble,
+  as it idles there), not ``outside``."""
+  timeline = _synthetic()
+  assert timeline.table.kind[-1, 1] == 0 and timeline.table.kind[-1, 0]
+  exchanges = timeline.exchanges.copy()
+  exchanges[-1] = False                      # the last tick sends nothing
+  received = timeline.received.copy()
+  received[:, -1, 1] = timeline.computed[:, -1, 1]   # rank 1 ends at 10T-6
+  first, last = timeline._replace(exchanges=exchanges,
+                                  received=received).totals()
+  # Rank 0 ends its ticks at 10 T - 4, rank 1 2 earlier; both return at
+  # 10 T + 1, after the final sums.
+  assert (last.waiting, last.bubble, last.outside) == (2, 2, 2 + 5)
+  assert (first.waiting, first.outside) == (2 * (timeline.table.num_ticks
+                                                 - 1), 1 + 5)
+  for t in (first, last):
+    assert sum(t[2:7]) == t.wall
+
+
 def test_totals_split_the_step_as_documented():
   timeline = _synthetic()
   ticks = timeline.table.num_ticks

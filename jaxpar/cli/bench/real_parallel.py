@@ -69,7 +69,8 @@ its time went, per step, mean over the ranks (``jaxpar.pipeline.Timeline``):
 ``compute_ms`` (the blocks), ``messages_ms`` (the ticks' collectives once
 every rank reached them), ``waiting_ms`` (for the last rank to reach them;
 ``bubble_ms`` of it on idle ticks), ``overhead_ms`` (between ticks),
-``outside_ms`` (before the first tick and after the last), which add up to
+``outside_ms`` (before the first tick and after the last rank's last
+tick), which add up to
 ``timeline_ms``, the step's time under the timeline (its host callbacks
 included: compare with ``median_ms``). With
 fewer usable cores than ranks the section is one ``skipped`` row; a run that

@@ -8,14 +8,17 @@ every rank, into
 * **compute**: ``computed - start``, the block (an idle rank's is ~0);
 * **waiting**: in a tick with messages, from ``computed`` until the last
   rank reaches the tick's collectives (``max_r computed``): lock-step time
-  spent on slower ranks; on an idle tick that is the schedule's bubble
-  (``bubble``, a part of ``waiting``);
+  spent on slower ranks; after the last tick, until the last rank ends it
+  (a rank whose last ticks are idle and send nothing runs through them at
+  once and waits in the step's final sums: GPipe's last rank, the drain);
+  on an idle tick that is the schedule's bubble (``bubble``, a part of
+  ``waiting``);
 * **messages**: the rest of the exchange, the collectives themselves (the
   tick's ``ppermute``s and the sum of result rows, one interval);
 * **overhead**: between ticks (``received`` to the next ``start``: landing
   the messages, the loop) and ticks without messages;
-* **outside**: before the first tick and after the last (placing the
-  params, the buffers, the final sums, dispatch).
+* **outside**: before the first tick and after the last rank's last tick
+  (placing the params, the buffers, the final sums, dispatch).
 
 They add up to the step's wall time on each rank.
 """
@@ -101,11 +104,24 @@ class Timeline(NamedTuple):
                        0.)
     overhead = np.where(talk, 0., window)
     overhead[:, :-1] += s[:, 1:] - e[:, :-1]
+    messages = np.where(talk, window - waiting, 0.)
+    waiting[:, -1] += self._drain()
     idle = (self.actions[None, :, :, 0] == 0)
-    return {'compute': c - s, 'messages': np.where(talk, window - waiting, 0.),
+    return {'compute': c - s, 'messages': messages,
             'waiting': waiting, 'overhead': overhead,
-            'outside': (s[:, 0] - self.called) + (self.returned - e[:, -1]),
+            'outside': (s[:, 0] - self.called) + (
+                self.returned - e[:, -1] - self._drain()),
             'bubble': np.where(idle, waiting, 0.)}
+
+  def _drain(self) -> np.ndarray:
+    """``[n, p]``: from the rank's last tick to the last rank's (until
+    the rank returned). Ticks without collectives do not wait for other
+    ranks, so a rank whose last ticks are idle runs through them at once
+    and waits for the others in the step's final sums: lock-step time of
+    its last tick, not ``outside``."""
+    end = self.received[:, -1]
+    last = np.minimum(end.max(1, keepdims=True), self.returned)
+    return np.clip(last - end, 0., None)
 
   def totals(self) -> tuple[RankTotals, ...]:
     """Per rank, where its step time went (``RankTotals``, seconds)."""
