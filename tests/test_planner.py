@@ -68,6 +68,37 @@ def test_compiled_memory_by_default_reranks(model, batch, monkeypatch):
   assert not calls
 
 
+def test_a_compile_scales_only_the_candidates_like_it(model, batch,
+                                                     monkeypatch):
+  """A compiled shape whose temporaries are twice the analytic ones scales
+  the candidates of its ``scale_group`` (pipelined or not, the same remat
+  policy) not compiled, and leaves the others analytic."""
+  from jaxpar.planner import _compile
+
+  def step_bytes(src, devices, layout, optimizer, batch):
+    mem = predicted[layout]
+    return mem.total + mem.stash + mem.work      # twice the temporaries
+  monkeypatch.setattr(_compile, 'step_bytes', step_bytes)
+  few = dict(batch=batch, devices=jax.devices()[:2], profile='H100-SXM',
+             zero_stages=(0,), remat_policies=('dots', 'nothing'),
+             max_microbatches=2)
+  analytic = jaxpar.plan(model, **few, compile=0)
+  predicted = {c.layout: c.memory for c in analytic.candidates}
+  plan = jaxpar.plan(model, **few, compile=1)
+  group = _compile.scale_group(next(
+      c for c in plan.candidates if c.compiled).layout)
+  alike = [c for c in plan.candidates if not c.compiled
+           and _compile.scale_group(c.layout) == group]
+  others = [c for c in plan.candidates
+            if _compile.scale_group(c.layout) != group]
+  assert alike and others
+  for c in alike:
+    mem = predicted[c.layout]
+    assert c.memory_bytes == pytest.approx(mem.total + mem.stash + mem.work,
+                                           abs=2)
+  assert all(c.memory == predicted[c.layout] for c in others)
+
+
 def test_ranking_follows_the_time_model():
   """On paper (no devices): fewer bubbles rank first at equal work; the
   table names the layouts; the memory parts add up."""
