@@ -246,8 +246,12 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   although the layers replicate it (a block's two row-parallel outputs,
   ``2 d``) is all-gathered whole first; where a rank holds more than one
   microbatch per stage (``_copies_a_slot``) XLA reads the slot's saves
-  into a buffer of their own too (the tied Llama's 6x2x1 1F1B m=2
-  ``'dots'``: 0.875 of its compiled peak without, 0.977 with). With
+  into a buffer of their own too in a model cut by ``from_nnx`` (the tied
+  Llama's 6x2x1 1F1B m=2 ``'dots'``: 0.875 of its compiled peak without,
+  0.977 with), not in jaxpar's GPT (``stash_split``: its stash stored
+  split by the executor; at the CLI's sizes on 2 devices, nine pipelined
+  ``'dots'`` layouts were 1.04-1.24 of their compiled peaks with the copy,
+  0.95-1.12 without). With
   ``w_recompute`` a ``W`` rebuilds what ``I`` would have kept for it one
   layer at a time: ``W_RECOMPUTE_KEPT`` of one layer's ``kept``. Under
   ``'everything'`` in the tick scan see ``_everything_bytes``.
@@ -262,7 +266,7 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
     gathered = 2 * spec.d_model * (1 - 1 / t) if spec.stash_split else 0.0
     restacked = shape.slots * (spec.stash_per_device(policy, t) + gathered
                                + spec.d_model)
-    if _copies_a_slot(layout):
+    if _copies_a_slot(layout) and not spec.stash_split:
       restacked += shape.slots * spec.stash_per_device(policy, t)
   if layout.w_recompute:   # W rebuilds what I kept, a layer at a time
     restacked += W_RECOMPUTE_KEPT * spec.kept.per_device(t)
