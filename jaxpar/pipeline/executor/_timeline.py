@@ -105,12 +105,13 @@ class Timeline(NamedTuple):
     overhead = np.where(talk, 0., window)
     overhead[:, :-1] += s[:, 1:] - e[:, :-1]
     messages = np.where(talk, window - waiting, 0.)
-    waiting[:, -1] += self._drain()
+    drain = self._drain()
+    waiting[:, -1] += drain
     idle = (self.actions[None, :, :, 0] == 0)
     return {'compute': c - s, 'messages': messages,
             'waiting': waiting, 'overhead': overhead,
             'outside': (s[:, 0] - self.called) + (
-                self.returned - e[:, -1] - self._drain()),
+                self.returned - e[:, -1] - drain),
             'bubble': np.where(idle, waiting, 0.)}
 
   def _drain(self) -> np.ndarray:
