@@ -243,13 +243,19 @@ def sample(candidates, kinds) -> list:
   return chosen
 
 
+def _batch() -> tuple[np.ndarray, np.ndarray]:
+  """The plans' batch: ``ROWS`` sequences of ``SEQ`` token ids and their
+  next tokens (seed 0)."""
+  ids = np.random.default_rng(0).integers(0, 64, (ROWS, SEQ + 1))
+  return ids[:, :-1].astype(np.int32), ids[:, 1:].astype(np.int32)
+
+
 def ratios(n: int) -> dict[str, tuple[float, float]]:
   """``(ratio, its _limit)``: predicted over compiled bytes (the peak,
   ``_compile.held_bytes``) of the ``sample`` of the candidates that
   ``plan`` returns with default arguments (its compiles included) for
   ``KINDS[n]``'s model on ``n`` devices; each step compiled once."""
-  ids = np.random.default_rng(0).integers(0, 64, (ROWS, SEQ + 1))
-  batch = (ids[:, :-1].astype(np.int32), ids[:, 1:].astype(np.int32))
+  batch = _batch()
   compiled, step_bytes = {}, _compile.step_bytes
 
   def once(src, devices, layout, optimizer, batch):
@@ -292,8 +298,7 @@ def random_ratios(n: int, k: int, seed: int = 0) -> dict[str, float]:
   (``seed``) from the plan of ``KINDS[n]``'s model on ``n`` devices,
   analytic (``compile=0``): the sample the band does not hold for yet
   (``docs/planning.md``, "A random sample is not in the band yet")."""
-  ids = np.random.default_rng(0).integers(0, 64, (ROWS, SEQ + 1))
-  batch = (ids[:, :-1].astype(np.int32), ids[:, 1:].astype(np.int32))
+  batch = _batch()
   plan = jaxpar.plan(**_model(KINDS[n][0]), optimizer=optax.adam(1e-3),
                      batch=batch, devices=jax.devices()[:n],
                      profile='H100-SXM', compile=0)
