@@ -14,8 +14,8 @@ split over ``tensor``)::
   params   split 12 d^2 + 7 d (q, k, v, out, fc_in, fc_out + their biases)
            replicated 6 d (two layer norms, the out and fc_out biases)
   stash    'dots' (matmul outputs: q, k, v, attention, fc_in, out, fc_out;
-           the scores in float32 only)    (10 d + H S) / t per token
-           'dots_no_batch' (no scores)    9 d / t
+           the scores in float32 only)    (6 d + f + H S) / t per token
+           'dots_no_batch' (no scores)    (5 d + f) / t
            'nothing' (the stage input)    0 (+ d / t per token per stage)
            'everything' (f = 4 d)         (13.5 d + 5 f + 2 H S + 2 H + 4) / t
                                           + 4 d
@@ -25,7 +25,8 @@ The stash is stored split over ``tensor`` (the executor splits what the
 tensor-parallel layers replicate, as Megatron's sequence parallelism
 does): ``replicated`` there is what stays whole on every tensor rank. The
 counts are ``StageVJP``'s traced stash for the GPT at ``t`` = 1 and 2
-(``'everything'`` fitted over widths 32-64, 4-8 heads, sequences 16-32 at
+(the ``'dots'`` stashes over widths 64-256 at ``mlp_ratio`` 2 and 4;
+``'everything'`` fitted over widths 32-64, 4-8 heads, sequences 16-32 at
 ``mlp_ratio`` 4: the MLP's share of its ``37.5 d`` is a guess).
   FLOPs    forward 24 d^2 / t + 4 S d / t per token (matmuls, causal mask
            not exploited); backward twice that.
@@ -117,8 +118,8 @@ class ModelSpec(NamedTuple):
     d, h, s = config.d_model, config.num_heads, config.seq_len
     f, v = config.mlp_ratio * d, config.vocab_size
     scores = h * s if act_bytes >= 4 else 0   # not stashed wider than q, k
-    stash = (('dots', Split(10 * d + scores, 0)),
-             ('dots_no_batch', Split(9 * d, 0)),
+    stash = (('dots', Split(6 * d + f + scores, 0)),
+             ('dots_no_batch', Split(5 * d + f, 0)),
              ('nothing', Split(0, 0)),
              ('everything', Split(13.5 * d + 5 * f + 2 * h * s + 2 * h + 4,
                                   4 * d)))
