@@ -31,6 +31,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import jaxpar
 import llama
@@ -105,6 +106,36 @@ def test_one_stash_slot_is_read_in_place_by_a_split_backward():
     assert (_memory.recompute_bytes(spec, gpipe, shape)
             / (shape.tokens * spec.act_bytes)) == pytest.approx(
                 (_memory.WORKING + copied) * everything, rel=1e-6)
+
+
+@pytest.mark.parametrize('mlp_ratio', [2, 4])
+def test_gpts_stash_counts_are_what_its_stage_saves(mlp_ratio):
+  """``ModelSpec.from_gpt``'s stash per token and layer under 'dots',
+  'dots_no_batch' and 'nothing' is what ``StageVJP`` saves for the GPT's
+  stage (less its input), at MLP widths ``2 d`` and ``4 d``."""
+  config = CONFIG._replace(d_model=64, num_heads=4, mlp_ratio=mlp_ratio)
+  pp, _ = gpt.split_for_pipeline(gpt.gpt_params(
+      gpt.GPT(config, rngs=nnx.Rngs(0))), num_stages=1)
+  stage = jax.tree.map(lambda a: a[0], pp.stages)
+  mesh = jaxpar.make_mesh(tensor=1, devices=jax.devices()[:1])
+  specs = jaxpar.tensor_parallel.param_specs(stage, rules=gpt.TENSOR_RULES)
+  x = np.zeros((2, config.seq_len, config.d_model), np.float32)
+  size = lambda tree: sum(a.size for a in jax.tree.leaves(tree))
+  saved = {}
+
+  def trace(params, x):
+    for policy in ('dots', 'dots_no_batch', 'nothing'):
+      stash = jaxpar.pipeline.StageVJP(gpt.stage_fn, policy).trace(
+          params, x, None, None)[1]
+      saved[policy] = (size(stash) - x.size) / (x.size // config.d_model
+                                                * config.num_layers)
+    return x
+  stage = jaxpar.tensor_parallel.shard_params(stage, mesh=mesh,
+                                              rules=gpt.TENSOR_RULES)
+  jax.shard_map(trace, mesh=mesh, in_specs=(specs, P()), out_specs=P())(
+      stage, x)
+  spec = planner.ModelSpec.from_gpt(config)
+  assert saved == {p: spec.stash_per_device(p, 1) for p in saved}
 
 
 def test_gpts_fused_backward_under_everything_copies_the_whole_slot():
