@@ -4,6 +4,7 @@ model as written, bad input, the command line (predicted memory against
 compiled steps: ``test_planner_memory.py``)."""
 
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -353,6 +354,32 @@ def test_measure_spreads_over_the_predicted_range():
   assert out['mean_abs_error'] == pytest.approx(0.5)
   assert out['spearman'] == pytest.approx(1.0)
   assert out['best_vs_fastest'] == 0.0
+
+
+def test_measure_reads_the_machines_drift_off_the_calibrations_anchor(
+    batch, monkeypatch):
+  """Each round of ``measure`` times the calibration's anchor program too:
+  run at twice the seconds the profile gives it, the rows' ``drift`` is
+  2 and their ``drift_error`` that of the predictions times 2."""
+  from jaxpar.planner import _calibrate, _measure
+  seconds = 0.01
+  monkeypatch.setattr(_calibrate, 'anchor', lambda spec, device, profile: (
+      lambda: time.sleep(2 * seconds), seconds))
+  plan = jaxpar.plan(CONFIG, batch=BATCH, devices=jax.devices()[:2],
+                     profile='H100-SXM', compile=0, zero_stages=(0,),
+                     remat_policies=('dots',), max_microbatches=2,
+                     where=lambda x: x.data == 2 and x.num_microbatches == 1)
+  measured = planner.measure(
+      plan._replace(profile=plan.profile._replace(name='measured (test)')),
+      1, optax.sgd(0.1), batch, repeats=3)
+  assert {m.drift for m in measured} == {measured[0].drift}
+  assert measured[0].drift == pytest.approx(2.0, rel=0.25)
+  out = planner.summary(measured)
+  for r, m in zip(out['rows'], measured):
+    assert r['drift_error'] == pytest.approx(
+        (1 + r['time_error']) * m.drift - 1)
+  assert out['drift'] == measured[0].drift
+  assert _measure._anchor(plan) is None   # a named profile: no anchor
 
 
 def test_spearman():

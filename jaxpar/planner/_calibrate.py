@@ -258,6 +258,32 @@ def _block_seconds(spec: ModelSpec, devices: Sequence, rows: int,
   return _seconds(call, repeats=repeats)
 
 
+def anchor(spec: ModelSpec, device, profile: Profile
+           ) -> tuple[Callable, float]:
+  """``(call, seconds)``: the one-rank program at ``_FACTOR_ROWS[-1]``
+  sequences on ``device`` and the seconds ``profile``'s block rate gives
+  it. ``planner.measure`` times the call beside the candidates' steps:
+  over ``seconds``, how much slower the machine ran than calibrated.
+
+  Example:
+    >>> import jax
+    >>> from jaxpar.models import gpt
+    >>> from jaxpar.planner import PROFILES, ModelSpec
+    >>> from jaxpar.planner._calibrate import anchor
+    >>> spec = ModelSpec.from_gpt(gpt.GPTConfig(d_model=16, num_heads=2,
+    ...                                         seq_len=8, num_layers=2))
+    >>> call, seconds = anchor(spec, jax.devices()[0], PROFILES['H100-SXM'])
+    >>> grads = jax.block_until_ready(call())   # the stage's, as a step's
+    >>> seconds < 1e-6 < len(jax.tree.leaves(grads))    # at 40% of an H100
+    True
+  """
+  rows = _FACTOR_ROWS[-1]
+  tokens = rows * spec.seq_len
+  flops = 3 * spec.flops.per_device(1) * tokens * _slots(spec)
+  call = _stage_blocks(spec, (device,)).plain(_microbatch(spec, rows))
+  return call, flops / profile.rate(tokens)[0]
+
+
 def _microbatch(spec: ModelSpec, rows: int) -> np.ndarray:
   return np.ones((rows, spec.seq_len, spec.d_model), np.float32)
 

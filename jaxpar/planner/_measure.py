@@ -27,7 +27,9 @@ import jax
 import numpy as np
 import optax
 
+from jaxpar.planner import _calibrate
 from jaxpar.planner._compile import held_bytes
+from jaxpar.planner._timing import rounds
 
 
 class Measured(NamedTuple):
@@ -38,17 +40,25 @@ class Measured(NamedTuple):
     seconds: measured seconds per step (the fastest of the repeats).
     memory_bytes: what a device holds at the compiled step's peak
       (``_compile.held_bytes``).
+    drift: how much slower the machine ran the calibration's anchor
+      program (``_calibrate.anchor``) in the candidates' rounds than the
+      profile says: the same for every row of one ``measure``; 1 where
+      the profile was not measured on these devices.
   """
   candidate: Any
   seconds: float
   memory_bytes: int
+  drift: float = 1.0
 
   def row(self) -> dict:
-    """For tables and JSON."""
+    """For tables and JSON: ``time_error`` of the prediction as planned,
+    ``drift_error`` of it at the speed the machine ran the steps
+    (``predicted_s * drift``)."""
     c = self.candidate
     return {'layout': c.layout.describe(), 'predicted_s': c.predicted_s,
             'measured_s': self.seconds,
             'time_error': c.predicted_s / self.seconds - 1,
+            'drift_error': c.predicted_s * self.drift / self.seconds - 1,
             'predicted_bytes': c.memory_bytes,
             'compiled_bytes': self.memory_bytes,
             'memory_error': c.memory_bytes / self.memory_bytes - 1}
@@ -142,8 +152,13 @@ def measure(plan: Any, n: int, optimizer: optax.GradientTransformation,
   as training runs one step after another: on a CPU the first step after
   another program's pays to fault its memory back in (the largest
   temporaries, a 32-sequence microbatch, took 1.38 s against 1.01 s).
+  Each round also times the calibration's anchor program
+  (``_calibrate.anchor``, as the calibration timed it): the median over
+  rounds, over what the profile says it takes, is ``Measured.drift``
+  (the same code's calibrated block rate read 34.0 and 40.5 GFLOP/s in
+  two runs an hour apart whose steps took the same time).
   """
-  runs = []
+  runs, anchor = [], _anchor(plan)
   for candidate in chosen(plan.candidates, n):
     trainer = plan.trainer(optimizer, candidate)
     state = trainer.init(plan.params(candidate))
@@ -157,14 +172,31 @@ def measure(plan: Any, n: int, optimizer: optax.GradientTransformation,
       start = time.perf_counter()
       state[0], _ = jax.block_until_ready(step(state[0], batch))
       times.append(time.perf_counter() - start)
-  return [Measured(c, min(times), nbytes) for c, _, _, times, nbytes in runs]
+    if anchor:
+      anchor[2].append(rounds([(anchor[0], 1)], 1)[0])
+  drift = float(np.median(anchor[2]) / anchor[1]) if anchor else 1.0
+  return [Measured(c, min(times), nbytes, drift)
+          for c, _, _, times, nbytes in runs]
+
+
+def _anchor(plan: Any) -> tuple | None:
+  """``(call, seconds, [])``: ``_calibrate.anchor`` on this process's first
+  device of the plan, where its profile was measured on them (``None``
+  on paper and for a named profile)."""
+  if plan.devices is None or not plan.profile.name.startswith('measured'):
+    return None
+  mine = [d for d in plan.devices if d.process_index == jax.process_index()]
+  return (*_calibrate.anchor(plan.spec, mine[0], plan.profile), [])
 
 
 def summary(measured: Sequence[Measured], *, repeats: int = 5) -> dict:
   """``measure``'s rows and what they say: ``mean_abs_error`` (of the
   predicted time, relative to the measured), ``spearman`` (predicted
   against measured order), ``best_vs_fastest`` (the predicted best's
-  measured time over the fastest measured, minus 1).
+  measured time over the fastest measured, minus 1), ``drift`` (how much
+  slower the machine ran than when calibrated, ``Measured.drift``) and
+  ``mean_abs_drift_error`` (of the predictions times ``drift``: the time
+  model's error without the machine's change of speed).
 
   Example:
     >>> from jaxpar.planner import Measured, summary
@@ -181,6 +213,9 @@ def summary(measured: Sequence[Measured], *, repeats: int = 5) -> dict:
   return {'rows': rows,
           'mean_abs_error': float(np.mean([abs(r['time_error'])
                                            for r in rows])),
+          'drift': measured[0].drift,
+          'mean_abs_drift_error': float(np.mean([abs(r['drift_error'])
+                                                 for r in rows])),
           'spearman': spearman([r['predicted_s'] for r in rows],
                                [r['measured_s'] for r in rows]),
           'best_vs_fastest': first['measured_s'] / min(
