@@ -3,6 +3,7 @@ plan``): compiled memory by default, the ranking, the plan's trainer on the
 model as written, bad input, the command line (predicted memory against
 compiled steps: ``test_planner_memory.py``)."""
 
+import functools
 import json
 import time
 
@@ -356,30 +357,36 @@ def test_measure_spreads_over_the_predicted_range():
   assert out['best_vs_fastest'] == 0.0
 
 
-def test_measure_reads_the_machines_drift_off_the_calibrations_anchor(
+def test_measure_predicts_again_at_the_block_rates_timed_beside_the_steps(
     batch, monkeypatch):
-  """Each round of ``measure`` times the calibration's anchor program too:
-  run at twice the seconds the profile gives it, the rows' ``drift`` is
-  2 and their ``drift_error`` that of the predictions times 2."""
+  """Each round of ``measure`` times the calibration's one-rank programs
+  (``block_calls``) again: where they run twice as long as when the
+  profile was measured, each row's ``retimed_s`` is the plan's
+  ``step_time`` at half the block rates, and ``summary`` gives its error."""
   from jaxpar.planner import _calibrate, _measure
-  seconds = 0.01
-  monkeypatch.setattr(_calibrate, 'anchor', lambda spec, device, profile: (
-      lambda: time.sleep(2 * seconds), seconds))
+  spec = planner.ModelSpec.from_gpt(CONFIG)
+  calibrated = planner.PROFILES['H100-SXM']._replace(
+      name='measured (test)', block_rates=_calibrate.block_rates(
+          spec, [0.01] * 6))
   plan = jaxpar.plan(CONFIG, batch=BATCH, devices=jax.devices()[:2],
-                     profile='H100-SXM', compile=0, zero_stages=(0,),
+                     profile=calibrated, compile=0, zero_stages=(0,),
                      remat_policies=('dots',), max_microbatches=2,
                      where=lambda x: x.data == 2 and x.num_microbatches == 1)
-  measured = planner.measure(
-      plan._replace(profile=plan.profile._replace(name='measured (test)')),
-      1, optax.sgd(0.1), batch, repeats=3)
-  assert {m.drift for m in measured} == {measured[0].drift}
-  assert measured[0].drift == pytest.approx(2.0, rel=0.25)
+  monkeypatch.setattr(_calibrate, 'block_calls', lambda spec, device: [
+      (functools.partial(time.sleep, 0.02), 1)] * 6)
+  measured = planner.measure(plan, 1, optax.sgd(0.1), batch, repeats=3)
+  slower = calibrated._replace(block_rates=_calibrate.block_rates(
+      spec, [0.02] * 6))
+  for m in measured:
+    again = planner.step_time(spec, m.candidate.layout, batch=BATCH,
+                              profile=slower).total
+    assert m.retimed_s == pytest.approx(again, rel=0.1)
+    assert m.retimed_s > 1.5 * m.candidate.predicted_s
   out = planner.summary(measured)
-  for r, m in zip(out['rows'], measured):
-    assert r['drift_error'] == pytest.approx(
-        (1 + r['time_error']) * m.drift - 1)
-  assert out['drift'] == measured[0].drift
-  assert _measure._anchor(plan) is None   # a named profile: no anchor
+  assert out['mean_abs_retimed_error'] == pytest.approx(np.mean(
+      [abs(m.retimed_s / m.seconds - 1) for m in measured]))
+  named = plan._replace(profile=planner.PROFILES['H100-SXM'])
+  assert _measure._block_calls(named) == []    # no rates measured
 
 
 def test_spearman():

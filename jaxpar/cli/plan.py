@@ -183,9 +183,9 @@ def _print_measured(found: dict) -> None:
         f"{found['spearman']:.2f}; the predicted best is "
         f"{found['best_vs_fastest']:+.1%} from the fastest measured; load "
         f"average {', '.join(f'{x:.1f}' for x in found['load_average'])}")
-  print(f"  the machine ran the calibration's anchor {found['drift']:.3f}x "
-        f"as long as when calibrated: mean absolute time error at that "
-        f"speed {found['mean_abs_drift_error']:.1%}")
+  if found['mean_abs_retimed_error'] is not None:
+    print(f"  with the block rates timed again beside the steps: mean "
+          f"absolute time error {found['mean_abs_retimed_error']:.1%}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -258,51 +258,44 @@ def _block_seconds(spec: ModelSpec, devices: Sequence, rows: int,
   return _seconds(call, repeats=repeats)
 
 
-def anchor(spec: ModelSpec, device, profile: Profile
-           ) -> tuple[Callable, float]:
-  """``(call, seconds)``: the one-rank program at ``_FACTOR_ROWS[-1]``
-  sequences on ``device`` and the seconds ``profile``'s block rate gives
-  it. ``planner.measure`` times the call beside the candidates' steps:
-  over ``seconds``, how much slower the machine ran than calibrated.
-
-  Example:
-    >>> import jax
-    >>> from jaxpar.models import gpt
-    >>> from jaxpar.planner import PROFILES, ModelSpec
-    >>> from jaxpar.planner._calibrate import anchor
-    >>> spec = ModelSpec.from_gpt(gpt.GPTConfig(d_model=16, num_heads=2,
-    ...                                         seq_len=8, num_layers=2))
-    >>> call, seconds = anchor(spec, jax.devices()[0], PROFILES['H100-SXM'])
-    >>> grads = jax.block_until_ready(call())   # the stage's, as a step's
-    >>> seconds < 1e-6 < len(jax.tree.leaves(grads))    # at 40% of an H100
-    True
-  """
-  rows = _FACTOR_ROWS[-1]
-  tokens = rows * spec.seq_len
-  flops = 3 * spec.flops.per_device(1) * tokens * _slots(spec)
-  call = _stage_blocks(spec, (device,)).plain(_microbatch(spec, rows))
-  return call, flops / profile.rate(tokens)[0]
-
-
 def _microbatch(spec: ModelSpec, rows: int) -> np.ndarray:
   return np.ones((rows, spec.seq_len, spec.d_model), np.float32)
 
 
+def block_calls(spec: ModelSpec, device) -> list[tuple[Callable, int]]:
+  """``(call, k)`` of the one-rank step's program (a stage of ``_slots``
+  layers) on ``device`` at each of ``_ROWS`` sequences per microbatch, ``k``
+  calls a sample: at least ``_ROWS[3]`` sequences of work (one call of 10
+  ms varies by +-20% with another process on the cores). ``_block_rates``
+  times them, and ``planner.measure`` again beside the candidates' steps."""
+  blocks = _stage_blocks(spec, (device,))
+  return [(blocks.plain(_microbatch(spec, r)), max(1, _ROWS[3] // r))
+          for r in _ROWS]
+
+
+def block_rates(spec: ModelSpec, seconds: Sequence[float]
+                ) -> tuple[tuple[float, float], ...]:
+  """``((tokens, FLOP/s), ...)`` of a layer's forward and backward, from
+  the seconds per call of ``block_calls`` (``Profile.block_rates``).
+
+  Example:
+    >>> from jaxpar.models import gpt
+    >>> from jaxpar.planner import ModelSpec
+    >>> from jaxpar.planner._calibrate import block_rates
+    >>> spec = ModelSpec.from_gpt(gpt.GPTConfig(d_model=16, num_heads=2,
+    ...                                         seq_len=8, num_layers=2))
+    >>> [t for t, _ in block_rates(spec, [1.0] * 6)]
+    [8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
+  """
+  return tuple((float(r * spec.seq_len), 3 * spec.flops.per_device(1) * r
+                * spec.seq_len * _slots(spec) / s)
+               for r, s in zip(_ROWS, seconds))
+
+
 def _block_rates(spec: ModelSpec, device,
                  repeats: int) -> tuple[tuple[float, float], ...]:
-  """``((tokens, FLOP/s), ...)`` of a layer's forward and backward in the
-  one-rank step's program (a stage of ``slots`` layers) on ``device`` at
-  each of ``_ROWS`` sequences per microbatch: ``_rounds`` over the sizes
-  (``repeats`` of them), each sample at least ``_ROWS[3]`` sequences of work (a
-  small microbatch's call is repeated: one call of 10 ms varies by +-20%
-  with another process on the cores)."""
-  blocks = _stage_blocks(spec, (device,))
-  calls = [(blocks.plain(_microbatch(spec, r)), max(1, _ROWS[3] // r))
-           for r in _ROWS]
-  seconds = _rounds(calls, repeats)
-  return tuple((float(r * spec.seq_len), 3 * spec.flops.per_device(1) * r
-                * spec.seq_len * blocks.slots / s)
-               for r, s in zip(_ROWS, seconds))
+  """``block_rates`` of ``block_calls`` in ``repeats`` ``_rounds``."""
+  return block_rates(spec, _rounds(block_calls(spec, device), repeats))
 
 
 def _kinds_and_head(spec: ModelSpec, device, repeats: int

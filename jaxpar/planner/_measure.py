@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -29,6 +29,7 @@ import optax
 
 from jaxpar.planner import _calibrate
 from jaxpar.planner._compile import held_bytes
+from jaxpar.planner._time import step_time
 from jaxpar.planner._timing import rounds
 
 
@@ -40,25 +41,25 @@ class Measured(NamedTuple):
     seconds: measured seconds per step (the fastest of the repeats).
     memory_bytes: what a device holds at the compiled step's peak
       (``_compile.held_bytes``).
-    drift: how much slower the machine ran the calibration's anchor
-      program (``_calibrate.anchor``) in the candidates' rounds than the
-      profile says: the same for every row of one ``measure``; 1 where
-      the profile was not measured on these devices.
+    retimed_s: the candidate's predicted seconds with the profile's block
+      rates timed again in the candidates' rounds (``measure``); ``None``
+      where the profile was not measured.
   """
   candidate: Any
   seconds: float
   memory_bytes: int
-  drift: float = 1.0
+  retimed_s: float | None = None
 
   def row(self) -> dict:
     """For tables and JSON: ``time_error`` of the prediction as planned,
-    ``drift_error`` of it at the speed the machine ran the steps
-    (``predicted_s * drift``)."""
+    ``retimed_error`` of ``retimed_s`` (``None`` without it)."""
     c = self.candidate
     return {'layout': c.layout.describe(), 'predicted_s': c.predicted_s,
             'measured_s': self.seconds,
             'time_error': c.predicted_s / self.seconds - 1,
-            'drift_error': c.predicted_s * self.drift / self.seconds - 1,
+            'retimed_s': self.retimed_s,
+            'retimed_error': (None if self.retimed_s is None
+                              else self.retimed_s / self.seconds - 1),
             'predicted_bytes': c.memory_bytes,
             'compiled_bytes': self.memory_bytes,
             'memory_error': c.memory_bytes / self.memory_bytes - 1}
@@ -152,13 +153,13 @@ def measure(plan: Any, n: int, optimizer: optax.GradientTransformation,
   as training runs one step after another: on a CPU the first step after
   another program's pays to fault its memory back in (the largest
   temporaries, a 32-sequence microbatch, took 1.38 s against 1.01 s).
-  Each round also times the calibration's anchor program
-  (``_calibrate.anchor``, as the calibration timed it): the median over
-  rounds, over what the profile says it takes, is ``Measured.drift``
-  (the same code's calibrated block rate read 34.0 and 40.5 GFLOP/s in
-  two runs an hour apart whose steps took the same time).
+  Each round also times the calibration's one-rank programs again
+  (``_calibrate.block_calls``), as the calibration did: with their rates,
+  each candidate's ``Measured.retimed_s`` (the same code's calibrated rate
+  at 8 sequences read 34.0 and 40.5 GFLOP/s in two runs an hour apart
+  whose steps took the same time).
   """
-  runs, anchor = [], _anchor(plan)
+  runs, again, samples = [], _block_calls(plan), []
   for candidate in chosen(plan.candidates, n):
     trainer = plan.trainer(optimizer, candidate)
     state = trainer.init(plan.params(candidate))
@@ -172,31 +173,43 @@ def measure(plan: Any, n: int, optimizer: optax.GradientTransformation,
       start = time.perf_counter()
       state[0], _ = jax.block_until_ready(step(state[0], batch))
       times.append(time.perf_counter() - start)
-    if anchor:
-      anchor[2].append(rounds([(anchor[0], 1)], 1)[0])
-  drift = float(np.median(anchor[2]) / anchor[1]) if anchor else 1.0
-  return [Measured(c, min(times), nbytes, drift)
+    if again:
+      samples.append(rounds(again, 1))
+  retimed = _retimed(plan, samples, len(jax.tree.leaves(batch)[0]))
+  return [Measured(c, min(times), nbytes, retimed(c))
           for c, _, _, times, nbytes in runs]
 
 
-def _anchor(plan: Any) -> tuple | None:
-  """``(call, seconds, [])``: ``_calibrate.anchor`` on this process's first
-  device of the plan, where its profile was measured on them (``None``
-  on paper and for a named profile)."""
-  if plan.devices is None or not plan.profile.name.startswith('measured'):
-    return None
+def _block_calls(plan: Any) -> list:
+  """``_calibrate.block_calls`` on this process's first device of the
+  plan, where its profile has measured block rates (else none)."""
+  if plan.devices is None or not plan.profile.block_rates:
+    return []
   mine = [d for d in plan.devices if d.process_index == jax.process_index()]
-  return (*_calibrate.anchor(plan.spec, mine[0], plan.profile), [])
+  return _calibrate.block_calls(plan.spec, mine[0])
+
+
+def _retimed(plan: Any, samples: list, batch: int) -> Callable:
+  """``retimed(candidate)``: its predicted seconds with the block rates of
+  ``samples`` (rounds of ``block_calls``' seconds; their median), or
+  ``None`` without samples."""
+  if not samples:
+    return lambda candidate: None
+  profile = plan.profile._replace(block_rates=_calibrate.block_rates(
+      plan.spec, np.median(samples, axis=0)))
+  return lambda candidate: step_time(plan.spec, candidate.layout,
+                                     batch=batch, profile=profile,
+                                     mem=candidate.memory).total
 
 
 def summary(measured: Sequence[Measured], *, repeats: int = 5) -> dict:
   """``measure``'s rows and what they say: ``mean_abs_error`` (of the
   predicted time, relative to the measured), ``spearman`` (predicted
   against measured order), ``best_vs_fastest`` (the predicted best's
-  measured time over the fastest measured, minus 1), ``drift`` (how much
-  slower the machine ran than when calibrated, ``Measured.drift``) and
-  ``mean_abs_drift_error`` (of the predictions times ``drift``: the time
-  model's error without the machine's change of speed).
+  measured time over the fastest measured, minus 1) and
+  ``mean_abs_retimed_error`` (of ``Measured.retimed_s``: the time model's
+  error at the block rates the machine ran the steps at; ``None``
+  without them).
 
   Example:
     >>> from jaxpar.planner import Measured, summary
@@ -209,13 +222,13 @@ def summary(measured: Sequence[Measured], *, repeats: int = 5) -> dict:
     (0.078, 1.0, 0.0)
   """
   rows = [m.row() for m in measured]
+  retimed = [r['retimed_error'] for r in rows]
   first = min(rows, key=lambda r: r['predicted_s'])
   return {'rows': rows,
           'mean_abs_error': float(np.mean([abs(r['time_error'])
                                            for r in rows])),
-          'drift': measured[0].drift,
-          'mean_abs_drift_error': float(np.mean([abs(r['drift_error'])
-                                                 for r in rows])),
+          'mean_abs_retimed_error': None if None in retimed else float(
+              np.mean(np.abs(retimed))),
           'spearman': spearman([r['predicted_s'] for r in rows],
                                [r['measured_s'] for r in rows]),
           'best_vs_fastest': first['measured_s'] / min(
