@@ -221,9 +221,11 @@ def stash_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   act = shape.tokens * spec.d_model * cb
   split = t if spec.stash_split else 1
   per_layer = spec.stash_per_device(policy, t)
-  if layout.stage == 1:
+  if layout.stage == 1:   # the layers' own saves: replicated ones whole
     inputs = spec.d_model if policy != 'everything' else 0
-    return int(shape.slots * (per_layer + inputs) * shape.tokens * cb + act)
+    whole = _row_parallel(spec, t) if policy != 'nothing' else 0.0
+    return int(shape.slots * (per_layer + inputs + whole) * shape.tokens * cb
+               + act)
   stash = shape.slots * per_layer * shape.tokens * cb + act / split
   table = tick_table(schedule_key(layout))
   kept = 0.0 if layout.w_recompute else (
@@ -260,11 +262,14 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   if layout.stage > 1 and policy == 'everything':
     return int(_everything_bytes(spec, layout, shape) * shape.tokens
                * spec.act_bytes)
-  everything = spec.stash_of('everything').per_device(t)
+  # one rank's layers hold their working set whole over ``tensor`` where
+  # the model replicates activations by its own psums (``stash_split``)
+  everything = spec.stash_of('everything').per_device(
+      1 if layout.stage == 1 and spec.stash_split else t)
   restacked = 0.0
   if layout.stage > 1:
-    gathered = 2 * spec.d_model * (1 - 1 / t) if spec.stash_split else 0.0
-    restacked = shape.slots * (spec.stash_per_device(policy, t) + gathered
+    restacked = shape.slots * (spec.stash_per_device(policy, t)
+                               + _row_parallel(spec, t)
                                + spec.d_model)
     if _copies_a_slot(layout) and not spec.stash_split:
       restacked += shape.slots * spec.stash_per_device(policy, t)
@@ -276,6 +281,17 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
     working += per * TICK_WORKING.get(policy, {}).get(layout.zero_stage, 0)
   return int((restacked + working * everything) * shape.tokens
              * spec.act_bytes)
+
+
+def _row_parallel(spec: ModelSpec, t: int) -> float:
+  """Elements per token of a block's two row-parallel outputs (``2 d``)
+  beyond the ``1 / t`` of them a stash split over ``tensor`` counts: the
+  layers replicate them (one rank runs its layers' own saves; the tick
+  scan's backward gathers them whole), where the spec splits its stash
+  (``stash_split``). jaxpar's GPT at the CLI's sizes, 1x1x2 ``'dots'``,
+  compiled: two ``[layers, tokens, d]`` saves of the stage (the XLA
+  buffer report)."""
+  return 2 * spec.d_model * (1 - 1 / t) if spec.stash_split else 0.0
 
 
 def _copies_a_slot(layout: Layout) -> bool:
@@ -383,7 +399,8 @@ def parked_grads(layout: Layout) -> bool:
   held 0.82-0.87 of its compiled peak parked, 0.94-1.01 not: measured,
   ``docs/planning.md``)."""
   return not layout.zero_stage and layout.remat_policy not in (
-      'everything', 'nothing')
+      'everything', 'nothing') and not (layout.stage == 1
+                                        and layout.tensor > 1)
 
 
 def memory(spec: ModelSpec, layout: Layout, *, batch: int,
