@@ -397,7 +397,9 @@ def parked_grads(layout: Layout) -> bool:
   ``'everything'`` the backward's residuals take the outputs' buffers;
   under ``'nothing'`` jaxpar's GPT on 2 devices, data parallel m=1-32,
   held 0.82-0.87 of its compiled peak parked, 0.94-1.01 not: measured,
-  ``docs/planning.md``)."""
+  ``docs/planning.md``), nor with one stage rank split over ``tensor``
+  (jaxpar's GPT at 1x1x2 ``'dots'``: the gradients of its layers are
+  ``[1, 1, layers, ...]`` temporaries in the XLA buffer report)."""
   return not layout.zero_stage and layout.remat_policy not in (
       'everything', 'nothing') and not (layout.stage == 1
                                         and layout.tensor > 1)
