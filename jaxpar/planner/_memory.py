@@ -215,7 +215,8 @@ def stash_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   input, split over ``tensor``; one weight slot: what ``I`` keeps for
   ``W`` (nothing with ``w_recompute``); one mailbox slot: an activation.
   With one stage rank the microbatches run in turn: one stash, no slots,
-  and the policy applied layer by layer stashes each layer's input too.
+  and the policy applied layer by layer stashes each layer's input too,
+  and what the layers replicate over ``tensor`` whole (``_row_parallel``).
   """
   t, cb, policy = layout.tensor, spec.act_bytes, layout.remat_policy
   act = shape.tokens * spec.d_model * cb
