@@ -254,7 +254,11 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   0.977 with), not in jaxpar's GPT (``stash_split``: its stash stored
   split by the executor; at the CLI's sizes on 2 devices, nine pipelined
   ``'dots'`` layouts were 1.04-1.24 of their compiled peaks with the copy,
-  0.95-1.12 without). With
+  0.95-1.12 without) but where a rank runs more than one chunk of more
+  than one layer fused (interleaved 1F1B ``'dots'`` at 2 layers a chunk,
+  m=4-32: 0.941-0.957 without, 0.980-1.037 with; its XLA buffer report
+  holds one slot's row of each save; at 1 layer a chunk 0.965-0.996
+  without). With
   ``w_recompute`` a ``W`` rebuilds what ``I`` would have kept for it one
   layer at a time: ``W_RECOMPUTE_KEPT`` of one layer's ``kept``. Under
   ``'everything'`` in the tick scan see ``_everything_bytes``.
@@ -272,7 +276,9 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
     restacked = shape.slots * (spec.stash_per_device(policy, t)
                                + _row_parallel(spec, t)
                                + spec.d_model)
-    if _copies_a_slot(layout) and not spec.stash_split:
+    if _copies_a_slot(layout) and (not spec.stash_split or (
+        _runs_fused(layout) and layout.stages_per_rank > 1
+        and shape.slots > 1)):
       restacked += shape.slots * spec.stash_per_device(policy, t)
   if layout.w_recompute:   # W rebuilds what I kept, a layer at a time
     restacked += W_RECOMPUTE_KEPT * spec.kept.per_device(t)
