@@ -4,10 +4,11 @@ What a step runs, timed at plan time on the devices (calibrated on the
 machine, no constants fitted to another):
 
 * **the one-rank program**: a stage of two GPT blocks of ``spec``'s shape
-  (a scan over its layers, as a step's) in the executor's one-rank step
-  (one ``value_and_grad`` program) on one device at 1 to 32 sequences per
-  microbatch: the FLOP/s reached at each (``Profile.block_rates``; on a
-  CPU small microbatches run far below large ones);
+  (a scan over its layers, as a step's), and of one, in the executor's
+  one-rank step (one ``value_and_grad`` program) on one device at 1 to 32
+  sequences per microbatch: the FLOP/s reached at each
+  (``Profile.block_rates``, ``one_layer_rates``; on a CPU small
+  microbatches run far below large ones);
 * **the pipeline's blocks**: the same stage's ``F``, ``I``, ``W`` and fused
   ``B`` (``pipeline.StageVJP``) at 1 and 16 sequences, in seconds per
   second of the one-rank program (``Profile.kind_factors``): each its own
@@ -43,6 +44,8 @@ Example:
   >>> profile = measure_profile(spec, jax.devices()[:1], repeats=1)
   >>> [tokens for tokens, _ in profile.block_rates]   # 1 to 32 sequences
   [8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
+  >>> len(profile.one_layer_rates)       # a stage of one layer, beside
+  6
   >>> round(sum(profile.block_shares), 6)            # F, I, W
   1.0
   >>> [t for t, _ in profile.kind_factors], len(profile.head_seconds)
@@ -264,19 +267,23 @@ def _microbatch(spec: ModelSpec, rows: int) -> np.ndarray:
 
 def block_calls(spec: ModelSpec, device) -> list[tuple[Callable, int]]:
   """``(call, k)`` of the one-rank step's program (a stage of ``_slots``
-  layers) on ``device`` at each of ``_ROWS`` sequences per microbatch, ``k``
-  calls a sample: at least ``_ROWS[3]`` sequences of work (one call of 10
-  ms varies by +-20% with another process on the cores). ``_block_rates``
-  times them, and ``planner.measure`` again beside the candidates' steps."""
+  layers, then, where that is more, of one layer) on ``device`` at each of
+  ``_ROWS`` sequences per microbatch, ``k`` calls a sample: at least
+  ``_ROWS[3]`` sequences of work (one call of 10 ms varies by +-20% with
+  another process on the cores). ``_measured`` times them, and
+  ``planner.measure`` again beside the candidates' steps."""
   blocks = _stage_blocks(spec, (device,))
-  return [(blocks.plain(_microbatch(spec, r)), max(1, _ROWS[3] // r))
-          for r in _ROWS]
+  plains = [blocks.plain] + ([_plain((device,), jax.tree.map(
+      lambda a: a[:1], _host_stage(spec)[1]))] if blocks.slots > 1 else [])
+  return [(plain(_microbatch(spec, r)), max(1, _ROWS[3] // r))
+          for plain in plains for r in _ROWS]
 
 
-def block_rates(spec: ModelSpec, seconds: Sequence[float]
-                ) -> tuple[tuple[float, float], ...]:
-  """``((tokens, FLOP/s), ...)`` of a layer's forward and backward, from
-  the seconds per call of ``block_calls`` (``Profile.block_rates``).
+def block_rates(spec: ModelSpec, seconds: Sequence[float]) -> tuple:
+  """``(block_rates, one_layer_rates)``, each ``((tokens, FLOP/s), ...)``
+  of a layer's forward and backward, from the seconds per call of
+  ``block_calls`` (``Profile.block_rates``, ``Profile.one_layer_rates``:
+  none where the model has one layer).
 
   Example:
     >>> from jaxpar.models import gpt
@@ -284,18 +291,16 @@ def block_rates(spec: ModelSpec, seconds: Sequence[float]
     >>> from jaxpar.planner._calibrate import block_rates
     >>> spec = ModelSpec.from_gpt(gpt.GPTConfig(d_model=16, num_heads=2,
     ...                                         seq_len=8, num_layers=2))
-    >>> [t for t, _ in block_rates(spec, [1.0] * 6)]
-    [8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
+    >>> two, one = block_rates(spec, [1.0] * 6 + [0.4] * 6)
+    >>> [t for t, _ in two], round(one[0][1] / two[0][1], 2)
+    ([8.0, 16.0, 32.0, 64.0, 128.0, 256.0], 1.25)
   """
-  return tuple((float(r * spec.seq_len), 3 * spec.flops.per_device(1) * r
-                * spec.seq_len * _slots(spec) / s)
-               for r, s in zip(_ROWS, seconds))
-
-
-def _block_rates(spec: ModelSpec, device,
-                 repeats: int) -> tuple[tuple[float, float], ...]:
-  """``block_rates`` of ``block_calls`` in ``repeats`` ``_rounds``."""
-  return block_rates(spec, _rounds(block_calls(spec, device), repeats))
+  per = lambda layers, times: tuple(
+      (float(r * spec.seq_len),
+       3 * spec.flops.per_device(1) * r * spec.seq_len * layers / s)
+      for r, s in zip(_ROWS, times))
+  n = len(_ROWS)
+  return per(_slots(spec), seconds[:n]), per(1, seconds[n:])
 
 
 def _kinds_and_head(spec: ModelSpec, device, repeats: int
@@ -309,7 +314,7 @@ def _kinds_and_head(spec: ModelSpec, device, repeats: int
   loss, forward and backward, in seconds (none for a model that is not a
   GPT); the one-rank program under each of ``POLICY_FACTORS`` in seconds
   per second of it under ``'dots'``. In rounds over all of them, as
-  ``_block_rates``."""
+  the block rates."""
   blocks = _stage_blocks(spec, (device,))
   f, i, w, b, again = blocks.kinds
   stage = _host_stage(spec)[1]
@@ -522,7 +527,8 @@ def _in_step_factors(spec: ModelSpec, device, devices: Sequence,
 def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   mine = [d for d in devices if d.process_index == jax.process_index()]
   device = (mine or jax.local_devices())[0]   # this process's first
-  rates = _block_rates(spec, device, repeats)
+  rates, one_layer = block_rates(spec, _rounds(block_calls(spec, device),
+                                              repeats))
   factors, head, policies = _kinds_and_head(spec, device, repeats)
   alpha, beta = _links(devices, repeats) if len(devices) > 1 else (0.0, 1e30)
   hbm = _hbm_bandwidth(device, repeats)
@@ -538,10 +544,11 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   alone = _alone_speedup(spec, device, repeats)
   alpha, beta, hbm, touch, per_mb, tick, zero3, alone, *flat = _shared(
       [alpha, beta, hbm, touch, per_mb, tick, zero3, alone,
-       *(r for _, r in rates), *(s for _, s in head),
+       *(r for _, r in rates + one_layer), *(s for _, s in head),
        *(x for _, xs in factors + policies for x in xs)])
-  rates = tuple(zip((t for t, _ in rates), flat[:len(rates)]))
-  flat = flat[len(rates):]
+  rates, one_layer = (tuple(zip((t for t, _ in own), flat[at:at + len(own)]))
+                      for own, at in ((rates, 0), (one_layer, len(rates))))
+  flat = flat[len(rates) + len(one_layer):]
   head = tuple(zip((t for t, _ in head), flat[:len(head)]))
   flat = iter(flat[len(head):])
   factors, policies = (tuple((t, tuple(next(flat) for _ in xs))
@@ -564,11 +571,11 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
       memory_bytes=_memory_bytes(device), node_devices=len(devices),
       tick_overhead=tick, microbatch_overhead=per_mb,
       kind_factors=factors, tensor_shares=shares, zero3_layer_seconds=zero3,
-      policy_factors=policies,
+      policy_factors=policies, one_layer_rates=one_layer,
       alone_speedup=alone, first_touch_bandwidth=touch,
       source=f'micro-benchmark on {len(devices)} {device.platform} devices: '
-      f"a stage of {_slots(spec)} GPT blocks in the "
-      f"executor's one-rank step at {', '.join(map(str, _ROWS))} sequences; "
+      f"a stage of {_slots(spec)} GPT blocks (and of 1) in the executor's "
+      f"one-rank step at {', '.join(map(str, _ROWS))} sequences; "
       f'its F, I, W and B apart and the embedding, head and loss at '
       f'{" and ".join(map(str, _FACTOR_ROWS))}, the blocks in a 2-rank '
       f'1F1B and GPipe step at {_FACTOR_ROWS[-1]} (2 devices or more); the '

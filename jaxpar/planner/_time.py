@@ -116,7 +116,7 @@ def block_costs(spec: ModelSpec, layout: Layout, profile: Profile,
   of it (``Profile.block_factors``: measured, their sum above 1 on a CPU).
   """
   t = layout.tensor
-  rate, per_block = profile.rate(tokens)
+  rate, per_block = profile.rate(tokens, n_slots)
   share = profile.tensor_share(tokens) if t > 1 else 1.0
   plain = 3 * n_slots * spec.flops.per_device(t) * tokens / rate / share
   factors = (ONE_RANK if layout.stage == 1 else
