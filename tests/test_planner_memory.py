@@ -172,16 +172,21 @@ def test_one_rank_of_gpts_tensor_split_layers_holds_what_they_replicate(
   assert 0.95 <= predicted / compiled <= _limit(x), (predicted, compiled)
 
 
-def test_gpts_interleaved_chunks_copy_a_slot_row():
-  """jaxpar's GPT, interleaved 1F1B at two layers a chunk: XLA reads one
-  stash slot's row into buffers of its own (0.941 of the compiled peak
-  without it, as 1F1B's and GPipe's GPT steps do not)."""
+@pytest.mark.parametrize('x', [
+    Layout(1, 2, 1, 'interleaved_one_f_one_b', 4, 0, 'dots',
+           virtual_stages=2),
+    Layout(1, 2, 1, 'v_half', 1, 0, 'everything', w_recompute=True)],
+                         ids=['interleaved-dots', 'v_half-m1-everything'])
+def test_gpts_chunks_copy_a_slot_row(x):
+  """jaxpar's GPT, a rank of two chunks of two layers: XLA reads a stash
+  slot's row into buffers of its own, as 1F1B's and GPipe's GPT steps do
+  not: interleaved 1F1B under ``'dots'`` (0.941 of the compiled peak
+  without it) and the V schedules at one slot a chunk (m=1) under
+  ``'everything'`` (0.76 at the CLI's sizes)."""
   config = CONFIG._replace(vocab_size=64, seq_len=32, d_model=64,
                            num_layers=8)
   src = planner._source.source(config, blocks='', embed=None,
                                head_loss=None, inputs=None)
-  x = Layout(1, 2, 1, 'interleaved_one_f_one_b', 4, 0, 'dots',
-             virtual_stages=2)
   compiled = _compile.step_bytes(src, jax.devices()[:2], x,
                                  optax.adam(1e-3), 32)
   predicted = _memory.memory(src.spec, x, batch=32).total

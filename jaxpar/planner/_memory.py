@@ -347,16 +347,24 @@ def _everything_bytes(spec: ModelSpec, layout: Layout,
   stash the executor stores split (jaxpar's GPT, ``stash_split``) copies
   the whole slot instead: at the CLI's sizes on 2 devices GPipe m=2 and
   m=8 and 1F1B m=2 were 0.82-0.94 of their compiled peaks with the
-  per-layer share, 0.98-1.00 with the slot.
+  per-layer share, 0.98-1.00 with the slot. So does a rank of more than
+  one chunk at one slot a chunk (the V schedules at m=1, split or fused:
+  the chunk's row read at an index known at run time): V-Half, ZB-V and
+  DualPipeV m=1 with ``w_recompute`` 0.76 of their compiled peaks
+  without it, V-Half m=1 without ``w_recompute`` 0.815.
   """
   t = layout.tensor
   everything = spec.stash_of('everything').per_device(t)
   copied = _copies_a_slot(layout)
+  # one slot a chunk of a rank of several, read at a chunk known only at
+  # run time, over a split stash: XLA reads the whole row into a copy
+  row = spec.stash_split and layout.stages_per_rank > 1 and not copied
   if layout.w_recompute:
     split = t if spec.stash_split else 1
     slot = shape.slots * everything + spec.d_model / split
-    return WORKING * everything + spec.kept.per_device(t) + copied * slot
-  if spec.stash_split and _runs_fused(layout):
+    return (WORKING * everything + spec.kept.per_device(t)
+            + (copied or row) * slot)
+  if spec.stash_split and (_runs_fused(layout) or row):
     return (WORKING + shape.slots) * everything
   per = 1 if layout.zero_stage == 3 else shape.slots
   extra = TICK_WORKING['everything'][layout.zero_stage] if copied else 0.0
