@@ -48,7 +48,10 @@ XLA parks some of its temporaries in them before they are written):
   hold yet").
 
 In the tick scan the backward holds more under 'nothing' and 'everything'
-(``TICK_WORKING``); under 'everything', where the table has more than one
+(``TICK_WORKING``; a stash stored split under 'nothing':
+``TICK_WORKING_SPLIT_NOTHING``, and with more than one weight slot ``I``'s
+``kept`` built beside them, ``_builds_kept_apart``); under 'everything',
+where the table has more than one
 stash slot or runs ``B`` fused, a copy of the slot's residuals (that
 ``W`` re-runs ``I`` on with ``w_recompute``), but none with one slot and
 ``B`` split (``_copies_a_slot``, ``_everything_bytes``).
@@ -101,6 +104,14 @@ WORKING = 0.3
 # NNX Llama, its tied variant and a BatchNorm model (``docs/planning.md``).
 TICK_WORKING = {'nothing': {0: 0.45, 1: 0.45, 3: 0.4},
                 'everything': {0: 0.45, 1: 0.45, 3: 0.45}}
+# The same under 'nothing' for a stash the executor stores split
+# (``stash_split``: jaxpar's GPT and the on-paper specs), by whether ``I``
+# hands ``W`` what it keeps (``B`` split, without ``w_recompute``): the
+# GPT at the CLI's sizes on 2 devices holds 1.25-1.5 of a layer's
+# 'everything' in the backward over 4 layers then (1F1B m=4, 8), 0.7-1.0
+# otherwise (GPipe m=4, 8, fused; ZB-H1 m=4 with ``w_recompute``), against
+# 0.3 + 4 x 0.45 = 2.1 counted with ``TICK_WORKING``.
+TICK_WORKING_SPLIT_NOTHING = {True: 0.3, False: 0.15}
 # With ``w_recompute`` (under 'nothing' and 'dots') the ``W`` of a stage
 # holds this share of *one layer's* ``kept`` beyond what ``I`` holds at its
 # peak: ``W`` scans the stage's layers and frees each layer's cotangents as
@@ -260,7 +271,8 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
   holds one slot's row of each save; at 1 layer a chunk 0.965-0.996
   without). With
   ``w_recompute`` a ``W`` rebuilds what ``I`` would have kept for it one
-  layer at a time: ``W_RECOMPUTE_KEPT`` of one layer's ``kept``. Under
+  layer at a time: ``W_RECOMPUTE_KEPT`` of one layer's ``kept``; where ``I``
+  builds its ``kept`` apart (``_builds_kept_apart``), one slot's. Under
   ``'everything'`` in the tick scan see ``_everything_bytes``.
   """
   t, policy = layout.tensor, layout.remat_policy
@@ -282,12 +294,39 @@ def recompute_bytes(spec: ModelSpec, layout: Layout, shape: Shapes) -> int:
       restacked += shape.slots * spec.stash_per_device(policy, t)
   if layout.w_recompute:   # W rebuilds what I kept, a layer at a time
     restacked += W_RECOMPUTE_KEPT * spec.kept.per_device(t)
+  if _builds_kept_apart(spec, layout):
+    restacked += shape.slots * spec.kept.per_device(t)
   working = WORKING
   if layout.stage > 1:
     per = 1 if layout.zero_stage == 3 else shape.slots
-    working += per * TICK_WORKING.get(policy, {}).get(layout.zero_stage, 0)
+    tick = TICK_WORKING.get(policy, {}).get(layout.zero_stage, 0)
+    if spec.stash_split and policy == 'nothing' and layout.zero_stage != 3:
+      tick = TICK_WORKING_SPLIT_NOTHING[_hands_kept(layout)]
+    working += per * tick
   return int((restacked + working * everything) * shape.tokens
              * spec.act_bytes)
+
+
+def _builds_kept_apart(spec: ModelSpec, layout: Layout) -> bool:
+  """Whether ``I`` builds what it keeps for ``W`` in a buffer of its own
+  before writing it to a weight slot: under ``'nothing'`` (``I`` re-runs
+  the stage's forward), with ``B`` split and more than one weight slot,
+  in a stash the executor stores split (jaxpar's GPT); with one slot XLA
+  writes it in the slot in place. The GPT at the CLI's sizes on 2
+  devices: ZB-H1 m=4 (two slots) holds one slot's ``kept`` beside the
+  slots in the XLA buffer report, 1F1B m=4 (one slot) none; ZB-H1 m=2-16
+  and the V schedules at m=2-8 were 0.84-0.98 of their compiled peaks
+  without it, 0.95-1.09 with it; under ``'dots'`` none (ZB-H1 m=2-8:
+  1.035-1.046 without)."""
+  return (layout.stage > 1 and layout.remat_policy == 'nothing'
+          and spec.stash_split and _hands_kept(layout)
+          and tick_table(schedule_key(layout)).num_weight_slots > 1)
+
+
+def _hands_kept(layout: Layout) -> bool:
+  """Whether ``I`` hands ``W`` what it keeps: ``B`` split, without
+  ``w_recompute``."""
+  return not layout.w_recompute and not _runs_fused(layout)
 
 
 def _row_parallel(spec: ModelSpec, t: int) -> float:
