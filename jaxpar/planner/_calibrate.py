@@ -81,6 +81,7 @@ from jaxpar.pipeline.executor.internal import remat_layers
 from jaxpar.planner._model import ModelSpec
 from jaxpar.planner._profile import POLICY_FACTORS, Profile
 from jaxpar.planner._in_step import in_step_costs, per_tick
+from jaxpar.planner._timing import own_device as _own_device
 from jaxpar.planner._timing import placed as _global
 from jaxpar.planner._timing import rounds as _rounds
 from jaxpar.planner._timing import seconds as _seconds
@@ -273,10 +274,16 @@ def block_calls(spec: ModelSpec, device) -> list[tuple[Callable, int]]:
   another process on the cores). ``_measured`` times them, and
   ``planner.measure`` again beside the candidates' steps."""
   blocks = _stage_blocks(spec, (device,))
-  plains = [blocks.plain] + ([_plain((device,), jax.tree.map(
-      lambda a: a[:1], _host_stage(spec)[1]))] if blocks.slots > 1 else [])
+  plains = [blocks.plain] + ([_one_layer_plain(spec, (device,))]
+                             if blocks.slots > 1 else [])
   return [(plain(_microbatch(spec, r)), max(1, _ROWS[3] // r))
           for plain in plains for r in _ROWS]
+
+
+@functools.lru_cache(maxsize=8)
+def _one_layer_plain(spec: ModelSpec, devices: tuple) -> Callable:
+  """``_plain`` of a stage of one layer of ``spec``'s shape, built once."""
+  return _plain(devices, jax.tree.map(lambda a: a[:1], _host_stage(spec)[1]))
 
 
 def block_rates(spec: ModelSpec, seconds: Sequence[float]) -> tuple:
@@ -306,15 +313,14 @@ def block_rates(spec: ModelSpec, seconds: Sequence[float]) -> tuple:
 def _kinds_and_head(spec: ModelSpec, device, repeats: int
                     ) -> tuple[tuple, tuple, tuple]:
   """``(kind_factors, head_seconds, policy_factors)`` at ``_FACTOR_ROWS``
-  sequences: the pipeline's ``F``, ``I``, ``W``, fused ``B`` and ``R``
-  (``W`` under ``w_recompute``), each its own program as
-  the tick scan runs it, in seconds per second of the one-rank program
-  (on a CPU ``I`` holds the backward's non-matmul work, and each block
-  pays its own program's fixed costs); the GPT's embedding, head and
-  loss, forward and backward, in seconds (none for a model that is not a
-  GPT); the one-rank program under each of ``POLICY_FACTORS`` in seconds
-  per second of it under ``'dots'``. In rounds over all of them, as
-  the block rates."""
+  sequences: the pipeline's ``F``, ``I``, ``W``, fused ``B`` and ``R`` (``W``
+  under ``w_recompute``), each its own program as the tick scan runs it,
+  in seconds per second of the one-rank program (on a CPU ``I`` holds the
+  backward's non-matmul work, and each block pays its own program's fixed
+  costs); the GPT's embedding, head and loss, forward and backward, in
+  seconds (none for a model that is not a GPT); the one-rank program under
+  each of ``POLICY_FACTORS`` in seconds per second of it under ``'dots'``.
+  In rounds over all of them, as the block rates."""
   blocks = _stage_blocks(spec, (device,))
   f, i, w, b, again = blocks.kinds
   stage = _host_stage(spec)[1]
@@ -348,9 +354,8 @@ def _alone_speedup(spec: ModelSpec, device, repeats: int) -> float:
   """How much faster process 0 runs the one-rank program (``_FACTOR_ROWS[-1]``
   sequences) while the others wait in a collective, as a pipeline rank
   runs a block while its neighbour idles, than with all of them running it
-  (on a shared CPU host the waiting processes' cores join in; on 2 cores
-  the ticks with an idle rank ran ~1.45x faster than predicted without);
-  1 with one process."""
+  (on a shared CPU host the waiting processes' cores join in: on 2 cores
+  ~1.45x); 1 with one process."""
   if jax.process_count() == 1:
     return 1.0
   call = _stage_blocks(spec, (device,)).plain(
@@ -398,8 +403,7 @@ def _zero3_program(spec: ModelSpec, devices: Sequence
   run it) and each layer under ``'dots'`` (``remat_layers``, as the step
   runs it): what a ZeRO-3 step runs per microbatch besides its FLOPs, each
   param array gathered in the forward, again in the backward, and its
-  gradient reduce-scattered, one at a time in its layer's iteration (on
-  two CPU processes over gloo ~1 ms each: 3x a lone collective's)."""
+  gradient reduce-scattered, one at a time in its layer's iteration."""
   mesh = jax.sharding.Mesh(np.asarray(devices[:2]).reshape(2, 1),
                            ('data', 'tensor'))
   stage = _host_stage(spec)[1]
@@ -525,8 +529,7 @@ def _in_step_factors(spec: ModelSpec, device, devices: Sequence,
 
 @functools.lru_cache(maxsize=8)
 def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
-  mine = [d for d in devices if d.process_index == jax.process_index()]
-  device = (mine or jax.local_devices())[0]   # this process's first
+  device = _own_device(devices)
   rates, one_layer = block_rates(spec, _rounds(block_calls(spec, device),
                                               repeats))
   factors, head, policies = _kinds_and_head(spec, device, repeats)
@@ -575,18 +578,15 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
       alone_speedup=alone, first_touch_bandwidth=touch,
       source=f'micro-benchmark on {len(devices)} {device.platform} devices: '
       f"a stage of {_slots(spec)} GPT blocks (and of 1) in the executor's "
-      f"one-rank step at {', '.join(map(str, _ROWS))} sequences; "
-      f'its F, I, W and B apart and the embedding, head and loss at '
-      f'{" and ".join(map(str, _FACTOR_ROWS))}, the blocks in a 2-rank '
-      f'1F1B and GPipe step at {_FACTOR_ROWS[-1]} (2 devices or more); the '
-      f'one-rank step split '
-      f'over 2 devices as tensor at {", ".join(map(str, _TENSOR_ROWS))}; '
-      'psum, all_gather, psum_scatter, ppermute at '
-      f'{", ".join(map(str, _SIZES))} bytes, {_CHAIN} in a row; an '
-      f'in-place add and a fresh fill of '
-      f'{_HBM_BYTES >> 20} MiB; a 1F1B step of an [8, 8] layer at 4 and 16 '
-      'microbatches on 1 and 2 ranks; ZeRO-3 gathers of the stage over 2 '
-      'devices; the one-rank step in process 0 alone')
+      f"one-rank step at {', '.join(map(str, _ROWS))} sequences; its F, I, "
+      f'W and B apart and the embedding, head and loss at {_FACTOR_ROWS}, '
+      f'the blocks in a 2-rank 1F1B and GPipe step at {_FACTOR_ROWS[-1]} '
+      '(2 devices or more); the one-rank step split over 2 devices as '
+      f'tensor at {_TENSOR_ROWS}; psum, all_gather, psum_scatter, ppermute '
+      f'at {_SIZES} bytes, {_CHAIN} in a row; an in-place add and a fresh '
+      f'fill of {_HBM_BYTES >> 20} MiB; a 1F1B step of an [8, 8] layer at 4 '
+      'and 16 microbatches on 1 and 2 ranks; ZeRO-3 gathers of the stage '
+      'over 2 devices; the one-rank step in process 0 alone')
 
 
 def measure_profile(spec: ModelSpec, devices: Sequence, *,

@@ -30,7 +30,7 @@ import optax
 from jaxpar.planner import _calibrate
 from jaxpar.planner._compile import held_bytes
 from jaxpar.planner._time import step_time
-from jaxpar.planner._timing import rounds
+from jaxpar.planner._timing import own_device, rounds
 
 
 class Measured(NamedTuple):
@@ -185,8 +185,7 @@ def _block_calls(plan: Any) -> list:
   plan, where its profile has measured block rates (else none)."""
   if plan.devices is None or not plan.profile.block_rates:
     return []
-  mine = [d for d in plan.devices if d.process_index == jax.process_index()]
-  return _calibrate.block_calls(plan.spec, mine[0])
+  return _calibrate.block_calls(plan.spec, own_device(plan.devices))
 
 
 def _retimed(plan: Any, samples: list, batch: int) -> Callable:

@@ -227,12 +227,13 @@ class Profile(NamedTuple):
     slope = (s1 - s0) / (t1 - t0) if t1 != t0 else 0.0
     return max(s0 + slope * (tokens - t0), 0.0)
 
-  def rate(self, tokens: float, layers: int = 2) -> tuple[float, float]:
+  def rate(self, tokens: float, layers: int | None = None
+           ) -> tuple[float, float]:
     """``(FLOP/s, seconds of fixed cost per layer-block)`` of a block at
-    ``tokens`` per microbatch in a stage of ``layers`` layers:
-    ``block_rates`` (``one_layer_rates`` for one layer, where measured)
-    interpolated in log tokens (held at its ends), fixed costs included;
-    else ``flops``, ``block_overhead``.
+    ``tokens`` per microbatch in a stage of ``layers`` layers (``None``:
+    any number): ``block_rates`` (``one_layer_rates`` for a stage of one
+    layer, where measured) interpolated in log tokens (held at its ends),
+    fixed costs included; else ``flops``, ``block_overhead``.
 
     Example:
       >>> p = Profile('p', 1e9, 1, 1, 1, 1, block_rates=((64, 1e9), (256, 4e9)))

@@ -1,6 +1,7 @@
 """Timing a calibration's programs: ``rounds`` (warm, in rounds over the
-programs, the median over them and the processes), ``seconds``, and
-``placed`` (their inputs, on every process).
+programs, the median over them and the processes), ``seconds``,
+``own_device`` (the device a process times them on) and ``placed`` (their
+inputs, on every process).
 
 Example:
   >>> import jax.numpy as jnp
@@ -51,6 +52,13 @@ def rounds(calls: Sequence[tuple[Callable, int]], count: int
 def seconds(fn: Callable, *args, repeats: int) -> float:
   """Wall seconds of ``fn(*args)`` over ``repeats`` calls (``rounds``)."""
   return rounds([(functools.partial(fn, *args), 1)], repeats)[0]
+
+
+def own_device(devices: Sequence):
+  """This process's first device among ``devices`` (else its first local
+  one): the device a process times its one-rank programs on."""
+  mine = [d for d in devices if d.process_index == jax.process_index()]
+  return (mine or jax.local_devices())[0]
 
 
 def placed(mesh, host: np.ndarray, spec: P = P()) -> jax.Array:
