@@ -365,18 +365,18 @@ def test_measure_predicts_again_at_the_block_rates_timed_beside_the_steps(
   ``step_time`` at half the block rates, and ``summary`` gives its error."""
   from jaxpar.planner import _calibrate, _measure
   spec = planner.ModelSpec.from_gpt(CONFIG)
-  rates, one_layer = _calibrate.block_rates(spec, [0.01] * 12)
   calibrated = planner.PROFILES['H100-SXM']._replace(
-      name='measured (test)', block_rates=rates, one_layer_rates=one_layer)
+      name='measured (test)', block_rates=_calibrate.block_rates(
+          spec, [0.01] * 6))
   plan = jaxpar.plan(CONFIG, batch=BATCH, devices=jax.devices()[:2],
                      profile=calibrated, compile=0, zero_stages=(0,),
                      remat_policies=('dots',), max_microbatches=2,
                      where=lambda x: x.data == 2 and x.num_microbatches == 1)
   monkeypatch.setattr(_calibrate, 'block_calls', lambda spec, device: [
-      (functools.partial(time.sleep, 0.02), 1)] * 12)
+      (functools.partial(time.sleep, 0.02), 1)] * 6)
   measured = planner.measure(plan, 1, optax.sgd(0.1), batch, repeats=3)
-  rates, one_layer = _calibrate.block_rates(spec, [0.02] * 12)
-  slower = calibrated._replace(block_rates=rates, one_layer_rates=one_layer)
+  slower = calibrated._replace(block_rates=_calibrate.block_rates(
+      spec, [0.02] * 6))
   for m in measured:
     again = planner.step_time(spec, m.candidate.layout, batch=BATCH,
                               profile=slower).total

@@ -172,24 +172,6 @@ def test_fresh_buffers_cost_their_temporaries_and_outputs_at_the_measured_rate()
   assert timed.total == pytest.approx(plain.total + timed.alloc, rel=1e-12)
 
 
-def test_a_stage_of_one_layer_runs_at_the_one_layer_rate():
-  """A logical stage of one layer (no scan over its layers) costs its
-  blocks at ``Profile.one_layer_rates`` where measured; a stage of more,
-  and one rank of all layers, at ``block_rates``."""
-  spec = planner.ModelSpec.from_gpt(CONFIG)
-  profile = planner.PROFILES['H100-SXM']._replace(
-      block_overhead=0.0, block_rates=((64.0, 1e9),),
-      kind_factors=((64.0, (0.3, 0.4, 0.35, 0.7)),))
-  faster = profile._replace(one_layer_rates=((64.0, 2e9),))
-  blocks = lambda x, p: planner.step_time(spec, x, batch=8,
-                                          profile=p).blocks
-  one = planner.Layout(1, 2, 1, 'one_f_one_b', 4)     # 1 layer a stage
-  assert blocks(one, faster)['F'] == pytest.approx(
-      blocks(one, profile)['F'] / 2, rel=1e-9)
-  whole = planner.Layout(2, 1, 1, 'one_f_one_b', 4)   # both layers
-  assert blocks(whole, faster) == blocks(whole, profile)
-
-
 def test_w_under_w_recompute_is_the_measured_r_or_i_plus_w():
   """With ``w_recompute`` a ``W`` re-runs ``I``'s chain: its cost is the
   profile's measured ``R`` block, or ``I + W`` where ``R`` was not

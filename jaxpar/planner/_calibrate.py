@@ -4,11 +4,10 @@ What a step runs, timed at plan time on the devices (calibrated on the
 machine, no constants fitted to another):
 
 * **the one-rank program**: a stage of two GPT blocks of ``spec``'s shape
-  (a scan over its layers, as a step's), and of one, in the executor's
-  one-rank step (one ``value_and_grad`` program) on one device at 1 to 32
-  sequences per microbatch: the FLOP/s reached at each
-  (``Profile.block_rates``, ``one_layer_rates``; on a CPU small
-  microbatches run far below large ones);
+  (a scan over its layers, as a step's) in the executor's one-rank step
+  (one ``value_and_grad`` program) on one device at 1 to 32 sequences per
+  microbatch: the FLOP/s reached at each (``Profile.block_rates``; on a
+  CPU small microbatches run far below large ones);
 * **the pipeline's blocks**: the same stage's ``F``, ``I``, ``W`` and fused
   ``B`` (``pipeline.StageVJP``) at 1 and 16 sequences, in seconds per
   second of the one-rank program (``Profile.kind_factors``): each its own
@@ -44,8 +43,6 @@ Example:
   >>> profile = measure_profile(spec, jax.devices()[:1], repeats=1)
   >>> [tokens for tokens, _ in profile.block_rates]   # 1 to 32 sequences
   [8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
-  >>> len(profile.one_layer_rates)       # a stage of one layer, beside
-  6
   >>> round(sum(profile.block_shares), 6)            # F, I, W
   1.0
   >>> [t for t, _ in profile.kind_factors], len(profile.head_seconds)
@@ -268,29 +265,19 @@ def _microbatch(spec: ModelSpec, rows: int) -> np.ndarray:
 
 def block_calls(spec: ModelSpec, device) -> list[tuple[Callable, int]]:
   """``(call, k)`` of the one-rank step's program (a stage of ``_slots``
-  layers, then, where that is more, of one layer) on ``device`` at each of
-  ``_ROWS`` sequences per microbatch, ``k`` calls a sample: at least
-  ``_ROWS[3]`` sequences of work (one call of 10 ms varies by +-20% with
-  another process on the cores). ``_measured`` times them, and
-  ``planner.measure`` again beside the candidates' steps."""
+  layers) on ``device`` at each of ``_ROWS`` sequences per microbatch, ``k``
+  calls a sample: at least ``_ROWS[3]`` sequences of work (one call of 10
+  ms varies by +-20% with another process on the cores). ``_block_rates``
+  times them, and ``planner.measure`` again beside the candidates' steps."""
   blocks = _stage_blocks(spec, (device,))
-  plains = [blocks.plain] + ([_one_layer_plain(spec, (device,))]
-                             if blocks.slots > 1 else [])
-  return [(plain(_microbatch(spec, r)), max(1, _ROWS[3] // r))
-          for plain in plains for r in _ROWS]
+  return [(blocks.plain(_microbatch(spec, r)), max(1, _ROWS[3] // r))
+          for r in _ROWS]
 
 
-@functools.lru_cache(maxsize=8)
-def _one_layer_plain(spec: ModelSpec, devices: tuple) -> Callable:
-  """``_plain`` of a stage of one layer of ``spec``'s shape, built once."""
-  return _plain(devices, jax.tree.map(lambda a: a[:1], _host_stage(spec)[1]))
-
-
-def block_rates(spec: ModelSpec, seconds: Sequence[float]) -> tuple:
-  """``(block_rates, one_layer_rates)``, each ``((tokens, FLOP/s), ...)``
-  of a layer's forward and backward, from the seconds per call of
-  ``block_calls`` (``Profile.block_rates``, ``Profile.one_layer_rates``:
-  none where the model has one layer).
+def block_rates(spec: ModelSpec, seconds: Sequence[float]
+                ) -> tuple[tuple[float, float], ...]:
+  """``((tokens, FLOP/s), ...)`` of a layer's forward and backward, from
+  the seconds per call of ``block_calls`` (``Profile.block_rates``).
 
   Example:
     >>> from jaxpar.models import gpt
@@ -298,16 +285,18 @@ def block_rates(spec: ModelSpec, seconds: Sequence[float]) -> tuple:
     >>> from jaxpar.planner._calibrate import block_rates
     >>> spec = ModelSpec.from_gpt(gpt.GPTConfig(d_model=16, num_heads=2,
     ...                                         seq_len=8, num_layers=2))
-    >>> two, one = block_rates(spec, [1.0] * 6 + [0.4] * 6)
-    >>> [t for t, _ in two], round(one[0][1] / two[0][1], 2)
-    ([8.0, 16.0, 32.0, 64.0, 128.0, 256.0], 1.25)
+    >>> [t for t, _ in block_rates(spec, [1.0] * 6)]
+    [8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
   """
-  per = lambda layers, times: tuple(
-      (float(r * spec.seq_len),
-       3 * spec.flops.per_device(1) * r * spec.seq_len * layers / s)
-      for r, s in zip(_ROWS, times))
-  n = len(_ROWS)
-  return per(_slots(spec), seconds[:n]), per(1, seconds[n:])
+  return tuple((float(r * spec.seq_len), 3 * spec.flops.per_device(1) * r
+                * spec.seq_len * _slots(spec) / s)
+               for r, s in zip(_ROWS, seconds))
+
+
+def _block_rates(spec: ModelSpec, device,
+                 repeats: int) -> tuple[tuple[float, float], ...]:
+  """``block_rates`` of ``block_calls`` in ``repeats`` ``_rounds``."""
+  return block_rates(spec, _rounds(block_calls(spec, device), repeats))
 
 
 def _kinds_and_head(spec: ModelSpec, device, repeats: int
@@ -530,8 +519,7 @@ def _in_step_factors(spec: ModelSpec, device, devices: Sequence,
 @functools.lru_cache(maxsize=8)
 def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   device = _own_device(devices)
-  rates, one_layer = block_rates(spec, _rounds(block_calls(spec, device),
-                                              repeats))
+  rates = _block_rates(spec, device, repeats)
   factors, head, policies = _kinds_and_head(spec, device, repeats)
   alpha, beta = _links(devices, repeats) if len(devices) > 1 else (0.0, 1e30)
   hbm = _hbm_bandwidth(device, repeats)
@@ -547,11 +535,10 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   alone = _alone_speedup(spec, device, repeats)
   alpha, beta, hbm, touch, per_mb, tick, zero3, alone, *flat = _shared(
       [alpha, beta, hbm, touch, per_mb, tick, zero3, alone,
-       *(r for _, r in rates + one_layer), *(s for _, s in head),
+       *(r for _, r in rates), *(s for _, s in head),
        *(x for _, xs in factors + policies for x in xs)])
-  rates, one_layer = (tuple(zip((t for t, _ in own), flat[at:at + len(own)]))
-                      for own, at in ((rates, 0), (one_layer, len(rates))))
-  flat = flat[len(rates) + len(one_layer):]
+  rates = tuple(zip((t for t, _ in rates), flat[:len(rates)]))
+  flat = flat[len(rates):]
   head = tuple(zip((t for t, _ in head), flat[:len(head)]))
   flat = iter(flat[len(head):])
   factors, policies = (tuple((t, tuple(next(flat) for _ in xs))
@@ -574,19 +561,19 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
       memory_bytes=_memory_bytes(device), node_devices=len(devices),
       tick_overhead=tick, microbatch_overhead=per_mb,
       kind_factors=factors, tensor_shares=shares, zero3_layer_seconds=zero3,
-      policy_factors=policies, one_layer_rates=one_layer,
+      policy_factors=policies,
       alone_speedup=alone, first_touch_bandwidth=touch,
       source=f'micro-benchmark on {len(devices)} {device.platform} devices: '
-      f"a stage of {_slots(spec)} GPT blocks (and of 1) in the executor's "
-      f"one-rank step at {', '.join(map(str, _ROWS))} sequences; its F, I, "
-      f'W and B apart and the embedding, head and loss at {_FACTOR_ROWS}, '
-      f'the blocks in a 2-rank 1F1B and GPipe step at {_FACTOR_ROWS[-1]} '
-      '(2 devices or more); the one-rank step split over 2 devices as '
-      f'tensor at {_TENSOR_ROWS}; psum, all_gather, psum_scatter, ppermute '
-      f'at {_SIZES} bytes, {_CHAIN} in a row; an in-place add and a fresh '
-      f'fill of {_HBM_BYTES >> 20} MiB; a 1F1B step of an [8, 8] layer at 4 '
-      'and 16 microbatches on 1 and 2 ranks; ZeRO-3 gathers of the stage '
-      'over 2 devices; the one-rank step in process 0 alone')
+      f"a stage of {_slots(spec)} GPT blocks in the executor's one-rank "
+      f"step at {', '.join(map(str, _ROWS))} sequences; its F, I, W and B "
+      f'apart and the embedding, head and loss at {_FACTOR_ROWS}, the blocks '
+      f'in a 2-rank 1F1B and GPipe step at {_FACTOR_ROWS[-1]} (2 devices or '
+      'more); the one-rank step split over 2 devices as tensor at '
+      f'{_TENSOR_ROWS}; psum, all_gather, psum_scatter, ppermute at '
+      f'{_SIZES} bytes, {_CHAIN} in a row; an in-place add and a fresh fill '
+      f'of {_HBM_BYTES >> 20} MiB; a 1F1B step of an [8, 8] layer at 4 and '
+      '16 microbatches on 1 and 2 ranks; ZeRO-3 gathers of the stage over 2 '
+      'devices; the one-rank step in process 0 alone')
 
 
 def measure_profile(spec: ModelSpec, devices: Sequence, *,

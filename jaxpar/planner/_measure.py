@@ -194,10 +194,8 @@ def _retimed(plan: Any, samples: list, batch: int) -> Callable:
   ``None`` without samples."""
   if not samples:
     return lambda candidate: None
-  rates, one_layer = _calibrate.block_rates(plan.spec,
-                                           np.median(samples, axis=0))
-  profile = plan.profile._replace(block_rates=rates,
-                                  one_layer_rates=one_layer)
+  profile = plan.profile._replace(block_rates=_calibrate.block_rates(
+      plan.spec, np.median(samples, axis=0)))
   return lambda candidate: step_time(plan.spec, candidate.layout,
                                      batch=batch, profile=profile,
                                      mem=candidate.memory).total

@@ -118,10 +118,6 @@ class Profile(NamedTuple):
       (``policy_factor``). On a CPU its recompute costs less than the
       forward's FLOPs say and storing every residual more than none: 1.05
       and 1.17 here (16 sequences of the CLI's GPT).
-    one_layer_rates: ``block_rates`` of a stage of one layer, measured
-      beside them where the model has more (``rate``): on a CPU a one-layer
-      stage, with no scan over its layers, ran 15-19% faster per layer
-      than a two-layer one at 2-8 sequences of the CLI's GPT, 3% at 16.
   """
   name: str
   flops: float
@@ -146,7 +142,6 @@ class Profile(NamedTuple):
   first_touch_bandwidth: float = 0.0
   tensor_shares: tuple[tuple[float, float], ...] = ()
   policy_factors: tuple[tuple[float, tuple[float, ...]], ...] = ()
-  one_layer_rates: tuple[tuple[float, float], ...] = ()
 
   def block_factors(self, tokens: float) -> dict[str, float]:
     """``{'F', 'I', 'W', 'B', 'R'}``: each pipeline block's seconds per
@@ -227,25 +222,20 @@ class Profile(NamedTuple):
     slope = (s1 - s0) / (t1 - t0) if t1 != t0 else 0.0
     return max(s0 + slope * (tokens - t0), 0.0)
 
-  def rate(self, tokens: float, layers: int | None = None
-           ) -> tuple[float, float]:
+  def rate(self, tokens: float) -> tuple[float, float]:
     """``(FLOP/s, seconds of fixed cost per layer-block)`` of a block at
-    ``tokens`` per microbatch in a stage of ``layers`` layers (``None``:
-    any number): ``block_rates`` (``one_layer_rates`` for a stage of one
-    layer, where measured) interpolated in log tokens (held at its ends),
-    fixed costs included; else ``flops``, ``block_overhead``.
+    ``tokens`` per microbatch: ``block_rates`` interpolated in log tokens
+    (held at its ends), fixed costs included; else ``flops``,
+    ``block_overhead``.
 
     Example:
       >>> p = Profile('p', 1e9, 1, 1, 1, 1, block_rates=((64, 1e9), (256, 4e9)))
-      >>> p.rate(128)[0] / 1e9, p.rate(4096), p.rate(64, layers=1)[0] / 1e9
-      (2.5, (4000000000.0, 0.0), 1.0)
-      >>> p._replace(one_layer_rates=((64, 2e9),)).rate(64, layers=1)[0] / 1e9
-      2.0
+      >>> p.rate(128)[0] / 1e9, p.rate(4096)
+      (2.5, (4000000000.0, 0.0))
     """
     if not self.block_rates:
       return self.flops, self.block_overhead
-    tokens_at, rates = zip(*(self.one_layer_rates if layers == 1
-                             and self.one_layer_rates else self.block_rates))
+    tokens_at, rates = zip(*self.block_rates)
     return _in_log_tokens(tokens, tokens_at, rates), 0.0
 
   def collective(self, kind: str, nbytes: float, n: int, *,

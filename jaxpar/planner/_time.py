@@ -6,9 +6,10 @@ The step is its pipeline plus what runs around it, on a ``Profile``:
   for one microbatch. ``plain``, the stage's forward and backward as the
   one-rank step runs them (one ``value_and_grad`` program): three times
   its forward FLOPs over the FLOP/s the profile reaches at that many
-  tokens (``Profile.rate``: measured in that program -- a stage of one
-  layer in its own, which on a CPU runs up to 19% faster per layer -- or
-  the peak share plus the block overhead of each of its layers), over
+  tokens (``Profile.rate``: measured in that program at two layers --
+  on a CPU a one-layer program runs up to 19% faster per layer, but a
+  pipeline's one-layer blocks do not: ``docs/planning.md`` -- or the peak
+  share plus the block overhead of each of its layers), over
   ``Profile.tensor_share`` too when split over ``tensor``. One stage rank
   splits ``plain`` among its blocks; a pipeline rank runs each block as its
   own program in the tick scan, which costs its own share
@@ -117,7 +118,7 @@ def block_costs(spec: ModelSpec, layout: Layout, profile: Profile,
   of it (``Profile.block_factors``: measured, their sum above 1 on a CPU).
   """
   t = layout.tensor
-  rate, per_block = profile.rate(tokens, n_slots)
+  rate, per_block = profile.rate(tokens)
   share = profile.tensor_share(tokens) if t > 1 else 1.0
   plain = 3 * n_slots * spec.flops.per_device(t) * tokens / rate / share
   factors = (ONE_RANK if layout.stage == 1 else
