@@ -70,6 +70,22 @@ def test_compiled_memory_by_default_reranks(model, batch, monkeypatch):
   assert not calls
 
 
+def test_a_stage_shape_runs_one_kind_of_backward():
+  """A compiled step's work serves the candidates of its stage shape, which
+  run the same kind of backward: interleaved v=2 and ZB-V at m=8 have the
+  same 4 logical stages, but a fused ``B`` copies a slot's row (the 16:40
+  planner run of 0.17.0's fix: interleaved took ZB-V's compiled work,
+  140.6 MiB against 167.6 compiled); 1F1B's one weight slot takes ``I``'s
+  ``kept`` in place, ZB-H1's two do not; the V schedules share."""
+  from jaxpar.planner import _compile
+  key = lambda name, **kw: _compile.shape_key(
+      planner.Layout(1, 2, 1, name, 8, 0, 'dots', **kw))
+  assert key('interleaved_one_f_one_b', virtual_stages=2) != key(
+      'zero_bubble_v')
+  assert key('one_f_one_b') != key('zero_bubble_h1')
+  assert key('v_half') == key('zero_bubble_v') == key('dualpipe_v')
+
+
 def test_a_compile_scales_only_the_candidates_like_it(model, batch,
                                                      monkeypatch):
   """A compiled shape whose temporaries are twice the analytic ones scales
