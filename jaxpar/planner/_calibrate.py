@@ -566,14 +566,16 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
       source=f'micro-benchmark on {len(devices)} {device.platform} devices: '
       f"a stage of {_slots(spec)} GPT blocks in the executor's one-rank "
       f"step at {', '.join(map(str, _ROWS))} sequences; its F, I, W and B "
-      f'apart and the embedding, head and loss at {_FACTOR_ROWS}, the blocks '
-      f'in a 2-rank 1F1B and GPipe step at {_FACTOR_ROWS[-1]} (2 devices or '
-      'more); the one-rank step split over 2 devices as tensor at '
-      f'{_TENSOR_ROWS}; psum, all_gather, psum_scatter, ppermute at '
-      f'{_SIZES} bytes, {_CHAIN} in a row; an in-place add and a fresh fill '
-      f'of {_HBM_BYTES >> 20} MiB; a 1F1B step of an [8, 8] layer at 4 and '
-      '16 microbatches on 1 and 2 ranks; ZeRO-3 gathers of the stage over 2 '
-      'devices; the one-rank step in process 0 alone')
+      'apart and the embedding, head and loss at '
+      f'{" and ".join(map(str, _FACTOR_ROWS))}, the blocks in a 2-rank 1F1B '
+      f'and GPipe step at {_FACTOR_ROWS[-1]} (2 devices or more); the '
+      'one-rank step split over 2 devices as tensor at '
+      f'{", ".join(map(str, _TENSOR_ROWS))}; psum, all_gather, psum_scatter, '
+      f'ppermute at {", ".join(map(str, _SIZES))} bytes, {_CHAIN} in a row; '
+      f'an in-place add and a fresh fill of {_HBM_BYTES >> 20} MiB; a 1F1B '
+      'step of an [8, 8] layer at 4 and 16 microbatches on 1 and 2 ranks; '
+      'ZeRO-3 gathers of the stage over 2 devices; the one-rank step in '
+      'process 0 alone')
 
 
 def measure_profile(spec: ModelSpec, devices: Sequence, *,
