@@ -110,7 +110,9 @@ TICK_WORKING = {'nothing': {0: 0.45, 1: 0.45, 3: 0.4},
 # GPT at the CLI's sizes on 2 devices holds 1.25-1.5 of a layer's
 # 'everything' in the backward over 4 layers then (1F1B m=4, 8), 0.7-1.0
 # otherwise (GPipe m=4, 8, fused; ZB-H1 m=4 with ``w_recompute``), against
-# 0.3 + 4 x 0.45 = 2.1 counted with ``TICK_WORKING``.
+# 0.3 + 4 x 0.45 = 2.1 counted with ``TICK_WORKING``. Not with ZeRO-3,
+# whose per-stage share (its gathers take the peak's place) was not measured
+# on the GPT.
 TICK_WORKING_SPLIT_NOTHING = {True: 0.3, False: 0.15}
 # With ``w_recompute`` (under 'nothing' and 'dots') the ``W`` of a stage
 # holds this share of *one layer's* ``kept`` beyond what ``I`` holds at its
