@@ -267,7 +267,7 @@ def block_calls(spec: ModelSpec, device) -> list[tuple[Callable, int]]:
   """``(call, k)`` of the one-rank step's program (a stage of ``_slots``
   layers) on ``device`` at each of ``_ROWS`` sequences per microbatch, ``k``
   calls a sample: at least ``_ROWS[3]`` sequences of work (one call of 10
-  ms varies by +-20% with another process on the cores). ``_block_rates``
+  ms varies by +-20% with another process on the cores). ``_blocks_and_head``
   times them, and ``planner.measure`` again beside the candidates' steps."""
   blocks = _stage_blocks(spec, (device,))
   return [(blocks.plain(_microbatch(spec, r)), max(1, _ROWS[3] // r))
@@ -293,75 +293,76 @@ def block_rates(spec: ModelSpec, seconds: Sequence[float]
                for r, s in zip(_ROWS, seconds))
 
 
-def _block_rates(spec: ModelSpec, device,
-                 repeats: int) -> tuple[tuple[float, float], ...]:
-  """``block_rates`` of ``block_calls`` in ``repeats`` ``_rounds``."""
-  return block_rates(spec, _rounds(block_calls(spec, device), repeats))
-
-
-def _kinds_and_head(spec: ModelSpec, device, repeats: int
-                    ) -> tuple[tuple, tuple, tuple]:
-  """``(kind_factors, head_seconds, policy_factors)`` at ``_FACTOR_ROWS``
-  sequences: the pipeline's ``F``, ``I``, ``W``, fused ``B`` and ``R`` (``W``
-  under ``w_recompute``), each its own program as the tick scan runs it,
-  in seconds per second of the one-rank program (on a CPU ``I`` holds the
-  backward's non-matmul work, and each block pays its own program's fixed
-  costs); the GPT's embedding, head and loss, forward and backward, in
-  seconds (none for a model that is not a GPT); the one-rank program under
-  each of ``POLICY_FACTORS`` in seconds per second of it under ``'dots'``.
-  In rounds over all of them, as the block rates."""
+def _blocks_and_head(spec: ModelSpec, device, repeats: int
+                     ) -> tuple[tuple, tuple, tuple, tuple]:
+  """``(block_rates, kind_factors, head_seconds, policy_factors)``, all from
+  one run of ``repeats`` rounds (a machine's speed drifts by 10-15% within
+  one calibration: a ratio holds where its two parts are timed side by
+  side):
+  ``block_calls``' rates; at ``_FACTOR_ROWS`` sequences the pipeline's
+  ``F``, ``I``, ``W``, fused ``B`` and ``R`` (``W`` under ``w_recompute``),
+  each its own program as the tick scan runs it, in seconds per second of
+  the one-rank program (on a CPU ``I`` holds the backward's non-matmul
+  work, and each block pays its own program's fixed costs); the GPT's
+  embedding, head and loss, forward and backward, in seconds (none for a
+  model that is not a GPT); the one-rank program under each of
+  ``POLICY_FACTORS`` in seconds per second of it under ``'dots'``."""
   blocks = _stage_blocks(spec, (device,))
   f, i, w, b, again = blocks.kinds
   stage = _host_stage(spec)[1]
   plains = [_plain((device,), stage, policy) for policy in POLICY_FACTORS]
-  calls = []
+  calls = block_calls(spec, device)
   for r in _FACTOR_ROWS:
     k = max(1, _ROWS[3] // r)
     x = _global(blocks.mesh, _microbatch(spec, r))
     y, stash = f(blocks.params, x)
     _, kept = i(blocks.params, x, stash, y)
     ids = _global(blocks.mesh, np.zeros((r, spec.seq_len), np.int32))
-    calls += [(blocks.plain(_microbatch(spec, r)), k)] + [
-        (functools.partial(fn, blocks.params, *args), k)
-        for fn, args in ((f, (x,)), (i, (x, stash, y)),
-                         (w, (x, stash, y, kept)), (b, (x, stash, y)),
-                         (again, (x, stash, y)))] + [
+    calls += [(functools.partial(fn, blocks.params, *args), k)
+              for fn, args in ((f, (x,)), (i, (x, stash, y)),
+                               (w, (x, stash, y, kept)), (b, (x, stash, y)),
+                               (again, (x, stash, y)))] + [
         (functools.partial(blocks.head, blocks.ends, ids), k)] + [
         (plain(_microbatch(spec, r)), k) for plain in plains]
-  seconds = np.reshape(_rounds(calls, repeats), (len(_FACTOR_ROWS), -1))
+  seconds = _rounds(calls, repeats)
+  rates = block_rates(spec, seconds[:len(_ROWS)])
+  rows = np.reshape(seconds[len(_ROWS):], (len(_FACTOR_ROWS), -1))
   tokens = [float(r * spec.seq_len) for r in _FACTOR_ROWS]
-  factors = tuple((t, tuple(float(x / s[0]) for x in s[1:6]))
-                  for t, s in zip(tokens, seconds))
-  head = (tuple((t, float(s[6])) for t, s in zip(tokens, seconds))
+  plain = [seconds[_ROWS.index(r)] for r in _FACTOR_ROWS]
+  factors = tuple((t, tuple(float(x / p) for x in s[:5]))
+                  for t, p, s in zip(tokens, plain, rows))
+  head = (tuple((t, float(s[5])) for t, s in zip(tokens, rows))
           if spec.vocab_size > 1 else ())
-  policies = tuple((t, tuple(float(x / s[0]) for x in s[7:]))
-                   for t, s in zip(tokens, seconds))
-  return factors, head, policies
+  policies = tuple((t, tuple(float(x / p) for x in s[6:]))
+                   for t, p, s in zip(tokens, plain, rows))
+  return rates, factors, head, policies
 
 
 def _alone_speedup(spec: ModelSpec, device, repeats: int) -> float:
   """How much faster process 0 runs the one-rank program (``_FACTOR_ROWS[-1]``
   sequences) while the others wait in a collective, as a pipeline rank
   runs a block while its neighbour idles, than with all of them running it
-  (on a shared CPU host the waiting processes' cores join in: on 2 cores
-  ~1.45x); 1 with one process."""
+  (on a shared CPU host the waiting processes' cores join in: 1.6-1.95x
+  on 2 cores); 1 with one process. The median over ``3 * repeats`` rounds
+  of their ratio, the two timed one right after the other (a machine's
+  speed drifts by 10-15% within one calibration)."""
   if jax.process_count() == 1:
     return 1.0
   call = _stage_blocks(spec, (device,)).plain(
       _microbatch(spec, _FACTOR_ROWS[-1]))
-  together = _seconds(call, repeats=3 * repeats)
-  alone = []
+  ratios = []
   for _ in range(3 * repeats):   # warm and the median, as _rounds
+    together = _rounds([(call, 1)], 1)[0]
     multihost_utils.sync_global_devices('jaxpar.planner.alone')
     if jax.process_index() == 0:
       jax.block_until_ready(call())
       start = time.perf_counter()
       jax.block_until_ready(call())
-      alone.append(time.perf_counter() - start)
+      ratios.append(together / (time.perf_counter() - start))
     multihost_utils.sync_global_devices('jaxpar.planner.alone')
   # At most one core per process joins in: between 1 and the processes.
-  return float(np.clip(together / np.median(alone), 1.0,
-                       jax.process_count())) if alone else 1.0
+  return float(np.clip(np.median(ratios), 1.0,
+                       jax.process_count())) if ratios else 1.0
 
 
 def _tensor_shares(spec: ModelSpec, device, devices: Sequence,
@@ -519,8 +520,7 @@ def _in_step_factors(spec: ModelSpec, device, devices: Sequence,
 @functools.lru_cache(maxsize=8)
 def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
   device = _own_device(devices)
-  rates = _block_rates(spec, device, repeats)
-  factors, head, policies = _kinds_and_head(spec, device, repeats)
+  rates, factors, head, policies = _blocks_and_head(spec, device, repeats)
   alpha, beta = _links(devices, repeats) if len(devices) > 1 else (0.0, 1e30)
   hbm = _hbm_bandwidth(device, repeats)
   touch = _first_touch_bandwidth(device, repeats)
@@ -549,7 +549,8 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
                   block_rates=rates,
                   block_shares=(f / (f + i + w), i / (f + i + w),
                                 w / (f + i + w)),
-                  kind_factors=factors, head_seconds=head)
+                  kind_factors=factors, head_seconds=head,
+                  alone_speedup=alone)
   shares = _tensor_shares(spec, device, devices, probe, repeats)
   if shares:   # process 0's, as the rest
     shares = tuple(zip((t for t, _ in shares),
@@ -561,8 +562,7 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
       memory_bytes=_memory_bytes(device), node_devices=len(devices),
       tick_overhead=tick, microbatch_overhead=per_mb,
       kind_factors=factors, tensor_shares=shares, zero3_layer_seconds=zero3,
-      policy_factors=policies,
-      alone_speedup=alone, first_touch_bandwidth=touch,
+      policy_factors=policies, first_touch_bandwidth=touch,
       source=f'micro-benchmark on {len(devices)} {device.platform} devices: '
       f"a stage of {_slots(spec)} GPT blocks in the executor's one-rank "
       f"step at {', '.join(map(str, _ROWS))} sequences; its F, I, W and B "
