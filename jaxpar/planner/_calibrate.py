@@ -298,15 +298,15 @@ def _blocks_and_head(spec: ModelSpec, device, repeats: int
   """``(block_rates, kind_factors, head_seconds, policy_factors)``, all from
   one run of ``repeats`` rounds (a machine's speed drifts by 10-15% within
   one calibration: a ratio holds where its two parts are timed side by
-  side):
-  ``block_calls``' rates; at ``_FACTOR_ROWS`` sequences the pipeline's
-  ``F``, ``I``, ``W``, fused ``B`` and ``R`` (``W`` under ``w_recompute``),
-  each its own program as the tick scan runs it, in seconds per second of
-  the one-rank program (on a CPU ``I`` holds the backward's non-matmul
-  work, and each block pays its own program's fixed costs); the GPT's
-  embedding, head and loss, forward and backward, in seconds (none for a
-  model that is not a GPT); the one-rank program under each of
-  ``POLICY_FACTORS`` in seconds per second of it under ``'dots'``."""
+  side): ``block_calls``' rates; at ``_FACTOR_ROWS`` sequences the
+  pipeline's ``F``, ``I``, ``W``, fused ``B`` and ``R`` (``W`` under
+  ``w_recompute``), each its own program as the tick scan runs it, in
+  seconds per second of the one-rank program (on a CPU ``I`` holds the
+  backward's non-matmul work, and each block pays its own program's fixed
+  costs); the GPT's embedding, head and loss, forward and backward, in
+  seconds (none for a model that is not a GPT); the one-rank program under
+  each of ``POLICY_FACTORS`` in seconds per second of it under ``'dots'``.
+  """
   blocks = _stage_blocks(spec, (device,))
   f, i, w, b, again = blocks.kinds
   stage = _host_stage(spec)[1]
@@ -342,7 +342,7 @@ def _alone_speedup(spec: ModelSpec, device, repeats: int) -> float:
   """How much faster process 0 runs the one-rank program (``_FACTOR_ROWS[-1]``
   sequences) while the others wait in a collective, as a pipeline rank
   runs a block while its neighbour idles, than with all of them running it
-  (on a shared CPU host the waiting processes' cores join in: 1.6-1.95x
+  (on a shared CPU host the waiting processes' cores join in: 1.5-1.95x
   on 2 cores); 1 with one process. The median over ``3 * repeats`` rounds
   of their ratio, the two timed one right after the other (a machine's
   speed drifts by 10-15% within one calibration)."""
