@@ -31,7 +31,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 __all__ = ['KINDS', 'Collective', 'Unordered', 'collective_bytes',
-           'collective_counts', 'collectives', 'unordered_collectives']
+           'collective_counts', 'collectives', 'control_flow',
+           'unordered_collectives']
 
 KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'collective-permute',
          'all-to-all')
@@ -399,3 +400,48 @@ def unordered_collectives(program: Any) -> list[Unordered]:
         if name in loops and name not in ancestors[later.group('name')]:
           found.append(Unordered(computation, name, later.group('name')))
   return found
+
+
+def control_flow(program: Any, computation: str | None = None
+                 ) -> dict[str, int]:
+  """The program's data-dependent control flow: what XLA:GPU syncs on.
+
+  On XLA:GPU a ``while`` reads its predicate, and a ``conditional`` its
+  branch index, back to the host each time it runs, unless XLA records it
+  in a command buffer (``docs/executor.md``, "Cost on GPU"). A ``while``
+  with a ``known_trip_count`` (a ``lax.scan`` or ``fori_loop`` of static
+  length) is not counted.
+
+  Args:
+    program: a compiled program or its HLO text (see ``collectives``).
+    computation: count in this computation and what it runs (a loop's
+      body, say); default the entry computation: the whole program.
+
+  Returns:
+    ``{'while': n, 'conditional': n}``, each instruction once (an op in a
+    loop's body counts once however often the loop runs).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxpar
+    >>> gated = jax.jit(lambda p, x: jax.lax.cond(p, jnp.sin, jnp.cos, x))
+    >>> jaxpar.hlo.control_flow(gated.lower(True, 1.).compile())
+    {'while': 0, 'conditional': 1}
+  """
+  text = _hlo_text(program)
+  comps = _computations(text)
+  entry = re.search(r'^ENTRY\s+%?([\w.\-]+)', text, re.M)
+  counts, seen = {'while': 0, 'conditional': 0}, set()
+
+  def visit(name: str) -> None:
+    if name in seen:
+      return
+    seen.add(name)
+    for m in comps.get(name, ()):
+      op = m.group('op')
+      counts['while'] += (op == 'while'
+                          and 'known_trip_count' not in m.group('rest'))
+      counts['conditional'] += op == 'conditional'
+      for callee in _called(m):
+        visit(callee)
+  visit(computation or (entry.group(1) if entry else ''))
+  return counts

@@ -27,7 +27,7 @@ from jaxpar.pipeline import (PipelineGrads, StageVJP, pipeline_apply,
                              pipeline_apply_local, pipeline_value_and_grad,
                              pipeline_value_and_grad_local, ranks_to_stages,
                              stages_to_ranks, tick_table)
-from jaxpar.pipeline.executor import _tick_rows
+from jaxpar.pipeline.executor import _tick_rows, _tick_scan
 from jaxpar.train_state import cast_params
 from helpers import (D, MB, NAN, OUT, SCHEDULES, dropout_loss,
                      dropout_reference, dropout_stage, loss_fn, mesh_for,
@@ -635,42 +635,6 @@ def test_key_and_state_come_by_keyword():
 
 # ------------------------------------------- control flow of a tick
 
-_HEADER = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$')
-_CALLED = re.compile(r'(?:condition|body|to_apply|calls|true_computation|'
-                     r'false_computation)=%?([\w.\-]+)|'
-                     r'branch_computations=\{([^}]*)\}')
-
-
-def data_dependent_control_flow(text, body=None):
-  """``{'while': n, 'conditional': n}``: the loops without a known trip count
-  and the conditionals (each reads a predicate back on XLA:GPU), in
-  computation ``body`` and everything it calls (the whole program: None)."""
-  comps, name = {}, None
-  for line in text.splitlines():
-    header = _HEADER.match(line)
-    if header and not line.startswith(' '):
-      name = header.group(1)
-      comps[name] = []
-      if line.startswith('ENTRY') and body is None:
-        body = name
-    elif name:
-      comps[name].append(line)
-  counts, seen = {'while': 0, 'conditional': 0}, set()
-
-  def visit(name):
-    if name in seen:
-      return
-    seen.add(name)
-    for line in comps[name]:
-      counts['while'] += ' while(' in line and 'known_trip_count' not in line
-      counts['conditional'] += ' conditional(' in line
-      for one, many in _CALLED.findall(line):
-        for callee in [one] if one else many.split(','):
-          visit(callee.strip().lstrip('%'))
-  visit(body)
-  return counts
-
-
 def tick_body(text, num_ticks):
   """The body of the scan over ticks: the loop run ``num_ticks`` times."""
   loops = [line for line in text.splitlines() if ' while(' in line and
@@ -704,7 +668,7 @@ def test_a_training_tick_has_a_while_per_block_and_one_conditional(schedule):
   x = jnp.zeros((schedule.num_microbatches * 2, 8))
   text = jax.jit(step).lower(w, 1.0, x, x).compile().as_text()
   body = tick_body(text, table.num_ticks)
-  assert data_dependent_control_flow(text, body) == {
+  assert hlo.control_flow(text, body) == {
       'while': 3 if fused else 4, 'conditional': 1}
 
 
@@ -722,7 +686,7 @@ def test_a_bundle_is_one_ppermute_of_both_messages():
   x = jnp.zeros((18, 8))
   text = jax.jit(step).lower(jnp.zeros((2, 8, 8)), 1.0, x, x).compile(
       ).as_text()
-  assert data_dependent_control_flow(
+  assert hlo.control_flow(
       text, tick_body(text, table.num_ticks)) == {'while': 3,
                                                   'conditional': 1}
   one = 2 * 8 * 4   # a microbatch's activation: 2 rows of 8 float32
@@ -740,7 +704,29 @@ def test_one_rank_runs_no_ticks():
   x = jnp.zeros((8, 8))
   text = jax.jit(step).lower(jnp.zeros((2, 8, 8)), 1.0, x, x).compile(
       ).as_text()
-  assert data_dependent_control_flow(text) == {'while': 0, 'conditional': 0}
+  assert hlo.control_flow(text) == {'while': 0, 'conditional': 0}
+
+
+def test_while_command_buffers_are_refused_on_gpu(monkeypatch):
+  """With WHILE loops in XLA:GPU command buffers the blocks' zero-or-one-trip
+  whiles computed wrong values (H200, jax 0.11.2; ``bench --only
+  dispatch``): a GPU step with the flag raises, naming it; other backends,
+  other command types and no flag pass."""
+  check = _tick_scan.check_command_buffers
+  flag = '--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL'
+  with pytest.raises(ValueError, match=r'drop WHILE'):
+    check(f'--xla_dump_to=/tmp {flag}', 'gpu')
+  for flags, backend in ((flag, 'cpu'), ('', 'gpu'),
+                         ('--xla_gpu_enable_command_buffer=FUSION', 'gpu')):
+    check(flags, backend)
+  monkeypatch.setenv('XLA_FLAGS', flag)
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  step = pipeline_value_and_grad(tanh_stage, scaled_loss,
+                                 schedule=sch.one_f_one_b(2, 2),
+                                 mesh=mesh_for(2))
+  x = jnp.zeros((4, 8))
+  with pytest.raises(ValueError, match=r'\+WHILE'):
+    step(jnp.zeros((2, 8, 8)), 1.0, x, x)
 
 
 def scanned_stage(w, x):

@@ -110,6 +110,8 @@ mask.
 from __future__ import annotations
 
 import functools
+import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -171,6 +173,8 @@ def run(stage_fn: StageFn, loss_fn: LossFn | None, table: TickTable,
     return sequential(stage_fn, loss_fn, schedule, local_params, loss_params,
                       inputs, targets, options=options, embedding=embedding,
                       stage_state=stage_state, head_state=head_state)
+  check_command_buffers(os.environ.get('XLA_FLAGS', ''),
+                        jax.default_backend())
   training = loss_fn is not None
   axis = options.stage_axis
   # Every value the blocks touch varies over the pipeline axis and over
@@ -513,6 +517,26 @@ def _add_stage(acc: Accumulators, j: Any, dstage: PyTree) -> Accumulators:
   """``acc`` with ``dstage`` added to local stage ``j``'s gradient."""
   return acc._replace(stages=jax.tree.map(
       lambda g, d: g.at[j].add(like(d, g[j])), acc.stages, dstage))
+
+
+def check_command_buffers(xla_flags: str, backend: str) -> None:
+  """Raises where XLA:GPU would record the blocks' ``while`` loops in
+  command buffers: on an H200 with jax 0.11.2 such a zero-or-one-trip loop
+  returned wrong values (``python -m jaxpar bench --only dispatch`` with
+  ``XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL``: max
+  difference 0.41 and 0.51 from the ungated blocks, 0 without the flag;
+  docs/executor.md, "Cost on GPU").
+
+  Example:
+    >>> check_command_buffers('--xla_gpu_enable_command_buffer=+WHILE', 'cpu')
+  """
+  found = re.search(r'--xla_gpu_enable_command_buffer=(\S*)', xla_flags)
+  if backend == 'gpu' and found and 'WHILE' in found.group(1).upper():
+    raise ValueError(
+        f'XLA_FLAGS has {found.group(0)!r}: with WHILE loops in XLA:GPU '
+        'command buffers the pipeline\'s gated blocks computed wrong values '
+        '(docs/executor.md, "Cost on GPU"); drop WHILE from '
+        '--xla_gpu_enable_command_buffer before the process starts.')
 
 
 def when(pred: jax.Array, fn: Callable[[PyTree], PyTree],
