@@ -444,7 +444,7 @@ def work_bytes(spec: ModelSpec, layout: Layout,
       'recompute': recompute_bytes(spec, layout, shape)}
 
 
-def parked_grads(layout: Layout) -> bool:
+def parked_grads(spec: ModelSpec, layout: Layout) -> bool:
   """Whether XLA keeps the gradient accumulators in the output buffers of
   the new params: without ZeRO they have the params' leaves and the update
   writes each new leaf over its gradient (with ZeRO they are reduce-
@@ -455,10 +455,24 @@ def parked_grads(layout: Layout) -> bool:
   held 0.82-0.87 of its compiled peak parked, 0.94-1.01 not: measured,
   ``docs/planning.md``), nor with one stage rank split over ``tensor``
   (jaxpar's GPT at 1x1x2 ``'dots'``: the gradients of its layers are
-  ``[1, 1, layers, ...]`` temporaries in the XLA buffer report)."""
+  ``[1, 1, layers, ...]`` temporaries in the XLA buffer report), nor where
+  a rank holds more than two chunks of one layer each (interleaved
+  ``'dots'`` on 2 devices: the GPT's 8 layers at v=4, m=4 / 8 / 32, 0.965
+  / 0.961 / 0.904 of the compiled peak parked, 1.022 / 1.046 / 1.032 not;
+  16 layers at v=8, m=8, 0.938 and 1.027; the buffer report holds the
+  ``[4, 1, ...]`` gradient accumulators as temporaries. Two chunks of one
+  layer, 4 layers at v=2, and chunks of two layers, 16 at v=4, park:
+  1.005 and 1.018), nor with ``w_recompute`` on a rank of one chunk (the
+  GPT's ZB-H1 ``'dots'`` at the CLI's sizes, m=4 / 8 / 16 / 32: 0.994 /
+  0.986 / 0.944 / 0.946 parked, 1.044 / 1.064 / 1.047 / 1.074 not; its
+  buffer report holds ``[1, 4, ...]`` gradient-shaped temporaries)."""
+  one_layer_chunks = spec.num_layers == layout.num_stages
+  chunks = layout.stages_per_rank
   return not layout.zero_stage and layout.remat_policy not in (
-      'everything', 'nothing') and not (layout.stage == 1
-                                        and layout.tensor > 1)
+      'everything', 'nothing') and not (
+          layout.stage == 1 and layout.tensor > 1) and not (
+              one_layer_chunks and chunks > 2) and not (
+                  layout.w_recompute and chunks == 1)
 
 
 def memory(spec: ModelSpec, layout: Layout, *, batch: int,
@@ -481,7 +495,7 @@ def memory(spec: ModelSpec, layout: Layout, *, batch: int,
   stash = stash_bytes(spec, layout, shape)
   backward = parts['gathered'] + parts['logits'] + parts['recompute']
   update = parts['update'] - (stash if layout.stage == 1 else 0)
-  grads = 0 if parked_grads(layout) else parts['grads']
+  grads = 0 if parked_grads(spec, layout) else parts['grads']
   return Memory(int(params), int(opt), ids, stash, int(
       (grads + max(backward, update)) * (1 + MARGIN)),
                 int(params) + int(opt))
