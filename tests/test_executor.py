@@ -717,7 +717,8 @@ def test_while_command_buffers_are_refused_on_gpu(monkeypatch):
   with pytest.raises(ValueError, match=r'drop WHILE'):
     check(f'--xla_dump_to=/tmp {flag}', 'gpu')
   for flags, backend in ((flag, 'cpu'), ('', 'gpu'),
-                         ('--xla_gpu_enable_command_buffer=FUSION', 'gpu')):
+                         ('--xla_gpu_enable_command_buffer=FUSION', 'gpu'),
+                         ('--xla_gpu_enable_command_buffer=-WHILE', 'gpu')):
     check(flags, backend)
   monkeypatch.setenv('XLA_FLAGS', flag)
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')

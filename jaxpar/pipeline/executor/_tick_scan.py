@@ -531,7 +531,8 @@ def check_command_buffers(xla_flags: str, backend: str) -> None:
     >>> check_command_buffers('--xla_gpu_enable_command_buffer=+WHILE', 'cpu')
   """
   found = re.search(r'--xla_gpu_enable_command_buffer=(\S*)', xla_flags)
-  if backend == 'gpu' and found and 'WHILE' in found.group(1).upper():
+  kinds = found.group(1).upper().split(',') if found else []
+  if backend == 'gpu' and {'WHILE', '+WHILE'} & set(kinds):
     raise ValueError(
         f'XLA_FLAGS has {found.group(0)!r}: with WHILE loops in XLA:GPU '
         'command buffers the pipeline\'s gated blocks computed wrong values '
