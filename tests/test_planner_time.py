@@ -156,9 +156,10 @@ def test_measure_times_the_spread_and_the_runners_up():
 
 
 def test_fresh_buffers_cost_their_temporaries_and_outputs_at_the_measured_rate():
-  """``StepTime.alloc``: the candidate's stash, work and outputs (not its
+  """``StepTime.alloc``: a pipeline's stash, work and outputs (not its
   arguments) over ``Profile.first_touch_bandwidth``, in ``total``; none on
-  paper (0: a pooled allocator)."""
+  paper (0: a pooled allocator). Without a pipeline its outputs alone (the
+  one-rank program's timed rate pays its temporaries)."""
   spec = planner.ModelSpec.from_gpt(CONFIG)
   layout = planner.Layout(1, 2, 1, 'gpipe', 4)
   paper = planner.PROFILES['H100-SXM']
@@ -170,6 +171,10 @@ def test_fresh_buffers_cost_their_temporaries_and_outputs_at_the_measured_rate()
   assert plain.alloc == 0.0 and mem.fresh == fresh < mem.total
   assert timed.alloc == pytest.approx(fresh / 2.0**30, rel=1e-12)
   assert timed.total == pytest.approx(plain.total + timed.alloc, rel=1e-12)
+  one_rank = planner.Layout(2, 1, 1, 'one_f_one_b', 1)
+  outputs = planner.memory(spec, one_rank, batch=8).outputs
+  got = planner.step_time(spec, one_rank, batch=8, profile=cpu).alloc
+  assert got == pytest.approx(outputs / 2.0**30, rel=1e-12)
 
 
 def test_w_under_w_recompute_is_the_measured_r_or_i_plus_w():

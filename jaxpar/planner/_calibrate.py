@@ -9,7 +9,7 @@ machine, no constants fitted to another):
   microbatch: the FLOP/s reached at each (``Profile.block_rates``; on a
   CPU small microbatches run far below large ones);
 * **the pipeline's blocks**: the same stage's ``F``, ``I``, ``W`` and fused
-  ``B`` (``pipeline.StageVJP``) at 1 and 16 sequences, in seconds per
+  ``B`` (``pipeline.StageVJP``) at 1, 8 and 16 sequences, in seconds per
   second of the one-rank program (``Profile.kind_factors``): each its own
   program, and at 16 sequences, with 2 devices or more, as a 2-rank 1F1B
   and GPipe step's tick scan runs them (``_in_step``: the slot reads and
@@ -46,7 +46,7 @@ Example:
   >>> round(sum(profile.block_shares), 6)            # F, I, W
   1.0
   >>> [t for t, _ in profile.kind_factors], len(profile.head_seconds)
-  ([8.0, 128.0], 2)
+  ([8.0, 64.0, 128.0], 3)
   >>> profile.tensor_shares         # one device: not measured
   ()
   >>> profile.tick_overhead, profile.microbatch_overhead >= 0   # no pipeline
@@ -88,7 +88,12 @@ _SIZES = (2**12, 2**20, 2**23)   # bytes of the collective buffers timed
 _CHAIN = 8                       # collectives per timed program, in a row
 _ROWS = (1, 2, 4, 8, 16, 32)    # sequences per microbatch of the blocks timed
 _HBM_BYTES = 2**28              # the in-place add and the fill: 256 MiB
-_FACTOR_ROWS = (_ROWS[0], _ROWS[4])   # the blocks apart and the head
+# The blocks apart and the head. At 8 sequences too: on a CPU the one-rank
+# program runs 15-20% faster per FLOP there than at 16 or 32, but a
+# pipeline's blocks do not (their F + I + W read 1.08x it at 8, 0.98x at
+# 16), and interpolated between 1 and 16 they put the 8-sequence pipelines
+# 9-22% under their measured time (``docs/planning.md``, "0.17.3").
+_FACTOR_ROWS = (_ROWS[0], _ROWS[3], _ROWS[4])
 _TENSOR_ROWS = _ROWS[1::2]   # the stage split over tensor
 
 
@@ -567,7 +572,7 @@ def _measured(spec: ModelSpec, devices: tuple, repeats: int) -> Profile:
       f"a stage of {_slots(spec)} GPT blocks in the executor's one-rank "
       f"step at {', '.join(map(str, _ROWS))} sequences; its F, I, W and B "
       'apart and the embedding, head and loss at '
-      f'{" and ".join(map(str, _FACTOR_ROWS))}, the blocks in a 2-rank 1F1B '
+      f'{", ".join(map(str, _FACTOR_ROWS))}, the blocks in a 2-rank 1F1B '
       f'and GPipe step at {_FACTOR_ROWS[-1]} (2 devices or more); the '
       'one-rank step split over 2 devices as tensor at '
       f'{", ".join(map(str, _TENSOR_ROWS))}; psum, all_gather, psum_scatter, '

@@ -122,7 +122,7 @@ def _apply(ranked: list, work: dict, scale: dict, cap: float) -> list:
   """``ranked``'s candidates with the compiled ``work`` of their shape, or
   their temporaries scaled by their ``scale_group``'s ratio in ``scale``
   (1 without one; and the time to write them in, ``StepTime.alloc``, with
-  them)."""
+  them where it counts them: a pipeline's)."""
   out = []
   for c in ranked:
     key = shape_key(c.layout)
@@ -132,7 +132,8 @@ def _apply(ranked: list, work: dict, scale: dict, cap: float) -> list:
       temp = c.memory.stash + c.memory.work
       ratio = scale.get(scale_group(c.layout), 1.0)
       mem = c.memory.calibrated(ratio * temp - c.memory.stash)
-    alloc = c.time.alloc * mem.fresh / max(c.memory.fresh, 1)
+    alloc = (c.time.alloc * mem.fresh / max(c.memory.fresh, 1)
+             if c.layout.stage > 1 else c.time.alloc)
     out.append(c._replace(memory=mem, time=c.time._replace(alloc=alloc),
                           fits=mem.total <= cap, compiled=key in work))
   return out

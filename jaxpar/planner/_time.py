@@ -40,7 +40,8 @@ The step is its pipeline plus what runs around it, on a ``Profile``:
 * **update** -- the optimizer reading and writing params, gradients and
   state once each at the memory bandwidth;
 * **alloc** -- the step's temporaries and outputs (``memory``'s stash, work
-  and outputs) written into freshly allocated memory at
+  and outputs; without a pipeline its outputs alone: ``alloc_seconds``)
+  written into freshly allocated memory at
   ``Profile.first_touch_bandwidth`` (on a CPU every call faults their pages
   in: with 2 processes on 2 cores ~0.6 s per GiB, 1-10% of the GPT steps
   measured here; none on paper).
@@ -270,21 +271,30 @@ def lock_step(table: TickTable, blocks: dict, comm: float,
   return float(runs.max(axis=1).sum() + comm * sync.sum())
 
 
-def alloc_seconds(mem: Memory, profile: Profile) -> float:
-  """Seconds to write a step's fresh buffers (its temporaries and
-  outputs) at ``Profile.first_touch_bandwidth`` (0: not measured).
+def alloc_seconds(mem: Memory, profile: Profile, *,
+                  pipelined: bool = True) -> float:
+  """Seconds to write a step's fresh buffers at
+  ``Profile.first_touch_bandwidth`` (0: not measured): its temporaries and
+  outputs, or without a pipeline (``pipelined=False``) its outputs alone:
+  a stage rank without one runs the calibration's one-rank program per
+  microbatch, whose timed rate pays its temporaries already (counted twice,
+  they put the 1- and 2-microbatch data-parallel steps 17-25% over their
+  measured time; ``docs/planning.md``, "0.17.3").
 
-  Example (0.5 GiB of them at 2 GiB/s):
+  Example (0.5 GiB of them at 2 GiB/s, 0.125 GiB of it outputs):
     >>> from jaxpar.planner import PROFILES, Memory
     >>> from jaxpar.planner._time import alloc_seconds
     >>> mem = Memory(params=1, opt_state=2, batch=3, stash=2**28,
     ...              work=2**27, outputs=2**27)
     >>> cpu = PROFILES['H100-SXM']._replace(first_touch_bandwidth=2**31)
-    >>> alloc_seconds(mem, cpu), alloc_seconds(mem, PROFILES['H100-SXM'])
-    (0.25, 0.0)
+    >>> alloc_seconds(mem, cpu), alloc_seconds(mem, cpu, pipelined=False)
+    (0.25, 0.0625)
+    >>> alloc_seconds(mem, PROFILES['H100-SXM'])
+    0.0
   """
   rate = profile.first_touch_bandwidth
-  return mem.fresh / rate if rate else 0.0
+  fresh = mem.fresh if pipelined else mem.outputs
+  return fresh / rate if rate else 0.0
 
 
 def step_time(spec: ModelSpec, layout: Layout, *, batch: int,
@@ -310,5 +320,6 @@ def step_time(spec: ModelSpec, layout: Layout, *, batch: int,
   update = UPDATE_PASSES * view * spec.param_bytes / profile.hbm_bandwidth
   if mem is None and profile.first_touch_bandwidth:
     mem = memory(spec, layout, batch=batch)
-  alloc = alloc_seconds(mem, profile) if mem is not None else 0.0
+  alloc = (alloc_seconds(mem, profile, pipelined=layout.stage > 1)
+           if mem is not None else 0.0)
   return StepTime(pipeline, data, update, max(bubble, 0.0), blocks, alloc)
