@@ -179,7 +179,7 @@ def timeline(step: Callable[..., Any], *args: Any, steps: int = 3,
     ...     step, np.ones((2, 8, 8), np.float32) / 8, 0., np.ones((4, 8)),
     ...     np.zeros((4, 8)), steps=2)
     >>> timeline.start.shape      # [steps, ticks, ranks]
-    (2, 6, 2)
+    (2, 8, 2)
     >>> t = timeline.totals()[0]
     >>> bool(abs(t.compute + t.messages + t.waiting + t.overhead + t.outside
     ...          - t.wall) < 1e-9)

@@ -309,21 +309,19 @@ def _topological(blocks: Blocks) -> list[int] | None:
 
 
 def layout(schedule: Schedule, message_cost: float) -> _Packing:
-  """The packed blocks of ``schedule``: fused ``B``'s unless that is slower
-  than the schedule as written, then split; and with each rank's messages
-  over an offset sent ``BUNDLE`` at a time where that scores better
-  (``_score``: lock-step time plus ``message_cost`` per tick with
-  messages; module doc)."""
-  fused = _pack(_blocks(schedule, fuse=True), message_cost)
-  fuse = (not any(a is not None and a.kind == 'B'
-                  for row in schedule.actions for a in row)
-          or fused.time <= schedule.simulate().makespan)
-  best = fused if fuse else _pack(_blocks(schedule, fuse=False), message_cost)
-  if message_cost == 0:   # holding a message only ever delays
-    return best
-  held = _blocks(schedule, fuse=fuse, bundle=BUNDLE)
-  if max(held.carrier, default=-1) >= 0 and _topological(held) is not None:
-    bundled = _pack(held, message_cost)
-    if _score(bundled, message_cost)[0] < _score(best, message_cost)[0]:
-      return bundled
-  return best
+  """The packed blocks of ``schedule`` with the least ``_score`` (lock-step
+  time plus ``message_cost`` per tick with messages; module doc): each
+  ``B`` fused or split into ``I`` and ``W``, and each rank's messages over an
+  offset sent one or ``BUNDLE`` at a time. On a tie the fused blocks win (no
+  weight stash), then single messages."""
+  has_b = any(a is not None and a.kind == 'B'
+              for row in schedule.actions for a in row)
+  candidates = []
+  for fuse in (True, False) if has_b else (True,):
+    candidates.append(_pack(_blocks(schedule, fuse=fuse), message_cost))
+    if message_cost == 0:   # holding a message only ever delays
+      continue
+    held = _blocks(schedule, fuse=fuse, bundle=BUNDLE)
+    if max(held.carrier, default=-1) >= 0 and _topological(held) is not None:
+      candidates.append(_pack(held, message_cost))
+  return min(candidates, key=lambda k: _score(k, message_cost)[0])

@@ -34,7 +34,8 @@ the same tick as another rank's and share its ``ppermute``); it finishes
 each try by plain list scheduling and keeps the one with the least
 lock-step time plus ``message_cost`` (``tick_table``'s keyword, in ``F``'s)
 per tick with messages. Interleaved 1F1B,
-p = 2, m = 4 (plain list scheduling pairs ``B`` with ``F``: 32)::
+p = 2, m = 4, laid out with fused ``B``'s (plain list scheduling pairs ``B``
+with ``F``: 32)::
 
   rank 0: FFF.FFBFBFBFB.BBBB        lock-step 27 = simulate's
   rank 1: .FFFBFBFBFBFBFBBB.        (one tick pairs B with F)
@@ -48,22 +49,29 @@ sends travels with one of rank 1's (10 ticks with messages instead of 14)::
 ZB-H1, p = 2, m = 12, takes one tick more than with messages free (38, not
 37) for 10 fewer ticks with messages (13, not 23): 1F1B's layout.
 
-**Fused or split.** A schedule with ``B`` actions is laid out twice: each
-``B`` as one ``B`` block, and each ``B`` as an ``I`` and then a ``W``. The
-fused table is kept when its lock-step time is at most
+**Fused or split.** A schedule with ``B`` actions is laid out with each
+``B`` as one ``B`` block and with each ``B`` as an ``I`` and then a ``W``;
+the table with the lower score is kept (on a tie the fused one: it needs no
+weight stash). The split ``I`` sends its cotangent when it ends, a tick
+before ``B`` would, so a split table's lock-step time never exceeds
 ``Schedule.simulate``'s (costs ``F = 1, B = 2``: the schedule as written);
-else the split one, which never exceeds it (its ``I`` sends the cotangent
-when it ends, a tick before ``B`` would). GPipe and interleaved 1F1B run
-fused, 1F1B and DualPipeV split. In 1F1B's steady state rank ``r`` runs a
-backward while its neighbours run a forward (their order and the one-tick
-message delay fix that), so a fused ``B`` would stretch every tick to two
-units (p = 4, m = 8: 39 against 33); split, the early cotangent even beats
-the schedule as written (30)::
+a fused one wins where it needs fewer ticks with messages. GPipe, 1F1B and
+DualPipeV mostly run split, interleaved 1F1B at p = 4 fused. In 1F1B's
+steady state rank ``r`` runs a backward while its neighbours run a forward
+(their order and the one-tick message delay fix that), so a fused ``B``
+would stretch every tick to two units (p = 4, m = 8: 39 against 33);
+split, the early cotangent even beats the schedule as written (30), and
+GPipe's drain shortens by a tick::
 
   GPipe p=2 m=3, fused:  rank 0: FFF..BBB       lock-step 12 = simulate's
                          rank 1: .FFFBBB.
+  GPipe p=2 m=3, split:  rank 0: FFF..IWIWIW    lock-step 11, the table
+                         rank 1: .FFFIWIWIW.
   1F1B p=2 m=3, split:   rank 0: F.FIWFIW.IW    lock-step 11, simulate's 12
                          rank 1: .FIWFIWFIW.
+
+On two CPU processes (``bench --only real_parallel``, pinned) GPipe split
+ran at 0.98-1.00x 1F1B's speed, fused (with held messages) at 0.87-0.92x.
 
 The lookahead is bounded (``_LOOKAHEAD`` blocks placed by its tries per
 table): past it, each tick runs every ready block.
@@ -73,17 +81,16 @@ rank's next message over the same offset, both in one ``ppermute`` (a
 message costs a wake-up of the other process, whatever its size). The table
 tries each rank's sends in pairs (``_tick_packing.BUNDLE``: every other
 message held until the next one) and keeps that layout when its lock-step
-time plus ``message_cost`` per tick with messages is lower. Only GPipe wins
-(at ``message_cost = 0.5``, over every constructor at p = 2-4, m = 2-16:
-p = 2 from m = 8, p = 3 at m = 14 and 16), and forward-only tables whose
-forwards are GPipe's (GPipe, 1F1B, ZB-H1; p = 2 from m = 6, p = 3 from
-m = 10, p = 4 from m = 14): a forward phase sends only forwards and a
-backward phase only backwards, so no two ranks' sends share a tick.
-GPipe, p = 2, m = 12: 12 ticks with messages instead of 24 for one
-more tick of ``F`` and one of ``B`` (lock-step 42, not 39)::
+time plus ``message_cost`` per tick with messages is lower. At the default
+``message_cost`` only forward-only tables whose forwards are GPipe's win
+(GPipe, 1F1B, ZB-H1; p = 2 from m = 10, and GPipe's training table from
+m = 14): a forward phase sends only forwards and a backward phase only
+backwards, so no two ranks' sends share a tick. Where a message costs a
+forward (``message_cost=1``), GPipe, p = 2, m = 12 sends in 12 ticks
+instead of 24 for three more ticks (lock-step 41, not 38)::
 
-  rank 0: FFFFFFFFFFFF....BBBBBBBBBBBB      F0 held, F1 sends F0 and F1, ...
-  rank 1: ..FFFFFFFFFFFFBBBBBBBBBBBB..      B0 held, B1 sends both, ...
+  rank 0: FFFFFFFFFFFF.....IWIWIWIWIWIWIWIWIWIWIWIW     F0 held, F1 sends both
+  rank 1: ..FFFFFFFFFFFFIWIWIWIWIWIWIWIWIWIWIWIW...     I0 held, I1 sends both
 
 Buffers (per rank, slots reused through a free list, so the slot counts equal
 the peak number of live entries):
@@ -127,9 +134,10 @@ IDLE, F, B, I, W = 0, 1, 2, 3, 4
 KIND_CODES = {'F': F, 'B': B, 'I': I, 'W': W}
 KIND_NAMES = '.FBIW'
 # What a tick with messages costs the packing, in forwards (``F = 1``): on 2
-# CPU processes over gloo one message took 0.1-0.2 F unpinned and 0.8-1.3 F
-# pinned (a 4-layer gelu stage's F: 1.96 ms; docs/benchmarks.md).
-MESSAGE_COST = 0.5
+# CPU processes over gloo, one compute thread each, one message took
+# 0.11-0.26 F (0.25-1.03 ms against a 4-layer stage's F of 1.9-4.1 ms;
+# ``bench --only real_parallel``'s ``one message`` rows, docs/benchmarks.md).
+MESSAGE_COST = 0.25
 
 
 class TickTable(NamedTuple):
@@ -212,11 +220,13 @@ class TickTable(NamedTuple):
     ones) travels over offset ``k`` in tick ``t``; ``False`` for ``0``, a
     local hand-off.
 
-    Example (GPipe, p = 2, m = 8: its 16 messages leave in pairs):
+    Example (GPipe, p = 2, m = 8: its 16 messages leave in pairs where a
+    message costs a forward):
       >>> import jaxpar
-      >>> table = jaxpar.pipeline.tick_table(jaxpar.pipeline.gpipe(2, 8))
+      >>> table = jaxpar.pipeline.tick_table(jaxpar.pipeline.gpipe(2, 8),
+      ...                                    message_cost=1)
       >>> table.offsets, table.sends.shape, int(table.sends.sum())
-      ((0, 1), (20, 2), 8)
+      ((0, 1), (29, 2), 8)
       >>> table.num_hold_slots, table.message_ticks
       (1, 8)
     """
@@ -257,8 +267,10 @@ class TickTable(NamedTuple):
       >>> import jaxpar
       >>> from jaxpar.pipeline import tick_table
       >>> s = jaxpar.pipeline.gpipe(4, 8)
-      >>> tick_table(s).makespan(), s.simulate().makespan   # (m + p - 1)(F + B)
-      (33.0, 33.0)
+      >>> s.simulate().makespan   # (m + p - 1)(F + B)
+      33.0
+      >>> tick_table(s).makespan()   # each I sends a tick early
+      30.0
     """
     cost = check_costs(costs)
     table = np.array([0.0] + [cost[k] for k in KIND_NAMES[1:]])
@@ -272,8 +284,8 @@ class TickTable(NamedTuple):
       >>> import jaxpar
       >>> from jaxpar.pipeline import tick_table
       >>> print(tick_table(jaxpar.pipeline.gpipe(2, 3)).render())
-      rank 0: FFF..BBB
-      rank 1: .FFFBBB.
+      rank 0: FFF..IWIWIW
+      rank 1: .FFFIWIWIW.
     """
     return '\n'.join(f'rank {r}: ' + ''.join(KIND_NAMES[k] for k in row)
                      for r, row in enumerate(self.kind.T))
@@ -335,15 +347,16 @@ def tick_table(schedule: Schedule, *, forward_only: bool = False,
     forward_only: keep only the ``F`` actions (inference with
       ``pipeline_apply``); their order is the schedule's.
     message_cost: what a tick with messages between ranks costs the packing,
-      in forwards (``F = 1, B = 2``), ``>= 0``; ``MESSAGE_COST`` (0.5) is
-      between what a message took on two CPU processes over gloo unpinned
-      (0.1-0.2) and pinned (0.8-1.3). ``0``: the shortest lock-step time.
+      in forwards (``F = 1, B = 2``), ``>= 0``; ``MESSAGE_COST`` (0.25) is
+      about what a message took on two CPU processes over gloo, pinned or
+      not (0.11-0.26). ``0``: the shortest lock-step time.
 
   Returns:
     A ``TickTable``: int32 ``[ticks, ranks]`` tables of blocks and
     buffer slots plus the buffer sizes. The stash and mailbox sizes follow
     the schedule: ``O(p)`` for 1F1B, ``O(m)`` for GPipe (which may hold
-    messages back to send them in pairs: ``num_hold_slots``). Its
+    messages back to send them in pairs where they cost more:
+    ``num_hold_slots``). Its
     ``makespan(comm=message_cost)`` is at most that of the table before
     like-with-like packing (every ``B`` as ``I`` then ``W``, plain list
     scheduling), and with ``message_cost=0`` its ``makespan()`` is at most
@@ -359,7 +372,7 @@ def tick_table(schedule: Schedule, *, forward_only: bool = False,
     >>> import jaxpar
     >>> table = jaxpar.pipeline.tick_table(jaxpar.pipeline.gpipe(4, 8))
     >>> table.kind.shape, table.num_stash_slots, table.offsets
-    ((22, 4), 8, (0, 1, 3))
+    ((30, 4), 8, (0, 1, 3))
   """
   if not isinstance(schedule, Schedule):
     raise TypeError(f'tick_table expects a jaxpar.pipeline.Schedule, got '
