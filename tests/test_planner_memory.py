@@ -20,6 +20,7 @@ process has 8. With ``--random K`` it prints those of ``K`` candidates drawn
 at random instead (``random_ratios``).
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -37,7 +38,7 @@ import jaxpar
 import llama
 from jaxpar import planner
 from jaxpar.models import gpt
-from jaxpar.planner import Layout, _compile, _memory
+from jaxpar.planner import Layout, _compile, _layout, _memory
 
 # Four layers: logical stages of one and of two layers.
 CONFIG = gpt.GPTConfig(vocab_size=32, seq_len=16, d_model=32, num_heads=4,
@@ -60,13 +61,12 @@ def _kept_bytes(spec, layout, batch):
 
 
 def test_a_fused_backward_keeps_nothing_for_w():
-  """GPipe and interleaved 1F1B run ``B`` fused: their stash is their stash
+  """Interleaved 1F1B at p = 4 runs ``B`` fused: its stash is its stash
   slots and messages alone; ZB-H1 adds its weight slots' ``kept``, which
   ``w_recompute`` empties."""
-  for name, v in (('gpipe', 1), ('interleaved_one_f_one_b', 2)):
-    x = Layout(1, 2, 1, name, 4, virtual_stages=v)
-    table = jaxpar.pipeline.tick_table(x.schedule())
-    assert table.num_weight_slots == 0
+  x = Layout(1, 4, 1, 'interleaved_one_f_one_b', 8, virtual_stages=2)
+  table = jaxpar.pipeline.tick_table(x.schedule())
+  assert table.num_weight_slots == 0 and _memory._runs_fused(x)
   zb = Layout(1, 2, 1, 'zero_bubble_h1', 4)
   slots = jaxpar.pipeline.tick_table(zb.schedule()).num_weight_slots
   shape = _memory.shapes(SPEC, zb, BATCH)
@@ -95,10 +95,12 @@ def test_one_stash_slot_is_read_in_place_by_a_split_backward():
   everything = LLAMA.stash_of('everything').per_device(1)
   assert per_token(1, False)[0] == pytest.approx(_memory.WORKING * everything,
                                                  rel=1e-6)
-  # A fused B (GPipe, m=1: one slot) reads the slot into a buffer of its
-  # own all the same: layer by layer in a model cut by from_nnx, the whole
-  # slot where the executor stores the stash split.
-  gpipe = Layout(1, 2, 1, 'gpipe', 1, 0, 'everything')
+  # A fused B reads the slot into a buffer of its own all the same: layer
+  # by layer in a model cut by from_nnx, the whole slot where the executor
+  # stores the stash split.
+  gpipe = Layout(1, 4, 1, 'interleaved_one_f_one_b', 8, 0, 'everything',
+                 virtual_stages=2)
+  assert _memory._runs_fused(gpipe)
   shape = _memory.shapes(LLAMA, gpipe, 64)
   extra = _memory.TICK_WORKING['everything'][0] * shape.slots
   for spec, copied in ((LLAMA._replace(stash_split=False), extra),
@@ -138,17 +140,22 @@ def test_gpts_stash_counts_are_what_its_stage_saves(mlp_ratio):
   assert saved == {p: spec.stash_per_device(p, 1) for p in saved}
 
 
-def test_gpts_fused_backward_under_everything_copies_the_whole_slot():
+def test_gpts_fused_backward_under_everything_copies_the_whole_slot(
+    monkeypatch):
   """jaxpar's GPT stores its stash split (``stash_split``); under
-  'everything' its fused ``B`` (GPipe at m=2; 1F1B's table at m=2 runs
-  it so too) reads the whole stash slot into a buffer of its own:
-  predicted within 5% under and 15% over the compiled step (0.84 with the
-  Llama's per-layer share of the slot)."""
+  'everything' its fused ``B`` (GPipe at m=2 laid out with fused ``B``'s:
+  ``tick_table(..., backward='fused')`` in the trainer and the model)
+  reads the whole stash slot into a buffer of its own: predicted within 5%
+  under and 15% over the compiled step (0.84 with the Llama's per-layer
+  share of the slot)."""
+  fused = functools.partial(jaxpar.pipeline.tick_table, backward='fused')
+  monkeypatch.setattr(jaxpar.parallel._config, 'tick_table', fused)
+  monkeypatch.setattr(_memory, 'tick_table',
+                      lambda key: fused(_layout._schedule(*key)))
   src = planner._source.source(CONFIG, blocks='', embed=None,
                                head_loss=None, inputs=None)
   x = Layout(1, 2, 1, 'gpipe', 2, 0, 'everything')
-  assert _memory._runs_fused(x) and _memory._runs_fused(
-      x._replace(schedule_name='one_f_one_b'))
+  assert _memory._runs_fused(x)
   compiled = _compile.step_bytes(src, jax.devices()[:2], x,
                                  optax.adam(1e-3), BATCH)
   predicted = _memory.memory(src.spec, x, batch=BATCH).total

@@ -214,6 +214,24 @@ def test_fused_or_split_whichever_scores_lower(name, p, m, fused, time,
                                                                simulated)
 
 
+def test_backward_fused_or_split_on_request():
+  gpipe = sch.gpipe(2, 3)
+  fused = tick_table(gpipe, backward='fused')
+  assert fused.render() == 'rank 0: FFF..BBB\nrank 1: .FFFBBB.'
+  assert (fused.makespan(), fused.num_weight_slots) == (12, 0)
+  split = tick_table(gpipe, backward='split')
+  assert split.render() == tick_table(gpipe).render()
+  assert (split.makespan(), split.num_weight_slots) == (11, 1)
+  assert len(replay(fused)) == 2 * 3 * 2 and len(replay(split)) == 2 * 3 * 3
+  interleaved = sch.interleaved_one_f_one_b(4, 8, 2)
+  assert not (tick_table(interleaved, backward='split').kind == B).any()
+  # A schedule's own I and W stay apart.
+  assert (tick_table(sch.zero_bubble_h1(2, 4), backward='fused').kind
+          == I).any()
+  with pytest.raises(ValueError, match="backward='both'"):
+    tick_table(gpipe, backward='both')
+
+
 def test_like_with_like():
   # Fused interleaved 1F1B: B's share their ticks with B's (or idle ranks)
   # but for the first ticks of the steady state; plain list scheduling pairs

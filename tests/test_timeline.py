@@ -36,7 +36,7 @@ def _in_order(table):
 
 
 def test_measured_blocks_run_in_the_schedules_order():
-  # Two stages per rank (each B one block) and two devices per rank (a
+  # Two stages per rank (each B an I and a W) and two devices per rank (a
   # data axis): the timeline keeps each rank's first.
   schedule = pp.interleaved_one_f_one_b(2, 4, 2)
   mesh = jaxpar.make_mesh(stage=2, data=2, devices=jax.devices()[:4])
@@ -75,7 +75,7 @@ def test_measured_blocks_run_in_the_schedules_order():
     assert t.compute + t.messages + t.waiting + t.overhead + t.outside == (
         pytest.approx(t.wall, rel=1e-9))
     assert 0 <= t.bubble <= t.waiting and min(t[1:]) >= 0
-  assert set(timeline.costs()) == {'F', 'B'}
+  assert set(timeline.costs()) == {'F', 'I', 'W', 'B'}   # B = I + W
   assert timeline.message_seconds() > 0
   # After the timeline, the step compiles as before: no callback, same result.
   assert 'callback' not in step.lower(*args).as_text()
@@ -146,8 +146,10 @@ def test_totals_split_the_step_as_documented():
   assert timeline.message_seconds() == 2
   predicted = timeline.predicted()
   assert predicted['measured'] == 10 * ticks - 4
+  # (The table's split I sends before the schedule's B would end: its
+  # lock-step time may be below the schedule's simulated one.)
   assert predicted['lockstep'] == timeline.table.makespan(
-      timeline.costs(), 2) >= predicted['simulated'] > 0
+      timeline.costs(), 2) and predicted['simulated'] > 0
   assert 'rank' in timeline.summary() and '1F1B' in timeline.summary()
 
 

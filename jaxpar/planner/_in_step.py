@@ -9,7 +9,8 @@ a two-layer ``B`` 10% more (``docs/planning.md``, "0.11.0"), which put most
 pipelined steps 5-15% under their measured time.
 
 * ``in_step_costs``: the stage on 2 ranks in a 1F1B step (its ``F``, ``I``
-  and ``W``) and a GPipe step (its fused ``B``) under ``pipeline.timeline``:
+  and ``W``) and a GPipe step laid out with fused ``B``'s
+  (``tick_table(..., backward='fused')``) under ``pipeline.timeline``:
   each kind's mean compute seconds over the ticks in which both ranks run
   a block (a rank alone runs faster: ``Profile.alone_speedup``).
 * ``per_tick``: the scan's cost per tick besides its blocks, on a stage
@@ -47,8 +48,9 @@ from jaxpar.planner._timing import placed, seconds
 # Microbatches of the steps timed: 1F1B at p = 2 runs 2 of its 4 ``F`` and
 # every ``I`` and ``W`` beside the other rank's block; GPipe 6 of its 8.
 _MICROBATCHES = 4
-# The kinds each schedule's table runs (GPipe's ``B`` fused, 1F1B's split).
-_KINDS = ((pipeline.one_f_one_b, ('F', 'I', 'W')), (pipeline.gpipe, ('B',)))
+# The kinds each schedule's table runs, and how it runs ``B``.
+_KINDS = ((pipeline.one_f_one_b, ('F', 'I', 'W'), 'split'),
+          (pipeline.gpipe, ('B',), 'fused'))
 
 
 def _busy_means(timeline: pipeline.Timeline, kinds: Sequence[str]
@@ -85,11 +87,12 @@ def in_step_costs(stage_fn: Callable, stage: Any, devices: Sequence,
                         stage, specs)
   batch = placed(mesh, np.concatenate([x] * _MICROBATCHES))
   out = {}
-  for schedule, kinds in _KINDS:
+  for schedule, kinds, backward in _KINDS:
     local = functools.partial(
         pipeline.pipeline_value_and_grad_local, stage_fn,
         lambda _, y, t: jnp.mean(y * t), loss_params=(),
-        table=pipeline.tick_table(schedule(2, _MICROBATCHES)),
+        table=pipeline.tick_table(schedule(2, _MICROBATCHES),
+                                  backward=backward),
         input_grads=False)
     step = jax.jit(jax.shard_map(
         lambda w, xs: local(local_params=w, inputs=xs, targets=xs

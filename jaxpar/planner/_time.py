@@ -244,11 +244,11 @@ def lock_step(table: TickTable, blocks: dict, comm: float,
   lock-step time over-predicted 1F1B by 15% and 1F1B under ``w_recompute``
   by 37%; this, by 5% (``docs/planning.md``).
 
-  Example (GPipe on 2 ranks: of its 4 ticks, 2 have a rank idle; 1F1B, a
-  ``W`` twice an ``F``):
+  Example (GPipe on 2 ranks, ``B`` fused: of its 4 ticks, 2 have a rank
+  idle; 1F1B, a ``W`` twice an ``F``):
     >>> from jaxpar import pipeline
     >>> from jaxpar.planner._time import lock_step
-    >>> table = pipeline.tick_table(pipeline.gpipe(2, 1))
+    >>> table = pipeline.tick_table(pipeline.gpipe(2, 1), backward='fused')
     >>> table.render()
     'rank 0: F..B\\nrank 1: .FB.'
     >>> blocks = {'F': 1.0, 'I': 1.0, 'W': 1.0, 'B': 2.0}

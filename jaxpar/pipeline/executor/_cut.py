@@ -58,6 +58,7 @@ import jax.numpy as jnp
 
 from jaxpar.pipeline.executor import _jaxpr
 from jaxpar.pipeline.executor._microbatches import Row, read
+from jaxpar.vma import varying_axes
 
 is_var = _jaxpr.is_var
 
@@ -126,13 +127,41 @@ def _read(env: dict, v: Any) -> Any:
 
 
 def _run(items: Sequence[Item], env: dict) -> None:
-  """Runs ``items`` in order (under a trace), their outputs into ``env``."""
+  """Runs ``items`` in order (under a trace), their outputs into ``env``.
+
+  An item holding collectives reads its inputs after the previous such
+  item's outputs (``_after``): two halves of a cut scan may not depend on
+  each other, and XLA:CPU would run their loops of collectives side by side,
+  in a different order on each device (``jaxpar.hlo.unordered_collectives``).
+  """
+  last = []   # the outputs of the last item that communicates
   for item in items:
+    talks = _communicates([item])
+    scope = _after(item, env, last) if talks and last else env
     if isinstance(item, _ScanHalf):
-      item.run(env)
+      item.run(scope)
     else:
-      env.update(zip(item.outvars, _jaxpr.bind(
-          item, [read(_read(env, v)) for v in item.invars])))
+      scope.update(zip(item.outvars, _jaxpr.bind(
+          item, [read(_read(scope, v)) for v in item.invars])))
+    env.update((v, scope[v]) for v in item.outvars if is_var(v))
+    if talks:
+      last = [env[v] for v in item.outvars if is_var(v)]
+
+
+def _after(item: Item, env: dict, last: list) -> dict:
+  """``env`` with one of ``item``'s array inputs passed through an
+  ``optimization_barrier`` with one of ``last`` that varies over no more
+  mesh axes (the barrier's outputs vary over all of its operands' axes):
+  the input, so the item, exists only once ``last`` does."""
+  for v in dict.fromkeys(item.invars):
+    x = env.get(v) if is_var(v) else None
+    if x is None or isinstance(x, Row):
+      continue
+    y = next((y for y in last if varying_axes(y) <= varying_axes(x)), None)
+    if y is not None:
+      x, _ = jax.lax.optimization_barrier((x, y))
+      return {**env, v: x}
+  return env
 
 
 def _reads(items: Sequence[Item], targets: Iterable[Any] = ()) -> set:

@@ -160,7 +160,9 @@ class Timeline(NamedTuple):
     (``TickTable.makespan``: every tick lasts as long as its slowest rank,
     plus its messages) and ``measured`` (first tick's start to the last
     tick's messages, mean over the steps). ``lockstep - simulated`` is what
-    the lock-step costs with these block costs; ``measured - lockstep``
+    the lock-step costs with these block costs (negative where a split
+    ``I`` sends before the schedule's ``B`` would end); ``measured -
+    lockstep``
     the per-tick overhead and what varied from tick to tick."""
     costs, comm = self.costs(), self.message_seconds()
     return {'simulated': self.table.schedule.simulate(costs, comm).makespan,

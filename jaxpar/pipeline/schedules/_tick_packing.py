@@ -308,16 +308,20 @@ def _topological(blocks: Blocks) -> list[int] | None:
   return order if len(order) == len(preds) else None
 
 
-def layout(schedule: Schedule, message_cost: float) -> _Packing:
+def layout(schedule: Schedule, message_cost: float,
+           backward: str | None = None) -> _Packing:
   """The packed blocks of ``schedule`` with the least ``_score`` (lock-step
   time plus ``message_cost`` per tick with messages; module doc): each
-  ``B`` fused or split into ``I`` and ``W``, and each rank's messages over an
-  offset sent one or ``BUNDLE`` at a time. On a tie the fused blocks win (no
+  ``B`` fused or split into ``I`` and ``W`` (``backward``: ``'fused'``,
+  ``'split'``, ``None`` for either), and each rank's messages over an offset
+  sent one or ``BUNDLE`` at a time. On a tie the fused blocks win (no
   weight stash), then single messages."""
   has_b = any(a is not None and a.kind == 'B'
               for row in schedule.actions for a in row)
+  fuses = {'fused': (True,), 'split': (False,)}.get(
+      backward, (True, False) if has_b else (True,))
   candidates = []
-  for fuse in (True, False) if has_b else (True,):
+  for fuse in fuses:
     candidates.append(_pack(_blocks(schedule, fuse=fuse), message_cost))
     if message_cost == 0:   # holding a message only ever delays
       continue

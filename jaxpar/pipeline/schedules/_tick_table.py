@@ -138,6 +138,9 @@ KIND_NAMES = '.FBIW'
 # 0.11-0.26 F (0.25-1.03 ms against a 4-layer stage's F of 1.9-4.1 ms;
 # ``bench --only real_parallel``'s ``one message`` rows, docs/benchmarks.md).
 MESSAGE_COST = 0.25
+# ``tick_table``'s ``backward``: how a schedule's ``B`` runs (None: the
+# better packing of the two).
+BACKWARDS = (None, 'fused', 'split')
 
 
 class TickTable(NamedTuple):
@@ -338,8 +341,23 @@ def _allocate(intervals: Iterable[tuple[int, int, tuple]]) -> tuple[dict, int]:
   return slots, size
 
 
+def _check_packing(message_cost: float, backward: str | None) -> None:
+  """``tick_table``'s ``message_cost`` and ``backward``, or a ValueError."""
+  if (isinstance(message_cost, bool)
+      or not isinstance(message_cost, (int, float))
+      or not math.isfinite(message_cost) or message_cost < 0):
+    raise ValueError(f'tick_table: message_cost={message_cost!r} must be a '
+                     'finite number >= 0 (what a tick with messages costs, '
+                     'in forwards; 0: messages are free).')
+  if backward not in BACKWARDS:
+    raise ValueError(f'tick_table: backward={backward!r} is not one of '
+                     f'{BACKWARDS} (None: fused or split, whichever packs '
+                     'better).')
+
+
 def tick_table(schedule: Schedule, *, forward_only: bool = False,
-               message_cost: float = MESSAGE_COST) -> TickTable:
+               message_cost: float = MESSAGE_COST,
+               backward: str | None = None) -> TickTable:
   """The tick table of ``schedule``: what the pipeline executor runs.
 
   Args:
@@ -350,6 +368,10 @@ def tick_table(schedule: Schedule, *, forward_only: bool = False,
       in forwards (``F = 1, B = 2``), ``>= 0``; ``MESSAGE_COST`` (0.25) is
       about what a message took on two CPU processes over gloo, pinned or
       not (0.11-0.26). ``0``: the shortest lock-step time.
+    backward: how the table runs the schedule's ``B`` actions: ``'fused'``
+      (one ``B`` block), ``'split'`` (an ``I`` and then a ``W``) or ``None``,
+      whichever scores lower (module doc, "Fused or split"). A schedule's
+      own ``I`` and ``W`` actions stay as they are.
 
   Returns:
     A ``TickTable``: int32 ``[ticks, ranks]`` tables of blocks and
@@ -366,7 +388,7 @@ def tick_table(schedule: Schedule, *, forward_only: bool = False,
     TypeError: if ``schedule`` is not a ``Schedule``.
     ScheduleError: (a ``ValueError``) if the schedule is invalid.
     ValueError: if the ranks hold different numbers of stages, or for a
-      bad ``message_cost``.
+      bad ``message_cost`` or ``backward``.
 
   Example:
     >>> import jaxpar
@@ -382,14 +404,9 @@ def tick_table(schedule: Schedule, *, forward_only: bool = False,
     schedule = dataclasses.replace(schedule, actions=tuple(
         tuple(a for a in acts if a is not None and a.kind == 'F')
         for acts in schedule.actions))
-  if (isinstance(message_cost, bool)
-      or not isinstance(message_cost, (int, float))
-      or not math.isfinite(message_cost) or message_cost < 0):
-    raise ValueError(f'tick_table: message_cost={message_cost!r} must be a '
-                     'finite number >= 0 (what a tick with messages costs, '
-                     'in forwards; 0: messages are free).')
+  _check_packing(message_cost, backward)
   stages_of = local_stages(schedule)
-  packing = layout(schedule, float(message_cost))
+  packing = layout(schedule, float(message_cost), backward)
   blocks, ticks = packing.blocks, packing.tick
   slots, peaks, messages = _slots(schedule, blocks, ticks, not forward_only)
   offsets = tuple(sorted({(dst - src) % schedule.num_ranks
