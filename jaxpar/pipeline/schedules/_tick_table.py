@@ -70,8 +70,9 @@ GPipe's drain shortens by a tick::
   1F1B p=2 m=3, split:   rank 0: F.FIWFIW.IW    lock-step 11, simulate's 12
                          rank 1: .FIWFIWFIW.
 
-On two CPU processes (``bench --only real_parallel``, pinned) GPipe split
-ran at 0.98-1.00x 1F1B's speed, fused (with held messages) at 0.87-0.92x.
+On two pinned CPU processes (the ``real_parallel`` bench's model and sizes,
+GPipe alone against 1F1B) GPipe split ran at 0.98-1.00x 1F1B's speed, fused
+with held messages at 0.91-0.92x (docs/benchmarks.md, "GPipe split").
 
 The lookahead is bounded (``_LOOKAHEAD`` blocks placed by its tries per
 table): past it, each tick runs every ready block.
@@ -395,6 +396,10 @@ def tick_table(schedule: Schedule, *, forward_only: bool = False,
     >>> table = jaxpar.pipeline.tick_table(jaxpar.pipeline.gpipe(4, 8))
     >>> table.kind.shape, table.num_stash_slots, table.offsets
     ((30, 4), 8, (0, 1, 3))
+    >>> fused = jaxpar.pipeline.tick_table(jaxpar.pipeline.gpipe(4, 8),
+    ...                                    backward='fused')
+    >>> fused.kind.shape, fused.num_weight_slots, fused.makespan()
+    ((22, 4), 0, 33.0)
   """
   if not isinstance(schedule, Schedule):
     raise TypeError(f'tick_table expects a jaxpar.pipeline.Schedule, got '
