@@ -136,13 +136,24 @@ def fused(table, microbatches):
   return table._replace(**t)
 
 
-def test_a_table_mixing_b_with_i_and_w_is_exact(x64):
+TABLES = {   # tables of 2 ranks and 4 microbatches, and the blocks they run
+    'mixed': (lambda: fused(tick_table(sch.one_f_one_b(2, 4)), (0, 2)),
+              {_tick_rows.F, _tick_rows.B, _tick_rows.I, _tick_rows.W}),
+    'fused': (lambda: tick_table(sch.gpipe(2, 4), backward='fused'),
+              {_tick_rows.F, _tick_rows.B}),
+    'split': (lambda: tick_table(sch.gpipe(2, 4), backward='split'),
+              {_tick_rows.F, _tick_rows.I, _tick_rows.W})}
+
+
+@pytest.mark.parametrize('name', list(TABLES))
+def test_fused_split_and_mixed_tables_are_exact(x64, name):
   """``B`` blocks beside ``I`` and ``W`` ones (a schedule's ``B`` fused, its
-  ``I``/``W`` pairs apart), NaN in every bubble: the sequential model."""
-  schedule = sch.one_f_one_b(2, 4)
-  table = fused(tick_table(schedule), (0, 2))
-  kinds = set(np.unique(table.kind)) - {0}
-  assert kinds == {_tick_rows.F, _tick_rows.B, _tick_rows.I, _tick_rows.W}
+  ``I``/``W`` pairs apart), and GPipe's ``B`` as one block or as an ``I`` and
+  a ``W`` (``tick_table(..., backward=)``), NaN in every bubble: the
+  sequential model."""
+  build, kinds = TABLES[name]
+  table = build()
+  assert set(np.unique(table.kind)) - {0} == kinds
   args = model(2, 4 * MB)
   loss, grads = local_step(table, mesh_for(2), bubble_fill=NAN)(*args)
   grads = grads._replace(stages=jax.tree.map(lambda a: a[:, 0],
@@ -688,9 +699,9 @@ def test_a_bundle_is_one_ppermute_of_both_messages():
   x = jnp.zeros((30, 8))
   text = jax.jit(step).lower(jnp.zeros((2, 8, 8)), 1.0, x, x).compile(
       ).as_text()
-  blocks = 3 if (table.kind == _tick_rows.B).any() else 4
+  assert not (table.kind == _tick_rows.B).any()   # F, last F, I, W
   assert hlo.control_flow(
-      text, tick_body(text, table.num_ticks)) == {'while': blocks,
+      text, tick_body(text, table.num_ticks)) == {'while': 4,
                                                   'conditional': 1}
   one = 2 * 8 * 4   # a microbatch's activation: 2 rows of 8 float32
   assert sorted(c.bytes for c in hlo.collectives(text)

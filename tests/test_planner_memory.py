@@ -82,7 +82,8 @@ def test_one_stash_slot_is_read_in_place_by_a_split_backward():
   split it works on the stash in place: per token, ZB-H1's backward with
   ``w_recompute`` holds one stash slot (its layers' residuals and its
   input) more at m=2 than at m=1, and without ``w_recompute`` no
-  ``TICK_WORKING`` at m=1; GPipe's fused ``B`` at m=1 holds it."""
+  ``TICK_WORKING`` at m=1; a fused ``B`` (interleaved 1F1B at p = 4)
+  holds it."""
   def per_token(m, w_recompute):
     x = Layout(1, 2, 1, 'zero_bubble_h1', m, 0, 'everything',
                w_recompute=w_recompute)
@@ -98,14 +99,14 @@ def test_one_stash_slot_is_read_in_place_by_a_split_backward():
   # A fused B reads the slot into a buffer of its own all the same: layer
   # by layer in a model cut by from_nnx, the whole slot where the executor
   # stores the stash split.
-  gpipe = Layout(1, 4, 1, 'interleaved_one_f_one_b', 8, 0, 'everything',
+  fused = Layout(1, 4, 1, 'interleaved_one_f_one_b', 8, 0, 'everything',
                  virtual_stages=2)
-  assert _memory._runs_fused(gpipe)
-  shape = _memory.shapes(LLAMA, gpipe, 64)
+  assert _memory._runs_fused(fused)
+  shape = _memory.shapes(LLAMA, fused, 64)
   extra = _memory.TICK_WORKING['everything'][0] * shape.slots
   for spec, copied in ((LLAMA._replace(stash_split=False), extra),
                        (LLAMA, shape.slots)):
-    assert (_memory.recompute_bytes(spec, gpipe, shape)
+    assert (_memory.recompute_bytes(spec, fused, shape)
             / (shape.tokens * spec.act_bytes)) == pytest.approx(
                 (_memory.WORKING + copied) * everything, rel=1e-6)
 
