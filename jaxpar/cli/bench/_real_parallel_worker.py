@@ -3,11 +3,12 @@
 ``python -m jaxpar.cli.bench._real_parallel_worker CONFIG_JSON``, started by
 ``jaxpar.distributed.launch`` with one CPU device per process; the config
 holds ``measure``'s sizes and options, the ``cores`` and the ``out`` path.
-Each rank pins all its threads to ``config['cores'][rank]`` (unless
-``config['pinned']`` is false) and adds ``config['xla_flags']`` to
-``XLA_FLAGS`` before JAX starts its backend, joins the job (gloo), and times,
-in rotated turns within every
-repetition (round ``r`` starts with the ``r``-th step, so that no step always
+Each rank pins all its threads to ``config['cores'][rank]`` and adds
+``config['xla_flags']`` to ``XLA_FLAGS`` before JAX starts its backend (whose
+thread pool then has one thread: one compute thread per process), and with
+``config['pinned']`` false lets its threads run on all ``config['cores']``
+once the backend started. It joins the job (gloo) and times, in rotated
+rounds (round ``r`` starts with the ``r``-th step, so that no step always
 runs after the same one):
 
 * ``sequential``: rank 0 alone runs the ``m`` microbatches one after the
@@ -76,11 +77,11 @@ _LOSS_RTOL = 1e-4   # float32 losses of the same maths, summed in other orders
 _OUT_WIDTH = 8      # the loss head's output features
 
 
-def pin_process(core: int) -> None:
-  """Pins every thread of this process (and those it starts) to ``core``."""
+def pin_process(*cores: int) -> None:
+  """Pins every thread of this process (and those it starts) to ``cores``."""
   for tid in os.listdir('/proc/self/task'):
     try:
-      os.sched_setaffinity(int(tid), {core})
+      os.sched_setaffinity(int(tid), set(cores))
     except ProcessLookupError:  # the thread ended meanwhile
       pass
 
@@ -335,19 +336,20 @@ def _barrier() -> None:
 
 
 class Timing(NamedTuple):
-  """One step's medians on this rank (``None`` where it did not run)."""
-  seconds: float | None      # wall
-  cpu_seconds: float | None  # process CPU time, all threads
-  loss: float | None         # the last run's
+  """One step's timed rounds on this rank (empty where it did not run)."""
+  seconds: tuple[float, ...]      # wall, one per round
+  cpu_seconds: tuple[float, ...]  # process CPU time, all threads
+  loss: float | None              # the last run's
 
 
 def time_steps(steps: dict[str, Step], *, repeats: int, warmup: int
                ) -> dict[str, Timing]:
-  """Each step's ``Timing`` on this rank, steps in rotated turns.
+  """Each step's ``Timing`` on this rank: ``repeats`` rounds over the steps
+  after ``warmup`` untimed ones.
 
-  Every rank passes the same barriers; a step on one rank runs on rank 0
-  only (``None`` elsewhere). Round ``r`` runs the steps starting from the
-  ``r``-th (all ranks in the same order).
+  Round ``r`` runs the steps starting from the ``r``-th (all ranks in the
+  same order), so that no step always runs after the same one. Every rank
+  passes the same barriers; a step on one rank runs on rank 0 only.
   """
   me = jax.process_index()
   names = list(steps)
@@ -367,9 +369,20 @@ def time_steps(steps: dict[str, Step], *, repeats: int, warmup: int
           cpu[name].append(time.process_time() - start_cpu)
         losses[name] = float(loss)
   _barrier()
-  median = lambda xs: statistics.median(xs) if xs else None
-  return {name: Timing(median(wall[name]), median(cpu[name]),
-                       losses.get(name)) for name in steps}
+  return {name: Timing(tuple(wall[name]), tuple(cpu[name]), losses.get(name))
+          for name in steps}
+
+
+def paired(base: tuple[float, ...], times: tuple[float, ...]) -> float:
+  """The median over rounds of ``base[r] / times[r]``: one step's speed over
+  another's, each round's pair timed minutes apart at most (load that comes
+  and goes over a run falls on both alike).
+
+  Example:
+    >>> paired((2.0, 4.0, 2.2), (1.0, 2.0, 1.0))   # the load doubled once
+    2.0
+  """
+  return statistics.median(b / t for b, t in zip(base, times, strict=True))
 
 
 # The split of a step under a timeline (``jaxpar.pipeline.RankTotals``'
@@ -411,42 +424,47 @@ def rows(config: dict) -> list[dict]:
     if not np.isclose(loss, base.loss, rtol=_LOSS_RTOL):
       raise RuntimeError(f'real_parallel: {name} computed loss {loss}, '
                          f'{step.baseline} {base.loss}: not the same model.')
-    speedup = base.seconds / seconds
+    speedup = paired(base.seconds, seconds)
     out.append({'step': name, 'policy': step.policy, 'ranks': step.ranks,
                 'stages': step.stages, 'm': config['num_microbatches'],
                 'width': config['width'], 'microbatch': config['microbatch'],
                 'layers': config['layers'],
                 'variant': config.get('variant', 'tanh'),
-                'median_ms': 1e3 * seconds, 'cpu_ms': 1e3 * cpu_seconds,
+                'median_ms': 1e3 * statistics.median(seconds),
+                'cpu_ms': 1e3 * statistics.median(cpu_seconds),
                 'speedup': speedup, 'ideal': step.ideal,
                 'efficiency': speedup / step.ideal,
-                'cpu_ratio': cpu_seconds / base.cpu_seconds,
+                'cpu_ratio': 1 / paired(cpu_seconds, base.cpu_seconds),
                 'vs': step.baseline,
                 'cores': ','.join(map(str, config['cores'][:step.ranks])),
                 'messages': step.messages, 'pinned': config.get('pinned', True),
                 **split.get(name, {})})
-  return _relative(out, steps) + notes
+  return _relative(out, steps, timed) + notes
 
 
-def _relative(out: list[dict], steps: dict[str, Step]) -> list[dict]:
-  """Adds the measures the targets are set on: a pipeline's efficiency over DP's
-  (``eff_vs_dp``) and its speed over 1F1B's with the same stash policy
-  (``vs_1f1b``), and what its collectives cost at ``MESSAGE``'s time each
-  (``comm_ms``), where those rows exist."""
+def _relative(out: list[dict], steps: dict[str, Step],
+              timed: dict[str, Timing]) -> list[dict]:
+  """Adds the measures the targets are set on, each round's pair in turn
+  (``paired``): a pipeline's efficiency over DP's (``eff_vs_dp``) and its
+  speed over 1F1B's with the same stash policy (``vs_1f1b``); and what its
+  collectives cost at ``MESSAGE``'s time each (``comm_ms``), where those rows
+  exist."""
   by_name = {row['step']: row for row in out}
   dp, message = by_name.get(DATA_PARALLEL), by_name.get(MESSAGE)
   for row in out:
     if not steps[row['step']].policy:   # not a pipeline
       continue
+    seconds = timed[row['step']].seconds
     if message is not None:
       row['comm_ms'] = row['messages'] * (message['median_ms'] /
                                           message['messages'])
     if dp is not None:
-      row['eff_vs_dp'] = row['efficiency'] / dp['efficiency']
+      row['eff_vs_dp'] = (paired(timed[DATA_PARALLEL].seconds, seconds)
+                          * dp['ideal'] / row['ideal'])
     one_f_one_b = next((r for r in out if r['policy'] == row['policy'] and
                         r['step'].split(' [')[0] == '1F1B'), None)
     if one_f_one_b is not None:
-      row['vs_1f1b'] = row['speedup'] / one_f_one_b['speedup']
+      row['vs_1f1b'] = paired(timed[one_f_one_b['step']].seconds, seconds)
   return out
 
 
@@ -456,13 +474,16 @@ def main(argv: list[str]) -> int:
   rank = int(os.environ[distributed.ENV_PROCESS_ID])
   core = config['cores'][rank]
   pin = config.get('pinned', True)
-  if pin:
-    pin_process(core)   # before JAX starts its thread pools
+  # Pinned while JAX starts its thread pools: one compute thread each.
+  pin_process(core)
   if config.get('xla_flags'):   # read when the backend starts, below
     os.environ['XLA_FLAGS'] = ' '.join(
         [os.environ.get('XLA_FLAGS', ''), config['xla_flags']]).strip()
   jax.config.update('jax_platforms', 'cpu')  # cores, even on a GPU host
   distributed.initialize()
+  if not pin:   # the backend started: the OS may now place its threads
+    jax.devices()
+    pin_process(*config['cores'])
   result = rows(config)
   pinned = multihost_utils.process_allgather(
       np.array([_threads_pinned(core) or not pin]))

@@ -5,8 +5,12 @@ runs ``N`` processes (default 2) joined by ``jax.distributed`` with gloo
 collectives (``jaxpar.distributed.launch``), each with one CPU device and all
 its threads pinned to its own core (``os.sched_setaffinity``): real N-way
 parallel hardware with real communication. Each process computes on one
-thread (``ONE_THREAD``: XLA's intra-op pool would only add threads spinning
-on the same core); the ``_unpinned`` sections let the OS place the threads.
+thread (``ONE_THREAD``, and its backend started while pinned: XLA sizes its
+intra-op pool by the cores a process may use; more threads would only spin
+on the same core); the ``_unpinned`` sections then let the OS place the
+threads on all the ranks' cores (before 0.18.1 their backends started
+unpinned, with two compute threads each: ``one core, sequential`` ran on
+two).
 
 The model: ``L = 8`` residual layers ``x <- x + tanh(x @ w_k)`` (the
 ``gelu`` variant: ``x + gelu(x @ w_k)``), weights stacked ``[L, D, D]``, then
@@ -34,8 +38,10 @@ Sections of ``python -m jaxpar bench --only real_parallel``:
   ``data_parallel.trainer`` for the same model and batch (embed, the 4
   layers, head; Adam; ``m = 8`` microbatches accumulated by both).
 
-Rows, timed in rotated turns after a warm-up, each step started by all
-ranks together after a barrier (rank 0's median wall and CPU time):
+Rows, timed in rotated rounds after a warm-up, each step started by all
+ranks together after a barrier (rank 0's median wall and CPU time; every
+ratio below is the median over rounds of that round's ratio, so that load
+which comes and goes over a run falls on both steps of a ratio alike):
 
 * ``one core, sequential``: the same ``m`` microbatches one after the other
   on one pinned core (``lax.scan`` of ``value_and_grad`` of the whole model,
@@ -53,13 +59,15 @@ ranks together after a barrier (rank 0's median wall and CPU time):
   gloo between the pinned ranks (``median_ms`` is the 33 of them).
 
 Columns: ``speedup`` = baseline (``vs``: the sequential step) wall time /
-this time; ``ideal`` = total work / ``Schedule.simulate(costs).makespan``
+this time, paired by round; ``ideal`` = total work / ``Schedule.simulate(costs).makespan``
 with costs ``F=1, B=2, I=W=1`` (``N`` for data parallelism); ``efficiency``
-= speedup / ideal; ``cpu_ratio`` = this CPU time / the baseline's (rank 0's
+= speedup / ideal; ``cpu_ratio`` = this CPU time / the baseline's (paired; rank 0's
 process: with ``N > 1`` ranks it includes time spent waiting in gloo);
 ``policy`` the stash policy; ``cores`` the cores the ranks ran on; for
 pipelines, ``eff_vs_dp`` = efficiency / data parallelism's and ``vs_1f1b`` =
-speed-up / 1F1B's with the same policy (the targets: 1F1B and
+speed-up / 1F1B's with the same policy (each from the two steps' own
+rounds: DP's time / this time x DP's ideal / this ideal, 1F1B's time / this
+time) (the targets: 1F1B and
 ZB-H1 at ``eff_vs_dp >= 0.95``, ZB-H1 ``vs_1f1b >= 0.97``, GPipe ``>= 0.9``,
 interleaved and V within 10%); ``messages`` = the collectives over the
 pipeline axis in one step (``ppermute``s, the final ``psum``) and ``comm_ms`` = ``messages`` times one message's cost;
@@ -125,7 +133,7 @@ def measure(*, num_processes: int = 2, layers: int = 8, width: int = 512,
     width: ``D``, the features.
     microbatch: rows per microbatch.
     num_microbatches: ``m``; the batch is ``m * microbatch`` rows.
-    repeats: timed steps per row (the median is reported).
+    repeats: timed rounds (the medians are reported).
     warmup: untimed steps first (the first one compiles).
     timeout: seconds before all processes are killed (a ``failed`` row).
     variant: the layers, ``'tanh'`` or ``'gelu'``.
