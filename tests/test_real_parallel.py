@@ -90,7 +90,7 @@ def test_one_core_policies_and_stage1_rows():
   for row in rows:
     assert row['variant'] == 'gelu' and row['cpu_ms'] > 0
     assert row['pinned'] is False
-    assert row['cpu_ratio'] > 0   # paired by round: test_ratios_are_paired
+    assert row['cpu_ratio'] > 0   # paired by round: `worker.ratios`
 
 
 def test_ratios_are_paired_by_round():

@@ -410,6 +410,21 @@ def timeline_steps(steps: dict[str, Step], *, repeats: int
   return out
 
 
+def ratios(timing: Timing, base: Timing) -> tuple[float, float]:
+  """``(speedup, cpu_ratio)`` of a step against its baseline, each paired by
+  round: the baseline's wall time over the step's, the step's CPU time over
+  the baseline's.
+
+  Example:
+    >>> base, step = Timing((2.0, 4.0), (2.0, 4.0), 1.0), Timing(
+    ...     (1.0, 2.0), (3.0, 6.0), 1.0)
+    >>> ratios(step, base)
+    (2.0, 1.5)
+  """
+  return (paired(base.seconds, timing.seconds),
+          paired(timing.cpu_seconds, base.cpu_seconds))
+
+
 def rows(config: dict) -> list[dict]:
   """Rank 0's table rows, ``[]`` elsewhere (all ranks call it together)."""
   steps, notes = _steps(config)
@@ -424,7 +439,7 @@ def rows(config: dict) -> list[dict]:
     if not np.isclose(loss, base.loss, rtol=_LOSS_RTOL):
       raise RuntimeError(f'real_parallel: {name} computed loss {loss}, '
                          f'{step.baseline} {base.loss}: not the same model.')
-    speedup = paired(base.seconds, seconds)
+    speedup, cpu_ratio = ratios(timed[name], base)
     out.append({'step': name, 'policy': step.policy, 'ranks': step.ranks,
                 'stages': step.stages, 'm': config['num_microbatches'],
                 'width': config['width'], 'microbatch': config['microbatch'],
@@ -434,7 +449,7 @@ def rows(config: dict) -> list[dict]:
                 'cpu_ms': 1e3 * statistics.median(cpu_seconds),
                 'speedup': speedup, 'ideal': step.ideal,
                 'efficiency': speedup / step.ideal,
-                'cpu_ratio': 1 / paired(cpu_seconds, base.cpu_seconds),
+                'cpu_ratio': cpu_ratio,
                 'vs': step.baseline,
                 'cores': ','.join(map(str, config['cores'][:step.ranks])),
                 'messages': step.messages, 'pinned': config.get('pinned', True),
