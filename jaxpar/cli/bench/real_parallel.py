@@ -59,18 +59,18 @@ which comes and goes over a run falls on both steps of a ratio alike):
   gloo between the pinned ranks (``median_ms`` is the 33 of them).
 
 Columns: ``speedup`` = baseline (``vs``: the sequential step) wall time /
-this time, paired by round; ``ideal`` = total work / ``Schedule.simulate(costs).makespan``
+this time; ``ideal`` = total work / ``Schedule.simulate(costs).makespan``
 with costs ``F=1, B=2, I=W=1`` (``N`` for data parallelism); ``efficiency``
-= speedup / ideal; ``cpu_ratio`` = this CPU time / the baseline's (paired; rank 0's
+= speedup / ideal; ``cpu_ratio`` = this CPU time / the baseline's (rank 0's
 process: with ``N > 1`` ranks it includes time spent waiting in gloo);
 ``policy`` the stash policy; ``cores`` the cores the ranks ran on; for
-pipelines, ``eff_vs_dp`` = efficiency / data parallelism's and ``vs_1f1b`` =
-speed-up / 1F1B's with the same policy (each from the two steps' own
-rounds: DP's time / this time x DP's ideal / this ideal, 1F1B's time / this
-time) (the targets: 1F1B and
-ZB-H1 at ``eff_vs_dp >= 0.95``, ZB-H1 ``vs_1f1b >= 0.97``, GPipe ``>= 0.9``,
-interleaved and V within 10%); ``messages`` = the collectives over the
-pipeline axis in one step (``ppermute``s, the final ``psum``) and ``comm_ms`` = ``messages`` times one message's cost;
+pipelines, ``eff_vs_dp`` = efficiency / data parallelism's (DP's time /
+this time x DP's ideal / this ideal) and ``vs_1f1b`` = speed-up / 1F1B's
+with the same policy (1F1B's time / this time); the targets: 1F1B and ZB-H1
+at ``eff_vs_dp >= 0.95``, ZB-H1 ``vs_1f1b >= 0.97``, GPipe ``>= 0.9``,
+interleaved and V within 10%. ``messages`` = the collectives over the
+pipeline axis in one step (``ppermute``s, the final ``psum``) and
+``comm_ms`` = ``messages`` times one message's cost;
 ``pinned`` whether the threads were pinned. A pipeline run under a timeline
 adds where
 its time went, per step, mean over the ranks (``jaxpar.pipeline.Timeline``):
@@ -209,7 +209,7 @@ def measure(*, num_processes: int = 2, layers: int = 8, width: int = 512,
 def run(*, quick: bool) -> dict[str, list[dict]]:
   """The sections of the module doc (quick: smaller, fewer repeats)."""
   times = (dict(repeats=5, warmup=1, timeout=600) if quick else
-           dict(repeats=15, warmup=2))
+           dict(repeats=25, warmup=2))
   tanh = (dict(width=256, microbatch=64) if quick else
           dict(width=512, microbatch=128))
   gelu = dict(variant='gelu', width=384, microbatch=96,
