@@ -375,8 +375,8 @@ def time_steps(steps: dict[str, Step], *, repeats: int, warmup: int
 
 def paired(base: tuple[float, ...], times: tuple[float, ...]) -> float:
   """The median over rounds of ``base[r] / times[r]``: one step's speed over
-  another's, each round's pair timed minutes apart at most (load that comes
-  and goes over a run falls on both alike).
+  another's, each pair timed in the same round, seconds apart (load that
+  comes and goes over a run falls on both alike).
 
   Example:
     >>> paired((2.0, 4.0, 2.2), (1.0, 2.0, 1.0))   # the load doubled once
