@@ -108,7 +108,6 @@ def test_ratios_are_paired_by_round():
   # The medians (1F1B 2.0, GPipe 1.1, DP 1.0) would give 1.82 and 0.5 / 2.
   assert by_step['GPipe']['vs_1f1b'] == pytest.approx(1.0 / 1.1)
   assert by_step['1F1B']['eff_vs_dp'] == pytest.approx(0.9 * 1.0 / 2.0)
-  assert worker.paired((2.0, 4.0, 2.2), (1.0, 2.0, 1.0)) == 2.0
 
 
 def test_targets_side_by_side():
