@@ -39,7 +39,7 @@ from jaxpar.train_state import Trainer as Trainer
 from jaxpar.train_state import TrainState as TrainState
 from jaxpar.train_state import count_skipped as count_skipped
 
-__version__ = '0.18.1'
+__version__ = '0.18.2'
 
 __all__ = [
     'AsyncParameterServer', 'SkipCount', 'StepStats', 'TooManySkippedError',

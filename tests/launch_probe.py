@@ -1,7 +1,8 @@
 """A process for ``jaxpar.distributed.launch`` tests that starts instantly (no JAX).
 
 ``python -m launch_probe env DIR`` writes the ``JAXPAR_*`` variables it got to
-``DIR/<JAXPAR_PROCESS_ID>.json``; ``fail RANK``: process ``RANK`` exits with
+``DIR/<JAXPAR_PROCESS_ID>.json`` (and the cores it may run on, as
+``"cores"``); ``fail RANK``: process ``RANK`` exits with
 ``FAIL_CODE`` at once, the others sleep; ``sleep``: all sleep; ``stubborn
 DIR``: all write their pid to ``DIR/<JAXPAR_PROCESS_ID>.pid``, print a line
 and sleep, ignoring SIGTERM as a JAX worker of a ``jax.distributed`` job does
@@ -27,8 +28,9 @@ def main(argv: list[str]) -> int:
   mode, rank = argv[0], os.environ['JAXPAR_PROCESS_ID']
   if mode == 'env':
     with open(os.path.join(argv[1], f'{rank}.json'), 'w') as f:
-      json.dump({k: v for k, v in os.environ.items()
-                 if k.startswith('JAXPAR_')}, f)
+      json.dump({**{k: v for k, v in os.environ.items()
+                    if k.startswith('JAXPAR_')},
+                 'cores': sorted(os.sched_getaffinity(0))}, f)
     return 0
   if mode == 'fail' and rank == argv[1]:
     return FAIL_CODE

@@ -137,7 +137,27 @@ def test_launch_sets_the_environment(tmp_path, worker_path):
     env = json.loads((tmp_path / f'{i}.json').read_text())
     assert env == {'JAXPAR_COORDINATOR': '127.0.0.1:12345',
                    'JAXPAR_NUM_PROCESSES': '3', 'JAXPAR_PROCESS_ID': str(i),
-                   'JAXPAR_LOCAL_DEVICE_COUNT': '2'}
+                   'JAXPAR_LOCAL_DEVICE_COUNT': '2',
+                   'cores': sorted(os.sched_getaffinity(0))}
+
+
+def test_launch_runs_each_process_on_cores_of_its_own(tmp_path, worker_path,
+                                                      capfd):
+  """``cores_per_process=1`` (``--cores-per-process 1``): process ``i`` may
+  run on the ``i``-th usable core alone."""
+  usable = sorted(os.sched_getaffinity(0))
+  if len(usable) < 2:
+    pytest.skip(f'{len(usable)} usable core(s)')
+  code = distributed.launch(2, ['env', str(tmp_path)], module='launch_probe',
+                            timeout=60, cores_per_process=1)
+  assert code == 0
+  assert [json.loads((tmp_path / f'{i}.json').read_text())['cores']
+          for i in range(2)] == [[usable[0]], [usable[1]]]
+  with pytest.raises(SystemExit) as exit_:   # argparse's error, before any
+    cli.main(['launch', '-n', '2', '--cores-per-process', str(len(usable)),
+              '--', 'demo'])
+  assert exit_.value.code == 2
+  assert f'needs {2 * len(usable)} cores' in capfd.readouterr().err
 
 
 def test_launch_stops_the_others_when_one_fails(worker_path, capfd):
@@ -288,6 +308,8 @@ def test_launch_command_exit_status(monkeypatch, returned, status):
     (dict(port=70000), ValueError, 'port=70000'),
     (dict(timeout=0), ValueError, 'timeout=0'),
     (dict(grace=-1), ValueError, 'grace=-1'),
+    (dict(cores_per_process=0), ValueError, 'cores_per_process=0'),
+    (dict(cores_per_process=10_000), ValueError, 'needs 20000 cores'),
 ])
 def test_launch_errors(kwargs, error, match):
   args = dict(num_processes=2, argv=['demo'])

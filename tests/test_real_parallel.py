@@ -44,6 +44,7 @@ def test_end_to_end_two_pinned_processes():
   assert message['messages'] == 33 and message['speedup'] == 1
   for row in rows:
     assert row['median_ms'] > 0 and row['speedup'] > 0   # paired: below
+    assert row['p10_ms'] <= row['median_ms'] <= row['p90_ms']
     assert row['efficiency'] == pytest.approx(row['speedup'] / row['ideal'])
     assert (row['m'], row['width'], row['microbatch']) == (4, 32, 8)
     assert row['cores'] == ','.join(map(str, cores[:row['ranks']]))

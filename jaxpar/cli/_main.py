@@ -22,10 +22,14 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     parser.error(f'-n must be >= 1, got {args.num_processes}')
   if args.grace is not None and not 0 <= args.grace < float('inf'):
     parser.error(f'--grace must be >= 0 seconds, got {args.grace}')
-  code = distributed.launch(
-      args.num_processes, command, devices_per_process=args.devices_per_process,
-      port=args.port,
-      grace=distributed.GRACE_S if args.grace is None else args.grace)
+  try:
+    code = distributed.launch(
+        args.num_processes, command,
+        devices_per_process=args.devices_per_process, port=args.port,
+        grace=distributed.GRACE_S if args.grace is None else args.grace,
+        cores_per_process=args.cores_per_process)
+  except ValueError as e:   # e.g. more cores asked for than there are
+    parser.error(str(e))
   return code if code >= 0 else 128 - code   # killed by signal s: 128 + s
 
 
@@ -56,6 +60,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                       help='simulated CPU devices in each process')
   launch.add_argument('--port', type=int,
                       help='coordinator port (default: free)')
+  launch.add_argument('--cores-per-process', type=int,
+                      help='run process i on cores [i K, (i+1) K) of those '
+                      'usable (default: the OS places them)')
   launch.add_argument('--grace', type=float,
                       help='seconds between SIGTERM and SIGKILL when the '
                       f'processes are stopped (default {distributed.GRACE_S:g})')

@@ -25,6 +25,13 @@ The launcher owns its workers: none outlives it.
   Kubernetes, ``timeout``, Ctrl-C) stops the workers the same way, that
   signal first; ``launch`` returns ``-signum`` (the command line exits with
   ``128 + signum``).
+* **Own cores, on request.** With ``cores_per_process=k`` worker ``i`` runs
+  on cores ``[i k, (i + 1) k)`` of those the launcher may use
+  (``os.sched_setaffinity`` before exec, which keeps it): XLA sizes a CPU
+  process's thread pool by the cores it may use when its backend starts, so
+  N unpinned workers on one host each start a pool as wide as the host
+  (two compute threads per process on 2 cores in ``bench --only
+  real_parallel`` before 0.18.1).
 * **Every exit is named.** On a failure, a signal or a timeout, each worker's
   exit is one line ``--- process i exited with code c (...)`` on stderr with
   the tail of its output, the first failure first (at once, before the
@@ -66,8 +73,9 @@ _TAIL_LINES = 30   # lines of each worker's output in the report ...
 _TAIL_CHARS = 4000   # ... at most this many characters
 _FORWARDED = (signal.SIGTERM, signal.SIGINT)
 # What a worker's interpreter runs first (``_dies_with``; argv: the parent's
-# pid, then the command). prctl option 1 is PR_SET_PDEATHSIG; without ctypes
-# or prctl the worker runs all the same.
+# pid, the worker's cores (``0,1``; empty: any), then the command). prctl
+# option 1 is PR_SET_PDEATHSIG; without ctypes or prctl the worker runs all
+# the same.
 _DIE_WITH_PARENT = """\
 import os, signal, sys
 try:
@@ -78,7 +86,9 @@ except (ImportError, OSError, AttributeError):
   pass
 if os.getppid() != int(sys.argv[1]):
   os.kill(os.getpid(), signal.SIGKILL)
-os.execv(sys.argv[2], sys.argv[2:])
+if sys.argv[2]:
+  os.sched_setaffinity(0, [int(core) for core in sys.argv[2].split(',')])
+os.execv(sys.argv[3], sys.argv[3:])
 """
 
 
@@ -113,7 +123,8 @@ class _Caught:
 def launch(num_processes: int, argv: Sequence[str], *,
            devices_per_process: int | None = None, port: int | None = None,
            module: str = 'jaxpar', timeout: float | None = None,
-           grace: float = GRACE_S) -> int:
+           grace: float = GRACE_S,
+           cores_per_process: int | None = None) -> int:
   """Runs ``python -m <module> <argv...>`` as ``num_processes`` local processes.
 
   Process ``i`` gets ``JAXPAR_COORDINATOR=127.0.0.1:<port>``,
@@ -140,6 +151,10 @@ def launch(num_processes: int, argv: Sequence[str], *,
       is raised; ``None`` waits forever.
     grace: seconds between SIGTERM (or the signal forwarded) and SIGABRT
       when the workers are stopped.
+    cores_per_process: ``k``: process ``i`` runs on cores ``[i k, (i + 1)
+      k)`` of ``sorted(os.sched_getaffinity(0))`` (Linux), so that each
+      computes on cores of its own (module doc); ``None`` leaves placement
+      to the OS.
 
   Returns:
     The first non-zero exit code (a signal ``s`` gives ``-s``), ``-signum``
@@ -158,15 +173,16 @@ def launch(num_processes: int, argv: Sequence[str], *,
   """
   _check_launch(num_processes, argv, devices_per_process, port, timeout,
                 grace)
+  cores = _cores(num_processes, cores_per_process)
   port = free_port() if port is None else port
   what = f'{num_processes} processes of python -m {module} {" ".join(argv)}'
-  command = _dies_with(os.getpid(), [sys.executable, '-m', module, *argv])
+  command = [sys.executable, '-m', module, *argv]
   workers: list[_Worker] = []
   end = _Exit(None, 0)
   with _caught_signals() as caught:
     try:
       for i in range(num_processes):
-        workers.append(_start(i, command,
+        workers.append(_start(i, _dies_with(os.getpid(), command, cores[i]),
                               _process_env(i, num_processes, port,
                                            devices_per_process)))
       end = _wait(workers, timeout, caught)
@@ -198,13 +214,36 @@ def _check_launch(num_processes, argv, devices_per_process, port,
                      f'and SIGKILL), e.g. {GRACE_S}.')
 
 
-def _dies_with(parent: int, command: list[str]) -> list[str]:
-  """``command``, run so that it dies with process ``parent`` (Linux).
+def _cores(num_processes: int, cores_per_process: int | None
+           ) -> list[tuple[int, ...]]:
+  """Each process's cores (``launch``'s ``cores_per_process``; ``()``:
+  any)."""
+  if cores_per_process is None:
+    return [()] * num_processes
+  _check_int(cores_per_process, 'cores_per_process', 1)
+  if not hasattr(os, 'sched_setaffinity'):
+    raise ValueError(f'cores_per_process={cores_per_process} needs '
+                     'os.sched_setaffinity (Linux); pass None here.')
+  usable, k = sorted(os.sched_getaffinity(0)), cores_per_process
+  if len(usable) < num_processes * k:
+    raise ValueError(
+        f'cores_per_process={k} for {num_processes} processes needs '
+        f'{num_processes * k} cores; this process may use {len(usable)} '
+        f'({usable}): lower it, or pass None to let the OS place them.')
+  return [tuple(usable[i * k:(i + 1) * k]) for i in range(num_processes)]
+
+
+def _dies_with(parent: int, command: list[str],
+               cores: tuple[int, ...] = ()) -> list[str]:
+  """``command``, run so that it dies with process ``parent`` (Linux), on
+  ``cores`` (``()``: any).
 
   The worker's interpreter first asks the kernel for SIGKILL when its parent
   dies (``PR_SET_PDEATHSIG``, which exec keeps), kills itself if its parent
-  is no longer ``parent`` (it died before the request), then execs
-  ``command``: same pid, same command line. Elsewhere ``command`` as it is.
+  is no longer ``parent`` (it died before the request), pins itself to
+  ``cores`` (which exec keeps too), then execs ``command``: same pid, same
+  command line. Elsewhere ``command`` as it is (``_cores`` gives no cores
+  there).
 
   The kernel sends the signal when the *thread* that started the worker
   ends: ``launch`` starts them from the thread that called it and stops
@@ -213,7 +252,8 @@ def _dies_with(parent: int, command: list[str]) -> list[str]:
   """
   if not sys.platform.startswith('linux'):
     return command
-  return [sys.executable, '-S', '-c', _DIE_WITH_PARENT, str(parent), *command]
+  return [sys.executable, '-S', '-c', _DIE_WITH_PARENT, str(parent),
+          ','.join(map(str, cores)), *command]
 
 
 def _process_env(i: int, num_processes: int, port: int,

@@ -3,9 +3,10 @@
 ``python -m jaxpar.cli.bench._real_parallel_worker CONFIG_JSON``, started by
 ``jaxpar.distributed.launch`` with one CPU device per process; the config
 holds ``measure``'s sizes and options, the ``cores`` and the ``out`` path.
-Each rank pins all its threads to ``config['cores'][rank]`` and adds
-``config['xla_flags']`` to ``XLA_FLAGS`` before JAX starts its backend (whose
-thread pool then has one thread: one compute thread per process), and with
+Each rank starts on ``config['cores'][rank]`` alone (``launch``'s
+``cores_per_process=1``) and adds ``config['xla_flags']`` to ``XLA_FLAGS``
+before JAX starts its backend (whose thread pool then has one thread: one
+compute thread per process), and with
 ``config['pinned']`` false lets its threads run on all ``config['cores']``
 once the backend started. It joins the job (gloo) and times, in rotated
 rounds (round ``r`` starts with the ``r``-th step, so that no step always
@@ -446,6 +447,8 @@ def rows(config: dict) -> list[dict]:
                 'layers': config['layers'],
                 'variant': config.get('variant', 'tanh'),
                 'median_ms': 1e3 * statistics.median(seconds),
+                'p10_ms': 1e3 * float(np.percentile(seconds, 10)),
+                'p90_ms': 1e3 * float(np.percentile(seconds, 90)),
                 'cpu_ms': 1e3 * statistics.median(cpu_seconds),
                 'speedup': speedup, 'ideal': step.ideal,
                 'efficiency': speedup / step.ideal,
@@ -489,8 +492,8 @@ def main(argv: list[str]) -> int:
   rank = int(os.environ[distributed.ENV_PROCESS_ID])
   core = config['cores'][rank]
   pin = config.get('pinned', True)
-  # Pinned while JAX starts its thread pools: one compute thread each.
-  pin_process(core)
+  # launch started this rank on its core alone (cores_per_process=1): JAX
+  # starts its thread pools there, one compute thread each.
   if config.get('xla_flags'):   # read when the backend starts, below
     os.environ['XLA_FLAGS'] = ' '.join(
         [os.environ.get('XLA_FLAGS', ''), config['xla_flags']]).strip()

@@ -2,8 +2,8 @@
 
 Simulated devices that share cores measure total work only. This section
 runs ``N`` processes (default 2) joined by ``jax.distributed`` with gloo
-collectives (``jaxpar.distributed.launch``), each with one CPU device and all
-its threads pinned to its own core (``os.sched_setaffinity``): real N-way
+collectives (``jaxpar.distributed.launch`` with ``cores_per_process=1``),
+each with one CPU device and all its threads on its own core: real N-way
 parallel hardware with real communication. Each process computes on one
 thread (``ONE_THREAD``, and its backend started while pinned: XLA sizes its
 intra-op pool by the cores a process may use; more threads would only spin
@@ -61,7 +61,10 @@ which comes and goes over a run falls on both steps of a ratio alike):
 Columns: ``speedup`` = baseline (``vs``: the sequential step) wall time /
 this time; ``ideal`` = total work / ``Schedule.simulate(costs).makespan``
 with costs ``F=1, B=2, I=W=1`` (``N`` for data parallelism); ``efficiency``
-= speedup / ideal; ``cpu_ratio`` = this CPU time / the baseline's (rank 0's
+= speedup / ideal; ``p10_ms`` and ``p90_ms`` the 10th and 90th percentiles of
+the step's wall time over the rounds (the machine's noise: a target is met
+or missed by chance where it sits inside it); ``cpu_ratio`` = this CPU time
+/ the baseline's (rank 0's
 process: with ``N > 1`` ranks it includes time spent waiting in gloo);
 ``policy`` the stash policy; ``cores`` the cores the ranks ran on; for
 pipelines, ``eff_vs_dp`` = efficiency / data parallelism's (DP's time /
@@ -155,10 +158,10 @@ def measure(*, num_processes: int = 2, layers: int = 8, width: int = 512,
 
   Returns:
     Rows of ``step, policy, ranks, stages, m, width, microbatch, layers,
-    variant, median_ms, cpu_ms, speedup, ideal, efficiency, cpu_ratio, vs,
-    cores`` (pipelines: and ``eff_vs_dp``, ``vs_1f1b``; those under a
-    timeline: the split), all with ``pinned``; or one ``skipped``
-    / ``failed`` row with a ``note``.
+    variant, median_ms, p10_ms, p90_ms, cpu_ms, speedup, ideal, efficiency,
+    cpu_ratio, vs, cores`` (pipelines: and ``eff_vs_dp``, ``vs_1f1b``;
+    those under a timeline: the split), all with ``pinned``; or one
+    ``skipped`` / ``failed`` row with a ``note``.
 
   Raises:
     ValueError: a size that is not an int >= 1, ``timeout <= 0`` or an
@@ -196,7 +199,7 @@ def measure(*, num_processes: int = 2, layers: int = 8, width: int = 512,
     try:
       code = distributed.launch(num_processes, [json.dumps(config)],
                                 devices_per_process=1, module=WORKER,
-                                timeout=timeout)
+                                timeout=timeout, cores_per_process=1)
     except TimeoutError as e:
       return [{'step': 'failed', 'ranks': num_processes, 'note': str(e)}]
     if code != 0:
