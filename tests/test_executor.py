@@ -284,6 +284,7 @@ def compiled(step, num_stages, m, mb=4, width=32):
   return step.lower(*args).compile()
 
 
+@pytest.mark.xla_defaults   # reads compiled memory or HLO: conftest.py
 @pytest.mark.parametrize('name', ['1f1b', 'zb_h1', 'zero_bubble_v'])
 def test_memory_and_program_flat_in_m(name):
   """Fixed microbatch size, 8x the microbatches: same scratch, same program.
@@ -338,6 +339,7 @@ def test_the_result_is_summed_num_ranks_rows_at_a_time(name, p, m, training):
       assert (low.microbatch[done][at] == row).all() and at.any()
 
 
+@pytest.mark.xla_defaults   # reads compiled memory or HLO: conftest.py
 def test_apply_memory_flat_in_m():
   """The forward pass writes the last stage's outputs into its output too.
   (From m = 32 its table sends activations in pairs: a hold slot more.)"""
@@ -353,6 +355,7 @@ def test_apply_memory_flat_in_m():
   assert temps[1] <= 1.15 * temps[0]
 
 
+@pytest.mark.xla_defaults   # reads compiled memory or HLO: conftest.py
 def test_gpipe_by_autodiff_grows_with_m():
   """The contrast: AD through a scan stashes every iteration's activations."""
   p = 4
@@ -436,6 +439,7 @@ def test_apply_and_value_and_grad_have_the_step_shape():
     pipeline_apply(stage_fn, stages, schedule=schedule, mesh=mesh_for(p))
 
 
+@pytest.mark.xla_defaults   # reads compiled memory or HLO: conftest.py
 def test_gpt_3d_step_memory_flat_in_m():
   """parallel.trainer embeds per microbatch inside stage 0: nothing
   batch-sized in temp memory."""
@@ -571,6 +575,7 @@ def test_bf16_stash_holds_activations_not_cast_params():
              for a in residuals)
 
 
+@pytest.mark.xla_defaults   # reads compiled memory or HLO: conftest.py
 def test_bf16_messages_and_stashes_are_half_the_bytes():
   """The messages jaxpar emits are bf16 (half the bytes; XLA:CPU itself
   widens bf16 collectives to f32, GPUs send them as they are), the compiled
@@ -664,6 +669,7 @@ def scaled_loss(scale, y, t):
   return jnp.mean((scale * y - t) ** 2)
 
 
+@pytest.mark.xla_defaults   # reads compiled memory or HLO: conftest.py
 @pytest.mark.parametrize('schedule', [
     jaxpar.pipeline.one_f_one_b(4, 8), jaxpar.pipeline.zero_bubble_v(2, 4),
     jaxpar.pipeline.gpipe(2, 4)], ids=lambda s: s.name)
@@ -685,6 +691,7 @@ def test_a_training_tick_has_a_while_per_block_and_one_conditional(schedule):
       'while': 3 if fused else 4, 'conditional': 1}
 
 
+@pytest.mark.xla_defaults   # reads compiled memory or HLO: conftest.py
 def test_a_bundle_is_one_ppermute_of_both_messages():
   """GPipe p = 2, m = 15 holds every other message: a tick that sends a
   pair runs one collective-permute of both activations stacked, not two (the
@@ -708,6 +715,7 @@ def test_a_bundle_is_one_ppermute_of_both_messages():
                 if c.kind == 'collective-permute') == [one, 2 * one]
 
 
+@pytest.mark.xla_defaults   # reads compiled memory or HLO: conftest.py
 def test_one_rank_runs_no_ticks():
   """One stage rank is data parallelism: a scan over microbatches, nothing
   data-dependent."""
@@ -753,6 +761,7 @@ def matmul_loss(head, y, t):
   return jnp.mean((y @ head - t) ** 2)
 
 
+@pytest.mark.xla_defaults   # reads compiled memory or HLO: conftest.py
 def test_one_rank_remats_a_scanned_stage_layer_by_layer(x64):
   """One rank: the stash policy applies per layer of a scanned stage (not
   to the whole stage, whose backward would hold every layer's residuals
@@ -923,6 +932,7 @@ def test_embed_and_loss_state_are_the_sequential_loop(x64, name, p, m):
                 (want_loss, grads, want), rtol=1e-12, atol_scale='leaf')
 
 
+@pytest.mark.xla_defaults   # reads compiled memory or HLO: conftest.py
 def test_input_grads_off_holds_no_batch_sized_cotangent(x64):
   """``input_grads=False``: ``grads.inputs`` is None, the rest is bitwise
   the same, and the step holds less: no batch-sized output, less scratch
